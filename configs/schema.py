@@ -1,0 +1,158 @@
+"""The one configuration schema of precast.
+
+YAML files in this folder, the CLI's `--set` overrides and the Prefect UI form are all this model.
+Each stage receives only its own section, so a change to training settings never invalidates the
+text or latent caches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+CONFIG_DIR = Path(__file__).parent
+QUICKSTART = CONFIG_DIR / "quickstart.yaml"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StorageConfig(Section):
+    root: str = Field(
+        "precast-store",
+        description="fsspec URL of the store every stage reads and writes: a local path, "
+        "file://…, s3://bucket/prefix or gs://bucket/prefix.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec storage options for the root (e.g. {'endpoint_url': …} for an S3-compatible "
+        "service). Credentials belong in the environment, not here.",
+    )
+
+
+class SourceConfig(Section):
+    path: str = Field(..., description="Folder of images with sibling .txt captions (local path or fsspec URL).")
+    format: Literal["folder"] = Field("folder", description="Layout of the source.")
+
+
+class DatasetConfig(Section):
+    sources: list[SourceConfig] = Field(
+        default_factory=lambda: [SourceConfig(path="precast-demo/data")],
+        description="Where the training images and captions come from.",
+    )
+    shard_size: int = Field(256, ge=1, description="Samples per image shard (one encoding task per shard).")
+    min_side: int = Field(64, ge=1, description="Images whose shorter side is below this are quarantined.")
+    max_pixels: int = Field(
+        89_478_485, ge=1, description="Images with more pixels than this are quarantined (decompression bombs)."
+    )
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        "precast-demo/models/tiny-pixart-sigma",
+        description="Hub id or local folder in the PixArt-Sigma hub layout "
+        "(text_encoder/, tokenizer/, vae/, transformer/, scheduler/).",
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) when path is a hub id.")
+
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+class TextEncodingConfig(Section):
+    max_length: int = Field(300, ge=1, description="T5 token limit; longer captions are truncated (PixArt-Sigma: 300).")
+    dtype: Dtype = Field("bf16", description="Precision of the T5 encoder and of the stored embeddings.")
+    batch_tokens: int = Field(
+        16384, ge=1, description="Token budget of one encoder batch (captions are sorted by length first)."
+    )
+    device: str = Field("auto", description="Torch device for T5: auto, cpu, cuda, cuda:1, …")
+
+
+class LatentEncodingConfig(Section):
+    resolution: Literal[256, 512, 1024, 2048] = Field(
+        512, description="Base resolution; picks diffusers' PixArt aspect-ratio bucket table."
+    )
+    dtype: Dtype = Field("fp32", description="Precision of the VAE encoder.")
+    storage_dtype: Dtype = Field("fp16", description="Precision of the stored posterior mean and std.")
+    batch_size: int = Field(8, ge=1, description="Images per VAE call (one bucket per batch).")
+    device: str = Field("auto", description="Torch device for the VAE: auto, cpu, cuda, …")
+
+
+class TrainingConfig(Section):
+    method: Literal["lora"] = Field("lora", description="What is trained: a LoRA adapter on the transformer.")
+    rank: int = Field(32, ge=1, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha (the scale is alpha / rank).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
+        description="Transformer modules that get LoRA layers (attention q/k/v/out and feed-forward).",
+    )
+    steps: int = Field(1000, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(4, ge=1, description="Samples per step; a batch comes from one aspect-ratio bucket.")
+    learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate after warm-up.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    caption_dropout: float = Field(
+        0.1, ge=0, le=1, description="Probability of training on the empty caption (for classifier-free guidance)."
+    )
+    mixed_precision: Literal["no", "bf16"] = Field("no", description="Autocast precision of the forward pass.")
+    seed: int = Field(0, description="Seed of data order, noise and LoRA initialisation.")
+    sample_prompts: list[str] = Field(
+        default_factory=lambda: ["a red circle on a blue background"],
+        description="Prompts rendered into the run's sample grid (encoded by the text stage, not here).",
+    )
+    sample_steps: int = Field(20, ge=1, description="Denoising steps per sample image.")
+    guidance_scale: float = Field(4.5, ge=1, description="Classifier-free guidance scale of the samples.")
+    device: str = Field("auto", description="Torch device for training: auto, cpu, cuda, …")
+
+
+class ExecutionConfig(Section):
+    retries: int = Field(2, ge=0, description="Prefect retries of each stage task.")
+    retry_delay_seconds: float = Field(10, ge=0, description="Wait between retries.")
+    max_parallel_shards: int = Field(2, ge=1, description="Shards encoded at once within one flow run.")
+
+
+class PipelineConfig(Section):
+    storage: StorageConfig = Field(default_factory=StorageConfig, description="Where artifacts live.")
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig, description="Sources and ingest rules.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The PixArt model folder or hub id.")
+    text_encoding: TextEncodingConfig = Field(default_factory=TextEncodingConfig, description="T5 caching.")
+    latent_encoding: LatentEncodingConfig = Field(default_factory=LatentEncodingConfig, description="VAE caching.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="LoRA training.")
+    execution: ExecutionConfig = Field(default_factory=ExecutionConfig, description="Retries and parallelism.")
+
+    @field_validator("training")
+    @classmethod
+    def _warmup_within_steps(cls, training: TrainingConfig) -> TrainingConfig:
+        if training.warmup_steps > training.steps:
+            raise ValueError(f"warmup_steps ({training.warmup_steps}) exceeds steps ({training.steps})")
+        return training
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PipelineConfig:
+    """Read a YAML config (the quickstart when `path` is None) and apply `dotted.key=value` overrides.
+
+    Values in overrides are parsed as YAML, so `--set training.steps=10` gives an int and
+    `--set training.sample_prompts=[a,b]` a list.
+    """
+    source = Path(path) if path else QUICKSTART
+    raw = yaml.safe_load(source.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: top level must be a mapping of sections")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r}: expected dotted.key=value")
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {part} is not a section")
+        node[leaf] = yaml.safe_load(value)
+    return PipelineConfig.model_validate(raw)

@@ -1,0 +1,135 @@
+"""The `precast` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+DEMO_DIR = Path("precast-demo")
+STAGES = ["ingest", "encode-text", "encode-latents", "manifest", "train"]
+
+
+def _quiet_prefect() -> None:
+    # no network here or on most GPU nodes: never phone home
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def _print_result(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key}: {value}")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from configs.schema import load_config
+    from flows.demo_data import write_demo_data
+    from flows.tiny_models import write_tiny_models
+
+    config = load_config(None, args.set)
+    write_tiny_models(config.model.path)
+    for source in config.dataset.sources:
+        if not Path(source.path).exists():
+            write_demo_data(source.path, count=args.count)
+    result = _run_pipeline(config)
+    print(f"adapter: {result['adapter']}")
+    for sample in result["samples"]:
+        print(f"samples: {sample}")
+    print(f"loss: {result['first_loss']:.4f} at the start, {result['final_loss']:.4f} at the end")
+    return 0
+
+
+def _run_pipeline(config):
+    from flows.pipeline import pipeline
+
+    return pipeline(config=config)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from configs.schema import load_config
+
+    _print_result(_run_pipeline(load_config(args.config, args.set)), args.json)
+    return 0
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    from configs.schema import load_config
+    from flows.pipeline import stage
+
+    _print_result(stage(name=args.name, config=load_config(args.config, args.set)), args.json)
+    return 0
+
+
+def cmd_tiny_models(args: argparse.Namespace) -> int:
+    from flows.tiny_models import write_tiny_models
+
+    print(write_tiny_models(args.dir))
+    return 0
+
+
+def cmd_demo_data(args: argparse.Namespace) -> int:
+    from flows.demo_data import write_demo_data
+
+    print(write_demo_data(args.dir, count=args.count, seed=args.seed))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="precast", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(sub: argparse.ArgumentParser, required: bool = True) -> None:
+        if required:
+            sub.add_argument("config", help="YAML config (see configs/)")
+        sub.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a config field, e.g. --set training.steps=10 (repeatable)")
+
+    demo = commands.add_parser("demo", help="make tiny models and demo data, then run configs/quickstart.yaml")
+    with_config(demo, required=False)
+    demo.add_argument("--count", type=int, default=48, help="demo images to generate when missing")
+    demo.set_defaults(func=cmd_demo)
+
+    run = commands.add_parser("run", help="run the whole pipeline")
+    with_config(run)
+    run.add_argument("--json", action="store_true", help="print the output URLs as one JSON line")
+    run.set_defaults(func=cmd_run)
+
+    stage = commands.add_parser("stage", help="run one stage alone, inputs taken from the store")
+    stage.add_argument("name", choices=STAGES)
+    with_config(stage)
+    stage.add_argument("--json", action="store_true", help="print the stage's record as one JSON line")
+    stage.set_defaults(func=cmd_stage)
+
+    tiny = commands.add_parser("tiny-models", help="write tiny random PixArt-Sigma models in the hub layout")
+    tiny.add_argument("dir")
+    tiny.set_defaults(func=cmd_tiny_models)
+
+    data = commands.add_parser("demo-data", help="write a deterministic generated image+caption dataset")
+    data.add_argument("dir")
+    data.add_argument("--count", type=int, default=48)
+    data.add_argument("--seed", type=int, default=0)
+    data.set_defaults(func=cmd_demo_data)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_prefect()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
+        print(f"precast: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

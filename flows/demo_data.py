@@ -1,0 +1,83 @@
+"""A deterministic generated dataset: images of varied sizes and aspect ratios with captions.
+
+Each image is a coloured background with a few shapes; its caption describes them, from a few
+words to a long paragraph, so token lengths spread like a real caption set. The same `count` and
+`seed` always give the same bytes.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+COLORS = {
+    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 210), "yellow": (235, 210, 40),
+    "orange": (240, 140, 30), "purple": (140, 50, 170), "white": (245, 245, 245), "black": (15, 15, 15),
+    "gray": (128, 128, 128), "pink": (240, 150, 190), "cyan": (40, 200, 210), "brown": (120, 75, 40),
+}
+SHAPES = ["circle", "square", "triangle", "ring", "stripe"]
+# (width, height) pairs spanning the PixArt aspect-ratio tables, portrait to panorama
+SIZES = [(256, 256), (320, 240), (240, 320), (384, 216), (216, 384), (300, 300), (400, 200), (200, 400),
+         (352, 288), (288, 352), (512, 256), (256, 512), (330, 250)]
+STYLES = ["minimal geometric illustration", "soft studio lighting", "flat colour drawing", "abstract render"]
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], fill) -> None:
+    x0, y0, x1, y1 = box
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    elif shape == "triangle":
+        draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=fill)
+    elif shape == "ring":
+        draw.ellipse(box, outline=fill, width=max(2, (x1 - x0) // 8))
+    else:
+        draw.rectangle((x0, (y0 + y1) // 2 - 6, x1, (y0 + y1) // 2 + 6), fill=fill)
+
+
+def _caption(rng: random.Random, background: str, objects: list[tuple[str, str, str]]) -> str:
+    first = f"a {objects[0][0]} {objects[0][1]} on a {background} background"
+    length = rng.choice(["short", "short", "medium", "medium", "medium", "long"])
+    if length == "short":
+        return first
+    parts = [first] + [f"a {size} {color} {shape}" for color, shape, size in objects[1:]]
+    text = ", ".join(parts) + f", {rng.choice(STYLES)}"
+    if length == "long":
+        extra = [
+            f"the {color} {shape} is {size} and sits near the {rng.choice(['left', 'right', 'top', 'bottom'])}"
+            for color, shape, size in objects
+        ]
+        text += ". " + ". ".join(extra) + ". " + "The composition is simple and geometric, with " + \
+            f"{len(objects)} shapes over a {background} background, rendered in a {rng.choice(STYLES)}."
+    return text
+
+
+def write_demo_data(folder: str | Path, count: int = 48, seed: int = 0) -> Path:
+    """Write `count` images (PNG and JPEG) with sibling `.txt` captions into `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    names = list(COLORS)
+    for index in range(count):
+        width, height = SIZES[index % len(SIZES)]
+        background = rng.choice(names)
+        image = Image.new("RGB", (width, height), COLORS[background])
+        draw = ImageDraw.Draw(image)
+        objects = []
+        for _ in range(rng.randint(1, 4)):
+            color = rng.choice([n for n in names if n != background])
+            shape = rng.choice(SHAPES)
+            side = rng.randint(min(width, height) // 6, min(width, height) // 2)
+            x0, y0 = rng.randint(0, width - side), rng.randint(0, height - side)
+            _draw_shape(draw, shape, (x0, y0, x0 + side, y0 + side), COLORS[color])
+            objects.append((color, shape, "large" if side > min(width, height) // 3 else "small"))
+        stem = folder / f"{index:05d}"
+        if index % 3 == 2:
+            image.save(stem.with_suffix(".jpg"), quality=92)
+        else:
+            image.save(stem.with_suffix(".png"))
+        stem.with_suffix(".txt").write_text(_caption(rng, background, objects) + "\n", encoding="utf-8")
+    return folder

@@ -1,0 +1,53 @@
+"""The whole pipeline on one screen: ingest → encode text ∥ latents → manifest → train.
+
+Each stage is a retryable, content-cached Prefect task that exchanges URLs with the others, so a
+re-run over unchanged data is all cache hits and any stage can run on another node.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from prefect import flow
+
+from configs.schema import PipelineConfig
+from flows.stages import (
+    run_encode_latents, run_encode_text, run_ingest, run_manifest, run_train, stored_dataset, stored_manifest,
+)
+
+
+@flow(name="precast-pipeline", log_prints=True)
+def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
+    dataset = run_ingest(config)
+    text = run_encode_text(config, dataset)
+    latents = run_encode_latents(config, dataset)
+    manifest = run_manifest(config, dataset)
+    run = run_train(config, manifest)
+    return {
+        "dataset": dataset["url"],
+        "text_cache": text["url"],
+        "latent_cache": latents["url"],
+        "manifest": manifest["url"],
+        "run": run["run"],
+        "adapter": run["adapter"],
+        "samples": run["samples"],
+        "final_loss": run["final_loss"],
+        "first_loss": run["first_loss"],
+    }
+
+
+Stage = Literal["ingest", "encode-text", "encode-latents", "manifest", "train"]
+
+
+@flow(name="precast-stage", log_prints=True)
+def stage(name: Stage, config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
+    """One stage alone, its inputs taken from the store (the latest dataset of these sources)."""
+    if name == "ingest":
+        return run_ingest(config)
+    if name == "encode-text":
+        return run_encode_text(config, stored_dataset(config))
+    if name == "encode-latents":
+        return run_encode_latents(config, stored_dataset(config))
+    if name == "manifest":
+        return run_manifest(config, stored_dataset(config))
+    return run_train(config, stored_manifest(config))

@@ -1,0 +1,103 @@
+"""Shard formats: image shards (parquet), text and latent caches (safetensors).
+
+Text cache: only the real tokens of each caption, ragged — `embeddings` [total_tokens, dim] plus
+`offsets` [rows + 1]; the attention mask is implied by the length. Latent cache: the VAE
+posterior (mean and std) of each sample, one tensor per aspect-ratio bucket. Both are read
+memory-mapped through safetensors, a row at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+IMAGE_SHARD_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("image", pa.binary()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("captions", pa.list_(pa.string())),
+        ("source", pa.string()),
+    ]
+)
+
+
+def pack_image_shard(rows: list[dict[str, Any]]) -> bytes:
+    table = pa.Table.from_pylist(rows, schema=IMAGE_SHARD_SCHEMA)
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="zstd")
+    return buffer.getvalue()
+
+
+def read_image_shard(data: bytes, columns: list[str] | None = None) -> pa.Table:
+    return pq.read_table(io.BytesIO(data), columns=columns)
+
+
+def pack_ragged(
+    rows: dict[str, int], sequences: list[torch.Tensor], metadata: dict[str, Any]
+) -> bytes:
+    """Text cache shard: `sequences[i]` is [len_i, dim]; `rows` maps a key to its sequence index."""
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
+    offsets = torch.zeros(len(sequences) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    tensors = {"embeddings": torch.cat(sequences).contiguous(), "offsets": offsets}
+    return save(tensors, metadata={"rows": json.dumps(rows), "meta": json.dumps(metadata)})
+
+
+class RaggedShard:
+    """Reader of a text cache shard; `shard[key]` is the [length, dim] embedding of one caption."""
+
+    def __init__(self, path: str):
+        self._file = safe_open(path, framework="pt")
+        header = self._file.metadata()
+        self.rows: dict[str, int] = json.loads(header["rows"])
+        self.meta: dict[str, Any] = json.loads(header["meta"])
+        self.offsets = self._file.get_tensor("offsets")
+        self._embeddings = self._file.get_slice("embeddings")
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.rows
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        row = self.rows[key]
+        return self._embeddings[int(self.offsets[row]) : int(self.offsets[row + 1])]
+
+
+def bucket_name(height: int, width: int) -> str:
+    return f"{height}x{width}"
+
+
+def pack_latents(
+    buckets: dict[str, dict[str, torch.Tensor]], rows: dict[str, tuple[str, int]], metadata: dict[str, Any]
+) -> bytes:
+    """Latent cache shard: `buckets[name]` holds `mean` and `std` [n, C, h, w]; `rows` maps a
+    sample id to (bucket name, index)."""
+    tensors = {f"{part}/{name}": t.contiguous() for name, parts in buckets.items() for part, t in parts.items()}
+    return save(tensors, metadata={"rows": json.dumps(rows), "meta": json.dumps(metadata)})
+
+
+class LatentShard:
+    """Reader of a latent cache shard; `shard[sample_id]` is (mean, std), each [C, h, w]."""
+
+    def __init__(self, path: str):
+        self._file = safe_open(path, framework="pt")
+        header = self._file.metadata()
+        self.rows: dict[str, list] = json.loads(header["rows"])
+        self.meta: dict[str, Any] = json.loads(header["meta"])
+
+    def __contains__(self, sample_id: str) -> bool:
+        return sample_id in self.rows
+
+    def __getitem__(self, sample_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        bucket, index = self.rows[sample_id]
+        mean = self._file.get_slice(f"mean/{bucket}")[index]
+        std = self._file.get_slice(f"std/{bucket}")[index]
+        return mean, std

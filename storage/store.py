@@ -1,0 +1,154 @@
+"""The artifact store: one fsspec root, atomic writes, commit records.
+
+Every artifact is written whole before it becomes visible (local: temp file + rename; object
+stores: a single PUT, which is atomic), and counts as done only once its commit record
+`<key>.done` — checksum, size and a small JSON payload — is written after it. Readers ask
+`committed(key)` and ignore anything without a record, so a crash never leaves a half-written
+artifact that looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from configs.schema import StorageConfig
+
+COMMIT_SUFFIX = ".done"
+
+
+class ArtifactMissing(FileNotFoundError):
+    """A stage's input is not committed in the store."""
+
+
+class Store:
+    def __init__(self, config: StorageConfig):
+        self.config = config
+        self.fs, root_path = fsspec.core.url_to_fs(config.root, **config.options)
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.root_path = root_path.rstrip("/")
+        self.root_url = self.fs.unstrip_protocol(self.root_path)
+
+    # --- naming -----------------------------------------------------------------------------
+    def path(self, key: str) -> str:
+        return f"{self.root_path}/{key}"
+
+    def url(self, key: str) -> str:
+        return self.fs.unstrip_protocol(self.path(key))
+
+    def key(self, url: str) -> str:
+        """The store key of a URL under this root (inverse of `url`)."""
+        prefix = self.root_url + "/"
+        if not url.startswith(prefix):
+            raise ValueError(f"{url} is not inside the store {self.root_url}")
+        return url[len(prefix):]
+
+    # --- reading ----------------------------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self.fs.exists(self.path(key))
+
+    def read_bytes(self, key: str) -> bytes:
+        try:
+            return self.fs.cat_file(self.path(key))
+        except FileNotFoundError as error:
+            raise ArtifactMissing(f"{self.url(key)} does not exist") from error
+
+    def read_json(self, key: str) -> Any:
+        return json.loads(self.read_bytes(key))
+
+    def list(self, prefix: str, suffix: str = "") -> list[str]:
+        """Keys directly under `prefix` ending in `suffix`, sorted."""
+        try:
+            names = self.fs.ls(self.path(prefix), detail=False)
+        except FileNotFoundError:
+            return []
+        keys = [f"{prefix}/{name.rstrip('/').rsplit('/', 1)[-1]}" for name in names]
+        return sorted(key for key in keys if key.endswith(suffix))
+
+    def committed(self, key: str) -> dict[str, Any] | None:
+        """The commit record of `key`, or None when the artifact is not (fully) written."""
+        try:
+            return self.read_json(key + COMMIT_SUFFIX)
+        except ArtifactMissing:
+            return None
+
+    def require(self, key: str) -> dict[str, Any]:
+        record = self.committed(key)
+        if record is None:
+            raise ArtifactMissing(f"{self.url(key)} is not committed; run the stage that produces it first")
+        return record
+
+    def verify(self, key: str) -> dict[str, Any]:
+        """The commit record of `key` after checking the artifact's bytes against its checksum."""
+        record = self.require(key)
+        digest = sha256_stream(self.fs, self.path(key))
+        if digest != record["sha256"]:
+            raise ValueError(f"{self.url(key)} is damaged: sha256 {digest} != committed {record['sha256']}")
+        return record
+
+    def local_path(self, key: str, cache_dir: str | Path | None = None) -> str:
+        """A local file holding the artifact: the file itself on local roots, else a cached download.
+
+        Only content-addressed artifacts are read this way, so a cached copy never goes stale.
+        """
+        if self.is_local:
+            return self.path(key)
+        cache = Path(cache_dir or os.environ.get("PRECAST_CACHE", Path.home() / ".cache" / "precast"))
+        target = cache / hashlib.sha256(self.url(key).encode()).hexdigest()[:32] / key.rsplit("/", 1)[-1]
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
+            self.fs.get_file(self.path(key), str(partial))
+            os.replace(partial, target)
+        return str(target)
+
+    # --- writing ----------------------------------------------------------------------------
+    def write_bytes(self, key: str, data: bytes) -> None:
+        """Write `data` so that readers see either nothing or all of it."""
+        path = self.path(key)
+        if self.is_local:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            partial = f"{path}.partial-{uuid.uuid4().hex}"
+            with open(partial, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(partial, path)
+        else:
+            self.fs.pipe_file(path, data)
+
+    def write_json(self, key: str, obj: Any) -> None:
+        self.write_bytes(key, json_bytes(obj))
+
+    def commit(self, key: str, data: bytes, **record: Any) -> dict[str, Any]:
+        """Write an artifact and then its commit record; returns the record (with url, sha256, size)."""
+        self.write_bytes(key, data)
+        full = {"url": self.url(key), "sha256": hashlib.sha256(data).hexdigest(), "size": len(data), **record}
+        self.write_json(key + COMMIT_SUFFIX, full)
+        return full
+
+    def commit_json(self, key: str, obj: Any, **record: Any) -> dict[str, Any]:
+        return self.commit(key, json_bytes(obj), **record)
+
+    def put_file(self, local: str | Path, key: str) -> None:
+        """Upload a local file atomically (same guarantee as write_bytes)."""
+        self.write_bytes(key, Path(local).read_bytes())
+
+
+def json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, indent=1, sort_keys=True).encode()
+
+
+def sha256_stream(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,87 @@
+"""Training data from the caches alone: bucketed batches of latents and padded T5 embeddings.
+
+Shards are checked against the manifest's checksums before use and then read memory-mapped, a
+row at a time. Every random choice (order, caption variant, dropout, latent noise) comes from one
+seeded generator, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+
+from storage.shards import LatentShard, RaggedShard
+from storage.store import Store
+
+
+class CachedFeatures:
+    def __init__(self, store: Store, manifest: dict[str, Any]):
+        for key, sha in manifest["checksums"].items():
+            if key.endswith(".safetensors") or key == manifest["table"]:
+                if store.verify(key)["sha256"] != sha:
+                    raise ValueError(f"{store.url(key)} does not match the manifest's checksum")
+        table = pq.read_table(io.BytesIO(store.read_bytes(manifest["table"]))).to_pylist()
+        self.samples = {row["sample_id"]: row for row in table}
+        shard_keys = {row["text_shard"] for row in table} | {row["latent_shard"] for row in table}
+        self._text = {k: RaggedShard(store.local_path(k)) for k in shard_keys if k.startswith("cache/text/")}
+        self._latents = {k: LatentShard(store.local_path(k)) for k in shard_keys if k.startswith("cache/latents/")}
+        self.prompts = RaggedShard(store.local_path(manifest["prompts_shard"]))
+        first = next(iter(self._latents.values())).meta
+        self.scaling_factor, self.shift_factor = first["scaling_factor"], first["shift_factor"]
+        self.buckets: dict[str, list[str]] = defaultdict(list)
+        for sample_id, row in sorted(self.samples.items()):
+            self.buckets[row["bucket"]].append(sample_id)
+
+    def batch(
+        self, sample_ids: list[str], generator: torch.Generator, caption_dropout: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scaled latents [B, C, h, w] drawn from the stored posteriors, T5 embeddings padded to the
+        batch's longest caption [B, L, D] and their attention mask [B, L]."""
+        latents, texts = [], []
+        for sample_id in sample_ids:
+            row = self.samples[sample_id]
+            mean, std = self._latents[row["latent_shard"]][sample_id]
+            noise = torch.randn(mean.shape, generator=generator)
+            latents.append((mean.float() + std.float() * noise - self.shift_factor) * self.scaling_factor)
+            if torch.rand((), generator=generator).item() < caption_dropout:
+                texts.append(self.prompts[""])
+            else:
+                variant = int(torch.randint(row["variants"], (), generator=generator))
+                texts.append(self._text[row["text_shard"]][f"{sample_id}/{variant}"])
+        embeddings, mask = pad_sequences(texts)
+        return torch.stack(latents), embeddings, mask
+
+    def prompt_embeddings(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        return pad_sequences([self.prompts[p] for p in prompts])
+
+
+def pad_sequences(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad [len_i, D] tensors to the longest: ([B, L, D] float32, [B, L] mask)."""
+    longest = max(len(s) for s in sequences)
+    out = torch.zeros(len(sequences), longest, sequences[0].shape[-1])
+    mask = torch.zeros(len(sequences), longest, dtype=torch.long)
+    for i, sequence in enumerate(sequences):
+        out[i, : len(sequence)] = sequence.float()
+        mask[i, : len(sequence)] = 1
+    return out, mask
+
+
+def bucket_batches(buckets: dict[str, list[str]], batch_size: int, seed: int) -> Iterator[list[str]]:
+    """Endless batches of sample ids, each from one bucket; epoch e shuffles with seed + e."""
+    epoch = 0
+    while True:
+        rng = random.Random(seed * 100_003 + epoch)
+        batches = []
+        for name in sorted(buckets):
+            ids = list(buckets[name])
+            rng.shuffle(ids)
+            batches += [ids[i : i + batch_size] for i in range(0, len(ids), batch_size)]
+        rng.shuffle(batches)
+        yield from batches
+        epoch += 1

@@ -1,0 +1,95 @@
+"""Stage 4 — manifest: join dataset, text cache and latent cache; verify; record checksums.
+
+The manifest is the only input of training. Its id is a hash of the dataset id and the two
+encoder fingerprints (plus the prompts), so it is known before it is built and a stage run alone
+can find it. Every shard it names is checked against its committed sha256 here, and again by
+training before use.
+Output: `manifests/<manifest_id>.parquet` (one row per sample) and `manifests/<manifest_id>.json`.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from prefect import task
+from prefect.cache_policies import INPUTS
+
+from configs.schema import StorageConfig
+from storage.fingerprint import hash_json
+from storage.shards import LatentShard, RaggedShard
+from storage.store import Store
+from tasks.encode_latents import latent_cache_key
+from tasks.encode_text import prompts_cache_key, text_cache_key
+from tasks.ingest import SHARDS
+
+MANIFEST_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("variants", pa.int32()),
+        ("text_shard", pa.string()),
+        ("latent_shard", pa.string()),
+        ("bucket", pa.string()),
+    ]
+)
+
+
+def manifest_id(dataset_id: str, text_fp: str, vae_fp: str, prompts: list[str]) -> str:
+    return hash_json({"dataset": dataset_id, "text": text_fp, "vae": vae_fp, "prompts": prompts})
+
+
+def manifest_key(manifest: str) -> str:
+    return f"manifests/{manifest}.json"
+
+
+def build_manifest(
+    storage: StorageConfig, dataset_id: str, text_fp: str, vae_fp: str, prompts: list[str]
+) -> dict[str, Any]:
+    """Write the manifest for a dataset encoded with the given fingerprints; returns its record."""
+    store = Store(storage)
+    this_id = manifest_id(dataset_id, text_fp, vae_fp, prompts)
+    key = manifest_key(this_id)
+    if (record := store.committed(key)) is not None:
+        return record
+    dataset = store.read_json(f"datasets/{dataset_id}.json")
+    prompts_key = prompts_cache_key(text_fp, prompts)
+    checksums = {prompts_key: store.verify(prompts_key)["sha256"]}
+    rows, buckets = [], Counter()
+    for shard in dataset["shards"]:
+        image_key = f"{SHARDS}/{shard['id']}.parquet"
+        text_key, latent_key = text_cache_key(text_fp, shard["id"]), latent_cache_key(vae_fp, shard["id"])
+        for needed in (image_key, text_key, latent_key):
+            checksums[needed] = store.verify(needed)["sha256"]
+        text, latents = RaggedShard(store.local_path(text_key)), LatentShard(store.local_path(latent_key))
+        variants = Counter(row.rsplit("/", 1)[0] for row in text.rows)
+        members = shard["samples"] if shard["samples"] is not None else sorted(latents.rows)
+        for sample_id in members:
+            if sample_id not in latents or not variants[sample_id]:
+                missing = "latents" if sample_id not in latents else "text embeddings"
+                raise ValueError(f"sample {sample_id} of shard {shard['id']} has no {missing}")
+            bucket = latents.rows[sample_id][0]
+            buckets[bucket] += 1
+            rows.append({"sample_id": sample_id, "variants": variants[sample_id], "text_shard": text_key,
+                         "latent_shard": latent_key, "bucket": bucket})
+
+    table_key = f"manifests/{this_id}.parquet"
+    buffer = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA), buffer)
+    table_record = store.commit(table_key, buffer.getvalue(), samples=len(rows))
+    checksums[table_key] = table_record["sha256"]
+    manifest = {
+        "id": this_id, "dataset": dataset_id, "text_fingerprint": text_fp, "vae_fingerprint": vae_fp,
+        "prompts": prompts, "prompts_shard": prompts_key, "table": table_key, "samples": len(rows),
+        "buckets": dict(sorted(buckets.items())), "checksums": checksums,
+    }
+    return store.commit_json(key, manifest, samples=len(rows), buckets=manifest["buckets"])
+
+
+@task(name="manifest", cache_policy=INPUTS, persist_result=True, result_serializer="json")
+def manifest_task(
+    storage: StorageConfig, dataset_id: str, text_fp: str, vae_fp: str, prompts: list[str]
+) -> dict[str, Any]:
+    return build_manifest(storage, dataset_id, text_fp, vae_fp, prompts)

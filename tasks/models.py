@@ -1,0 +1,92 @@
+"""Loading the PixArt components by the real `from_pretrained` path, and their fingerprints.
+
+The same calls load a hub id (PixArt-alpha/PixArt-Sigma-XL-2-1024-MS) or a local folder in that
+layout. Loaders are cached per process so a worker that encodes many shards loads T5 once.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import torch
+
+from configs.schema import LatentEncodingConfig, ModelConfig, TextEncodingConfig
+from storage.fingerprint import component_fingerprint, hash_json
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TEXT_FORMAT = "precast.text/1"  # bump when the stored text layout or numerics change
+LATENT_FORMAT = "precast.latents/1"
+# from_pretrained patches torch.nn.Module globally while it builds empty weights; two threads
+# loading at once can leave the patch in place, so loads are serialised.
+LOAD_LOCK = threading.Lock()
+
+
+def serialised(load):
+    @functools.wraps(load)
+    def locked(*args, **kwargs):
+        with LOAD_LOCK:
+            return load(*args, **kwargs)
+
+    return locked
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@serialised
+@functools.lru_cache(maxsize=1)
+def load_text_encoder(model: ModelConfig, dtype: str, device: str):
+    """Tokenizer and T5 encoder, eval mode. fp16 goes through `from_pretrained(dtype=float16)`,
+    which keeps T5's `wo` projections in fp32 (T5 v1.1 overflows in plain fp16)."""
+    from transformers import AutoTokenizer, T5EncoderModel
+
+    tokenizer = AutoTokenizer.from_pretrained(model.path, subfolder="tokenizer", revision=model.revision)
+    encoder = T5EncoderModel.from_pretrained(
+        model.path, subfolder="text_encoder", revision=model.revision, dtype=DTYPES[dtype]
+    )
+    return tokenizer, encoder.to(resolve_device(device)).eval().requires_grad_(False)
+
+
+@serialised
+@functools.lru_cache(maxsize=1)
+def load_vae(model: ModelConfig, dtype: str, device: str):
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(model.path, subfolder="vae", revision=model.revision, torch_dtype=DTYPES[dtype])
+    return vae.to(resolve_device(device)).eval().requires_grad_(False)
+
+
+@serialised
+def load_transformer(model: ModelConfig):
+    from diffusers import PixArtTransformer2DModel
+
+    return PixArtTransformer2DModel.from_pretrained(model.path, subfolder="transformer", revision=model.revision)
+
+
+def load_noise_scheduler(model: ModelConfig):
+    """The training scheduler: DDPM with the betas of the model's own scheduler config."""
+    from diffusers import DDPMScheduler
+
+    return DDPMScheduler.from_pretrained(model.path, subfolder="scheduler", revision=model.revision)
+
+
+def text_encoder_fingerprint(model: ModelConfig, text: TextEncodingConfig) -> str:
+    """Covers weights, tokenizer files, max_length, dtype and format; not device or batch size."""
+    files = component_fingerprint(model.path, ["text_encoder", "tokenizer"], model.revision)
+    return hash_json({"files": files, "max_length": text.max_length, "dtype": text.dtype, "format": TEXT_FORMAT})
+
+
+def vae_fingerprint(model: ModelConfig, latents: LatentEncodingConfig) -> str:
+    """Covers VAE weights, bucket table, encoder and storage dtypes and format; not device or batch size."""
+    files = component_fingerprint(model.path, ["vae"], model.revision)
+    settings: dict[str, Any] = latents.model_dump(exclude={"device", "batch_size"})
+    return hash_json({"files": files, **settings, "crop": "center", "format": LATENT_FORMAT})
+
+
+def transformer_fingerprint(model: ModelConfig) -> str:
+    return hash_json(component_fingerprint(model.path, ["transformer", "scheduler"], model.revision))

@@ -1,0 +1,150 @@
+"""Stage 5 — train: a LoRA adapter on PixArtTransformer2DModel from cached features only.
+
+T5 and the VAE encoder are never loaded: text embeddings and latent posteriors come from the
+manifest's shards. Read top to bottom: data, model, optimiser, loop, outputs. The run folder
+`runs/<run_id>/` holds config.yaml, metrics.jsonl, adapter/ (PEFT format), samples/ and
+lineage.json, written last as the run's commit record. The run id hashes the manifest, the
+training config and the transformer weights, so the same run is never trained twice.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+from prefect import task
+from prefect.cache_policies import INPUTS
+
+from configs.schema import ModelConfig, StorageConfig, TrainingConfig
+from storage.fingerprint import hash_json
+from storage.store import Store
+from tasks.features import CachedFeatures, bucket_batches
+from tasks.models import load_noise_scheduler, load_transformer, resolve_device, transformer_fingerprint
+from tasks.sampling import sample_grid
+
+log = logging.getLogger(__name__)
+
+
+def run_id_for(manifest_id: str, model: ModelConfig, training: TrainingConfig) -> str:
+    return hash_json({"manifest": manifest_id, "transformer": transformer_fingerprint(model),
+                      "training": training.model_dump(exclude={"device"})})
+
+
+def train(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, manifest_url: str) -> dict[str, Any]:
+    store = Store(storage)
+    manifest = store.read_json(store.key(manifest_url))
+    run = f"runs/{run_id_for(manifest['id'], model, training)}"
+    if (record := store.committed(f"{run}/lineage.json")) is not None:
+        return record
+
+    # --- data: cached features only -------------------------------------------------------
+    features = CachedFeatures(store, manifest)
+    batches = bucket_batches(features.buckets, training.batch_size, training.seed)
+    generator = torch.Generator().manual_seed(training.seed)
+
+    # --- model: the base transformer, frozen, with LoRA layers --------------------------------
+    from peft import LoraConfig, get_peft_model
+
+    device = resolve_device(training.device)
+    torch.manual_seed(training.seed)  # LoRA initialisation
+    transformer = load_transformer(model).requires_grad_(False)
+    lora = LoraConfig(r=training.rank, lora_alpha=training.alpha, lora_dropout=training.lora_dropout,
+                      target_modules=training.target_modules, bias="none")
+    network = get_peft_model(transformer, lora).to(device)
+    noise_scheduler = load_noise_scheduler(model)
+    alphas = noise_scheduler.alphas_cumprod
+    learned_sigma = transformer.config.out_channels == 2 * transformer.config.in_channels
+
+    # --- optimiser: AdamW with linear warm-up -------------------------------------------------
+    trainable = [p for p in network.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=training.learning_rate, weight_decay=training.weight_decay)
+    warmup = max(1, training.warmup_steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=training.mixed_precision == "bf16")
+
+    # --- loop ---------------------------------------------------------------------------------
+    metrics = []
+    network.train()
+    started = time.perf_counter()
+    for step in range(1, training.steps + 1):
+        latents, text, mask = features.batch(next(batches), generator, training.caption_dropout)
+        latents, text, mask = latents.to(device), text.to(device), mask.to(device)
+        noise = torch.randn(latents.shape, generator=generator).to(device)
+        timesteps = torch.randint(0, len(alphas), (len(latents),), generator=generator).to(device)
+        noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+        with autocast:
+            prediction = network(noisy, encoder_hidden_states=text, encoder_attention_mask=mask, timestep=timesteps,
+                                 added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
+        if learned_sigma:  # the variance half is not trained by the epsilon loss (diffusers' PixArt recipe)
+            prediction = prediction.chunk(2, dim=1)[0]
+        loss = F.mse_loss(prediction.float(), noise.float())
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss.item()} at step {step}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, training.max_grad_norm)
+        optimizer.step()
+        schedule.step()
+        metrics.append({"step": step, "loss": loss.item(), "lr": optimizer.param_groups[0]["lr"],
+                        "bucket": f"{latents.shape[2]}x{latents.shape[3]}", "batch": len(latents)})
+        if step % 10 == 0 or step == training.steps:
+            log.info("step %d/%d loss %.4f", step, training.steps, loss.item())
+    elapsed = time.perf_counter() - started
+
+    # --- outputs: adapter, samples, metrics, lineage (last) -----------------------------------
+    network.eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        network.save_pretrained(tmp)
+        for file in sorted(Path(tmp).iterdir()):
+            if file.is_file():
+                store.put_file(file, f"{run}/adapter/{file.name}")
+    samples = []
+    if training.sample_prompts:
+        prompts, empty = features.prompts, features.prompts[""]
+        with torch.no_grad():
+            grid = sample_grid(model, network.base_model.model, [prompts[p] for p in training.sample_prompts], empty,
+                               training.sample_steps, training.guidance_scale, training.seed)
+        buffer = io.BytesIO()
+        grid.save(buffer, format="PNG")
+        store.write_bytes(f"{run}/samples/step-{training.steps:06d}.png", buffer.getvalue())
+        samples.append(store.url(f"{run}/samples/step-{training.steps:06d}.png"))
+    store.write_bytes(f"{run}/metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics).encode())
+    store.write_bytes(f"{run}/config.yaml", yaml.safe_dump(training.model_dump(), sort_keys=False).encode())
+    lineage = {
+        "manifest": manifest["id"], "model": model.model_dump(), "training": training.model_dump(),
+        "versions": package_versions(), "python": platform.python_version(),
+    }
+    window = max(1, min(10, len(metrics) // 4))  # mean loss over the first and last few steps
+    return store.commit_json(
+        f"{run}/lineage.json", lineage, run=store.url(run), adapter=store.url(f"{run}/adapter"), samples=samples,
+        steps=training.steps, seconds=round(elapsed, 2),
+        first_loss=sum(m["loss"] for m in metrics[:window]) / window,
+        final_loss=sum(m["loss"] for m in metrics[-window:]) / window,
+    )
+
+
+def package_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = ["precast", "torch", "diffusers", "transformers", "peft", "prefect"]
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+@task(name="train", cache_policy=INPUTS, persist_result=True, result_serializer="json")
+def train_task(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, manifest_url: str) -> dict[str, Any]:
+    return train(storage, model, training, manifest_url)
