@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="make tiny models and demo data, then run configs/quickstart.yaml")
     with_config(demo, required=False)
-    demo.add_argument("--count", type=int, default=48, help="demo images to generate when missing")
+    demo.add_argument("--count", type=int, default=200, help="demo images to generate when missing")
     demo.set_defaults(func=cmd_demo)
 
     run = commands.add_parser("run", help="run the whole pipeline")

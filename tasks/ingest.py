@@ -196,9 +196,12 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
         "samples": len(scan.samples),
         "sources": [s.path for s in dataset.sources],
     }
-    store.write_json(f"quarantine/{dataset_id}.json", scan.quarantined)
-    store.commit_json(f"datasets/{dataset_id}.json", record, samples=len(scan.samples))
-    store.write_json(dataset_ref(dataset), {"dataset": dataset_id})
+    if store.committed(f"datasets/{dataset_id}.json") is None:  # an unchanged dataset writes nothing
+        store.write_json(f"quarantine/{dataset_id}.json", scan.quarantined)
+        store.commit_json(f"datasets/{dataset_id}.json", record, samples=len(scan.samples))
+    ref = dataset_ref(dataset)
+    if not store.exists(ref) or store.read_json(ref) != {"dataset": dataset_id}:
+        store.write_json(ref, {"dataset": dataset_id})
     return {**record, "url": store.url(f"datasets/{dataset_id}.json"),
             "new_shards": -(-len(new) // dataset.shard_size), "quarantined": len(scan.quarantined)}
 

@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny real models, generated data, and configs on a temporary store."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+from configs.schema import PipelineConfig  # noqa: E402
+from flows.demo_data import write_demo_data  # noqa: E402
+from flows.tiny_models import write_tiny_models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> str:
+    return str(write_tiny_models(tmp_path_factory.mktemp("models") / "tiny-pixart-sigma"))
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> str:
+    return str(write_demo_data(tmp_path_factory.mktemp("data") / "demo", count=24))
+
+
+@pytest.fixture
+def make_config(tmp_path, tiny_models, demo_data):
+    """A small config on a fresh store under tmp_path; keyword sections override defaults."""
+
+    def make(root: str | None = None, source: str | None = None, **sections) -> PipelineConfig:
+        raw = {
+            "storage": {"root": root or str(tmp_path / "store")},
+            "dataset": {"sources": [{"path": source or demo_data}], "shard_size": 10},
+            "model": {"path": tiny_models},
+            "text_encoding": {"dtype": "fp32", "batch_tokens": 256},
+            "latent_encoding": {"resolution": 256, "storage_dtype": "fp32", "batch_size": 4},
+            "training": {"rank": 4, "alpha": 4, "steps": 6, "batch_size": 2, "learning_rate": 1e-3,
+                         "sample_prompts": ["a red circle on a blue background"], "sample_steps": 2},
+            "execution": {"retries": 0, "retry_delay_seconds": 0},
+        }
+        for name, values in sections.items():
+            raw.setdefault(name, {}).update(values)
+        return PipelineConfig.model_validate(raw)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A real Prefect API server (SQLite, temporary) for the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -1,0 +1,93 @@
+"""The whole pipeline under a real Prefect server, through the flow and through the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from peft import PeftModel
+from diffusers import PixArtTransformer2DModel
+
+from flows.cli import main
+from flows.pipeline import pipeline
+from storage.store import Store
+
+
+def _task_states(flow_run_id) -> dict[str, list[str]]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    async def read():
+        async with get_client() as client:
+            runs = await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200,
+            )
+            states: dict[str, list[str]] = {}
+            for run in runs:
+                states.setdefault(run.name.rsplit("-", 1)[0], []).append(run.state.name)
+            return states
+
+    return asyncio.run(read())
+
+
+def _files(store: Store) -> set[str]:
+    return {path for path in store.fs.find(store.root_path) if "/prefect/" not in path}
+
+
+def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, tiny_models):
+    config = make_config()
+    state = pipeline(config=config, return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    store = Store(config.storage)
+    assert set(result) >= {"dataset", "text_cache", "latent_cache", "manifest", "run", "adapter", "samples"}
+    base = PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer")
+    PeftModel.from_pretrained(base, store.path(store.key(result["adapter"])))
+    states = _task_states(state.state_details.flow_run_id)
+    assert set(states) == {"ingest", "encode-prompts", "encode-text", "encode-latents", "manifest", "train"}
+    assert len(states["encode-text"]) == len(states["encode-latents"]) == 3
+
+    written = _files(store)
+    again = pipeline(config=config, return_state=True)
+    assert again.result() == result
+    cached = _task_states(again.state_details.flow_run_id)
+    assert {name for runs in cached.values() for name in runs} == {"Cached"}
+    assert _files(store) == written  # nothing re-encoded, nothing re-written
+
+
+def test_store_is_the_ground_truth_without_prefect_cache(prefect_server, make_config):
+    """With Prefect's cache records gone (another server, a wiped results folder) nothing re-encodes."""
+    config = make_config()
+    first = pipeline(config=config)
+    store = Store(config.storage)
+    store.fs.rm(store.path("prefect"), recursive=True)
+    mtimes = {p: store.fs.info(p)["mtime"] for p in _files(store)}
+    assert pipeline(config=config) == first
+    assert {p: store.fs.info(p)["mtime"] for p in _files(store) if p in mtimes} == mtimes
+
+
+def test_cli_run_json_and_single_stages(prefect_server, make_config, tmp_path, capsys):
+    import yaml
+
+    config = make_config()
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump()))
+
+    for stage in ["ingest", "encode-text", "encode-latents", "manifest", "train"]:
+        assert main(["stage", stage, str(path), "--set", "training.steps=3", "--json"]) == 0
+        record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert record, stage
+    assert main(["run", str(path), "--set", "training.steps=3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"dataset", "text_cache", "latent_cache", "manifest", "run", "adapter"} <= set(out)
+    assert out["run"] == record["run"]  # the stages alone built the same run the pipeline finds
+
+
+def test_cli_reports_a_bad_config_by_field(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("training:\n  rank: 0\n")
+    assert main(["run", str(path)]) == 1
+    error = capsys.readouterr().err
+    assert "training.rank" in error and "greater than or equal to 1" in error

@@ -1,0 +1,96 @@
+"""manifest and train as plain functions: joins, checksums, LoRA from cached features only."""
+
+from __future__ import annotations
+
+import io
+import shutil
+
+import pytest
+import torch
+from diffusers import PixArtTransformer2DModel
+from peft import PeftModel
+from PIL import Image
+
+from storage.store import Store
+from tasks.encode_latents import encode_latents_shard, latent_cache_key
+from tasks.encode_text import encode_prompts, encode_text_shard
+from tasks.ingest import ingest
+from tasks.manifest import build_manifest
+from tasks.models import text_encoder_fingerprint, vae_fingerprint
+from tasks.train import train
+
+
+def _cache_everything(config):
+    dataset = ingest(config.storage, config.dataset)
+    store = Store(config.storage)
+    text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
+    vae_fp = vae_fingerprint(config.model, config.latent_encoding)
+    encode_prompts(config.storage, config.model, config.text_encoding, text_fp, config.training.sample_prompts)
+    for shard in dataset["shards"]:
+        url = store.url(f"shards/images/{shard['id']}.parquet")
+        encode_text_shard(config.storage, config.model, config.text_encoding, text_fp, url)
+        encode_latents_shard(config.storage, config.model, config.latent_encoding, vae_fp, url)
+    return dataset, text_fp, vae_fp
+
+
+def test_manifest_joins_and_records_checksums(make_config):
+    config = make_config()
+    dataset, text_fp, vae_fp = _cache_everything(config)
+    record = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    manifest = Store(config.storage).read_json(Store(config.storage).key(record["url"]))
+    assert manifest["samples"] == 24 and sum(manifest["buckets"].values()) == 24
+    assert len(manifest["checksums"]) == 1 + 3 * len(dataset["shards"]) + 1  # prompts, 3 per shard, table
+
+
+def test_manifest_refuses_a_missing_or_damaged_shard(make_config):
+    config = make_config()
+    dataset, text_fp, vae_fp = _cache_everything(config)
+    store = Store(config.storage)
+    damaged = latent_cache_key(vae_fp, dataset["shards"][1]["id"])
+    path = store.path(damaged)
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(ValueError, match=dataset["shards"][1]["id"]):
+        build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    store.fs.rm(path)
+    with pytest.raises(FileNotFoundError, match=dataset["shards"][1]["id"]):
+        build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+
+
+def test_train_needs_no_text_encoder_or_vae_and_saves_a_peft_adapter(make_config, tiny_models, tmp_path):
+    config = make_config()
+    dataset, text_fp, vae_fp = _cache_everything(config)
+    manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    # after caching, the text encoder, tokenizer and VAE are gone: training must not need them
+    stripped = tmp_path / "transformer-only"
+    shutil.copytree(tiny_models, stripped, ignore=shutil.ignore_patterns("text_encoder", "tokenizer", "vae"))
+    model = config.model.model_copy(update={"path": str(stripped)})
+    no_samples = config.training.model_copy(update={"sample_prompts": [], "steps": 8})
+    record = train(config.storage, model, no_samples, manifest["url"])
+    assert record["steps"] == 8 and record["samples"] == []
+    store = Store(config.storage)
+    run_key = store.key(record["run"])
+    losses = [line for line in store.read_bytes(f"{run_key}/metrics.jsonl").splitlines() if line]
+    assert len(losses) == 8
+
+    adapter_dir = store.path(store.key(record["adapter"]))
+    base = PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer")
+    loaded = PeftModel.from_pretrained(base, adapter_dir)
+    lora_b = [p for n, p in loaded.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # trained, not the zero initialisation
+
+    # the same config again is the same run: returned at once, nothing retrained
+    assert train(config.storage, model, no_samples, manifest["url"]) == record
+
+
+def test_train_renders_samples_through_the_pixart_pipeline(make_config):
+    config = make_config()
+    dataset, text_fp, vae_fp = _cache_everything(config)
+    manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    record = train(config.storage, config.model, config.training, manifest["url"])
+    store = Store(config.storage)
+    (sample,) = record["samples"]
+    image = Image.open(io.BytesIO(store.read_bytes(store.key(sample))))
+    assert image.size == (256, 256) and image.format == "PNG"
+    assert torch.isfinite(torch.tensor([record["first_loss"], record["final_loss"]])).all()
