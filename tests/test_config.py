@@ -1,0 +1,57 @@
+"""The config schema: YAML files, --set overrides and the Prefect form are one model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from prefect.utilities.callables import parameter_schema
+
+from configs.schema import CONFIG_DIR, PipelineConfig, Section, load_config
+from flows.pipeline import pipeline, stage
+
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_yaml_config_validates(path):
+    assert isinstance(load_config(path), PipelineConfig)
+
+
+def test_overrides_are_typed_and_unknown_keys_are_refused():
+    config = load_config(None, ["training.steps=7", "training.sample_prompts=[a, b]", "storage.root=s3://b/p"])
+    assert config.training.steps == 7 and config.training.sample_prompts == ["a", "b"]
+    assert config.storage.root == "s3://b/p"
+    with pytest.raises(ValueError, match="trainig"):
+        load_config(None, ["trainig.steps=7"])
+    with pytest.raises(ValueError, match="resolution"):
+        load_config(None, ["latent_encoding.resolution=300"])
+
+
+def test_every_field_has_a_description():
+    def walk(model, prefix=""):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{prefix}{name} has no description"
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, Section):
+                walk(annotation, f"{prefix}{name}.")
+
+    walk(PipelineConfig)
+
+
+def test_flow_parameters_are_the_config_schema():
+    schema = parameter_schema(pipeline).model_dump_for_openapi()
+    assert schema["properties"]["config"]["$ref"].endswith("PipelineConfig")
+    definitions = schema["definitions"]
+    assert "description" in definitions["TrainingConfig"]["properties"]["rank"]
+    assert parameter_schema(stage).model_dump_for_openapi()["properties"]["name"]["enum"] == [
+        "ingest", "encode-text", "encode-latents", "manifest", "train"]
+
+
+def test_prefect_yaml_entrypoints_exist():
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    for deployment in spec["deployments"]:
+        module, _, name = deployment["entrypoint"].partition(":")
+        assert (ROOT / module).exists() and f"def {name}(" in (ROOT / module).read_text()
+        assert deployment["enforce_parameter_schema"] is True
