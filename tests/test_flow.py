@@ -91,3 +91,20 @@ def test_cli_reports_a_bad_config_by_field(tmp_path, capsys):
     assert main(["run", str(path)]) == 1
     error = capsys.readouterr().err
     assert "training.rank" in error and "greater than or equal to 1" in error
+
+
+def test_pipeline_on_s3(prefect_server, make_config, s3_endpoint):
+    """Every artifact, Prefect's results included, on an S3 API; credentials only in the environment."""
+    import s3fs
+
+    s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir("precast-flow")
+    config = make_config(root="s3://precast-flow/store")
+    config = config.model_copy(update={"storage": config.storage.model_copy(
+        update={"options": {"endpoint_url": s3_endpoint}})})
+    result = pipeline(config=config)
+    assert result["adapter"].startswith("s3://precast-flow/store/runs/")
+    store = Store(config.storage)
+    assert store.committed(store.key(result["manifest"])) is not None
+    assert store.exists(store.key(result["adapter"]) + "/adapter_model.safetensors")
+    assert store.fs.find(store.path("prefect/results"))  # Prefect results live beside the artifacts
+    assert pipeline(config=config) == result

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 
@@ -48,25 +47,6 @@ def test_damaged_artifact_is_named(tmp_path):
     (tmp_path / "shards" / "x.parquet").write_bytes(b"original bytez")
     with pytest.raises(ValueError, match=r"shards/x\.parquet is damaged"):
         store.verify("shards/x.parquet")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """A real S3 API on loopback (moto server); credentials come from the environment."""
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
 
 
 def test_s3_store_round_trip(s3_endpoint, tmp_path):
