@@ -18,6 +18,8 @@ def _quiet_prefect() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    # the stages log through standard logging; show those lines in Prefect's run logs too
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks,flows,storage")
 
 
 def _print_result(result: dict, as_json: bool) -> None:

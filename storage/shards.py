@@ -30,6 +30,11 @@ IMAGE_SHARD_SCHEMA = pa.schema(
 )
 
 
+def shard_id_of(url: str) -> str:
+    """The id of an image shard from its URL (`…/shards/images/<id>.parquet`)."""
+    return url.rsplit("/", 1)[-1].removesuffix(".parquet")
+
+
 def pack_image_shard(rows: list[dict[str, Any]]) -> bytes:
     table = pa.Table.from_pylist(rows, schema=IMAGE_SHARD_SCHEMA)
     buffer = io.BytesIO()

@@ -21,7 +21,7 @@ from prefect import task
 from prefect.cache_policies import INPUTS
 
 from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig
-from storage.shards import bucket_name, pack_latents, read_image_shard
+from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id_of
 from storage.store import Store
 from tasks.models import DTYPES, LATENT_FORMAT, load_vae
 
@@ -70,7 +70,7 @@ def encode_latents_shard(
 ) -> dict[str, Any]:
     """Encode every image of one shard; returns the latent cache shard's commit record."""
     store = Store(storage)
-    shard_id = shard_url.rsplit("/", 1)[-1].removesuffix(".parquet")
+    shard_id = shard_id_of(shard_url)
     key = latent_cache_key(fingerprint, shard_id)
     if (record := store.committed(key)) is not None:
         return record

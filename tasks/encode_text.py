@@ -17,7 +17,7 @@ from prefect.cache_policies import INPUTS
 
 from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig
 from storage.fingerprint import hash_json
-from storage.shards import pack_ragged, read_image_shard
+from storage.shards import pack_ragged, read_image_shard, shard_id_of
 from storage.store import Store
 from tasks.models import DTYPES, TEXT_FORMAT, load_text_encoder
 
@@ -83,7 +83,7 @@ def encode_text_shard(
 ) -> dict[str, Any]:
     """Encode every caption variant of one image shard; returns the cache shard's commit record."""
     store = Store(storage)
-    shard_id = shard_url.rsplit("/", 1)[-1].removesuffix(".parquet")
+    shard_id = shard_id_of(shard_url)
     key = text_cache_key(fingerprint, shard_id)
     if (record := store.committed(key)) is not None:
         return record

@@ -20,7 +20,7 @@ from prefect import task
 
 from configs.schema import DatasetConfig, StorageConfig
 from storage.fingerprint import hash_json, sha256_bytes
-from storage.shards import pack_image_shard, read_image_shard
+from storage.shards import pack_image_shard, read_image_shard, shard_id_of
 from storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,9 @@ def normalise_image(data: bytes, source: str, config: DatasetConfig) -> tuple[by
                     canvas.paste(image, mask=image.getchannel("A"))
                     image = canvas
                 image = image.convert("RGB")
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, SyntaxError) as error:
+    except Image.DecompressionBombError as error:
+        raise ValueError(f"too_large: {error}") from error
+    except (UnidentifiedImageError, OSError, SyntaxError) as error:
         raise ValueError(f"unreadable: {error}") from error
     width, height = image.size
     if min(width, height) < config.min_side:
@@ -150,7 +152,7 @@ def existing_records(store: Store) -> dict[tuple[str, tuple[str, ...]], str]:
         if store.committed(key) is None:
             continue
         table = read_image_shard(store.read_bytes(key), columns=["sample_id", "captions"]).to_pylist()
-        shard_id = key.rsplit("/", 1)[-1].removesuffix(".parquet")
+        shard_id = shard_id_of(key)
         for row in table:
             records[(row["sample_id"], tuple(row["captions"]))] = shard_id
     return records
