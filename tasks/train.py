@@ -96,7 +96,7 @@ def train(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, 
         schedule.step()
         metrics.append({"step": step, "loss": loss.item(), "lr": optimizer.param_groups[0]["lr"],
                         "bucket": f"{latents.shape[2]}x{latents.shape[3]}", "batch": len(latents)})
-        if step % 10 == 0 or step == training.steps:
+        if step % max(1, training.steps // 20) == 0 or step == training.steps:
             log.info("step %d/%d loss %.4f", step, training.steps, loss.item())
     elapsed = time.perf_counter() - started
 
