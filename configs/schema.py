@@ -35,8 +35,19 @@ class StorageConfig(Section):
 
 
 class SourceConfig(Section):
-    path: str = Field(..., description="Folder of images with sibling .txt captions (local path or fsspec URL).")
-    format: Literal["folder"] = Field("folder", description="Layout of the source.")
+    path: str = Field(
+        ..., description="Local path or fsspec URL (s3://…) of a folder, a metadata.jsonl/.csv, a parquet file or "
+        "folder of them, or a webdataset .tar or folder of them."
+    )
+    format: Literal["auto", "folder", "jsonl", "csv", "parquet", "webdataset"] = Field(
+        "auto",
+        description="folder: images with sibling .txt/.caption files (one caption variant per line); jsonl/csv: "
+        "HF-style metadata with file_name and a caption column; parquet: image bytes and caption columns; "
+        "webdataset: tars of x.jpg + x.txt/x.json. auto: by extension or by what the folder holds.",
+    )
+    caption_column: str = Field("text", description="Caption field of jsonl/csv/parquet rows and webdataset .json.")
+    image_column: str = Field("image", description="Parquet column with image bytes (or a struct with `bytes`).")
+    file_column: str = Field("file_name", description="jsonl/csv field with the image path, relative to the file.")
 
 
 class DatasetConfig(Section):

@@ -39,11 +39,15 @@ def bucket_table(resolution: int) -> dict[str, list[float]]:
             2048: ASPECT_RATIO_2048_BIN}[resolution]
 
 
+def nearest_ratio(width: int, height: int, resolution: int) -> str:
+    """The table's height/width ratio key nearest the image's."""
+    return min(bucket_table(resolution), key=lambda r: abs(float(r) - height / width))
+
+
 def nearest_bucket(width: int, height: int, resolution: int) -> tuple[int, int]:
     """(height, width) of the table entry whose ratio is nearest the image's."""
-    table = bucket_table(resolution)
-    ratio = min(table, key=lambda r: abs(float(r) - height / width))
-    return int(table[ratio][0]), int(table[ratio][1])
+    height_px, width_px = bucket_table(resolution)[nearest_ratio(width, height, resolution)]
+    return int(height_px), int(width_px)
 
 
 def preprocess(image_bytes: bytes, resolution: int) -> torch.Tensor:

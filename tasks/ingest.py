@@ -1,109 +1,130 @@
-"""Stage 1 — ingest: image folders with captions → validated, content-addressed parquet shards.
+"""Stage 1 — ingest: any source format → validated, content-addressed parquet shards.
 
 `sample_id` is the sha256 of the source image bytes; a shard's id is the hash of its sorted
 (sample id, captions) records. Shards are append-only: a re-run over the same sources writes
-nothing and yields the same dataset id; new or changed samples go to new shards. A dataset version
-is the list of shards (and, where a shard is only partly current, which of its samples) it uses.
-A bad file never fails the stage: it is quarantined with a reason code.
+nothing and yields the same dataset id; new samples, and samples whose captions changed, go to new
+shards holding only them. Images already in a shard are not decoded again. A dataset version lists
+its shards (and, for a shard only partly current, which of its samples). A bad input never fails
+the stage: it is quarantined with a reason code; an unreachable source fails it, naming the source.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
+import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 from prefect import task
+from prefect.artifacts import create_markdown_artifact
 
 from configs.schema import DatasetConfig, StorageConfig
 from storage.fingerprint import hash_json, sha256_bytes
 from storage.shards import pack_image_shard, read_image_shard, shard_id_of
 from storage.store import Store
+from tasks.encode_latents import nearest_ratio
+from tasks.sources import Candidate, Rejected, read_source
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
-MAX_ASPECT_RATIO = 4.0  # the PixArt bucket tables span 0.25 … 4.0
+MAX_ASPECT_RATIO = 4.0  # the PixArt bucket tables span 1:4 … 4:1
 SHARDS = "shards/images"
+KEEP_AS_IS = ("JPEG", "PNG", "WEBP")  # RGB files in these formats are stored byte for byte
+CAPTION_WORD_BINS = [5, 10, 20, 50, 100, 200]
 
 
 @dataclass
 class Sample:
     sample_id: str
-    image: bytes
+    image: bytes | None  # None: the bytes are already in an image shard
     width: int
     height: int
     captions: list[str]
     source: str
+    format: str
 
 
 @dataclass
 class Scan:
     samples: dict[str, Sample] = field(default_factory=dict)
     quarantined: list[dict[str, str]] = field(default_factory=list)
+    formats: Counter = field(default_factory=Counter)
 
-    def reject(self, source: str, reason: str, message: str) -> None:
-        log.warning("quarantined %s: %s (%s)", source, reason, message)
-        self.quarantined.append({"source": source, "reason": reason, "message": message})
+    def reject(self, candidate: Candidate, problem: Rejected) -> None:
+        log.warning("quarantined %s: %s (%s)", candidate.source, problem.reason, problem.message)
+        self.quarantined.append({"source": candidate.source, "format": candidate.format,
+                                 "reason": problem.reason, "message": problem.message})
 
 
-def normalise_image(data: bytes, source: str, config: DatasetConfig) -> tuple[bytes, int, int]:
-    """Decode-check an image; returns bytes (re-encoded as PNG only when needed) and its size.
-
-    Raises ValueError("<reason>: <message>") for anything that is not a usable training image.
-    """
-    if not data:
-        raise ValueError("empty_file: zero bytes")
-    try:
-        with Image.open(io.BytesIO(data)) as probe:
-            width, height = probe.size
-            if width * height > config.max_pixels:
-                raise ValueError(f"too_large: {width}x{height} exceeds max_pixels={config.max_pixels}")
-            probe.load()
-            image = ImageOps.exif_transpose(probe)
-            needs_conversion = image is not probe or probe.mode != "RGB" or probe.format not in ("JPEG", "PNG", "WEBP")
-            if needs_conversion:
-                image = image.convert("RGBA") if "A" in image.getbands() or image.mode == "P" else image
-                if image.mode == "RGBA":  # alpha is composited on white, as most trainers do
-                    canvas = Image.new("RGB", image.size, (255, 255, 255))
-                    canvas.paste(image, mask=image.getchannel("A"))
-                    image = canvas
-                image = image.convert("RGB")
-    except Image.DecompressionBombError as error:
-        raise ValueError(f"too_large: {error}") from error
-    except (UnidentifiedImageError, OSError, SyntaxError) as error:
-        raise ValueError(f"unreadable: {error}") from error
-    width, height = image.size
+def check_geometry(width: int, height: int, config: DatasetConfig) -> None:
+    if width * height > config.max_pixels:
+        raise Rejected("too_large", f"{width}x{height} exceeds max_pixels={config.max_pixels}")
     if min(width, height) < config.min_side:
-        raise ValueError(f"too_small: {width}x{height}, shorter side below min_side={config.min_side}")
+        raise Rejected("too_small", f"{width}x{height}, shorter side below min_side={config.min_side}")
     if max(width / height, height / width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"aspect_ratio: {width}x{height} is beyond 1:{MAX_ASPECT_RATIO:g}")
-    if needs_conversion:
+        raise Rejected("aspect_ratio", f"{width}x{height} is beyond 1:{MAX_ASPECT_RATIO:g}")
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB pixels of any mode: 16-bit scaled to 8, palette and LA through RGBA, alpha composited on
+    white (what most trainers do), CMYK and grayscale converted."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        pixels = np.asarray(image, dtype=np.float64)
+        peak = 65535.0 if image.mode != "I" or pixels.max() > 255 else 255.0
+        image = Image.fromarray(np.clip(pixels * (255.0 / peak), 0, 255).round().astype(np.uint8), "L")
+    if image.mode in ("P", "PA", "LA", "La", "RGBa") or "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode == "RGBA":
+        canvas = Image.new("RGB", image.size, (255, 255, 255))
+        canvas.paste(image, mask=image.getchannel("A"))
+        return canvas
+    return image.convert("RGB")
+
+
+def normalise_image(data: bytes, config: DatasetConfig) -> tuple[bytes, int, int]:
+    """Decode-check an image; returns its bytes (re-encoded as lossless PNG only when it needed
+    conversion or rotation) and its size after EXIF orientation. Raises Rejected."""
+    if not data:
+        raise Rejected("empty_file", "zero bytes")
+    try:
+        with Image.open(io.BytesIO(data)) as opened:
+            check_geometry(*opened.size, config)  # before decoding: a bomb is refused unread
+            opened.load()
+            rotated = opened.getexif().get(0x0112, 1) != 1  # EXIF orientation other than "as stored"
+            image = ImageOps.exif_transpose(opened) if rotated else opened
+            converted = rotated or opened.mode != "RGB" or opened.format not in KEEP_AS_IS
+            if converted:
+                image = to_rgb(image)
+    except UnidentifiedImageError as error:
+        raise Rejected("not_image", "not a recognised image format") from error
+    except Image.DecompressionBombError as error:
+        raise Rejected("too_large", str(error)) from error
+    except (OSError, SyntaxError, ValueError) as error:
+        raise Rejected("unreadable", f"cannot decode: {error}") from error
+    check_geometry(*image.size, config)  # again: orientation swaps the sides
+    if converted:
         buffer = io.BytesIO()
         image.save(buffer, format="PNG")
         data = buffer.getvalue()
-    return data, width, height
+    return data, image.width, image.height
 
 
-def read_captions(raw: bytes) -> list[str]:
-    """Caption variants of a caption file: one per non-empty line, whitespace-normalised."""
-    text = raw.decode("utf-8-sig")
-    return [" ".join(line.split()) for line in text.splitlines() if line.strip()]
-
-
-def list_source(path: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, dict[str, dict]]:
-    """The filesystem of a source and every file below it with its fsspec info."""
-    try:
-        fs, root = fsspec.core.url_to_fs(path, **options)
-        files = fs.find(root, detail=True)
-    except Exception as error:  # an unreachable source fails the stage, naming it
-        raise RuntimeError(f"dataset source {path!r} cannot be read: {error}") from error
-    if not files:
-        raise RuntimeError(f"dataset source {path!r} is empty or does not exist")
-    return fs, files
+def read_index(store: Store) -> tuple[dict[tuple[str, tuple[str, ...]], str], dict[str, tuple[int, int, str]]]:
+    """Over every committed image shard: (sample id, captions) → shard id, and
+    sample id → (width, height, a shard holding its bytes)."""
+    records, images = {}, {}
+    for key in store.list(SHARDS, ".parquet"):
+        if store.committed(key) is None:
+            continue
+        shard_id = shard_id_of(key)
+        columns = ["sample_id", "captions", "width", "height"]
+        for row in read_image_shard(store.read_bytes(key), columns=columns).to_pylist():
+            records[(row["sample_id"], tuple(row["captions"]))] = shard_id
+            images[row["sample_id"]] = (row["width"], row["height"], shard_id)
+    return records, images
 
 
 def source_options(path: str, storage: StorageConfig) -> dict[str, Any]:
@@ -111,101 +132,130 @@ def source_options(path: str, storage: StorageConfig) -> dict[str, Any]:
     return storage.options if "://" in path and not path.startswith("file://") else {}
 
 
-def scan_folder(path: str, options: dict[str, Any], config: DatasetConfig, scan: Scan) -> None:
-    fs, files = list_source(path, options)
-    for file in sorted(files):
-        stem, dot, ext = file.rpartition(".")
-        if not dot or f".{ext.lower()}" not in IMAGE_EXTENSIONS:
-            continue
-        source = fs.unstrip_protocol(file)
-        caption_file = f"{stem}.txt"
-        if caption_file not in files:
-            scan.reject(source, "missing_caption", f"no {caption_file.rsplit('/', 1)[-1]} beside the image")
-            continue
-        try:
-            captions = read_captions(fs.cat_file(caption_file))
-        except UnicodeDecodeError as error:
-            scan.reject(source, "caption_encoding", f"caption is not UTF-8: {error}")
-            continue
-        if not captions:
-            scan.reject(source, "empty_caption", "caption file has no text")
-            continue
-        raw = fs.cat_file(file)
-        try:
-            image, width, height = normalise_image(raw, source, config)
-        except ValueError as error:
-            reason, _, message = str(error).partition(": ")
-            scan.reject(source, reason, message)
-            continue
-        sample_id = sha256_bytes(raw)
-        if sample_id in scan.samples:  # exact duplicate: keep once, merge captions
-            known = scan.samples[sample_id]
-            known.captions = list(dict.fromkeys(known.captions + captions))
-            continue
-        scan.samples[sample_id] = Sample(sample_id, image, width, height, captions, source)
+def scan_sources(storage: StorageConfig, dataset: DatasetConfig, images: dict[str, tuple[int, int, str]]) -> Scan:
+    scan = Scan()
+    for source in dataset.sources:
+        for candidate in read_source(source, source_options(source.path, storage)):
+            scan.formats[candidate.format] += 1
+            try:
+                if candidate.problem is not None:
+                    raise candidate.problem
+                if not candidate.image:
+                    raise Rejected("empty_file", "zero bytes")
+                sample_id = sha256_bytes(candidate.image)
+                if sample_id in scan.samples:  # exact duplicate: kept once, captions merged
+                    known = scan.samples[sample_id]
+                    known.captions = sorted(set(known.captions) | set(candidate.captions))
+                    continue
+                if sample_id in images:  # validated when it was first ingested; only the rules may have changed
+                    width, height, _ = images[sample_id]
+                    check_geometry(width, height, dataset)
+                    image = None
+                else:
+                    image, width, height = normalise_image(candidate.image, dataset)
+            except Rejected as problem:
+                scan.reject(candidate, problem)
+                continue
+            except Exception as error:  # one bad file never fails the stage
+                scan.reject(candidate, Rejected("error", f"{type(error).__name__}: {error}"))
+                continue
+            # variants are a set (training picks one at random): sorted, so line order or which
+            # duplicate came first never changes a sample's identity
+            scan.samples[sample_id] = Sample(sample_id, image, width, height, sorted(set(candidate.captions)),
+                                             candidate.source, candidate.format)
+    return scan
 
 
-def existing_records(store: Store) -> dict[tuple[str, tuple[str, ...]], str]:
-    """(sample id, captions) → shard id, over every committed image shard."""
-    records = {}
-    for key in store.list(SHARDS, ".parquet"):
-        if store.committed(key) is None:
-            continue
-        table = read_image_shard(store.read_bytes(key), columns=["sample_id", "captions"]).to_pylist()
-        shard_id = shard_id_of(key)
-        for row in table:
-            records[(row["sample_id"], tuple(row["captions"]))] = shard_id
-    return records
+def ingest_report(scan: Scan) -> dict[str, Any]:
+    """Counts by reason, by format, by aspect-ratio bucket, and a caption length histogram."""
+    accepted = Counter(s.format for s in scan.samples.values())
+    rejected = Counter(q["format"] for q in scan.quarantined)
+    words = Counter()
+    for sample in scan.samples.values():
+        for caption in sample.captions:
+            count = len(caption.split())
+            words[next((f"<={b}" for b in CAPTION_WORD_BINS if count <= b), f">{CAPTION_WORD_BINS[-1]}")] += 1
+    return {
+        "samples": len(scan.samples),
+        "quarantined": len(scan.quarantined),
+        "candidates": sum(scan.formats.values()),
+        "duplicates": sum(scan.formats.values()) - len(scan.samples) - len(scan.quarantined),
+        "caption_variants": sum(len(s.captions) for s in scan.samples.values()),
+        "by_reason": dict(sorted(Counter(q["reason"] for q in scan.quarantined).items())),
+        "by_format": {f: {"accepted": accepted[f], "quarantined": rejected[f]} for f in sorted(scan.formats)},
+        "by_bucket": dict(sorted(Counter(nearest_ratio(s.width, s.height, 1024)
+                                         for s in scan.samples.values()).items(), key=lambda kv: float(kv[0]))),
+        "caption_words": {b: words[b] for b in [f"<={b}" for b in CAPTION_WORD_BINS] + [f">{CAPTION_WORD_BINS[-1]}"]},
+    }
 
 
 def ingest(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
-    """Ingest every source; returns the dataset record (id, shards, counts) with its URL."""
+    """Ingest every source; returns the dataset record (id, shards, report) with its URL."""
     store = Store(storage)
-    scan = Scan()
-    for source in dataset.sources:
-        scan_folder(source.path, source_options(source.path, storage), dataset, scan)
+    records, images = read_index(store)
+    scan = scan_sources(storage, dataset, images)
     if not scan.samples:
         raise RuntimeError(f"no usable samples in {[s.path for s in dataset.sources]}: "
                            f"{len(scan.quarantined)} quarantined")
 
-    known = existing_records(store)
     members: dict[str, list[str]] = {}
     new: list[Sample] = []
     for sample in scan.samples.values():
-        shard_id = known.get((sample.sample_id, tuple(sample.captions)))
+        shard_id = records.get((sample.sample_id, tuple(sample.captions)))
         if shard_id is None:
             new.append(sample)
         else:
             members.setdefault(shard_id, []).append(sample.sample_id)
+    fill_known_images([s for s in new if s.image is None], images, store)
 
     new.sort(key=lambda s: s.sample_id)
     for start in range(0, len(new), dataset.shard_size):
         chunk = new[start : start + dataset.shard_size]
         shard_id = hash_json([(s.sample_id, s.captions) for s in chunk])
-        store.commit(f"{SHARDS}/{shard_id}.parquet", pack_image_shard([vars(s) for s in chunk]), samples=len(chunk))
+        rows = [{"sample_id": s.sample_id, "image": s.image, "width": s.width, "height": s.height,
+                 "captions": s.captions, "source": s.source} for s in chunk]
+        store.commit(f"{SHARDS}/{shard_id}.parquet", pack_image_shard(rows), samples=len(chunk))
         members[shard_id] = [s.sample_id for s in chunk]
 
     shards = []
     for shard_id in sorted(members):
-        record = store.require(f"{SHARDS}/{shard_id}.parquet")
         current = sorted(members[shard_id])
         # null means "the whole shard"; a list names the current samples of a partly superseded shard
-        shards.append({"id": shard_id, "samples": None if len(current) == record["samples"] else current})
+        whole = len(current) == store.require(f"{SHARDS}/{shard_id}.parquet")["samples"]
+        shards.append({"id": shard_id, "samples": None if whole else current})
     dataset_id = hash_json(shards)
-    record = {
-        "id": dataset_id,
-        "shards": shards,
-        "samples": len(scan.samples),
-        "sources": [s.path for s in dataset.sources],
-    }
+    record = {"id": dataset_id, "shards": shards, "samples": len(scan.samples),
+              "sources": [s.path for s in dataset.sources]}
     if store.committed(f"datasets/{dataset_id}.json") is None:  # an unchanged dataset writes nothing
-        store.write_json(f"quarantine/{dataset_id}.json", scan.quarantined)
         store.commit_json(f"datasets/{dataset_id}.json", record, samples=len(scan.samples))
-    ref = dataset_ref(dataset)
-    if not store.exists(ref) or store.read_json(ref) != {"dataset": dataset_id}:
-        store.write_json(ref, {"dataset": dataset_id})
-    return {**record, "url": store.url(f"datasets/{dataset_id}.json"),
-            "new_shards": -(-len(new) // dataset.shard_size), "quarantined": len(scan.quarantined)}
+    report = {"dataset": dataset_id, **ingest_report(scan), "quarantine": scan.quarantined}
+    write_if_changed(store, report_key(dataset_id), report)
+    write_if_changed(store, dataset_ref(dataset), {"dataset": dataset_id})
+    return {**record, "url": store.url(f"datasets/{dataset_id}.json"), "report": store.url(report_key(dataset_id)),
+            "new_shards": -(-len(new) // dataset.shard_size), "new_samples": len(new),
+            "quarantined": len(scan.quarantined)}
+
+
+def fill_known_images(samples: list[Sample], images: dict[str, tuple[int, int, str]], store: Store) -> None:
+    """Bytes of already-ingested images whose captions changed, from the shards that hold them."""
+    by_shard: dict[str, list[Sample]] = {}
+    for sample in samples:
+        by_shard.setdefault(images[sample.sample_id][2], []).append(sample)
+    for shard_id, wanted in by_shard.items():
+        table = read_image_shard(store.read_bytes(f"{SHARDS}/{shard_id}.parquet"), columns=["sample_id", "image"])
+        stored = dict(zip(table.column("sample_id").to_pylist(), table.column("image").to_pylist()))
+        for sample in wanted:
+            sample.image = stored[sample.sample_id]
+
+
+def write_if_changed(store: Store, key: str, obj: Any) -> None:
+    if not store.exists(key) or store.read_json(key) != obj:
+        store.write_json(key, obj)
+
+
+def report_key(dataset_id: str) -> str:
+    """The report of the latest ingest that produced this dataset (quarantine included)."""
+    return f"datasets/{dataset_id}.report.json"
 
 
 def dataset_ref(dataset: DatasetConfig) -> str:
@@ -224,12 +274,36 @@ def latest_dataset(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, 
     return {**store.read_json(key), "url": store.url(key)}
 
 
+def report_markdown(report: dict[str, Any]) -> str:
+    """The ingest report as markdown (the Prefect artifact and `precast inspect`)."""
+    lines = [f"# Ingest report — dataset `{report['dataset']}`", "",
+             f"**{report['samples']}** samples accepted, **{report['quarantined']}** quarantined, "
+             f"{report['duplicates']} exact duplicates merged, {report['caption_variants']} caption variants.", ""]
+
+    def table(title: str, header: str, rows: list[tuple]) -> None:
+        lines.extend([f"## {title}", "", header, "|" + " --- |" * (header.count("|") - 1)])
+        lines.extend("| " + " | ".join(str(c) for c in row) + " |" for row in rows)
+        lines.append("")
+
+    table("By format", "| format | accepted | quarantined |",
+          [(f, c["accepted"], c["quarantined"]) for f, c in report["by_format"].items()])
+    table("Quarantined by reason", "| reason | count |", list(report["by_reason"].items()))
+    table("By aspect-ratio bucket (height/width)", "| ratio | samples |", list(report["by_bucket"].items()))
+    table("Caption length (words)", "| words | captions |", list(report["caption_words"].items()))
+    if report["quarantine"]:
+        table("Quarantined inputs", "| source | reason | message |",
+              [(q["source"], q["reason"], q["message"]) for q in report["quarantine"][:200]])
+    return "\n".join(lines)
+
 
 def sources_signature(storage: StorageConfig, dataset: DatasetConfig) -> str:
     """Hash of every source file's name, size and modification stamp, plus the ingest rules."""
+    import fsspec
+
     listing = []
     for source in dataset.sources:
-        _, files = list_source(source.path, source_options(source.path, storage))
+        fs, root = fsspec.core.url_to_fs(source.path, **source_options(source.path, storage))
+        files = fs.find(root, detail=True) if fs.exists(root) else {}
         for name, info in sorted(files.items()):
             stamp = info.get("mtime") or info.get("ETag") or info.get("LastModified")
             listing.append((name, info.get("size"), str(stamp)))
@@ -239,4 +313,8 @@ def sources_signature(storage: StorageConfig, dataset: DatasetConfig) -> str:
 @task(name="ingest", persist_result=True, result_serializer="json",
       cache_key_fn=lambda _, parameters: "ingest-" + sources_signature(parameters["storage"], parameters["dataset"]))
 def ingest_task(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
-    return ingest(storage, dataset)
+    result = ingest(storage, dataset)
+    report = Store(storage).read_json(report_key(result["id"]))
+    create_markdown_artifact(markdown=report_markdown(report), key="ingest-report",
+                             description=f"ingest of dataset {result['id']}")
+    return result

@@ -1,98 +1,131 @@
-"""Ingest: content-addressed shards, quarantine with reasons, append-only re-runs."""
+"""Ingest: every source format, every quarantine reason, normalisation, append-only re-runs."""
 
 from __future__ import annotations
 
 import io
 import shutil
 
+import numpy as np
+import pytest
 from PIL import Image
 
 from storage.shards import read_image_shard
 from storage.store import Store
 from tasks.ingest import ingest
+from tests.corpus import ACCEPTED, MAX_PIXELS, REASONS, WRITERS, items
 
 
-def _png(size=(128, 96), color=(200, 30, 30), mode="RGB") -> bytes:
-    buffer = io.BytesIO()
-    Image.new(mode, size, color).save(buffer, format="PNG")
-    return buffer.getvalue()
+def _config(make_config, source, **dataset):
+    return make_config(source=str(source), dataset={"max_pixels": MAX_PIXELS, **dataset})
 
 
-def _corpus(folder):
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "good.png").write_bytes(_png())
-    (folder / "good.txt").write_text("a red square\n\nthe same, said differently\n")
-    (folder / "nested").mkdir()
-    (folder / "nested" / "alpha.png").write_bytes(_png(mode="RGBA", color=(0, 0, 255, 128)))
-    (folder / "nested" / "alpha.txt").write_text("\ufeffa  blue   square ")
-    (folder / "copy.png").write_bytes(_png())  # same bytes as good.png: kept once
-    (folder / "copy.txt").write_text("a crimson square")
-    (folder / "nocaption.png").write_bytes(_png(color=(1, 2, 3)))
-    (folder / "empty.png").write_bytes(_png(color=(4, 5, 6)))
-    (folder / "empty.txt").write_text("   \n")
-    (folder / "broken.png").write_bytes(_png(color=(7, 8, 9))[:60])
-    (folder / "broken.txt").write_text("truncated file")
-    (folder / "tiny.png").write_bytes(_png(size=(20, 20)))
-    (folder / "tiny.txt").write_text("too small")
-    (folder / "zero.png").write_bytes(b"")
-    (folder / "zero.txt").write_text("zero bytes")
-    (folder / "thin.png").write_bytes(_png(size=(600, 100)))
-    (folder / "thin.txt").write_text("beyond 1:4")
-    (folder / "latin1.png").write_bytes(_png(color=(9, 9, 9)))
-    (folder / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
-    return folder
+def _rows(store: Store, dataset: dict) -> dict[tuple[str, ...], dict]:
+    rows = {}
+    for shard in dataset["shards"]:
+        for row in read_image_shard(store.read_bytes(f"shards/images/{shard['id']}.parquet")).to_pylist():
+            rows[tuple(sorted(row["captions"]))] = row
+    return rows
 
 
-def test_ingest_validates_and_quarantines(tmp_path, make_config):
-    config = make_config(source=str(_corpus(tmp_path / "src")))
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    base = tmp_path_factory.mktemp("corpora")
+    return {fmt: write(base / fmt) for fmt, write in WRITERS.items()}
+
+
+@pytest.mark.parametrize("fmt", list(WRITERS))
+def test_each_format_accepts_and_quarantines_exactly(fmt, corpora, make_config):
+    config = _config(make_config, corpora[fmt])
     result = ingest(config.storage, config.dataset)
     store = Store(config.storage)
-    assert result["samples"] == 2
-    reasons = sorted(q["reason"] for q in store.read_json(f"quarantine/{result['id']}.json"))
-    assert reasons == ["aspect_ratio", "caption_encoding", "empty_caption", "empty_file", "missing_caption",
-                       "too_small", "unreadable"]
-    rows = read_image_shard(store.read_bytes(f"shards/images/{result['shards'][0]['id']}.parquet")).to_pylist()
-    captions = sorted(tuple(r["captions"]) for r in rows)
-    # duplicates merge their captions in path order (copy.png before good.png)
-    assert captions == [("a blue square",), ("a crimson square", "a red square", "the same, said differently")]
-    alpha = next(r for r in rows if r["captions"] == ["a blue square"])
-    decoded = Image.open(io.BytesIO(alpha["image"]))
-    assert decoded.mode == "RGB" and decoded.getpixel((0, 0)) == (127, 127, 255)  # alpha over white
+    report = store.read_json(store.key(result["report"]))
+    assert result["samples"] == ACCEPTED
+    expected = dict(REASONS, **({"unsafe_member": 3} if fmt == "webdataset" else {}))
+    assert report["by_reason"] == expected, report["quarantine"]
+    assert report["by_format"] == {fmt: {"accepted": ACCEPTED, "quarantined": sum(expected.values())}}
+    assert report["duplicates"] == 1 and report["caption_variants"] == ACCEPTED + 2
+    assert {q["reason"] for q in report["quarantine"]} == set(expected)
+
+    rows = _rows(store, result)
+    source_bytes = {item["name"]: item["image"] for item in items()}
+    merged = rows[("a rotated red photo", "the same red photo again")]  # duplicate kept once, captions merged
+    assert (merged["width"], merged["height"]) == (100, 200)  # EXIF orientation applied
+    assert Image.open(io.BytesIO(merged["image"])).getpixel((50, 100))[0] > 200
+    assert rows[("the first variant", "the second variant",)]  # multi-line caption → two variants
+    assert ("a caption that starts with a byte order mark",) in rows
+    cmyk = Image.open(io.BytesIO(rows[("a cmyk jpeg",)]["image"]))
+    assert cmyk.mode == "RGB" and cmyk.getpixel((5, 5))[0] > 200 and cmyk.getpixel((5, 5))[1] < 50
+    deep = Image.open(io.BytesIO(rows[("a sixteen bit png",)]["image"]))
+    assert deep.mode == "RGB" and deep.getpixel((0, 0)) == (156, 156, 156)  # 40000/65535 of full scale
+    gif = Image.open(io.BytesIO(rows[("an animated palette gif",)]["image"]))
+    assert gif.format == "PNG" and gif.getpixel((0, 0)) == (10, 200, 30)  # first frame, palette resolved
+    alpha = Image.open(io.BytesIO(rows[("a transparent png",)]["image"]))
+    assert alpha.getpixel((0, 0)) == (255, 255, 255)  # transparent pixels composited on white
+    assert rows[("a webp photo",)]["image"] == source_bytes["photo.webp"]  # no conversion: original bytes
+    assert rows[("a plain blue picture",)]["image"] == source_bytes["plain.png"]
 
 
-def test_reingest_is_a_no_op_and_new_data_goes_to_new_shards(tmp_path, make_config, demo_data):
+def test_every_format_yields_the_same_dataset(corpora, make_config, tmp_path):
+    ids = {fmt: ingest(*_split(_config(make_config, path))).get("id") for fmt, path in corpora.items()}
+    assert len(set(ids.values())) == 1, ids
+
+
+def _split(config):
+    return config.storage, config.dataset
+
+
+def test_reingest_writes_nothing_and_new_data_goes_to_new_shards(tmp_path, make_config, demo_data):
     source = tmp_path / "src"
     shutil.copytree(demo_data, source)
     config = make_config(source=str(source))
-    first = ingest(config.storage, config.dataset)
     store = Store(config.storage)
-    shard_files = set(store.list("shards/images", ".parquet"))
+    first = ingest(config.storage, config.dataset)
     assert first["samples"] == 24 and first["new_shards"] == 3
+    before = {p: store.fs.info(p)["mtime"] for p in store.fs.find(store.root_path)}
 
     again = ingest(config.storage, config.dataset)
     assert again["id"] == first["id"] and again["new_shards"] == 0
-    assert set(store.list("shards/images", ".parquet")) == shard_files
+    assert {p: store.fs.info(p)["mtime"] for p in store.fs.find(store.root_path)} == before  # wrote nothing
 
-    (source / "extra.png").write_bytes(_png(color=(10, 200, 10)))
+    shards = set(store.list("shards/images", ".parquet"))
+    Image.new("RGB", (120, 100), (10, 200, 10)).save(source / "extra.png")
     (source / "extra.txt").write_text("a green square")
     grown = ingest(config.storage, config.dataset)
     assert grown["id"] != first["id"] and grown["new_shards"] == 1 and grown["samples"] == 25
-    new_shards = set(store.list("shards/images", ".parquet")) - shard_files
-    assert len(new_shards) == 1
-    rows = read_image_shard(store.read_bytes(new_shards.pop())).to_pylist()
-    assert [r["captions"] for r in rows] == [["a green square"]]
+    (new_shard,) = set(store.list("shards/images", ".parquet")) - shards
+    assert [r["captions"] for r in read_image_shard(store.read_bytes(new_shard)).to_pylist()] == [["a green square"]]
 
     # an edited caption supersedes the old record without rewriting its shard
     (source / "00000.txt").write_text("a new caption for the first image\n")
     edited = ingest(config.storage, config.dataset)
-    assert edited["samples"] == 25 and edited["new_shards"] == 1
+    assert edited["samples"] == 25 and edited["new_samples"] == 1
     partial = [s for s in edited["shards"] if s["samples"] is not None]
     assert len(partial) == 1 and len(partial[0]["samples"]) == 9
 
+    # a changed file is a new sample; the old one leaves the dataset
+    png = source / "00001.png"
+    pixels = np.asarray(Image.open(png)).copy()
+    pixels[0, 0] = 255 - pixels[0, 0]
+    Image.fromarray(pixels).save(png)
+    changed = ingest(config.storage, config.dataset)
+    assert changed["samples"] == 25 and changed["new_samples"] == 1 and changed["id"] != edited["id"]
 
-def test_unreachable_source_names_it(tmp_path, make_config):
-    import pytest
 
+def test_same_corpus_from_s3_gives_the_same_dataset_id(corpora, make_config, s3_endpoint, tmp_path):
+    import s3fs
+
+    s3 = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
+    s3.mkdir("precast-corpus")
+    s3.put(str(corpora["webdataset"]), "precast-corpus/wds", recursive=True)
+    local = ingest(*_split(_config(make_config, corpora["webdataset"], )))
+    remote_config = _config(make_config, "s3://precast-corpus/wds")
+    remote_config = remote_config.model_copy(update={"storage": remote_config.storage.model_copy(
+        update={"root": str(tmp_path / "other-store"), "options": {"endpoint_url": s3_endpoint}})})
+    remote = ingest(remote_config.storage, remote_config.dataset)
+    assert remote["id"] == local["id"] and remote["quarantined"] == local["quarantined"]
+
+
+def test_unreachable_source_fails_naming_it(tmp_path, make_config):
     config = make_config(source=str(tmp_path / "missing"))
     with pytest.raises(RuntimeError, match="missing"):
         ingest(config.storage, config.dataset)
