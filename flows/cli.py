@@ -69,6 +69,29 @@ def cmd_stage(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import yaml
+
+    from configs.schema import StorageConfig
+    from storage.store import Store
+    from tasks.ingest import report_key, report_markdown
+
+    root, marker, name = args.dataset_url.rpartition("/datasets/")
+    if not marker or not name.endswith(".json"):
+        raise ValueError(f"{args.dataset_url}: expected <root>/datasets/<dataset_id>.json")
+    options = {key: yaml.safe_load(value) for key, _, value in (o.partition("=") for o in args.option)}
+    store = Store(StorageConfig(root=root, options=options))
+    dataset_id = name.removesuffix(".json")
+    record = store.read_json(f"datasets/{dataset_id}.json")
+    report = store.read_json(report_key(dataset_id))
+    if args.json:
+        print(json.dumps({"dataset": record, "report": report}))
+    else:
+        print(report_markdown(report))
+        print(f"\n{len(record['shards'])} image shards under {store.url('shards/images')}")
+    return 0
+
+
 def cmd_tiny_models(args: argparse.Namespace) -> int:
     from flows.tiny_models import write_tiny_models
 
@@ -108,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(stage)
     stage.add_argument("--json", action="store_true", help="print the stage's record as one JSON line")
     stage.set_defaults(func=cmd_stage)
+
+    inspect = commands.add_parser("inspect", help="show a dataset's ingest report")
+    inspect.add_argument("dataset_url", help="<root>/datasets/<dataset_id>.json, as printed by ingest")
+    inspect.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                         help="fsspec storage option for the root, e.g. endpoint_url=http://… (repeatable)")
+    inspect.add_argument("--json", action="store_true", help="print dataset record and report as one JSON line")
+    inspect.set_defaults(func=cmd_inspect)
 
     tiny = commands.add_parser("tiny-models", help="write tiny random PixArt-Sigma models in the hub layout")
     tiny.add_argument("dir")

@@ -32,6 +32,22 @@ def _task_states(flow_run_id) -> dict[str, list[str]]:
     return asyncio.run(read())
 
 
+def _latest_artifact(key: str) -> str:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, TaskRunFilter
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    async def read():
+        async with get_client() as client:
+            # this server version refuses null filters: pass empty ones
+            found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+                                                flow_run_filter=FlowRunFilter(), task_run_filter=TaskRunFilter(),
+                                                sort=ArtifactSort.UPDATED_DESC, limit=1)
+            return found[0].data
+
+    return asyncio.run(read())
+
+
 def _files(store: Store) -> set[str]:
     return {path for path in store.fs.find(store.root_path) if "/prefect/" not in path}
 
@@ -48,6 +64,8 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     states = _task_states(state.state_details.flow_run_id)
     assert set(states) == {"ingest", "encode-prompts", "encode-text", "encode-latents", "manifest", "train"}
     assert len(states["encode-text"]) == len(states["encode-latents"]) == 3
+
+    assert "## Quarantined by reason" in _latest_artifact("ingest-report")
 
     written = _files(store)
     again = pipeline(config=config, return_state=True)

@@ -129,3 +129,18 @@ def test_unreachable_source_fails_naming_it(tmp_path, make_config):
     config = make_config(source=str(tmp_path / "missing"))
     with pytest.raises(RuntimeError, match="missing"):
         ingest(config.storage, config.dataset)
+
+
+def test_inspect_prints_the_report(corpora, make_config, capsys):
+    import json
+
+    from flows.cli import main
+
+    config = _config(make_config, corpora["jsonl"])
+    result = ingest(config.storage, config.dataset)
+    assert main(["inspect", result["url"], "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert shown["dataset"]["id"] == result["id"] and shown["report"]["by_reason"] == REASONS
+    assert main(["inspect", result["url"]]) == 0
+    text = capsys.readouterr().out
+    assert "| caption_encoding | 1 |" in text and "| jsonl | 9 | 9 |" in text
