@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import io
 import logging
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,7 +41,7 @@ CAPTION_WORD_BINS = [5, 10, 20, 50, 100, 200]
 @dataclass
 class Sample:
     sample_id: str
-    image: bytes | None  # None: the bytes are already in an image shard
+    image_file: Path | None  # the normalised bytes, spilled to local disk; None: already in a shard
     width: int
     height: int
     captions: list[str]
@@ -49,6 +51,7 @@ class Sample:
 
 @dataclass
 class Scan:
+    spill: Path  # new images wait here, not in memory, until their shard is written
     samples: dict[str, Sample] = field(default_factory=dict)
     quarantined: list[dict[str, str]] = field(default_factory=list)
     formats: Counter = field(default_factory=Counter)
@@ -132,8 +135,10 @@ def source_options(path: str, storage: StorageConfig) -> dict[str, Any]:
     return storage.options if "://" in path and not path.startswith("file://") else {}
 
 
-def scan_sources(storage: StorageConfig, dataset: DatasetConfig, images: dict[str, tuple[int, int, str]]) -> Scan:
-    scan = Scan()
+def scan_sources(
+    storage: StorageConfig, dataset: DatasetConfig, images: dict[str, tuple[int, int, str]], spill: Path
+) -> Scan:
+    scan = Scan(spill)
     for source in dataset.sources:
         for candidate in read_source(source, source_options(source.path, storage)):
             scan.formats[candidate.format] += 1
@@ -150,9 +155,11 @@ def scan_sources(storage: StorageConfig, dataset: DatasetConfig, images: dict[st
                 if sample_id in images:  # validated when it was first ingested; only the rules may have changed
                     width, height, _ = images[sample_id]
                     check_geometry(width, height, dataset)
-                    image = None
+                    image_file = None
                 else:
                     image, width, height = normalise_image(candidate.image, dataset)
+                    image_file = scan.spill / sample_id
+                    image_file.write_bytes(image)
             except Rejected as problem:
                 scan.reject(candidate, problem)
                 continue
@@ -161,7 +168,7 @@ def scan_sources(storage: StorageConfig, dataset: DatasetConfig, images: dict[st
                 continue
             # variants are a set (training picks one at random): sorted, so line order or which
             # duplicate came first never changes a sample's identity
-            scan.samples[sample_id] = Sample(sample_id, image, width, height, sorted(set(candidate.captions)),
+            scan.samples[sample_id] = Sample(sample_id, image_file, width, height, sorted(set(candidate.captions)),
                                              candidate.source, candidate.format)
     return scan
 
@@ -193,29 +200,12 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
     """Ingest every source; returns the dataset record (id, shards, report) with its URL."""
     store = Store(storage)
     records, images = read_index(store)
-    scan = scan_sources(storage, dataset, images)
-    if not scan.samples:
-        raise RuntimeError(f"no usable samples in {[s.path for s in dataset.sources]}: "
-                           f"{len(scan.quarantined)} quarantined")
-
-    members: dict[str, list[str]] = {}
-    new: list[Sample] = []
-    for sample in scan.samples.values():
-        shard_id = records.get((sample.sample_id, tuple(sample.captions)))
-        if shard_id is None:
-            new.append(sample)
-        else:
-            members.setdefault(shard_id, []).append(sample.sample_id)
-    fill_known_images([s for s in new if s.image is None], images, store)
-
-    new.sort(key=lambda s: s.sample_id)
-    for start in range(0, len(new), dataset.shard_size):
-        chunk = new[start : start + dataset.shard_size]
-        shard_id = hash_json([(s.sample_id, s.captions) for s in chunk])
-        rows = [{"sample_id": s.sample_id, "image": s.image, "width": s.width, "height": s.height,
-                 "captions": s.captions, "source": s.source} for s in chunk]
-        store.commit(f"{SHARDS}/{shard_id}.parquet", pack_image_shard(rows), samples=len(chunk))
-        members[shard_id] = [s.sample_id for s in chunk]
+    with tempfile.TemporaryDirectory(prefix="precast-ingest-") as spill:
+        scan = scan_sources(storage, dataset, images, Path(spill))
+        if not scan.samples:
+            raise RuntimeError(f"no usable samples in {[s.path for s in dataset.sources]}: "
+                               f"{len(scan.quarantined)} quarantined")
+        new, members = write_new_shards(store, dataset, scan, records, images)
 
     shards = []
     for shard_id in sorted(members):
@@ -236,7 +226,35 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
             "quarantined": len(scan.quarantined)}
 
 
-def fill_known_images(samples: list[Sample], images: dict[str, tuple[int, int, str]], store: Store) -> None:
+def write_new_shards(
+    store: Store, dataset: DatasetConfig, scan: Scan, records: dict, images: dict[str, tuple[int, int, str]]
+) -> tuple[list[Sample], dict[str, list[str]]]:
+    """Commit shards of the samples no shard holds with these captions; returns them and the
+    current members of every shard the dataset uses."""
+    members: dict[str, list[str]] = {}
+    new: list[Sample] = []
+    for sample in scan.samples.values():
+        shard_id = records.get((sample.sample_id, tuple(sample.captions)))
+        if shard_id is None:
+            new.append(sample)
+        else:
+            members.setdefault(shard_id, []).append(sample.sample_id)
+    spill_known_images([s for s in new if s.image_file is None], images, store, scan.spill)
+
+    new.sort(key=lambda s: s.sample_id)
+    for start in range(0, len(new), dataset.shard_size):
+        chunk = new[start : start + dataset.shard_size]
+        shard_id = hash_json([(s.sample_id, s.captions) for s in chunk])
+        rows = [{"sample_id": s.sample_id, "image": s.image_file.read_bytes(), "width": s.width,
+                 "height": s.height, "captions": s.captions, "source": s.source} for s in chunk]
+        store.commit(f"{SHARDS}/{shard_id}.parquet", pack_image_shard(rows), samples=len(chunk))
+        members[shard_id] = [s.sample_id for s in chunk]
+    return new, members
+
+
+def spill_known_images(
+    samples: list[Sample], images: dict[str, tuple[int, int, str]], store: Store, spill: Path
+) -> None:
     """Bytes of already-ingested images whose captions changed, from the shards that hold them."""
     by_shard: dict[str, list[Sample]] = {}
     for sample in samples:
@@ -245,7 +263,8 @@ def fill_known_images(samples: list[Sample], images: dict[str, tuple[int, int, s
         table = read_image_shard(store.read_bytes(f"{SHARDS}/{shard_id}.parquet"), columns=["sample_id", "image"])
         stored = dict(zip(table.column("sample_id").to_pylist(), table.column("image").to_pylist()))
         for sample in wanted:
-            sample.image = stored[sample.sample_id]
+            sample.image_file = spill / sample.sample_id
+            sample.image_file.write_bytes(stored[sample.sample_id])
 
 
 def write_if_changed(store: Store, key: str, obj: Any) -> None:
