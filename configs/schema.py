@@ -76,9 +76,23 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 
 class TextEncodingConfig(Section):
     max_length: int = Field(300, ge=1, description="T5 token limit; longer captions are truncated (PixArt-Sigma: 300).")
-    dtype: Dtype = Field("bf16", description="Precision of the T5 encoder and of the stored embeddings.")
+    dtype: Literal["fp32", "bf16", "fp16", "int8"] = Field(
+        "bf16",
+        description="T5 precision. fp16 loads through from_pretrained(dtype=float16), which keeps T5's wo layers "
+        "in fp32; int8 is torchao int8 weight-only quantisation with bf16 activations. Embeddings are stored in "
+        "the activation dtype (fp32, bf16, fp16; bf16 for int8).",
+    )
+    offload: Literal["none", "model", "sequential"] = Field(
+        "none",
+        description="none: T5 lives on the device. model: weights wait in CPU memory and move to the device for "
+        "each shard. sequential: each layer moves to the device only for its own forward (T5-XXL on a GPU "
+        "smaller than its weights). Results do not depend on it.",
+    )
     batch_tokens: int = Field(
         16384, ge=1, description="Token budget of one encoder batch (captions are sorted by length first)."
+    )
+    numerics_samples: int = Field(
+        8, ge=0, description="Captions re-encoded in fp32 to measure the precision's error (0: skip the check)."
     )
     device: str = Field("auto", description="Torch device for T5: auto, cpu, cuda, cuda:1, …")
 

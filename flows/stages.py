@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from prefect import Task
+from prefect.artifacts import create_markdown_artifact
 from prefect.filesystems import RemoteFileSystem
 
 from configs.schema import PipelineConfig
 from storage.fingerprint import hash_json
 from storage.store import Store
 from tasks.encode_latents import encode_latents_task
-from tasks.encode_text import encode_prompts_task, encode_text_task
+from tasks.encode_text import encode_prompts_task, encode_text_task, encoding_report
 from tasks.ingest import ingest_task, latest_dataset
 from tasks.manifest import manifest_id, manifest_key, manifest_task
 from tasks.models import text_encoder_fingerprint, vae_fingerprint
@@ -62,6 +63,7 @@ def run_encode_text(config: PipelineConfig, dataset: dict[str, Any]) -> dict[str
     prompts = configured(encode_prompts_task, config)(*args, config.training.sample_prompts)
     shards = bounded_map(configured(encode_text_task, config), shard_urls(config, dataset),
                          config.execution.max_parallel_shards, *args)
+    create_markdown_artifact(key="text-encoding", markdown=encoding_report(shards))
     return {"url": Store(config.storage).url(f"cache/text/{fingerprint}"), "prompts": prompts, "shards": shards}
 
 

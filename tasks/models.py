@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +17,9 @@ from configs.schema import LatentEncodingConfig, ModelConfig, TextEncodingConfig
 from storage.fingerprint import component_fingerprint, hash_json
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TEXT_FORMAT = "precast.text/1"  # bump when the stored text layout or numerics change
+# activation (and stored embedding) dtype of each text_encoding.dtype; int8 quantises weights only
+TEXT_ACTIVATIONS = {**DTYPES, "int8": torch.bfloat16}
+TEXT_FORMAT = "precast.text/2"  # bump when the stored text layout or numerics change
 LATENT_FORMAT = "precast.latents/1"
 # from_pretrained patches torch.nn.Module globally while it builds empty weights; two threads
 # loading at once can leave the patch in place, so loads are serialised.
@@ -38,18 +41,53 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-@serialised
-@functools.lru_cache(maxsize=1)
-def load_text_encoder(model: ModelConfig, dtype: str, device: str):
-    """Tokenizer and T5 encoder, eval mode. fp16 goes through `from_pretrained(dtype=float16)`,
-    which keeps T5's `wo` projections in fp32 (T5 v1.1 overflows in plain fp16)."""
+@dataclass
+class TextEncoder:
+    """A tokenizer and a T5 encoder placed for encoding; `device` is where inputs go."""
+
+    tokenizer: Any
+    model: Any
+    device: torch.device
+    offload_hook: Any = None
+
+    def release(self) -> None:
+        """Give the device memory back between shards (offload "model")."""
+        if self.offload_hook is not None:
+            self.offload_hook.offload()
+
+
+def build_text_encoder(model: ModelConfig, dtype: str, device: str, offload: str) -> TextEncoder:
+    """Load T5 by the real `from_pretrained` path in `dtype` and place it for `offload`.
+
+    fp16 goes through `from_pretrained(dtype=float16)`, which keeps T5's `wo` projections in fp32
+    (T5 v1.1 overflows in plain fp16; a later `.to(float16)` would undo that).
+    """
     from transformers import AutoTokenizer, T5EncoderModel
 
     tokenizer = AutoTokenizer.from_pretrained(model.path, subfolder="tokenizer", revision=model.revision)
     encoder = T5EncoderModel.from_pretrained(
-        model.path, subfolder="text_encoder", revision=model.revision, dtype=DTYPES[dtype]
-    )
-    return tokenizer, encoder.to(resolve_device(device)).eval().requires_grad_(False)
+        model.path, subfolder="text_encoder", revision=model.revision, dtype=TEXT_ACTIVATIONS[dtype]
+    ).eval().requires_grad_(False)
+    if dtype == "int8":
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        quantize_(encoder, Int8WeightOnlyConfig())
+    target = resolve_device(device)
+    if offload == "sequential":
+        from accelerate import cpu_offload
+
+        cpu_offload(encoder, execution_device=target)
+        return TextEncoder(tokenizer, encoder, target)
+    if offload == "model":
+        from accelerate import cpu_offload_with_hook
+
+        encoder, hook = cpu_offload_with_hook(encoder, execution_device=target)
+        return TextEncoder(tokenizer, encoder, target, hook)
+    return TextEncoder(tokenizer, encoder.to(target), target)
+
+
+# one encoder per worker process: every shard that worker encodes reuses it
+load_text_encoder = serialised(functools.lru_cache(maxsize=1)(build_text_encoder))
 
 
 @serialised
@@ -76,7 +114,8 @@ def load_noise_scheduler(model: ModelConfig):
 
 
 def text_encoder_fingerprint(model: ModelConfig, text: TextEncodingConfig) -> str:
-    """Covers weights, tokenizer files, max_length, dtype and format; not device or batch size."""
+    """Covers weights, tokenizer files, max_length, dtype (quantisation included) and format; not
+    device, offload or batch size, which change nothing beyond float noise."""
     files = component_fingerprint(model.path, ["text_encoder", "tokenizer"], model.revision)
     return hash_json({"files": files, "max_length": text.max_length, "dtype": text.dtype, "format": TEXT_FORMAT})
 

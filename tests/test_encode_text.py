@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoTokenizer, T5EncoderModel
 
 from storage.shards import RaggedShard, read_image_shard
 from storage.store import Store
-from tasks.encode_text import encode_prompts, encode_text_shard, text_cache_key
+from tasks.encode_text import encode_captions, encode_prompts, encode_text_shard, text_cache_key
 from tasks.ingest import ingest
 from tasks.models import text_encoder_fingerprint
 
@@ -19,31 +21,124 @@ def ingested(make_config):
     return config, ingest(config.storage, config.dataset)
 
 
-def _direct(tiny_models, caption, max_length=300):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_models, subfolder="tokenizer")
-    encoder = T5EncoderModel.from_pretrained(tiny_models, subfolder="text_encoder").eval()
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16}
+
+
+def _direct(models, caption, max_length=300, dtype="fp32"):
+    """The encoder's own output for one caption, unpadded, loaded as a user would load it."""
+    tokenizer = AutoTokenizer.from_pretrained(models, subfolder="tokenizer")
+    encoder = T5EncoderModel.from_pretrained(models, subfolder="text_encoder", dtype=DTYPES[dtype]).eval()
+    if dtype == "int8":
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        quantize_(encoder, Int8WeightOnlyConfig())
     ids = tokenizer(caption, truncation=True, max_length=max_length, return_tensors="pt").input_ids
     with torch.no_grad():
         return encoder(input_ids=ids).last_hidden_state[0]
 
 
-def test_cached_embeddings_equal_a_direct_t5_call(ingested, tiny_models):
-    config, dataset = ingested
+def _encode_first_shard(config, dataset, **text):
     store = Store(config.storage)
-    fingerprint = text_encoder_fingerprint(config.model, config.text_encoding)
+    settings = config.text_encoding.model_copy(update=text)
+    fingerprint = text_encoder_fingerprint(config.model, settings)
     shard = dataset["shards"][0]["id"]
-    record = encode_text_shard(config.storage, config.model, config.text_encoding, fingerprint,
+    record = encode_text_shard(config.storage, config.model, settings, fingerprint,
                                store.url(f"shards/images/{shard}.parquet"))
     cache = RaggedShard(store.local_path(text_cache_key(fingerprint, shard)))
     rows = read_image_shard(store.read_bytes(f"shards/images/{shard}.parquet")).to_pylist()
+    return record, cache, rows
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16", "int8"])
+def test_cached_embeddings_equal_a_direct_t5_call(ingested, tiny_models, dtype):
+    config, dataset = ingested
+    record, cache, rows = _encode_first_shard(config, dataset, dtype=dtype)
     lengths = []
     for row in rows:
         cached = cache[f"{row['sample_id']}/0"]
-        direct = _direct(tiny_models, row["captions"][0])
-        assert cached.shape == direct.shape  # only the real tokens are stored
-        torch.testing.assert_close(cached, direct, rtol=1e-4, atol=1e-5)
+        direct = _direct(tiny_models, row["captions"][0], dtype=dtype)
+        assert cached.shape == direct.shape and cached.dtype == DTYPES[dtype]  # only the real tokens
+        if dtype == "fp32":
+            torch.testing.assert_close(cached, direct, rtol=1e-4, atol=1e-5)
+        else:  # batched with other captions: same numerics up to half-precision rounding
+            cosine = torch.nn.functional.cosine_similarity(cached.float(), direct.float(), dim=-1)
+            assert cosine.min() > 0.999, (dtype, cosine.min())
         lengths.append(len(cached))
     assert record["tokens"] == sum(lengths) and len(set(lengths)) > 1  # varied lengths, no padding
+    numerics = record["numerics"]
+    assert numerics == cache.meta["numerics"] and numerics["dtype"] == dtype
+    if dtype != "fp32":
+        assert numerics["samples"] == min(config.text_encoding.numerics_samples, record["captions"])
+        assert numerics["cosine_min"] > 0.99 and numerics["max_abs_error"] < 0.1 * numerics["max_abs_reference"]
+
+
+def test_fp16_keeps_an_overflowing_t5_finite(make_config, tiny_models, tmp_path):
+    """T5 v1.1's FFN output overflows fp16; the fp16 path must keep `wo` in fp32."""
+    hot = tmp_path / "hot-t5"
+    shutil.copytree(tiny_models, hot)
+    encoder = T5EncoderModel.from_pretrained(hot, subfolder="text_encoder")
+    with torch.no_grad():
+        for block in encoder.encoder.block:
+            block.layer[1].DenseReluDense.wo.weight.mul_(200_000.0)  # residual stream reaches ~4e5 > 65504
+    encoder.save_pretrained(hot / "text_encoder")
+    caption = "a red circle on a blue background with stripes"
+    naive = T5EncoderModel.from_pretrained(hot, subfolder="text_encoder").to(torch.float16)
+    ids = AutoTokenizer.from_pretrained(hot, subfolder="tokenizer")(caption, return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert not torch.isfinite(naive(input_ids=ids).last_hidden_state).all()  # the trap is real
+
+    config = make_config()
+    config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(hot)})})
+    dataset = ingest(config.storage, config.dataset)
+    record, cache, rows = _encode_first_shard(config, dataset, dtype="fp16")
+    for row in rows[:4]:
+        cached = cache[f"{row['sample_id']}/0"]
+        reference = _direct(str(hot), row["captions"][0], dtype="fp32")
+        assert torch.isfinite(cached).all()
+        cosine = torch.nn.functional.cosine_similarity(cached.float(), reference, dim=-1)
+        assert cosine.min() > 0.999
+    assert record["numerics"]["cosine_min"] > 0.999
+
+
+def test_offload_modes_agree_and_share_the_cache(ingested):
+    config, dataset = ingested
+    outputs = {}
+    for offload in ["none", "model", "sequential"]:
+        settings = config.text_encoding.model_copy(update={"offload": offload})
+        outputs[offload], _ = encode_captions(["a red circle", "a long caption " * 12, ""], config.model, settings)
+    for offload in ["model", "sequential"]:
+        for a, b in zip(outputs["none"], outputs[offload]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    base = text_encoder_fingerprint(config.model, config.text_encoding)
+    assert text_encoder_fingerprint(config.model, config.text_encoding.model_copy(
+        update={"offload": "sequential", "batch_tokens": 7, "device": "cpu"})) == base
+
+
+def test_existing_shard_is_skipped_without_loading_t5(ingested, monkeypatch):
+    config, dataset = ingested
+    first, _, _ = _encode_first_shard(config, dataset)
+
+    def refuse(*_):
+        raise AssertionError("T5 must not load for a shard that is already encoded")
+
+    monkeypatch.setattr("tasks.encode_text.load_text_encoder", refuse)
+    again, _, _ = _encode_first_shard(config, dataset, offload="model", batch_tokens=64)
+    assert again == first
+
+
+def test_non_finite_output_fails_the_shard_and_caches_nothing(make_config, tiny_models, tmp_path):
+    broken = tmp_path / "nan-t5"
+    shutil.copytree(tiny_models, broken)
+    encoder = T5EncoderModel.from_pretrained(broken, subfolder="text_encoder")
+    with torch.no_grad():
+        encoder.encoder.final_layer_norm.weight[0] = float("nan")
+    encoder.save_pretrained(broken / "text_encoder")
+    config = make_config()
+    config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(broken)})})
+    dataset = ingest(config.storage, config.dataset)
+    with pytest.raises(FloatingPointError, match="non-finite values in fp32 for caption"):
+        _encode_first_shard(config, dataset)
+    assert Store(config.storage).list("cache/text") == []
 
 
 def test_results_do_not_depend_on_batching_and_truncation_is_counted(ingested, tiny_models):
@@ -64,8 +159,6 @@ def test_results_do_not_depend_on_batching_and_truncation_is_counted(ingested, t
 
 
 def test_fingerprint_covers_dtype_and_weights_not_device(make_config, tmp_path, tiny_models):
-    import shutil
-
     config = make_config()
     base = text_encoder_fingerprint(config.model, config.text_encoding)
     assert text_encoder_fingerprint(config.model, config.text_encoding.model_copy(update={"dtype": "bf16"})) != base
