@@ -20,6 +20,21 @@ from storage.shards import LatentShard, RaggedShard
 from storage.store import Store
 
 
+class TextCache:
+    """T5 embeddings of (text shard, sample, variant) from cache shards, memory-mapped; remote
+    shards are read through a local copy (content-addressed, so never stale)."""
+
+    def __init__(self, store: Store, shard_keys: set[str]):
+        self._shards = {key: RaggedShard(store.local_path(key)) for key in sorted(shard_keys)}
+
+    def embedding(self, shard_key: str, sample_id: str, variant: int) -> torch.Tensor:
+        return self._shards[shard_key][f"{sample_id}/{variant}"]
+
+    def batch(self, items: list[tuple[str, str, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings padded to the batch's longest caption [B, L, D] and the mask [B, L]."""
+        return pad_sequences([self.embedding(*item) for item in items])
+
+
 class CachedFeatures:
     def __init__(self, store: Store, manifest: dict[str, Any]):
         for key, sha in manifest["checksums"].items():
@@ -29,7 +44,7 @@ class CachedFeatures:
         table = pq.read_table(io.BytesIO(store.read_bytes(manifest["table"]))).to_pylist()
         self.samples = {row["sample_id"]: row for row in table}
         shard_keys = {row["text_shard"] for row in table} | {row["latent_shard"] for row in table}
-        self._text = {k: RaggedShard(store.local_path(k)) for k in shard_keys if k.startswith("cache/text/")}
+        self.text = TextCache(store, {k for k in shard_keys if k.startswith("cache/text/")})
         self._latents = {k: LatentShard(store.local_path(k)) for k in shard_keys if k.startswith("cache/latents/")}
         self.prompts = RaggedShard(store.local_path(manifest["prompts_shard"]))
         first = next(iter(self._latents.values())).meta
@@ -53,12 +68,9 @@ class CachedFeatures:
                 texts.append(self.prompts[""])
             else:
                 variant = int(torch.randint(row["variants"], (), generator=generator))
-                texts.append(self._text[row["text_shard"]][f"{sample_id}/{variant}"])
+                texts.append(self.text.embedding(row["text_shard"], sample_id, variant))
         embeddings, mask = pad_sequences(texts)
         return torch.stack(latents), embeddings, mask
-
-    def prompt_embeddings(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        return pad_sequences([self.prompts[p] for p in prompts])
 
 
 def pad_sequences(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 
 import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# local copies of remote shards go to a throwaway folder, not the user's cache
+os.environ.setdefault("PRECAST_CACHE", tempfile.mkdtemp(prefix="precast-test-cache-"))
 
 from configs.schema import PipelineConfig  # noqa: E402
 from flows.demo_data import write_demo_data  # noqa: E402

@@ -184,3 +184,29 @@ def test_bf16_cache_stays_close_to_fp32(ingested):
     for prompt in ["", *prompts]:
         cosine = torch.nn.functional.cosine_similarity(a[prompt].float(), b[prompt].float(), dim=-1)
         assert cosine.min() > 0.99
+
+
+def test_text_cache_reads_padded_batches_from_local_and_remote_shards(make_config, s3_endpoint, tmp_path):
+    import s3fs
+
+    from tasks.features import TextCache
+
+    s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir("precast-text")
+    local = make_config()
+    remote = local.model_copy(update={"storage": local.storage.model_copy(
+        update={"root": "s3://precast-text/store", "options": {"endpoint_url": s3_endpoint}})})
+    batches = []
+    for config in (local, remote):
+        dataset = ingest(config.storage, config.dataset)
+        record, cache, rows = _encode_first_shard(config, dataset)
+        key = Store(config.storage).key(record["url"])
+        items = [(key, row["sample_id"], 0) for row in rows]
+        embeddings, mask = TextCache(Store(config.storage), {key}).batch(items)
+        lengths = [len(cache[f"{row['sample_id']}/0"]) for row in rows]
+        assert embeddings.shape[:2] == mask.shape == (len(rows), max(lengths))
+        assert mask.sum(1).tolist() == lengths  # the mask is implied by each caption's real length
+        for i, row in enumerate(rows):
+            torch.testing.assert_close(embeddings[i, : lengths[i]], cache[f"{row['sample_id']}/0"])
+            assert embeddings[i, lengths[i]:].abs().sum() == 0
+        batches.append(embeddings)
+    torch.testing.assert_close(batches[0], batches[1])
