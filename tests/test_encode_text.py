@@ -168,7 +168,13 @@ def test_fingerprint_covers_dtype_and_weights_not_device(make_config, tmp_path, 
     shutil.copytree(tiny_models, copy)
     weights = copy / "text_encoder" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-4] + b"\x00\x00\x80\x3f")
-    assert text_encoder_fingerprint(config.model.model_copy(update={"path": str(copy)}), config.text_encoding) != base
+    changed_weights = text_encoder_fingerprint(config.model.model_copy(update={"path": str(copy)}), config.text_encoding)
+    assert changed_weights != base
+    tokenizer_file = copy / "tokenizer" / "tokenizer_config.json"
+    tokenizer_file.write_text(tokenizer_file.read_text().replace("512", "511"))
+    assert text_encoder_fingerprint(config.model.model_copy(update={"path": str(copy)}),
+                                    config.text_encoding) not in (base, changed_weights)
+    assert text_encoder_fingerprint(config.model, config.text_encoding.model_copy(update={"max_length": 120})) != base
 
 
 def test_bf16_cache_stays_close_to_fp32(ingested):
