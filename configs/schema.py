@@ -101,9 +101,25 @@ class LatentEncodingConfig(Section):
     resolution: Literal[256, 512, 1024, 2048] = Field(
         512, description="Base resolution; picks diffusers' PixArt aspect-ratio bucket table."
     )
-    dtype: Dtype = Field("fp32", description="Precision of the VAE encoder.")
-    storage_dtype: Dtype = Field("fp16", description="Precision of the stored posterior mean and std.")
+    crop: Literal["center", "random"] = Field(
+        "center", description="Crop after resizing to cover the bucket: centre (PixArt) or random, seeded by crop_seed "
+        "and the sample id. The crop box is recorded per sample."
+    )
+    crop_seed: int = Field(0, description="Seed of random crops.")
+    posterior: Literal["mean_std", "mean_logvar", "mean"] = Field(
+        "mean_std", description="What is stored of the VAE posterior: mean and std (training samples a fresh latent "
+        "each epoch, as PixArt does), mean and log-variance, or the mean only."
+    )
+    flip: bool = Field(False, description="Also store the posterior of the horizontally flipped image.")
+    dtype: Dtype = Field(
+        "fp32", description="Precision of the VAE encoder; a non-finite result is re-encoded in fp32, and a sample "
+        "still non-finite is quarantined."
+    )
+    storage_dtype: Dtype = Field("fp16", description="Precision of the stored posterior.")
     batch_size: int = Field(8, ge=1, description="Images per VAE call (one bucket per batch).")
+    tiling: bool = Field(
+        False, description="Tiled VAE encoding, for large resolutions on small GPUs (changes the latents slightly).")
+    slicing: bool = Field(False, description="Encode a batch one image at a time inside the VAE (less memory).")
     device: str = Field("auto", description="Torch device for the VAE: auto, cpu, cuda, …")
 
 

@@ -83,14 +83,15 @@ def bucket_name(height: int, width: int) -> str:
 def pack_latents(
     buckets: dict[str, dict[str, torch.Tensor]], rows: dict[str, tuple[str, int]], metadata: dict[str, Any]
 ) -> bytes:
-    """Latent cache shard: `buckets[name]` holds `mean` and `std` [n, C, h, w]; `rows` maps a
-    sample id to (bucket name, index)."""
+    """Latent cache shard: `buckets[name]` holds `mean` and, per the posterior layout, `std` or
+    `logvar` (and `flip_*` twins) [n, C, h, w]; `rows` maps a sample id to (bucket name, index)."""
     tensors = {f"{part}/{name}": t.contiguous() for name, parts in buckets.items() for part, t in parts.items()}
     return save(tensors, metadata={"rows": json.dumps(rows), "meta": json.dumps(metadata)})
 
 
 class LatentShard:
-    """Reader of a latent cache shard; `shard[sample_id]` is (mean, std), each [C, h, w]."""
+    """Reader of a latent cache shard; `shard.get(sample_id, flipped)` is (mean, std or None),
+    each [C, h, w], whatever posterior layout the shard stores."""
 
     def __init__(self, path: str):
         self._file = safe_open(path, framework="pt")
@@ -101,8 +102,16 @@ class LatentShard:
     def __contains__(self, sample_id: str) -> bool:
         return sample_id in self.rows
 
-    def __getitem__(self, sample_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, sample_id: str, flipped: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         bucket, index = self.rows[sample_id]
-        mean = self._file.get_slice(f"mean/{bucket}")[index]
-        std = self._file.get_slice(f"std/{bucket}")[index]
-        return mean, std
+        prefix = "flip_" if flipped else ""
+        mean = self._file.get_slice(f"{prefix}mean/{bucket}")[index]
+        posterior = self.meta["posterior"]
+        if posterior == "mean_std":
+            return mean, self._file.get_slice(f"{prefix}std/{bucket}")[index]
+        if posterior == "mean_logvar":
+            return mean, torch.exp(0.5 * self._file.get_slice(f"{prefix}logvar/{bucket}")[index].float())
+        return mean, None
+
+    def __getitem__(self, sample_id: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.get(sample_id)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import io
 import logging
+import random
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,7 @@ from prefect.cache_policies import INPUTS
 from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig
 from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id_of
 from storage.store import Store
-from tasks.models import DTYPES, LATENT_FORMAT, load_vae
+from tasks.models import DTYPES, LATENT_FORMAT, build_vae, load_vae
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +52,24 @@ def nearest_bucket(width: int, height: int, resolution: int) -> tuple[int, int]:
     return int(height_px), int(width_px)
 
 
-def preprocess(image_bytes: bytes, resolution: int) -> torch.Tensor:
-    """Pixels the VAE sees: resized to cover the bucket, centre-cropped, scaled to [-1, 1], [3, H, W]."""
+def crop_box(width: int, height: int, resolution: int, crop: str, seed: int, sample_id: str) -> list[int]:
+    """[resized_w, resized_h, left, top, right, bottom]: resize to cover the bucket, then crop it
+    (centred, or at a position drawn from the seed and the sample id)."""
+    target_h, target_w = nearest_bucket(width, height, resolution)
+    scale = max(target_h / height, target_w / width)
+    resized_w, resized_h = max(target_w, round(width * scale)), max(target_h, round(height * scale))
+    if crop == "center":
+        left, top = (resized_w - target_w) // 2, (resized_h - target_h) // 2
+    else:
+        rng = random.Random(f"{seed}/{sample_id}")
+        left, top = rng.randint(0, resized_w - target_w), rng.randint(0, resized_h - target_h)
+    return [resized_w, resized_h, left, top, left + target_w, top + target_h]
+
+
+def preprocess(image_bytes: bytes, box: list[int]) -> torch.Tensor:
+    """Pixels the VAE sees: resized (bicubic) and cropped by `box`, scaled to [-1, 1], [3, H, W]."""
     with Image.open(io.BytesIO(image_bytes)) as opened:
-        image = opened.convert("RGB")
-    target_h, target_w = nearest_bucket(image.width, image.height, resolution)
-    scale = max(target_h / image.height, target_w / image.width)
-    resized_w, resized_h = max(target_w, round(image.width * scale)), max(target_h, round(image.height * scale))
-    image = image.resize((resized_w, resized_h), Image.Resampling.BICUBIC)
-    left, top = (resized_w - target_w) // 2, (resized_h - target_h) // 2
-    image = image.crop((left, top, left + target_w, top + target_h))
+        image = opened.convert("RGB").resize(tuple(box[:2]), Image.Resampling.BICUBIC).crop(tuple(box[2:]))
     pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
     return pixels.float().div(127.5).sub(1.0)
 
@@ -68,48 +78,109 @@ def latent_cache_key(fingerprint: str, shard_id: str) -> str:
     return f"cache/latents/{fingerprint}/{shard_id}.safetensors"
 
 
+def encode_pixels(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Posterior mean and log-variance [B, C, h, w] in fp32 on the CPU."""
+    posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+    return posterior.mean.float().cpu(), posterior.logvar.float().cpu()
+
+
+def finite_rows(*tensors: torch.Tensor) -> torch.Tensor:
+    return torch.stack([t.flatten(1).isfinite().all(1) for t in tensors]).all(0)
+
+
+def stored_parts(mean: torch.Tensor, logvar: torch.Tensor, posterior: str) -> dict[str, torch.Tensor]:
+    if posterior == "mean":
+        return {"mean": mean}
+    if posterior == "mean_logvar":
+        return {"mean": mean, "logvar": logvar}
+    return {"mean": mean, "std": torch.exp(0.5 * logvar)}
+
+
 @torch.inference_mode()
 def encode_latents_shard(
     storage: StorageConfig, model: ModelConfig, latents: LatentEncodingConfig, fingerprint: str, shard_url: str
 ) -> dict[str, Any]:
-    """Encode every image of one shard; returns the latent cache shard's commit record."""
+    """Encode every image of one shard; returns the latent cache shard's commit record.
+
+    Images are grouped by bucket from their recorded size (no decode needed), and the next batch is
+    decoded and resized in a background thread while the VAE encodes the current one.
+    """
     store = Store(storage)
     shard_id = shard_id_of(shard_url)
     key = latent_cache_key(fingerprint, shard_id)
     if (record := store.committed(key)) is not None:
         return record
-    table = read_image_shard(store.read_bytes(store.key(shard_url)), columns=["sample_id", "image"])
-    by_shape: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = defaultdict(list)
-    for sample in table.to_pylist():
-        pixels = preprocess(sample["image"], latents.resolution)
-        by_shape[tuple(pixels.shape[1:])].append((sample["sample_id"], pixels))
+    table = read_image_shard(store.read_bytes(store.key(shard_url)), columns=["sample_id", "image", "width", "height"])
+    samples = table.to_pylist()
+    boxes = {s["sample_id"]: crop_box(s["width"], s["height"], latents.resolution, latents.crop,
+                                      latents.crop_seed, s["sample_id"]) for s in samples}
+    by_bucket: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    for sample in samples:
+        box = boxes[sample["sample_id"]]
+        by_bucket[(box[5] - box[3], box[4] - box[2])].append(sample)
+    batches = [items[i : i + latents.batch_size] for _, items in sorted(by_bucket.items())
+               for i in range(0, len(items), latents.batch_size)]
 
     vae = load_vae(model, latents.dtype, latents.device)
+    # the cached VAE is shared by shards of any config: set both switches every time
+    vae.enable_tiling() if latents.tiling else vae.disable_tiling()
+    vae.enable_slicing() if latents.slicing else vae.disable_slicing()
+    fallback = None  # an fp32 VAE, loaded only if a batch comes out non-finite
     store_dtype = DTYPES[latents.storage_dtype]
-    buckets: dict[str, dict[str, torch.Tensor]] = {}
+    encoded: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
     rows: dict[str, tuple[str, int]] = {}
-    for shape, items in sorted(by_shape.items()):
-        means, stds = [], []
-        for start in range(0, len(items), latents.batch_size):
-            batch = torch.stack([p for _, p in items[start : start + latents.batch_size]])
-            posterior = vae.encode(batch.to(vae.device, vae.dtype)).latent_dist
-            mean, std = posterior.mean.float().cpu(), posterior.std.float().cpu()
-            if not (torch.isfinite(mean).all() and torch.isfinite(std).all()):
-                raise FloatingPointError(f"VAE produced non-finite latents in shard {shard_id} ({latents.dtype})")
-            means.append(mean.to(store_dtype))
-            stds.append(std.to(store_dtype))
-        name = bucket_name(*means[0].shape[2:])
-        buckets[name] = {"mean": torch.cat(means), "std": torch.cat(stds)}
-        rows.update({sample_id: (name, index) for index, (sample_id, _) in enumerate(items)})
+    quarantined: list[dict[str, str]] = []
+
+    def load_pixels(batch: list[dict]) -> torch.Tensor:
+        return torch.stack([preprocess(s["image"], boxes[s["sample_id"]]) for s in batch])
+
+    with ThreadPoolExecutor(max_workers=1) as prefetch:
+        upcoming = prefetch.submit(load_pixels, batches[0]) if batches else None
+        for index, batch in enumerate(batches):
+            pixels = upcoming.result()
+            upcoming = prefetch.submit(load_pixels, batches[index + 1]) if index + 1 < len(batches) else None
+            if latents.flip:
+                pixels = torch.cat([pixels, pixels.flip(-1)])
+            mean, logvar = encode_pixels(vae, pixels)
+            ok = finite_rows(mean, logvar)
+            if not ok.all() and latents.dtype != "fp32":
+                fallback = fallback or build_vae(model, "fp32", latents.device)
+                redo = (~ok).nonzero().flatten()
+                mean[redo], logvar[redo] = encode_pixels(fallback, pixels[redo])
+                ok = finite_rows(mean, logvar)
+                log.warning("shard %s: %d latents were non-finite in %s, re-encoded in fp32", shard_id, len(redo),
+                            latents.dtype)
+            count = len(batch)
+            for row, sample in enumerate(batch):
+                sample_id = sample["sample_id"]
+                if not (ok[row] and (not latents.flip or ok[row + count])):
+                    quarantined.append({"sample_id": sample_id, "reason": "non_finite_latent",
+                                        "message": f"VAE output is not finite, even in fp32 ({sample['width']}x"
+                                                   f"{sample['height']})"})
+                    log.warning("quarantined sample %s of shard %s: non-finite latent", sample_id, shard_id)
+                    continue
+                name = bucket_name(*mean.shape[2:])
+                parts = stored_parts(mean[row : row + 1], logvar[row : row + 1], latents.posterior)
+                if latents.flip:
+                    flipped = stored_parts(mean[row + count : row + count + 1],
+                                           logvar[row + count : row + count + 1], latents.posterior)
+                    parts.update({f"flip_{part}": t for part, t in flipped.items()})
+                for part, tensor in parts.items():
+                    encoded[name][part].append(tensor.to(store_dtype))
+                rows[sample_id] = (name, len(encoded[name]["mean"]) - 1)
+    buckets = {name: {part: torch.cat(ts) for part, ts in parts.items()} for name, parts in encoded.items()}
     meta = {
         "format": LATENT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "resolution": latents.resolution,
+        "posterior": latents.posterior, "flip": latents.flip, "crop": latents.crop,
+        "crop_boxes": {sid: boxes[sid] for sid in rows}, "quarantined": quarantined,
         "scaling_factor": vae.config.scaling_factor, "shift_factor": vae.config.get("shift_factor") or 0.0,
     }
     record = store.commit(
-        key, pack_latents(buckets, rows, meta), shard=shard_id, samples=len(rows),
+        key, pack_latents(buckets, rows, meta), shard=shard_id, samples=len(rows), quarantined=quarantined,
         buckets={name: len(parts["mean"]) for name, parts in buckets.items()},
     )
-    log.info("encoded %d images of shard %s into %d buckets", len(rows), shard_id, len(buckets))
+    log.info("encoded %d images of shard %s into %d buckets (%d quarantined)", len(rows), shard_id, len(buckets),
+             len(quarantined))
     return record
 
 

@@ -56,14 +56,19 @@ class CachedFeatures:
     def batch(
         self, sample_ids: list[str], generator: torch.Generator, caption_dropout: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Scaled latents [B, C, h, w] drawn from the stored posteriors, T5 embeddings padded to the
-        batch's longest caption [B, L, D] and their attention mask [B, L]."""
+        """Scaled latents [B, C, h, w] drawn from the stored posteriors (of the flipped image half of
+        the time when flips are stored), T5 embeddings padded to the batch's longest caption
+        [B, L, D] and their attention mask [B, L]."""
         latents, texts = [], []
         for sample_id in sample_ids:
             row = self.samples[sample_id]
-            mean, std = self._latents[row["latent_shard"]][sample_id]
-            noise = torch.randn(mean.shape, generator=generator)
-            latents.append((mean.float() + std.float() * noise - self.shift_factor) * self.scaling_factor)
+            shard = self._latents[row["latent_shard"]]
+            flipped = shard.meta["flip"] and torch.rand((), generator=generator).item() < 0.5
+            mean, std = shard.get(sample_id, flipped)
+            latent = mean.float()
+            if std is not None:  # a fresh draw from the posterior every time the sample is seen
+                latent = latent + std.float() * torch.randn(mean.shape, generator=generator)
+            latents.append((latent - self.shift_factor) * self.scaling_factor)
             if torch.rand((), generator=generator).item() < caption_dropout:
                 texts.append(self.prompts[""])
             else:

@@ -57,7 +57,7 @@ def build_manifest(
     dataset = store.read_json(f"datasets/{dataset_id}.json")
     prompts_key = prompts_cache_key(text_fp, prompts)
     checksums = {prompts_key: store.verify(prompts_key)["sha256"]}
-    rows, buckets = [], Counter()
+    rows, buckets, quarantined = [], Counter(), Counter()
     for shard in dataset["shards"]:
         image_key = f"{SHARDS}/{shard['id']}.parquet"
         text_key, latent_key = text_cache_key(text_fp, shard["id"]), latent_cache_key(vae_fp, shard["id"])
@@ -65,8 +65,12 @@ def build_manifest(
             checksums[needed] = store.verify(needed)["sha256"]
         text, latents = RaggedShard(store.local_path(text_key)), LatentShard(store.local_path(latent_key))
         variants = Counter(row.rsplit("/", 1)[0] for row in text.rows)
-        members = shard["samples"] if shard["samples"] is not None else sorted(latents.rows)
+        excluded = {q["sample_id"]: q["reason"] for q in latents.meta["quarantined"]}
+        members = shard["samples"] if shard["samples"] is not None else sorted(set(variants) | set(latents.rows))
         for sample_id in members:
+            if sample_id in excluded:  # the latent stage quarantined it, with its reason
+                quarantined[excluded[sample_id]] += 1
+                continue
             if sample_id not in latents or not variants[sample_id]:
                 missing = "latents" if sample_id not in latents else "text embeddings"
                 raise ValueError(f"sample {sample_id} of shard {shard['id']} has no {missing}")
@@ -83,7 +87,7 @@ def build_manifest(
     manifest = {
         "id": this_id, "dataset": dataset_id, "text_fingerprint": text_fp, "vae_fingerprint": vae_fp,
         "prompts": prompts, "prompts_shard": prompts_key, "table": table_key, "samples": len(rows),
-        "buckets": dict(sorted(buckets.items())), "checksums": checksums,
+        "buckets": dict(sorted(buckets.items())), "quarantined": dict(quarantined), "checksums": checksums,
     }
     return store.commit_json(key, manifest, samples=len(rows), buckets=manifest["buckets"])
 

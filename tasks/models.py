@@ -20,7 +20,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # activation (and stored embedding) dtype of each text_encoding.dtype; int8 quantises weights only
 TEXT_ACTIVATIONS = {**DTYPES, "int8": torch.bfloat16}
 TEXT_FORMAT = "precast.text/2"  # bump when the stored text layout or numerics change
-LATENT_FORMAT = "precast.latents/1"
+LATENT_FORMAT = "precast.latents/2"
 # from_pretrained patches torch.nn.Module globally while it builds empty weights; two threads
 # loading at once can leave the patch in place, so loads are serialised.
 LOAD_LOCK = threading.Lock()
@@ -90,13 +90,15 @@ def build_text_encoder(model: ModelConfig, dtype: str, device: str, offload: str
 load_text_encoder = serialised(functools.lru_cache(maxsize=1)(build_text_encoder))
 
 
-@serialised
-@functools.lru_cache(maxsize=1)
-def load_vae(model: ModelConfig, dtype: str, device: str):
+def build_vae(model: ModelConfig, dtype: str, device: str):
     from diffusers import AutoencoderKL
 
     vae = AutoencoderKL.from_pretrained(model.path, subfolder="vae", revision=model.revision, torch_dtype=DTYPES[dtype])
     return vae.to(resolve_device(device)).eval().requires_grad_(False)
+
+
+# one VAE per worker process, reused by every shard it encodes
+load_vae = serialised(functools.lru_cache(maxsize=1)(build_vae))
 
 
 @serialised
@@ -121,10 +123,14 @@ def text_encoder_fingerprint(model: ModelConfig, text: TextEncodingConfig) -> st
 
 
 def vae_fingerprint(model: ModelConfig, latents: LatentEncodingConfig) -> str:
-    """Covers VAE weights, bucket table, encoder and storage dtypes and format; not device or batch size."""
+    """Covers VAE weights, bucket table, crop, posterior layout, flip, tiling, both dtypes and
+    format; not device, batch size or slicing."""
     files = component_fingerprint(model.path, ["vae"], model.revision)
-    settings: dict[str, Any] = latents.model_dump(exclude={"device", "batch_size"})
-    return hash_json({"files": files, **settings, "crop": "center", "format": LATENT_FORMAT})
+    # tiling blends overlapping tiles, so it changes the latents; slicing does not
+    settings: dict[str, Any] = latents.model_dump(exclude={"device", "batch_size", "slicing"})
+    if latents.crop == "center":
+        settings.pop("crop_seed")  # unused: changing it must not re-encode
+    return hash_json({"files": files, **settings, "format": LATENT_FORMAT})
 
 
 def transformer_fingerprint(model: ModelConfig) -> str:

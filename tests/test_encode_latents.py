@@ -1,8 +1,8 @@
-"""encode-latents: cached posteriors equal a direct AutoencoderKL.encode of the same pixels."""
+"""encode-latents: PixArt buckets, faithful preprocessing, posterior layouts, safe precision."""
 
 from __future__ import annotations
 
-import io
+import shutil
 
 import pytest
 import torch
@@ -11,40 +11,135 @@ from PIL import Image
 
 from storage.shards import LatentShard, read_image_shard
 from storage.store import Store
-from tasks.encode_latents import bucket_table, encode_latents_shard, latent_cache_key, nearest_bucket, preprocess
+from tasks import encode_latents
+from tasks.encode_latents import bucket_table, crop_box, encode_latents_shard, latent_cache_key, preprocess
 from tasks.ingest import ingest
 from tasks.models import vae_fingerprint
 
 
-def test_cached_latents_equal_a_direct_vae_encode(make_config, tiny_models):
+def _encode(config, dataset=None, **settings):
+    dataset = dataset or ingest(config.storage, config.dataset)
+    store = Store(config.storage)
+    latents = config.latent_encoding.model_copy(update=settings)
+    fingerprint = vae_fingerprint(config.model, latents)
+    shard = dataset["shards"][0]["id"]
+    record = encode_latents_shard(config.storage, config.model, latents, fingerprint,
+                                  store.url(f"shards/images/{shard}.parquet"))
+    cache = LatentShard(store.local_path(latent_cache_key(fingerprint, shard)))
+    rows = read_image_shard(store.read_bytes(f"shards/images/{shard}.parquet")).to_pylist()
+    return record, cache, rows, latents
+
+
+def _direct(vae, row, latents):
+    box = crop_box(row["width"], row["height"], latents.resolution, latents.crop, latents.crop_seed, row["sample_id"])
+    pixels = preprocess(row["image"], box)
+    with torch.no_grad():
+        return vae.encode(pixels[None]).latent_dist, pixels
+
+
+@pytest.mark.parametrize("posterior", ["mean_std", "mean_logvar", "mean"])
+def test_cached_posterior_equals_a_direct_vae_encode(make_config, tiny_models, posterior):
+    config = make_config()
+    record, cache, rows, latents = _encode(config, posterior=posterior, flip=True)
+    assert len(record["buckets"]) > 1  # varied aspect ratios land in several buckets
+    assert cache.meta["scaling_factor"] == pytest.approx(0.13025)
+    vae = AutoencoderKL.from_pretrained(tiny_models, subfolder="vae").eval()
+    for row in rows:
+        direct, pixels = _direct(vae, row, latents)
+        height, width = pixels.shape[1:]
+        mean, std = cache.get(row["sample_id"])
+        assert mean.shape == (4, height // 8, width // 8)
+        torch.testing.assert_close(mean, direct.mean[0], rtol=1e-4, atol=1e-5)
+        if posterior == "mean":
+            assert std is None
+        else:
+            torch.testing.assert_close(std, direct.std[0], rtol=1e-4, atol=1e-5)
+        with torch.no_grad():  # the flipped twin is the posterior of the mirrored pixels
+            flipped = vae.encode(pixels.flip(-1)[None]).latent_dist
+        torch.testing.assert_close(cache.get(row["sample_id"], flipped=True)[0], flipped.mean[0], rtol=1e-4, atol=1e-5)
+
+
+def test_every_256_bucket_round_trips(make_config, tmp_path):
+    table = bucket_table(256)
+    source = tmp_path / "buckets"
+    source.mkdir()
+    for i, ratio in enumerate(table):
+        height, width = (int(v) for v in table[ratio])
+        Image.new("RGB", (width * 2, height * 2), (i * 7 % 255, 90, 160)).save(source / f"{i:02d}.png")
+        (source / f"{i:02d}.txt").write_text(f"bucket {ratio}")
+    config = make_config(source=str(source), dataset={"shard_size": 64, "min_side": 16})
+    record, cache, rows, _ = _encode(config)
+    assert len(rows) == len(table) and len(record["buckets"]) == len(table)
+    for row in rows:
+        ratio = row["captions"][0].removeprefix("bucket ")
+        height, width = (int(v) for v in table[ratio])
+        assert cache.get(row["sample_id"])[0].shape == (4, height // 8, width // 8)
+        assert cache.rows[row["sample_id"]][0] == f"{height // 8}x{width // 8}"
+
+
+def test_random_crops_are_seeded_and_recorded(make_config):
+    config = make_config()
+    _, center, rows, _ = _encode(config)
+    _, random_a, _, _ = _encode(config, crop="random", crop_seed=1)
+    _, random_b, _, _ = _encode(config, crop="random", crop_seed=1)
+    boxes = random_a.meta["crop_boxes"]
+    assert boxes == random_b.meta["crop_boxes"]
+    assert any(boxes[r["sample_id"]] != center.meta["crop_boxes"][r["sample_id"]] for r in rows)
+
+
+def test_fingerprint_covers_what_changes_latents_only(make_config):
+    config = make_config()
+    settings = config.latent_encoding
+    base = vae_fingerprint(config.model, settings)
+    for change in [{"resolution": 512}, {"crop": "random"}, {"posterior": "mean"}, {"flip": True},
+                   {"storage_dtype": "bf16"}, {"dtype": "bf16"}, {"tiling": True}]:
+        assert vae_fingerprint(config.model, settings.model_copy(update=change)) != base, change
+    for same in [{"batch_size": 1}, {"slicing": True}, {"device": "cpu"}, {"crop_seed": 5}]:
+        assert vae_fingerprint(config.model, settings.model_copy(update=same)) == base, same
+
+
+def test_fp16_overflow_falls_back_to_fp32(make_config, tiny_models, tmp_path):
+    hot = tmp_path / "hot-vae"
+    shutil.copytree(tiny_models, hot)
+    vae = AutoencoderKL.from_pretrained(hot, subfolder="vae")
+    with torch.no_grad():
+        vae.encoder.conv_in.weight.mul_(1e6)  # activations far beyond fp16's 65504
+    vae.save_pretrained(hot / "vae")
+    config = make_config()
+    config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(hot)})})
+    half = AutoencoderKL.from_pretrained(hot, subfolder="vae", torch_dtype=torch.float16)
+    record, cache, rows, latents = _encode(config, dtype="fp16")
+    with torch.no_grad():
+        assert not half.encode(preprocess(rows[0]["image"], cache.meta["crop_boxes"][rows[0]["sample_id"]])[None]
+                               .half()).latent_dist.mean.isfinite().all()  # the trap is real
+    assert record["samples"] == len(rows) and record["quarantined"] == []
+    for row in rows:
+        direct, _ = _direct(vae, row, latents)
+        mean, std = cache.get(row["sample_id"])
+        assert mean.isfinite().all() and std.isfinite().all()
+        torch.testing.assert_close(mean.float(), direct.mean[0], rtol=1e-2, atol=1e-2)
+
+
+def test_a_non_finite_sample_is_quarantined_alone(make_config, monkeypatch):
     config = make_config()
     dataset = ingest(config.storage, config.dataset)
     store = Store(config.storage)
-    fingerprint = vae_fingerprint(config.model, config.latent_encoding)
-    shard = dataset["shards"][0]["id"]
-    record = encode_latents_shard(config.storage, config.model, config.latent_encoding, fingerprint,
-                                  store.url(f"shards/images/{shard}.parquet"))
-    assert len(record["buckets"]) > 1  # varied aspect ratios land in several buckets
-    cache = LatentShard(store.local_path(latent_cache_key(fingerprint, shard)))
-    assert cache.meta["scaling_factor"] == pytest.approx(0.13025)
-    vae = AutoencoderKL.from_pretrained(tiny_models, subfolder="vae").eval()
-    for row in read_image_shard(store.read_bytes(f"shards/images/{shard}.parquet")).to_pylist():
-        pixels = preprocess(row["image"], 256)
-        height, width = nearest_bucket(row["width"], row["height"], 256)
-        assert pixels.shape == (3, height, width)
-        with torch.no_grad():
-            posterior = vae.encode(pixels[None]).latent_dist
-        mean, std = cache[row["sample_id"]]
-        assert mean.shape == (4, height // 8, width // 8)
-        torch.testing.assert_close(mean, posterior.mean[0], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(std, posterior.std[0], rtol=1e-4, atol=1e-5)
+    rows = read_image_shard(store.read_bytes(f"shards/images/{dataset['shards'][0]['id']}.parquet")).to_pylist()
+    real = encode_latents.encode_pixels
+    poisoned = {}
 
+    def poison_first_row(vae, pixels):
+        mean, logvar = real(vae, pixels)
+        if not poisoned:
+            poisoned["pixels"] = pixels[0].clone()
+        for i in range(len(pixels)):
+            if torch.equal(pixels[i], poisoned["pixels"]):
+                mean[i] = float("nan")
+        return mean, logvar
 
-@pytest.mark.parametrize("ratio", sorted(bucket_table(256), key=float))
-def test_every_256_bucket_round_trips(ratio):
-    height, width = (int(v) for v in bucket_table(256)[ratio])
-    image = Image.new("RGB", (width * 2, height * 2), (10, 20, 30))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    assert nearest_bucket(width * 2, height * 2, 256) == (height, width)
-    assert preprocess(buffer.getvalue(), 256).shape == (3, height, width)
+    monkeypatch.setattr(encode_latents, "encode_pixels", poison_first_row)
+    record, cache, _, _ = _encode(config, dataset)
+    assert len(record["quarantined"]) == 1 and record["quarantined"][0]["reason"] == "non_finite_latent"
+    assert record["samples"] == len(rows) - 1
+    bad = record["quarantined"][0]["sample_id"]
+    assert bad not in cache and all(cache.get(r["sample_id"])[0].isfinite().all() for r in rows if r["sample_id"] != bad)
