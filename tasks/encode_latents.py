@@ -14,6 +14,7 @@ import logging
 import random
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -78,6 +79,21 @@ def latent_cache_key(fingerprint: str, shard_id: str) -> str:
     return f"cache/latents/{fingerprint}/{shard_id}.safetensors"
 
 
+def prefetched(load: Callable[[Any], torch.Tensor], items: list, overlap: bool) -> Iterator[torch.Tensor]:
+    """`load(item)` for each item in order; with `overlap`, the next is loaded in a background
+    thread while the caller works on the current one."""
+    if not overlap:
+        yield from map(load, items)
+        return
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        upcoming = pool.submit(load, items[0]) if items else None
+        for index in range(len(items)):
+            current = upcoming.result()
+            if index + 1 < len(items):
+                upcoming = pool.submit(load, items[index + 1])
+            yield current
+
+
 def encode_pixels(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Posterior mean and log-variance [B, C, h, w] in fp32 on the CPU."""
     posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
@@ -134,40 +150,39 @@ def encode_latents_shard(
     def load_pixels(batch: list[dict]) -> torch.Tensor:
         return torch.stack([preprocess(s["image"], boxes[s["sample_id"]]) for s in batch])
 
-    with ThreadPoolExecutor(max_workers=1) as prefetch:
-        upcoming = prefetch.submit(load_pixels, batches[0]) if batches else None
-        for index, batch in enumerate(batches):
-            pixels = upcoming.result()
-            upcoming = prefetch.submit(load_pixels, batches[index + 1]) if index + 1 < len(batches) else None
-            if latents.flip:
-                pixels = torch.cat([pixels, pixels.flip(-1)])
-            mean, logvar = encode_pixels(vae, pixels)
+    # with an accelerator, decoding the next batch overlaps the VAE; on a CPU they would only
+    # compete for the same cores
+    overlap = vae.device.type != "cpu"
+    for batch, pixels in zip(batches, prefetched(load_pixels, batches, overlap)):
+        if latents.flip:
+            pixels = torch.cat([pixels, pixels.flip(-1)])
+        mean, logvar = encode_pixels(vae, pixels)
+        ok = finite_rows(mean, logvar)
+        if not ok.all() and latents.dtype != "fp32":
+            fallback = fallback or build_vae(model, "fp32", latents.device)
+            redo = (~ok).nonzero().flatten()
+            mean[redo], logvar[redo] = encode_pixels(fallback, pixels[redo])
             ok = finite_rows(mean, logvar)
-            if not ok.all() and latents.dtype != "fp32":
-                fallback = fallback or build_vae(model, "fp32", latents.device)
-                redo = (~ok).nonzero().flatten()
-                mean[redo], logvar[redo] = encode_pixels(fallback, pixels[redo])
-                ok = finite_rows(mean, logvar)
-                log.warning("shard %s: %d latents were non-finite in %s, re-encoded in fp32", shard_id, len(redo),
-                            latents.dtype)
-            count = len(batch)
-            for row, sample in enumerate(batch):
-                sample_id = sample["sample_id"]
-                if not (ok[row] and (not latents.flip or ok[row + count])):
-                    quarantined.append({"sample_id": sample_id, "reason": "non_finite_latent",
-                                        "message": f"VAE output is not finite, even in fp32 ({sample['width']}x"
-                                                   f"{sample['height']})"})
-                    log.warning("quarantined sample %s of shard %s: non-finite latent", sample_id, shard_id)
-                    continue
-                name = bucket_name(*mean.shape[2:])
-                parts = stored_parts(mean[row : row + 1], logvar[row : row + 1], latents.posterior)
-                if latents.flip:
-                    flipped = stored_parts(mean[row + count : row + count + 1],
-                                           logvar[row + count : row + count + 1], latents.posterior)
-                    parts.update({f"flip_{part}": t for part, t in flipped.items()})
-                for part, tensor in parts.items():
-                    encoded[name][part].append(tensor.to(store_dtype))
-                rows[sample_id] = (name, len(encoded[name]["mean"]) - 1)
+            log.warning("shard %s: %d latents were non-finite in %s, re-encoded in fp32", shard_id, len(redo),
+                        latents.dtype)
+        count = len(batch)
+        for row, sample in enumerate(batch):
+            sample_id = sample["sample_id"]
+            if not (ok[row] and (not latents.flip or ok[row + count])):
+                quarantined.append({"sample_id": sample_id, "reason": "non_finite_latent",
+                                    "message": f"VAE output is not finite, even in fp32 ({sample['width']}x"
+                                               f"{sample['height']})"})
+                log.warning("quarantined sample %s of shard %s: non-finite latent", sample_id, shard_id)
+                continue
+            name = bucket_name(*mean.shape[2:])
+            parts = stored_parts(mean[row : row + 1], logvar[row : row + 1], latents.posterior)
+            if latents.flip:
+                flipped = stored_parts(mean[row + count : row + count + 1],
+                                       logvar[row + count : row + count + 1], latents.posterior)
+                parts.update({f"flip_{part}": t for part, t in flipped.items()})
+            for part, tensor in parts.items():
+                encoded[name][part].append(tensor.to(store_dtype))
+            rows[sample_id] = (name, len(encoded[name]["mean"]) - 1)
     buckets = {name: {part: torch.cat(ts) for part, ts in parts.items()} for name, parts in encoded.items()}
     meta = {
         "format": LATENT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "resolution": latents.resolution,

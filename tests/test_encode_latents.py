@@ -143,3 +143,21 @@ def test_a_non_finite_sample_is_quarantined_alone(make_config, monkeypatch):
     assert record["samples"] == len(rows) - 1
     bad = record["quarantined"][0]["sample_id"]
     assert bad not in cache and all(cache.get(r["sample_id"])[0].isfinite().all() for r in rows if r["sample_id"] != bad)
+
+
+def test_prefetch_overlaps_loading_and_keeps_order():
+    import threading
+
+    from tasks.encode_latents import prefetched
+
+    loaded_in = []
+
+    def load(item):
+        loaded_in.append(threading.current_thread().name)
+        return torch.tensor(item)
+
+    assert [int(t) for t in prefetched(load, [3, 1, 2], overlap=True)] == [3, 1, 2]
+    assert all(name != threading.current_thread().name for name in loaded_in)  # loaded in the background
+    loaded_in.clear()
+    assert [int(t) for t in prefetched(load, [3, 1], overlap=False)] == [3, 1]
+    assert set(loaded_in) == {threading.current_thread().name}
