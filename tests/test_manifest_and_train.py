@@ -94,3 +94,27 @@ def test_train_renders_samples_through_the_pixart_pipeline(make_config):
     image = Image.open(io.BytesIO(store.read_bytes(store.key(sample))))
     assert image.size == (256, 256) and image.format == "PNG"
     assert torch.isfinite(torch.tensor([record["first_loss"], record["final_loss"]])).all()
+
+
+def test_training_reader_draws_seeded_latents_from_one_bucket(make_config):
+    from tasks.features import CachedFeatures, bucket_batches
+
+    config = make_config()
+    dataset, text_fp, vae_fp = _cache_everything(config)
+    record = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    store = Store(config.storage)
+    features = CachedFeatures(store, store.read_json(store.key(record["url"])))
+    batch = next(bucket_batches(features.buckets, 3, seed=0))
+    assert len({features.samples[s]["bucket"] for s in batch}) == 1  # one bucket per batch
+
+    def draw(seed):
+        return features.batch(batch, torch.Generator().manual_seed(seed), caption_dropout=0.0)
+
+    first, again, other = draw(1), draw(1), draw(2)
+    for a, b in zip(first, again):
+        torch.testing.assert_close(a, b)  # same seed, same latents and captions
+    assert not torch.equal(first[0], other[0])  # a fresh posterior sample per draw
+    shard = features._latents[features.samples[batch[0]]["latent_shard"]]
+    mean, _ = shard.get(batch[0])
+    scaled_mean = (mean.float() - features.shift_factor) * features.scaling_factor
+    assert not torch.equal(first[0][0], scaled_mean)  # sampled, not the mean
