@@ -141,7 +141,15 @@ class TrainingConfig(Section):
     caption_dropout: float = Field(
         0.1, ge=0, le=1, description="Probability of training on the empty caption (for classifier-free guidance)."
     )
-    mixed_precision: Literal["no", "bf16"] = Field("no", description="Autocast precision of the forward pass.")
+    gradient_accumulation: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory).")
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        "no", description="Autocast precision of the forward pass; fp16 also scales the loss (GradScaler)."
+    )
+    checkpoint_every: int = Field(
+        500, ge=0, description="Steps between resumable checkpoints (0: none). A re-run resumes from the latest."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept in the run folder.")
     seed: int = Field(0, description="Seed of data order, noise and LoRA initialisation.")
     sample_prompts: list[str] = Field(
         default_factory=lambda: ["a red circle on a blue background"],

@@ -27,6 +27,7 @@ from prefect.cache_policies import INPUTS
 from configs.schema import ModelConfig, StorageConfig, TrainingConfig
 from storage.fingerprint import hash_json
 from storage.store import Store
+from tasks.checkpoints import restore_latest, save_checkpoint
 from tasks.features import CachedFeatures, bucket_batches
 from tasks.models import load_noise_scheduler, load_transformer, resolve_device, transformer_fingerprint
 from tasks.sampling import sample_grid
@@ -34,9 +35,13 @@ from tasks.sampling import sample_grid
 log = logging.getLogger(__name__)
 
 
+# settings that cannot change the trained weights or samples stay out of the run id
+NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints"}
+
+
 def run_id_for(manifest_id: str, model: ModelConfig, training: TrainingConfig) -> str:
     return hash_json({"manifest": manifest_id, "transformer": transformer_fingerprint(model),
-                      "training": training.model_dump(exclude={"device"})})
+                      "training": training.model_dump(exclude=NOT_IN_RUN_ID)})
 
 
 def train(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, manifest_url: str) -> dict[str, Any]:
@@ -57,6 +62,8 @@ def train(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, 
     device = resolve_device(training.device)
     torch.manual_seed(training.seed)  # LoRA initialisation
     transformer = load_transformer(model).requires_grad_(False)
+    if training.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
     lora = LoraConfig(r=training.rank, lora_alpha=training.alpha, lora_dropout=training.lora_dropout,
                       target_modules=training.target_modules, bias="none")
     network = get_peft_model(transformer, lora).to(device)
@@ -69,35 +76,52 @@ def train(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, 
     optimizer = torch.optim.AdamW(trainable, lr=training.learning_rate, weight_decay=training.weight_decay)
     warmup = max(1, training.warmup_steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=training.mixed_precision == "bf16")
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.mixed_precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=training.mixed_precision == "fp16")
+
+    # --- resume: weights, optimiser, schedule, RNG and data position of the latest checkpoint ---
+    start = restore_latest(store, run, network, optimizer, schedule, generator)
+    metrics = read_metrics(store, run)[:start]
+    for _ in range(start * training.gradient_accumulation):
+        next(batches)  # batches are a pure function of seed and position: skip the ones consumed
+    if start:
+        log.info("resuming %s at step %d", run, start)
 
     # --- loop ---------------------------------------------------------------------------------
-    metrics = []
     network.train()
     started = time.perf_counter()
-    for step in range(1, training.steps + 1):
-        latents, text, mask = features.batch(next(batches), generator, training.caption_dropout)
-        latents, text, mask = latents.to(device), text.to(device), mask.to(device)
-        noise = torch.randn(latents.shape, generator=generator).to(device)
-        timesteps = torch.randint(0, len(alphas), (len(latents),), generator=generator).to(device)
-        noisy = noise_scheduler.add_noise(latents, noise, timesteps)
-        with autocast:
-            prediction = network(noisy, encoder_hidden_states=text, encoder_attention_mask=mask, timestep=timesteps,
-                                 added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
-        if learned_sigma:  # the variance half is not trained by the epsilon loss (diffusers' PixArt recipe)
-            prediction = prediction.chunk(2, dim=1)[0]
-        loss = F.mse_loss(prediction.float(), noise.float())
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss.item()} at step {step}")
+    for step in range(start + 1, training.steps + 1):
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        step_loss = 0.0
+        for _ in range(training.gradient_accumulation):
+            latents, text, mask = features.batch(next(batches), generator, training.caption_dropout)
+            latents, text, mask = latents.to(device), text.to(device), mask.to(device)
+            noise = torch.randn(latents.shape, generator=generator).to(device)
+            timesteps = torch.randint(0, len(alphas), (len(latents),), generator=generator).to(device)
+            noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+            with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
+                prediction = network(noisy, encoder_hidden_states=text, encoder_attention_mask=mask,
+                                     timestep=timesteps, added_cond_kwargs={"resolution": None, "aspect_ratio": None})
+            prediction = prediction.sample
+            if learned_sigma:  # the variance half is not trained by the epsilon loss (diffusers' PixArt recipe)
+                prediction = prediction.chunk(2, dim=1)[0]
+            loss = F.mse_loss(prediction.float(), noise.float())
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss.item()} at step {step}")
+            scaler.scale(loss / training.gradient_accumulation).backward()
+            step_loss += loss.item() / training.gradient_accumulation
+        scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(trainable, training.max_grad_norm)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         schedule.step()
-        metrics.append({"step": step, "loss": loss.item(), "lr": optimizer.param_groups[0]["lr"],
+        metrics.append({"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"],
                         "bucket": f"{latents.shape[2]}x{latents.shape[3]}", "batch": len(latents)})
         if step % max(1, training.steps // 20) == 0 or step == training.steps:
-            log.info("step %d/%d loss %.4f", step, training.steps, loss.item())
+            log.info("step %d/%d loss %.4f", step, training.steps, step_loss)
+        if training.checkpoint_every and step % training.checkpoint_every == 0 and step < training.steps:
+            write_metrics(store, run, metrics)  # before the checkpoint: resuming reads them back
+            save_checkpoint(store, run, step, network, optimizer, schedule, generator, training.keep_checkpoints)
     elapsed = time.perf_counter() - started
 
     # --- outputs: adapter, samples, metrics, lineage (last) -----------------------------------
@@ -117,7 +141,7 @@ def train(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, 
         grid.save(buffer, format="PNG")
         store.write_bytes(f"{run}/samples/step-{training.steps:06d}.png", buffer.getvalue())
         samples.append(store.url(f"{run}/samples/step-{training.steps:06d}.png"))
-    store.write_bytes(f"{run}/metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics).encode())
+    write_metrics(store, run, metrics)
     store.write_bytes(f"{run}/config.yaml", yaml.safe_dump(training.model_dump(), sort_keys=False).encode())
     lineage = {
         "manifest": manifest["id"], "model": model.model_dump(), "training": training.model_dump(),
@@ -126,10 +150,20 @@ def train(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, 
     window = max(1, min(10, len(metrics) // 4))  # mean loss over the first and last few steps
     return store.commit_json(
         f"{run}/lineage.json", lineage, run=store.url(run), adapter=store.url(f"{run}/adapter"), samples=samples,
-        steps=training.steps, seconds=round(elapsed, 2),
+        steps=training.steps, resumed_from=start, seconds=round(elapsed, 2),
         first_loss=sum(m["loss"] for m in metrics[:window]) / window,
         final_loss=sum(m["loss"] for m in metrics[-window:]) / window,
     )
+
+
+def write_metrics(store: Store, run: str, metrics: list[dict[str, Any]]) -> None:
+    store.write_bytes(f"{run}/metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics).encode())
+
+
+def read_metrics(store: Store, run: str) -> list[dict[str, Any]]:
+    if not store.exists(f"{run}/metrics.jsonl"):
+        return []
+    return [json.loads(line) for line in store.read_bytes(f"{run}/metrics.jsonl").splitlines() if line]
 
 
 def package_versions() -> dict[str, str]:

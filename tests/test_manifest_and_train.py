@@ -118,3 +118,65 @@ def test_training_reader_draws_seeded_latents_from_one_bucket(make_config):
     mean, _ = shard.get(batch[0])
     scaled_mean = (mean.float() - features.shift_factor) * features.scaling_factor
     assert not torch.equal(first[0][0], scaled_mean)  # sampled, not the mean
+
+
+def test_interrupted_training_resumes_bit_identically(make_config, tmp_path, monkeypatch):
+    from tasks import features as features_module
+
+    def run(root, crash_at=None):
+        config = make_config(root=str(root), training={"steps": 7, "checkpoint_every": 2, "keep_checkpoints": 2,
+                                                       "sample_prompts": [], "gradient_accumulation": 2})
+        dataset, text_fp, vae_fp = _cache_everything(config)
+        manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+        if crash_at is not None:
+            real, calls = features_module.CachedFeatures.batch, []
+
+            def crashing(self, *args):
+                calls.append(1)
+                if len(calls) == crash_at:
+                    raise KeyboardInterrupt("killed mid-run")
+                return real(self, *args)
+
+            monkeypatch.setattr(features_module.CachedFeatures, "batch", crashing)
+            with pytest.raises(KeyboardInterrupt):
+                train(config.storage, config.model, config.training, manifest["url"])
+            monkeypatch.undo()
+        return config, train(config.storage, config.model, config.training, manifest["url"])
+
+    whole_config, whole = run(tmp_path / "whole")
+    resumed_config, resumed = run(tmp_path / "resumed", crash_at=12)  # step 6 of 7, after the step-4 checkpoint
+    assert whole["resumed_from"] == 0 and resumed["resumed_from"] == 4
+    stores = Store(whole_config.storage), Store(resumed_config.storage)
+    adapters = [s.read_bytes(s.key(r["adapter"]) + "/adapter_model.safetensors") for s, r in zip(stores, (whole, resumed))]
+    assert adapters[0] == adapters[1]  # bit-identical weights
+    metrics = [s.read_bytes(s.key(r["run"]) + "/metrics.jsonl") for s, r in zip(stores, (whole, resumed))]
+    assert metrics[0] == metrics[1]
+    kept = stores[1].list(stores[1].key(resumed["run"]) + "/checkpoints", ".safetensors")
+    assert [k.rsplit("/", 1)[1] for k in kept] == ["step-00000004.safetensors", "step-00000006.safetensors"]
+
+
+def test_a_damaged_checkpoint_is_refused_by_name(make_config, monkeypatch):
+    from tasks import features as features_module
+
+    config = make_config(training={"steps": 5, "checkpoint_every": 2, "sample_prompts": []})
+    dataset, text_fp, vae_fp = _cache_everything(config)
+    manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    real, calls = features_module.CachedFeatures.batch, []
+
+    def crashing(self, *args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(self, *args)
+
+    monkeypatch.setattr(features_module.CachedFeatures, "batch", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        train(config.storage, config.model, config.training, manifest["url"])
+    monkeypatch.undo()
+    store = Store(config.storage)
+    (checkpoint,) = [k for k in store.fs.find(store.root_path) if k.endswith("step-00000002.safetensors")]
+    data = bytearray(open(checkpoint, "rb").read())
+    data[-3] ^= 0x55
+    open(checkpoint, "wb").write(bytes(data))
+    with pytest.raises(ValueError, match="step-00000002.safetensors is damaged"):
+        train(config.storage, config.model, config.training, manifest["url"])
