@@ -155,6 +155,7 @@ class TrainingConfig(Section):
         default_factory=lambda: ["a red circle on a blue background"],
         description="Prompts rendered into the run's sample grid (encoded by the text stage, not here).",
     )
+    sample_every: int = Field(0, ge=0, description="Steps between sample grids during training (0: at the end only).")
     sample_steps: int = Field(20, ge=1, description="Denoising steps per sample image.")
     guidance_scale: float = Field(4.5, ge=1, description="Classifier-free guidance scale of the samples.")
     device: str = Field("auto", description="Torch device for training: auto, cpu, cuda, …")

@@ -92,6 +92,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sample(args: argparse.Namespace) -> int:
+    import yaml
+
+    from configs.schema import ModelConfig
+    from tasks.sampling import sample_adapter
+
+    options = {key: yaml.safe_load(value) for key, _, value in (o.partition("=") for o in args.option)}
+    model = ModelConfig(path=args.model) if args.model else None
+    grid = sample_adapter(args.url, args.prompt, model=model, options=options, steps=args.steps,
+                          guidance_scale=args.guidance_scale, seed=args.seed, device=args.device)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    grid.save(args.out)
+    print(Path(args.out).resolve())
+    return 0
+
+
 def cmd_tiny_models(args: argparse.Namespace) -> int:
     from flows.tiny_models import write_tiny_models
 
@@ -138,6 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="fsspec storage option for the root, e.g. endpoint_url=http://… (repeatable)")
     inspect.add_argument("--json", action="store_true", help="print dataset record and report as one JSON line")
     inspect.set_defaults(func=cmd_inspect)
+
+    sample = commands.add_parser("sample", help="generate images with a trained adapter (PixArtSigmaPipeline)")
+    sample.add_argument("url", help="a run URL (<root>/runs/<id>) or its adapter URL")
+    sample.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable: one image each)")
+    sample.add_argument("--out", required=True, help="PNG file to write (images side by side)")
+    sample.add_argument("--model", help="model path or hub id (default: the run's lineage)")
+    sample.add_argument("--steps", type=int, default=20)
+    sample.add_argument("--guidance-scale", type=float, default=4.5)
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--device", default="auto")
+    sample.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="fsspec storage option for the URL (repeatable)")
+    sample.set_defaults(func=cmd_sample)
 
     tiny = commands.add_parser("tiny-models", help="write tiny random PixArt-Sigma models in the hub layout")
     tiny.add_argument("dir")

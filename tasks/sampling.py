@@ -1,10 +1,13 @@
-"""Sample images through diffusers' PixArtSigmaPipeline from pre-encoded prompts.
+"""Sample images through diffusers' PixArtSigmaPipeline.
 
-The pipeline gets no tokenizer and no text encoder: prompts come from the text cache. Training
-loads the VAE only here, for decoding.
+During training the pipeline gets no tokenizer and no text encoder: prompts come from the text
+cache, and the VAE is loaded only here, for decoding. `sample_adapter` is the user-facing path
+(`precast sample`): the full pipeline with a trained adapter merged into the transformer.
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 from PIL import Image
@@ -12,6 +15,15 @@ from PIL import Image
 from configs.schema import ModelConfig
 from tasks.features import pad_sequences
 from tasks.models import load_vae
+
+
+def side_by_side(images: list[Image.Image]) -> Image.Image:
+    grid = Image.new("RGB", (sum(i.width for i in images), max(i.height for i in images)))
+    x = 0
+    for image in images:
+        grid.paste(image, (x, 0))
+        x += image.width
+    return grid
 
 
 def sample_grid(
@@ -42,9 +54,39 @@ def sample_grid(
         negative_prompt=None, num_inference_steps=steps, guidance_scale=guidance_scale,
         generator=torch.Generator(device="cpu").manual_seed(seed),
     ).images
-    grid = Image.new("RGB", (sum(i.width for i in images), max(i.height for i in images)))
-    x = 0
-    for image in images:
-        grid.paste(image, (x, 0))
-        x += image.width
-    return grid
+    return side_by_side(images)
+
+
+def sample_adapter(
+    url: str, prompts: list[str], model: ModelConfig | None = None, options: dict | None = None,
+    steps: int = 20, guidance_scale: float = 4.5, seed: int = 0, device: str = "auto",
+) -> Image.Image:
+    """Images for `prompts` from a run (`<root>/runs/<id>`) or adapter (`…/adapter`) URL, through
+    `PixArtSigmaPipeline.from_pretrained` with the adapter merged into the transformer. The model
+    comes from the run's lineage unless given."""
+    import tempfile
+
+    import fsspec
+    from diffusers import PixArtSigmaPipeline
+    from peft import PeftModel
+
+    from tasks.models import load_transformer, resolve_device
+
+    adapter = url.rstrip("/") if url.rstrip("/").endswith("/adapter") else url.rstrip("/") + "/adapter"
+    fs, adapter_path = fsspec.core.url_to_fs(adapter, **(options or {}))
+    if not fs.exists(f"{adapter_path}/adapter_config.json"):
+        raise FileNotFoundError(f"no PEFT adapter at {adapter} (expected adapter_config.json)")
+    if model is None:
+        lineage = f"{adapter_path.rsplit('/', 1)[0]}/lineage.json"
+        if not fs.exists(lineage):
+            raise FileNotFoundError(f"{adapter} has no lineage.json beside it: say which model with --model")
+        model = ModelConfig.model_validate(json.loads(fs.cat_file(lineage))["model"])
+    with tempfile.TemporaryDirectory() as local:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            fs.get_file(f"{adapter_path}/{name}", f"{local}/{name}")
+        transformer = PeftModel.from_pretrained(load_transformer(model), local).merge_and_unload()
+    pipeline = PixArtSigmaPipeline.from_pretrained(model.path, revision=model.revision, transformer=transformer)
+    pipeline.to(resolve_device(device)).set_progress_bar_config(disable=True)
+    images = pipeline(prompts, num_inference_steps=steps, guidance_scale=guidance_scale,
+                      generator=torch.Generator(device="cpu").manual_seed(seed)).images
+    return side_by_side(images)

@@ -15,6 +15,7 @@ import logging
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import INPUTS
 
 from configs.schema import ModelConfig, StorageConfig, TrainingConfig
@@ -30,6 +32,7 @@ from storage.store import Store
 from tasks.checkpoints import restore_latest, save_checkpoint
 from tasks.features import CachedFeatures, bucket_batches
 from tasks.models import load_noise_scheduler, load_transformer, resolve_device, transformer_fingerprint
+from tasks.plots import loss_curve_png
 from tasks.sampling import sample_grid
 
 log = logging.getLogger(__name__)
@@ -44,7 +47,11 @@ def run_id_for(manifest_id: str, model: ModelConfig, training: TrainingConfig) -
                       "training": training.model_dump(exclude=NOT_IN_RUN_ID)})
 
 
-def train(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, manifest_url: str) -> dict[str, Any]:
+def train(
+    storage: StorageConfig, model: ModelConfig, training: TrainingConfig, manifest_url: str,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> dict[str, Any]:
+    """Train (or resume, or return the finished run); `progress(step, steps, loss)` after each step."""
     store = Store(storage)
     manifest = store.read_json(store.key(manifest_url))
     run = f"runs/{run_id_for(manifest['id'], model, training)}"
@@ -87,6 +94,18 @@ def train(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, 
     if start:
         log.info("resuming %s at step %d", run, start)
 
+    def render_samples(step: int) -> None:
+        """A grid of the sample prompts (pre-encoded) through PixArtSigmaPipeline, seeded."""
+        network.eval()
+        with torch.no_grad():
+            grid = sample_grid(model, network.base_model.model,
+                               [features.prompts[p] for p in training.sample_prompts], features.prompts[""],
+                               training.sample_steps, training.guidance_scale, training.seed)
+        network.train()
+        buffer = io.BytesIO()
+        grid.save(buffer, format="PNG")
+        store.write_bytes(f"{run}/samples/step-{step:06d}.png", buffer.getvalue())
+
     # --- loop ---------------------------------------------------------------------------------
     network.train()
     started = time.perf_counter()
@@ -119,6 +138,11 @@ def train(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, 
                         "bucket": f"{latents.shape[2]}x{latents.shape[3]}", "batch": len(latents)})
         if step % max(1, training.steps // 20) == 0 or step == training.steps:
             log.info("step %d/%d loss %.4f", step, training.steps, step_loss)
+        if progress is not None:
+            progress(step, training.steps, step_loss)
+        if training.sample_prompts and training.sample_every and step % training.sample_every == 0 \
+                and step < training.steps:
+            render_samples(step)
         if training.checkpoint_every and step % training.checkpoint_every == 0 and step < training.steps:
             write_metrics(store, run, metrics)  # before the checkpoint: resuming reads them back
             save_checkpoint(store, run, step, network, optimizer, schedule, generator, training.keep_checkpoints)
@@ -131,17 +155,11 @@ def train(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, 
         for file in sorted(Path(tmp).iterdir()):
             if file.is_file():
                 store.put_file(file, f"{run}/adapter/{file.name}")
-    samples = []
     if training.sample_prompts:
-        prompts, empty = features.prompts, features.prompts[""]
-        with torch.no_grad():
-            grid = sample_grid(model, network.base_model.model, [prompts[p] for p in training.sample_prompts], empty,
-                               training.sample_steps, training.guidance_scale, training.seed)
-        buffer = io.BytesIO()
-        grid.save(buffer, format="PNG")
-        store.write_bytes(f"{run}/samples/step-{training.steps:06d}.png", buffer.getvalue())
-        samples.append(store.url(f"{run}/samples/step-{training.steps:06d}.png"))
+        render_samples(training.steps)
+    samples = [store.url(key) for key in store.list(f"{run}/samples", ".png")]
     write_metrics(store, run, metrics)
+    store.write_bytes(f"{run}/loss_curve.png", loss_curve_png(metrics))
     store.write_bytes(f"{run}/config.yaml", yaml.safe_dump(training.model_dump(), sort_keys=False).encode())
     lineage = {
         "manifest": manifest["id"], "model": model.model_dump(), "training": training.model_dump(),
@@ -181,4 +199,22 @@ def package_versions() -> dict[str, str]:
 
 @task(name="train", cache_policy=INPUTS, persist_result=True, result_serializer="json")
 def train_task(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, manifest_url: str) -> dict[str, Any]:
-    return train(storage, model, training, manifest_url)
+    artifact = create_progress_artifact(progress=0.0, key="training-progress", description="training steps done")
+
+    def report(step: int, steps: int, loss: float) -> None:
+        if step % max(1, steps // 100) == 0 or step == steps:
+            update_progress_artifact(artifact, progress=100.0 * step / steps)
+
+    record = train(storage, model, training, manifest_url, progress=report)
+    create_markdown_artifact(key="training-run", markdown=run_markdown(record))
+    return record
+
+
+def run_markdown(record: dict[str, Any]) -> str:
+    resumed = f" (resumed at step {record['resumed_from']})" if record["resumed_from"] else ""
+    lines = [f"# Training run{resumed}", "", f"- steps: {record['steps']}",
+             f"- loss: {record['first_loss']:.4f} at the start, {record['final_loss']:.4f} at the end",
+             f"- adapter: `{record['adapter']}`", f"- loss curve: `{record['run']}/loss_curve.png`",
+             f"- metrics: `{record['run']}/metrics.jsonl`"]
+    lines += [f"- samples: `{url}`" for url in record["samples"]]
+    return "\n".join(lines)

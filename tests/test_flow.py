@@ -57,6 +57,8 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
 
     assert "## Quarantined by reason" in _latest_artifact("ingest-report")
     assert "| captions | tokens | truncated |" in _latest_artifact("text-encoding")
+    assert "# Training run" in _latest_artifact("training-run")
+    assert float(_latest_artifact("training-progress")) == 100.0
 
     written = _files(store)
     again = pipeline(config=config, return_state=True)

@@ -180,3 +180,21 @@ def test_a_damaged_checkpoint_is_refused_by_name(make_config, monkeypatch):
     open(checkpoint, "wb").write(bytes(data))
     with pytest.raises(ValueError, match="step-00000002.safetensors is damaged"):
         train(config.storage, config.model, config.training, manifest["url"])
+
+
+def test_samples_during_training_loss_curve_and_precast_sample(make_config, tmp_path):
+    from flows.cli import main
+
+    config = make_config(training={"steps": 4, "sample_every": 2, "sample_steps": 2})
+    dataset, text_fp, vae_fp = _cache_everything(config)
+    manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    record = train(config.storage, config.model, config.training, manifest["url"])
+    assert [url.rsplit("/", 1)[1] for url in record["samples"]] == ["step-000002.png", "step-000004.png"]
+    store = Store(config.storage)
+    curve = Image.open(io.BytesIO(store.read_bytes(store.key(record["run"]) + "/loss_curve.png")))
+    assert curve.size == (720, 360)
+
+    out = tmp_path / "out" / "sample.png"
+    assert main(["sample", record["run"], "--prompt", "a red circle", "--prompt", "a blue square",
+                 "--out", str(out), "--steps", "2"]) == 0
+    assert Image.open(out).size == (512, 256)  # two 256 px images side by side
