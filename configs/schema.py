@@ -124,7 +124,14 @@ class LatentEncodingConfig(Section):
 
 
 class TrainingConfig(Section):
-    method: Literal["lora"] = Field("lora", description="What is trained: a LoRA adapter on the transformer.")
+    method: Literal["lora", "full"] = Field(
+        "lora", description="lora: a PEFT LoRA adapter on the frozen transformer; full: every transformer weight "
+        "(saved in diffusers format)."
+    )
+    init_from: str = Field(
+        "none", description="none; latest: continue from the newest finished LoRA run of this model in the store "
+        "(nightly retraining); or a run/adapter URL. Only the weights carry over, not the optimizer."
+    )
     rank: int = Field(32, ge=1, description="LoRA rank r.")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha (the scale is alpha / rank).")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch.")

@@ -96,11 +96,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
     import yaml
 
     from configs.schema import ModelConfig
-    from tasks.sampling import sample_adapter
+    from tasks.sampling import sample_run
 
     options = {key: yaml.safe_load(value) for key, _, value in (o.partition("=") for o in args.option)}
     model = ModelConfig(path=args.model) if args.model else None
-    grid = sample_adapter(args.url, args.prompt, model=model, options=options, steps=args.steps,
+    grid = sample_run(args.url, args.prompt, model=model, options=options, steps=args.steps,
                           guidance_scale=args.guidance_scale, seed=args.seed, device=args.device)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     grid.save(args.out)
@@ -155,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print dataset record and report as one JSON line")
     inspect.set_defaults(func=cmd_inspect)
 
-    sample = commands.add_parser("sample", help="generate images with a trained adapter (PixArtSigmaPipeline)")
-    sample.add_argument("url", help="a run URL (<root>/runs/<id>) or its adapter URL")
+    sample = commands.add_parser("sample", help="generate images with a trained run (PixArtSigmaPipeline)")
+    sample.add_argument("url", help="a run URL (<root>/runs/<id>) or its adapter/transformer URL")
     sample.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable: one image each)")
     sample.add_argument("--out", required=True, help="PNG file to write (images side by side)")
     sample.add_argument("--model", help="model path or hub id (default: the run's lineage)")

@@ -1,8 +1,8 @@
 """Sample images through diffusers' PixArtSigmaPipeline.
 
 During training the pipeline gets no tokenizer and no text encoder: prompts come from the text
-cache, and the VAE is loaded only here, for decoding. `sample_adapter` is the user-facing path
-(`precast sample`): the full pipeline with a trained adapter merged into the transformer.
+cache, and the VAE is loaded only here, for decoding. `sample_run` is the user-facing path (`precast
+sample`): the full pipeline with the trained weights.
 """
 
 from __future__ import annotations
@@ -57,34 +57,39 @@ def sample_grid(
     return side_by_side(images)
 
 
-def sample_adapter(
+def sample_run(
     url: str, prompts: list[str], model: ModelConfig | None = None, options: dict | None = None,
     steps: int = 20, guidance_scale: float = 4.5, seed: int = 0, device: str = "auto",
 ) -> Image.Image:
-    """Images for `prompts` from a run (`<root>/runs/<id>`) or adapter (`…/adapter`) URL, through
-    `PixArtSigmaPipeline.from_pretrained` with the adapter merged into the transformer. The model
-    comes from the run's lineage unless given."""
+    """Images for `prompts` from a run (`<root>/runs/<id>`) or its `adapter`/`transformer` URL,
+    through `PixArtSigmaPipeline.from_pretrained` with the trained weights: a LoRA adapter merged
+    into the transformer, or the fully trained transformer. The model comes from the run's lineage
+    unless given."""
     import tempfile
 
     import fsspec
-    from diffusers import PixArtSigmaPipeline
+    from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel
     from peft import PeftModel
 
     from tasks.models import load_transformer, resolve_device
 
-    adapter = url.rstrip("/") if url.rstrip("/").endswith("/adapter") else url.rstrip("/") + "/adapter"
-    fs, adapter_path = fsspec.core.url_to_fs(adapter, **(options or {}))
-    if not fs.exists(f"{adapter_path}/adapter_config.json"):
-        raise FileNotFoundError(f"no PEFT adapter at {adapter} (expected adapter_config.json)")
+    fs, path = fsspec.core.url_to_fs(url.rstrip("/"), **(options or {}))
+    run = path.removesuffix("/adapter").removesuffix("/transformer")
     if model is None:
-        lineage = f"{adapter_path.rsplit('/', 1)[0]}/lineage.json"
-        if not fs.exists(lineage):
-            raise FileNotFoundError(f"{adapter} has no lineage.json beside it: say which model with --model")
-        model = ModelConfig.model_validate(json.loads(fs.cat_file(lineage))["model"])
+        if not fs.exists(f"{run}/lineage.json"):
+            raise FileNotFoundError(f"{url} has no lineage.json: say which model with --model")
+        model = ModelConfig.model_validate(json.loads(fs.cat_file(f"{run}/lineage.json"))["model"])
     with tempfile.TemporaryDirectory() as local:
-        for name in ("adapter_config.json", "adapter_model.safetensors"):
-            fs.get_file(f"{adapter_path}/{name}", f"{local}/{name}")
-        transformer = PeftModel.from_pretrained(load_transformer(model), local).merge_and_unload()
+        if fs.exists(f"{run}/adapter/adapter_config.json"):
+            for name in ("adapter_config.json", "adapter_model.safetensors"):
+                fs.get_file(f"{run}/adapter/{name}", f"{local}/{name}")
+            transformer = PeftModel.from_pretrained(load_transformer(model), local).merge_and_unload()
+        elif fs.exists(f"{run}/transformer/config.json"):
+            for name in fs.ls(f"{run}/transformer", detail=False):
+                fs.get_file(name, f"{local}/{name.rsplit('/', 1)[-1]}")
+            transformer = PixArtTransformer2DModel.from_pretrained(local)
+        else:
+            raise FileNotFoundError(f"no adapter/ or transformer/ with trained weights at {url}")
     pipeline = PixArtSigmaPipeline.from_pretrained(model.path, revision=model.revision, transformer=transformer)
     pipeline.to(resolve_device(device)).set_progress_bar_config(disable=True)
     images = pipeline(prompts, num_inference_steps=steps, guidance_scale=guidance_scale,

@@ -1,4 +1,5 @@
-"""Stage 5 — train: a LoRA adapter on PixArtTransformer2DModel from cached features only.
+"""Stage 5 — train: a LoRA adapter on PixArtTransformer2DModel (or the whole transformer) from
+cached features only.
 
 T5 and the VAE encoder are never loaded: text embeddings and latent posteriors come from the
 manifest's shards. Read top to bottom: data, model, optimiser, loop, outputs. The run folder
@@ -9,6 +10,7 @@ training config and the transformer weights, so the same run is never trained tw
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -19,12 +21,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import torch
 import torch.nn.functional as F
 import yaml
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import INPUTS
+from safetensors.torch import load as load_safetensors
 
 from configs.schema import ModelConfig, StorageConfig, TrainingConfig
 from storage.fingerprint import hash_json
@@ -42,9 +46,39 @@ log = logging.getLogger(__name__)
 NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints"}
 
 
-def run_id_for(manifest_id: str, model: ModelConfig, training: TrainingConfig) -> str:
+def run_id_for(manifest_id: str, model: ModelConfig, training: TrainingConfig, init: dict | None = None) -> str:
+    # an explicit init_from URL counts by the adapter's bytes; "latest" by the word, so a re-run
+    # over an unchanged manifest is the same run, and new data continues from the newest run
+    init_id = init["sha256"] if init and training.init_from not in ("none", "latest") else None
     return hash_json({"manifest": manifest_id, "transformer": transformer_fingerprint(model),
-                      "training": training.model_dump(exclude=NOT_IN_RUN_ID)})
+                      "training": training.model_dump(exclude=NOT_IN_RUN_ID), "init": init_id})
+
+
+def initial_adapter(store: Store, storage: StorageConfig, model: ModelConfig, training: TrainingConfig) -> dict | None:
+    """The adapter `init_from` names: None, the newest finished LoRA run of this model in the
+    store ("latest"; None if there is none yet), or a run/adapter URL. Returns its URL, sha256
+    and tensors."""
+    if training.init_from == "none":
+        return None
+    if training.init_from == "latest":
+        finished = []
+        for key in store.list("runs"):
+            record = store.committed(f"{key}/lineage.json")
+            if record and record.get("adapter") and record.get("model") == model.model_dump():
+                finished.append((record["finished"], record["adapter"]))
+        if not finished:
+            log.info("init_from latest: no finished run of this model yet, starting from scratch")
+            return None
+        url = max(finished)[1]
+    else:
+        url = training.init_from.rstrip("/")
+        url = url if url.endswith("/adapter") else f"{url}/adapter"
+    fs, path = fsspec.core.url_to_fs(f"{url}/adapter_model.safetensors", **storage.options)
+    try:
+        data = fs.cat_file(path)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"init_from: no adapter_model.safetensors at {url}") from error
+    return {"url": url, "sha256": hashlib.sha256(data).hexdigest(), "tensors": load_safetensors(data)}
 
 
 def train(
@@ -54,7 +88,12 @@ def train(
     """Train (or resume, or return the finished run); `progress(step, steps, loss)` after each step."""
     store = Store(storage)
     manifest = store.read_json(store.key(manifest_url))
-    run = f"runs/{run_id_for(manifest['id'], model, training)}"
+    if training.init_from == "latest":  # resolved only if this run has not finished already
+        run = f"runs/{run_id_for(manifest['id'], model, training)}"
+        if (record := store.committed(f"{run}/lineage.json")) is not None:
+            return record
+    init = initial_adapter(store, storage, model, training)
+    run = f"runs/{run_id_for(manifest['id'], model, training, init)}"
     if (record := store.committed(f"{run}/lineage.json")) is not None:
         return record
 
@@ -63,17 +102,27 @@ def train(
     batches = bucket_batches(features.buckets, training.batch_size, training.seed)
     generator = torch.Generator().manual_seed(training.seed)
 
-    # --- model: the base transformer, frozen, with LoRA layers --------------------------------
-    from peft import LoraConfig, get_peft_model
-
+    # --- model: LoRA layers on the frozen transformer, or the whole transformer ---------------
     device = resolve_device(training.device)
     torch.manual_seed(training.seed)  # LoRA initialisation
-    transformer = load_transformer(model).requires_grad_(False)
+    transformer = load_transformer(model)
     if training.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    lora = LoraConfig(r=training.rank, lora_alpha=training.alpha, lora_dropout=training.lora_dropout,
-                      target_modules=training.target_modules, bias="none")
-    network = get_peft_model(transformer, lora).to(device)
+    if training.method == "lora":
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        lora = LoraConfig(r=training.rank, lora_alpha=training.alpha, lora_dropout=training.lora_dropout,
+                          target_modules=training.target_modules, bias="none")
+        network = get_peft_model(transformer.requires_grad_(False), lora)
+        if init is not None:
+            try:
+                set_peft_model_state_dict(network, init["tensors"])
+            except RuntimeError as error:
+                raise ValueError(f"init_from {init['url']} does not fit this LoRA config: {error}") from error
+            log.info("continuing from %s", init["url"])
+    else:
+        network = transformer.requires_grad_(True)
+    network = network.to(device)
     noise_scheduler = load_noise_scheduler(model)
     alphas = noise_scheduler.alphas_cumprod
     learned_sigma = transformer.config.out_channels == 2 * transformer.config.in_channels
@@ -98,7 +147,7 @@ def train(
         """A grid of the sample prompts (pre-encoded) through PixArtSigmaPipeline, seeded."""
         network.eval()
         with torch.no_grad():
-            grid = sample_grid(model, network.base_model.model,
+            grid = sample_grid(model, network.base_model.model if training.method == "lora" else network,
                                [features.prompts[p] for p in training.sample_prompts], features.prompts[""],
                                training.sample_steps, training.guidance_scale, training.seed)
         network.train()
@@ -150,11 +199,12 @@ def train(
 
     # --- outputs: adapter, samples, metrics, lineage (last) -----------------------------------
     network.eval()
+    output = "adapter" if training.method == "lora" else "transformer"  # PEFT adapter, or diffusers weights
     with tempfile.TemporaryDirectory() as tmp:
         network.save_pretrained(tmp)
         for file in sorted(Path(tmp).iterdir()):
             if file.is_file():
-                store.put_file(file, f"{run}/adapter/{file.name}")
+                store.put_file(file, f"{run}/{output}/{file.name}")
     if training.sample_prompts:
         render_samples(training.steps)
     samples = [store.url(key) for key in store.list(f"{run}/samples", ".png")]
@@ -163,11 +213,14 @@ def train(
     store.write_bytes(f"{run}/config.yaml", yaml.safe_dump(training.model_dump(), sort_keys=False).encode())
     lineage = {
         "manifest": manifest["id"], "model": model.model_dump(), "training": training.model_dump(),
+        "init_from": init and {"url": init["url"], "sha256": init["sha256"]},
         "versions": package_versions(), "python": platform.python_version(),
     }
     window = max(1, min(10, len(metrics) // 4))  # mean loss over the first and last few steps
     return store.commit_json(
-        f"{run}/lineage.json", lineage, run=store.url(run), adapter=store.url(f"{run}/adapter"), samples=samples,
+        f"{run}/lineage.json", lineage, run=store.url(run), samples=samples, model=model.model_dump(),
+        adapter=store.url(f"{run}/adapter") if output == "adapter" else None,
+        transformer=store.url(f"{run}/transformer") if output == "transformer" else None, finished=time.time(),
         steps=training.steps, resumed_from=start, seconds=round(elapsed, 2),
         first_loss=sum(m["loss"] for m in metrics[:window]) / window,
         final_loss=sum(m["loss"] for m in metrics[-window:]) / window,
@@ -214,7 +267,7 @@ def run_markdown(record: dict[str, Any]) -> str:
     resumed = f" (resumed at step {record['resumed_from']})" if record["resumed_from"] else ""
     lines = [f"# Training run{resumed}", "", f"- steps: {record['steps']}",
              f"- loss: {record['first_loss']:.4f} at the start, {record['final_loss']:.4f} at the end",
-             f"- adapter: `{record['adapter']}`", f"- loss curve: `{record['run']}/loss_curve.png`",
+             f"- weights: `{record['adapter'] or record['transformer']}`", f"- loss curve: `{record['run']}/loss_curve.png`",
              f"- metrics: `{record['run']}/metrics.jsonl`"]
     lines += [f"- samples: `{url}`" for url in record["samples"]]
     return "\n".join(lines)

@@ -198,3 +198,53 @@ def test_samples_during_training_loss_curve_and_precast_sample(make_config, tmp_
     assert main(["sample", record["run"], "--prompt", "a red circle", "--prompt", "a blue square",
                  "--out", str(out), "--steps", "2"]) == 0
     assert Image.open(out).size == (512, 256)  # two 256 px images side by side
+
+
+def _manifest(config):
+    dataset, text_fp, vae_fp = _cache_everything(config)
+    return build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+
+
+def test_init_from_continues_from_an_adapter(make_config):
+    from safetensors.torch import load
+
+    config = make_config(training={"steps": 4, "sample_prompts": []})
+    manifest = _manifest(config)
+    first = train(config.storage, config.model, config.training, manifest["url"])
+    store = Store(config.storage)
+    trained = load(store.read_bytes(store.key(first["adapter"]) + "/adapter_model.safetensors"))
+
+    # a near-zero learning rate: the continued adapter must still be the first one
+    frozen = config.training.model_copy(update={"init_from": first["run"], "learning_rate": 1e-12, "steps": 1})
+    second = train(config.storage, config.model, frozen, manifest["url"])
+    assert second["run"] != first["run"]
+    continued = load(store.read_bytes(store.key(second["adapter"]) + "/adapter_model.safetensors"))
+    for name, tensor in trained.items():
+        torch.testing.assert_close(continued[name], tensor, rtol=1e-6, atol=1e-8)
+    lineage = store.read_json(store.key(second["run"]) + "/lineage.json")
+    assert lineage["init_from"]["url"] == first["adapter"]
+
+    nightly = config.training.model_copy(update={"init_from": "latest", "steps": 2})
+    third = train(config.storage, config.model, nightly, manifest["url"])
+    assert store.read_json(store.key(third["run"]) + "/lineage.json")["init_from"]["url"] == second["adapter"]
+    assert train(config.storage, config.model, nightly, manifest["url"]) == third  # unchanged data: same run
+
+    wrong_rank = config.training.model_copy(update={"init_from": first["run"], "rank": 8})
+    with pytest.raises(ValueError, match=f"init_from {first['adapter']} does not fit"):
+        train(config.storage, config.model, wrong_rank, manifest["url"])
+
+
+def test_full_fine_tune_saves_diffusers_weights(make_config, tiny_models, tmp_path):
+    from flows.cli import main
+
+    config = make_config(training={"method": "full", "steps": 2, "sample_prompts": []})
+    record = train(config.storage, config.model, config.training, _manifest(config)["url"])
+    assert record["adapter"] is None
+    store = Store(config.storage)
+    trained = PixArtTransformer2DModel.from_pretrained(store.path(store.key(record["transformer"])))
+    base = PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer")
+    changed = [n for (n, a), (_, b) in zip(trained.named_parameters(), base.named_parameters()) if not torch.equal(a, b)]
+    assert len(changed) > len(list(base.parameters())) // 2  # every weight is trained, not an adapter
+    out = tmp_path / "full.png"
+    assert main(["sample", record["transformer"], "--prompt", "a red circle", "--out", str(out), "--steps", "2"]) == 0
+    assert Image.open(out).size == (256, 256)
