@@ -145,6 +145,10 @@ class TrainingConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    ema_decay: float = Field(
+        0.0, ge=0, lt=1, description="Decay of an exponential moving average of the trained weights (0: off); "
+        "when on, the averaged weights are what the run saves."
+    )
     caption_dropout: float = Field(
         0.1, ge=0, le=1, description="Probability of training on the empty caption (for classifier-free guidance)."
     )

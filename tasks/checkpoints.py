@@ -1,6 +1,6 @@
 """Training checkpoints: everything needed to resume bit-exactly, in one safetensors object.
 
-A checkpoint holds the trainable weights, the optimizer's tensors, the RNG states (the run's data
+A checkpoint holds the trainable weights (and their EMA), the optimizer's tensors, the RNG states (the run's data
 and noise generator, torch's global generator) as tensors, and as JSON metadata the optimizer's
 hyper-parameters and scalars, the LR schedule state and the step (which fixes the data-order
 position: batches are a pure function of seed, epoch and index). It is committed like every other
@@ -28,8 +28,11 @@ def trainable_state(network: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in network.named_parameters() if p.requires_grad}
 
 
-def pack_checkpoint(step: int, network, optimizer, schedule, generator: torch.Generator) -> bytes:
+def pack_checkpoint(
+    step: int, network, optimizer, schedule, generator: torch.Generator, ema: dict[str, torch.Tensor] | None
+) -> bytes:
     tensors = {f"weights/{name}": t.contiguous().cpu() for name, t in trainable_state(network).items()}
+    tensors.update({f"ema/{name}": t.contiguous().cpu() for name, t in (ema or {}).items()})
     state = optimizer.state_dict()
     scalars = {}
     for index, entries in state["state"].items():
@@ -45,9 +48,12 @@ def pack_checkpoint(step: int, network, optimizer, schedule, generator: torch.Ge
     return save(tensors, metadata={"meta": json.dumps(meta)})
 
 
-def save_checkpoint(store: Store, run: str, step: int, network, optimizer, schedule, generator, keep: int) -> None:
+def save_checkpoint(
+    store: Store, run: str, step: int, network, optimizer, schedule, generator, ema, keep: int
+) -> None:
     """Commit the checkpoint of `step`, then drop all but the newest `keep`."""
-    store.commit(checkpoint_key(run, step), pack_checkpoint(step, network, optimizer, schedule, generator), step=step)
+    data = pack_checkpoint(step, network, optimizer, schedule, generator, ema)
+    store.commit(checkpoint_key(run, step), data, step=step)
     for old in committed_steps(store, run)[:-keep]:
         store.fs.rm(store.path(checkpoint_key(run, old) + ".done"))  # uncommit first: never a record without data
         store.fs.rm(store.path(checkpoint_key(run, old)))
@@ -59,8 +65,9 @@ def committed_steps(store: Store, run: str) -> list[int]:
                   if store.committed(k) is not None)
 
 
-def restore_latest(store: Store, run: str, network, optimizer, schedule, generator) -> int:
-    """Load the newest committed checkpoint of `run` into the live objects; returns its step (0: none)."""
+def restore_latest(store: Store, run: str, network, optimizer, schedule, generator, ema) -> int:
+    """Load the newest committed checkpoint of `run` into the live objects (the EMA weights too,
+    when kept); returns its step (0: none)."""
     steps = committed_steps(store, run)
     if not steps:
         return 0
@@ -73,6 +80,8 @@ def restore_latest(store: Store, run: str, network, optimizer, schedule, generat
         for name, parameter in network.named_parameters():
             if parameter.requires_grad:
                 parameter.copy_(tensors[f"weights/{name}"])
+        for name, average in (ema or {}).items():
+            average.copy_(tensors[f"ema/{name}"])
     state: dict[str, Any] = {"state": {}, "param_groups": meta["param_groups"]}
     for key_name, tensor in tensors.items():
         if key_name.startswith("optimizer/"):

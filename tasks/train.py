@@ -33,7 +33,7 @@ from safetensors.torch import load as load_safetensors
 from configs.schema import ModelConfig, StorageConfig, TrainingConfig
 from storage.fingerprint import hash_json
 from storage.store import Store
-from tasks.checkpoints import restore_latest, save_checkpoint
+from tasks.checkpoints import restore_latest, save_checkpoint, trainable_state
 from tasks.features import CachedFeatures, bucket_batches
 from tasks.models import load_noise_scheduler, load_transformer, resolve_device, transformer_fingerprint
 from tasks.plots import loss_curve_png
@@ -135,8 +135,11 @@ def train(
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.mixed_precision)
     scaler = torch.amp.GradScaler(device.type, enabled=training.mixed_precision == "fp16")
 
+    # exponential moving average of the trainable weights; what is saved when it is on
+    ema = {name: t.clone() for name, t in trainable_state(network).items()} if training.ema_decay else None
+
     # --- resume: weights, optimiser, schedule, RNG and data position of the latest checkpoint ---
-    start = restore_latest(store, run, network, optimizer, schedule, generator)
+    start = restore_latest(store, run, network, optimizer, schedule, generator, ema)
     metrics = read_metrics(store, run)[:start]
     for _ in range(start * training.gradient_accumulation):
         next(batches)  # batches are a pure function of seed and position: skip the ones consumed
@@ -183,6 +186,10 @@ def train(
         scaler.step(optimizer)
         scaler.update()
         schedule.step()
+        if ema is not None:
+            with torch.no_grad():
+                for name, parameter in trainable_state(network).items():
+                    ema[name].lerp_(parameter, 1.0 - training.ema_decay)
         metrics.append({"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"],
                         "bucket": f"{latents.shape[2]}x{latents.shape[3]}", "batch": len(latents)})
         if step % max(1, training.steps // 20) == 0 or step == training.steps:
@@ -194,11 +201,16 @@ def train(
             render_samples(step)
         if training.checkpoint_every and step % training.checkpoint_every == 0 and step < training.steps:
             write_metrics(store, run, metrics)  # before the checkpoint: resuming reads them back
-            save_checkpoint(store, run, step, network, optimizer, schedule, generator, training.keep_checkpoints)
+            save_checkpoint(store, run, step, network, optimizer, schedule, generator, ema,
+                            training.keep_checkpoints)
     elapsed = time.perf_counter() - started
 
     # --- outputs: adapter, samples, metrics, lineage (last) -----------------------------------
     network.eval()
+    if ema is not None:  # the averaged weights are the run's result (and render its final samples)
+        with torch.no_grad():
+            for name, parameter in trainable_state(network).items():
+                parameter.copy_(ema[name])
     output = "adapter" if training.method == "lora" else "transformer"  # PEFT adapter, or diffusers weights
     with tempfile.TemporaryDirectory() as tmp:
         network.save_pretrained(tmp)
