@@ -169,6 +169,10 @@ class TrainingConfig(Section):
     sample_every: int = Field(0, ge=0, description="Steps between sample grids during training (0: at the end only).")
     sample_steps: int = Field(20, ge=1, description="Denoising steps per sample image.")
     guidance_scale: float = Field(4.5, ge=1, description="Classifier-free guidance scale of the samples.")
+    processes: int = Field(
+        1, ge=1, description="Data-parallel training processes on this node: one per GPU (NCCL), or CPU processes "
+        "(gloo). Each takes every n-th batch; gradients are averaged."
+    )
     device: str = Field("auto", description="Torch device for training: auto, cpu, cuda, …")
 
 

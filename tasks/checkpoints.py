@@ -29,7 +29,7 @@ def trainable_state(network: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def pack_checkpoint(
-    step: int, network, optimizer, schedule, generator: torch.Generator, ema: dict[str, torch.Tensor] | None
+    step: int, network, optimizer, schedule, generator_states: list[torch.Tensor], ema: dict[str, torch.Tensor] | None
 ) -> bytes:
     tensors = {f"weights/{name}": t.contiguous().cpu() for name, t in trainable_state(network).items()}
     tensors.update({f"ema/{name}": t.contiguous().cpu() for name, t in (ema or {}).items()})
@@ -41,7 +41,7 @@ def pack_checkpoint(
                 tensors[f"optimizer/{index}/{name}"] = value.contiguous().cpu()
             else:
                 scalars[f"{index}/{name}"] = value
-    tensors["rng/generator"] = generator.get_state()
+    tensors.update({f"rng/generator/{rank}": state for rank, state in enumerate(generator_states)})
     tensors["rng/torch"] = torch.get_rng_state()
     meta = {"step": step, "param_groups": state["param_groups"], "scalars": scalars,
             "schedule": schedule.state_dict()}
@@ -49,10 +49,11 @@ def pack_checkpoint(
 
 
 def save_checkpoint(
-    store: Store, run: str, step: int, network, optimizer, schedule, generator, ema, keep: int
+    store: Store, run: str, step: int, network, optimizer, schedule, generator_states, ema, keep: int
 ) -> None:
-    """Commit the checkpoint of `step`, then drop all but the newest `keep`."""
-    data = pack_checkpoint(step, network, optimizer, schedule, generator, ema)
+    """Commit the checkpoint of `step` (`generator_states`: one per process, in rank order), then
+    drop all but the newest `keep`."""
+    data = pack_checkpoint(step, network, optimizer, schedule, generator_states, ema)
     store.commit(checkpoint_key(run, step), data, step=step)
     for old in committed_steps(store, run)[:-keep]:
         store.fs.rm(store.path(checkpoint_key(run, old) + ".done"))  # uncommit first: never a record without data
@@ -65,9 +66,9 @@ def committed_steps(store: Store, run: str) -> list[int]:
                   if store.committed(k) is not None)
 
 
-def restore_latest(store: Store, run: str, network, optimizer, schedule, generator, ema) -> int:
+def restore_latest(store: Store, run: str, network, optimizer, schedule, generator, ema, rank: int = 0) -> int:
     """Load the newest committed checkpoint of `run` into the live objects (the EMA weights too,
-    when kept); returns its step (0: none)."""
+    when kept, and process `rank`'s generator state); returns its step (0: none)."""
     steps = committed_steps(store, run)
     if not steps:
         return 0
@@ -92,7 +93,9 @@ def restore_latest(store: Store, run: str, network, optimizer, schedule, generat
         state["state"].setdefault(int(index), {})[name] = value
     optimizer.load_state_dict(state)
     schedule.load_state_dict(meta["schedule"])
-    generator.set_state(tensors["rng/generator"])
+    if f"rng/generator/{rank}" not in tensors:
+        raise ValueError(f"{store.url(key)} was written by fewer processes than this run has")
+    generator.set_state(tensors[f"rng/generator/{rank}"])
     torch.set_rng_state(tensors["rng/torch"])
     return meta["step"]
 

@@ -15,20 +15,24 @@ import io
 import json
 import logging
 import platform
+import socket
 import tempfile
 import time
 from collections.abc import Callable
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import fsspec
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import INPUTS
 from safetensors.torch import load as load_safetensors
+from torch.nn.parallel import DistributedDataParallel
 
 from configs.schema import ModelConfig, StorageConfig, TrainingConfig
 from storage.fingerprint import hash_json
@@ -96,15 +100,37 @@ def train(
     run = f"runs/{run_id_for(manifest['id'], model, training, init)}"
     if (record := store.committed(f"{run}/lineage.json")) is not None:
         return record
+    if training.processes == 1:
+        return run_training(0, 1, 0, storage, model, training, manifest, run, init, progress)
+    # data parallel: one process per device (gloo on CPUs, NCCL on GPUs); rank 0 writes the run
+    torch.multiprocessing.spawn(run_training, nprocs=training.processes,
+                                args=(training.processes, free_port(), storage, model, training, manifest, run, init))
+    return store.require(f"{run}/lineage.json")
 
-    # --- data: cached features only -------------------------------------------------------
+
+def run_training(
+    rank: int, world: int, port: int, storage: StorageConfig, model: ModelConfig, training: TrainingConfig,
+    manifest: dict[str, Any], run: str, init: dict | None,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> dict[str, Any] | None:
+    """The training loop of one process; returns the run's commit record on rank 0."""
+    store = Store(storage)
+    device = resolve_device(training.device)
+    if device.type == "cuda" and world > 1:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world)
+    leader = rank == 0
+
+    # --- data: cached features only; each process takes every world-th batch ------------------
     features = CachedFeatures(store, manifest)
-    batches = bucket_batches(features.buckets, training.batch_size, training.seed)
-    generator = torch.Generator().manual_seed(training.seed)
+    batches = islice(bucket_batches(features.buckets, training.batch_size, training.seed), rank, None, world)
+    generator = torch.Generator().manual_seed(training.seed + 1_000_003 * rank)
 
     # --- model: LoRA layers on the frozen transformer, or the whole transformer ---------------
-    device = resolve_device(training.device)
-    torch.manual_seed(training.seed)  # LoRA initialisation
+    torch.manual_seed(training.seed)  # LoRA initialisation, the same on every process
     transformer = load_transformer(model)
     if training.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
@@ -123,6 +149,8 @@ def train(
     else:
         network = transformer.requires_grad_(True)
     network = network.to(device)
+    replicas = DistributedDataParallel(network, device_ids=[device.index] if device.type == "cuda" else None) \
+        if world > 1 else network  # averages gradients across processes in backward
     noise_scheduler = load_noise_scheduler(model)
     alphas = noise_scheduler.alphas_cumprod
     learned_sigma = transformer.config.out_channels == 2 * transformer.config.in_channels
@@ -139,7 +167,7 @@ def train(
     ema = {name: t.clone() for name, t in trainable_state(network).items()} if training.ema_decay else None
 
     # --- resume: weights, optimiser, schedule, RNG and data position of the latest checkpoint ---
-    start = restore_latest(store, run, network, optimizer, schedule, generator, ema)
+    start = restore_latest(store, run, network, optimizer, schedule, generator, ema, rank)
     metrics = read_metrics(store, run)[:start]
     for _ in range(start * training.gradient_accumulation):
         next(batches)  # batches are a pure function of seed and position: skip the ones consumed
@@ -171,7 +199,7 @@ def train(
             timesteps = torch.randint(0, len(alphas), (len(latents),), generator=generator).to(device)
             noisy = noise_scheduler.add_noise(latents, noise, timesteps)
             with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
-                prediction = network(noisy, encoder_hidden_states=text, encoder_attention_mask=mask,
+                prediction = replicas(noisy, encoder_hidden_states=text, encoder_attention_mask=mask,
                                      timestep=timesteps, added_cond_kwargs={"resolution": None, "aspect_ratio": None})
             prediction = prediction.sample
             if learned_sigma:  # the variance half is not trained by the epsilon loss (diffusers' PixArt recipe)
@@ -190,20 +218,31 @@ def train(
             with torch.no_grad():
                 for name, parameter in trainable_state(network).items():
                     ema[name].lerp_(parameter, 1.0 - training.ema_decay)
+        if world > 1:  # the logged loss is the mean over every process's batches
+            total = torch.tensor([step_loss], dtype=torch.float64)
+            dist.all_reduce(total)
+            step_loss = total.item() / world
         metrics.append({"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"],
-                        "bucket": f"{latents.shape[2]}x{latents.shape[3]}", "batch": len(latents)})
-        if step % max(1, training.steps // 20) == 0 or step == training.steps:
+                        "bucket": f"{latents.shape[2]}x{latents.shape[3]}", "batch": len(latents) * world})
+        if leader and (step % max(1, training.steps // 20) == 0 or step == training.steps):
             log.info("step %d/%d loss %.4f", step, training.steps, step_loss)
-        if progress is not None:
+        if leader and progress is not None:
             progress(step, training.steps, step_loss)
-        if training.sample_prompts and training.sample_every and step % training.sample_every == 0 \
+        if leader and training.sample_prompts and training.sample_every and step % training.sample_every == 0 \
                 and step < training.steps:
             render_samples(step)
         if training.checkpoint_every and step % training.checkpoint_every == 0 and step < training.steps:
-            write_metrics(store, run, metrics)  # before the checkpoint: resuming reads them back
-            save_checkpoint(store, run, step, network, optimizer, schedule, generator, ema,
-                            training.keep_checkpoints)
+            states = gather_generator_states(generator, world)  # every process takes part
+            if leader:
+                write_metrics(store, run, metrics)  # before the checkpoint: resuming reads them back
+                save_checkpoint(store, run, step, network, optimizer, schedule, states, ema,
+                                training.keep_checkpoints)
     elapsed = time.perf_counter() - started
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    if not leader:
+        return None
 
     # --- outputs: adapter, samples, metrics, lineage (last) -----------------------------------
     network.eval()
@@ -237,6 +276,22 @@ def train(
         first_loss=sum(m["loss"] for m in metrics[:window]) / window,
         final_loss=sum(m["loss"] for m in metrics[-window:]) / window,
     )
+
+
+def gather_generator_states(generator: torch.Generator, world: int) -> list[torch.Tensor]:
+    """Every process's data/noise generator state, in rank order (all of them call this)."""
+    state = generator.get_state()
+    if world == 1:
+        return [state]
+    states = [torch.empty_like(state) for _ in range(world)]
+    dist.all_gather(states, state)
+    return states
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def write_metrics(store: Store, run: str, metrics: list[dict[str, Any]]) -> None:

@@ -264,3 +264,30 @@ def test_ema_weights_are_the_saved_result(make_config):
     lora_b = [name for name in a if "lora_B" in name]
     # same seed and data: the averaged B matrices lag the raw ones (they start at zero)
     assert all(b[n].abs().sum() < a[n].abs().sum() for n in lora_b)
+
+
+def test_two_process_data_parallel_training_on_cpu(make_config, tiny_models):
+    """torch DDP over gloo: two processes, each its own batches, rank 0 writes the run."""
+    from tasks.checkpoints import restore_latest
+
+    config = make_config(training={"steps": 3, "processes": 2, "checkpoint_every": 2, "keep_checkpoints": 1,
+                                   "sample_prompts": []})
+    record = train(config.storage, config.model, config.training, _manifest(config)["url"])
+    store = Store(config.storage)
+    run = store.key(record["run"])
+    import json
+    import math
+
+    metrics = [json.loads(line) for line in store.read_bytes(f"{run}/metrics.jsonl").splitlines() if line]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(math.isfinite(m["loss"]) for m in metrics)
+    # rank 0's checkpoint loads into a fresh single-process model
+    from peft import LoraConfig, get_peft_model
+
+    network = get_peft_model(PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer"),
+                             LoraConfig(r=4, lora_alpha=4, target_modules=config.training.target_modules))
+    optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad])
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    generator = torch.Generator()
+    assert restore_latest(store, run, network, optimizer, schedule, generator, None, rank=1) == 2
+    base = PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer")
+    PeftModel.from_pretrained(base, store.path(store.key(record["adapter"])))
