@@ -130,30 +130,10 @@ def run_training(
     generator = torch.Generator().manual_seed(training.seed + 1_000_003 * rank)
 
     # --- model: LoRA layers on the frozen transformer, or the whole transformer ---------------
-    torch.manual_seed(training.seed)  # LoRA initialisation, the same on every process
-    transformer = load_transformer(model)
-    if training.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    if training.method == "lora":
-        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-
-        lora = LoraConfig(r=training.rank, lora_alpha=training.alpha, lora_dropout=training.lora_dropout,
-                          target_modules=training.target_modules, bias="none")
-        network = get_peft_model(transformer.requires_grad_(False), lora)
-        if init is not None:
-            try:
-                set_peft_model_state_dict(network, init["tensors"])
-            except RuntimeError as error:
-                raise ValueError(f"init_from {init['url']} does not fit this LoRA config: {error}") from error
-            log.info("continuing from %s", init["url"])
-    else:
-        network = transformer.requires_grad_(True)
-    network = network.to(device)
+    network = trainable_network(model, training, init).to(device)
     replicas = DistributedDataParallel(network, device_ids=[device.index] if device.type == "cuda" else None) \
         if world > 1 else network  # averages gradients across processes in backward
     noise_scheduler = load_noise_scheduler(model)
-    alphas = noise_scheduler.alphas_cumprod
-    learned_sigma = transformer.config.out_channels == 2 * transformer.config.in_channels
 
     # --- optimiser: AdamW with linear warm-up -------------------------------------------------
     trainable = [p for p in network.parameters() if p.requires_grad]
@@ -194,17 +174,8 @@ def run_training(
         step_loss = 0.0
         for _ in range(training.gradient_accumulation):
             latents, text, mask = features.batch(next(batches), generator, training.caption_dropout)
-            latents, text, mask = latents.to(device), text.to(device), mask.to(device)
-            noise = torch.randn(latents.shape, generator=generator).to(device)
-            timesteps = torch.randint(0, len(alphas), (len(latents),), generator=generator).to(device)
-            noisy = noise_scheduler.add_noise(latents, noise, timesteps)
-            with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
-                prediction = replicas(noisy, encoder_hidden_states=text, encoder_attention_mask=mask,
-                                     timestep=timesteps, added_cond_kwargs={"resolution": None, "aspect_ratio": None})
-            prediction = prediction.sample
-            if learned_sigma:  # the variance half is not trained by the epsilon loss (diffusers' PixArt recipe)
-                prediction = prediction.chunk(2, dim=1)[0]
-            loss = F.mse_loss(prediction.float(), noise.float())
+            loss = diffusion_loss(replicas, noise_scheduler, latents.to(device), text.to(device), mask.to(device),
+                                  generator, half)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss.item()} at step {step}")
             scaler.scale(loss / training.gradient_accumulation).backward()
@@ -276,6 +247,48 @@ def run_training(
         first_loss=sum(m["loss"] for m in metrics[:window]) / window,
         final_loss=sum(m["loss"] for m in metrics[-window:]) / window,
     )
+
+
+def trainable_network(model: ModelConfig, training: TrainingConfig, init: dict | None = None):
+    """The transformer with LoRA layers (only they train; from `init`'s weights when given), or
+    the whole transformer for `method: full`. Seeded: every process builds the same one."""
+    torch.manual_seed(training.seed)
+    transformer = load_transformer(model)
+    if training.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    if training.method == "full":
+        return transformer.requires_grad_(True)
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    lora = LoraConfig(r=training.rank, lora_alpha=training.alpha, lora_dropout=training.lora_dropout,
+                      target_modules=training.target_modules, bias="none")
+    network = get_peft_model(transformer.requires_grad_(False), lora)
+    if init is not None:
+        try:
+            set_peft_model_state_dict(network, init["tensors"])
+        except RuntimeError as error:
+            raise ValueError(f"init_from {init['url']} does not fit this LoRA config: {error}") from error
+        log.info("continuing from %s", init["url"])
+    return network
+
+
+def diffusion_loss(
+    network, noise_scheduler, latents: torch.Tensor, text: torch.Tensor, mask: torch.Tensor,
+    generator: torch.Generator, half: torch.dtype | None,
+) -> torch.Tensor:
+    """PixArt's training loss for one batch: noise the scaled latents at random timesteps and
+    regress the noise from the text-conditioned transformer (epsilon prediction)."""
+    device = latents.device
+    noise = torch.randn(latents.shape, generator=generator).to(device)
+    steps = noise_scheduler.config.num_train_timesteps
+    timesteps = torch.randint(0, steps, (len(latents),), generator=generator).to(device)
+    noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+    with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
+        prediction = network(noisy, encoder_hidden_states=text, encoder_attention_mask=mask, timestep=timesteps,
+                             added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
+    if prediction.shape[1] == 2 * latents.shape[1]:  # learned sigma: the variance half is not trained by this loss
+        prediction = prediction.chunk(2, dim=1)[0]
+    return F.mse_loss(prediction.float(), noise.float())
 
 
 def gather_generator_states(generator: torch.Generator, world: int) -> list[torch.Tensor]:
