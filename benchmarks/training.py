@@ -1,0 +1,199 @@
+"""Training on cached features vs encoding text and images online every step.
+
+One invocation, the same data, model and loop (`trainable_network`, `diffusion_loss`):
+- cached: precast's `train` on the manifest (T5 and the VAE encoder never loaded);
+- online: each step tokenizes and T5-encodes the batch's captions and VAE-encodes its images,
+  as a trainer without a feature cache does;
+- loader: `CachedFeatures.batch` alone, to compare with the cached step time.
+Each training variant runs in its own process so its peak memory (max RSS) is its own. The model
+set is random but shaped like PixArt-Sigma's proportions: the text encoder has about 8x the
+transformer's parameters. Usage: python -m benchmarks.training [--steps 30] [--batch 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from configs.schema import PipelineConfig
+from flows.demo_data import write_demo_data
+from flows.tiny_models import build_tokenizer
+
+
+def make_models(folder: Path) -> Path:
+    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtTransformer2DModel
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(folder / "tokenizer")
+    T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=256, d_kv=32, d_ff=640, num_layers=14, num_heads=8,
+                            feed_forward_proj="gated-gelu", dropout_rate=0.0)).save_pretrained(folder / "text_encoder")
+    AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, norm_num_groups=32,
+                  down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                  block_out_channels=(32, 64, 128, 128), scaling_factor=0.13025).save_pretrained(folder / "vae")
+    PixArtTransformer2DModel(num_attention_heads=4, attention_head_dim=32, in_channels=4, out_channels=8,
+                             num_layers=4, cross_attention_dim=128, caption_channels=256, sample_size=32,
+                             norm_num_groups=32, use_additional_conditions=False).save_pretrained(folder / "transformer")
+    DPMSolverMultistepScheduler(beta_schedule="linear", beta_start=0.0001, beta_end=0.02).save_pretrained(
+        folder / "scheduler")
+    return folder
+
+
+def config_for(workdir: Path, steps: int, batch: int) -> PipelineConfig:
+    return PipelineConfig.model_validate({
+        "storage": {"root": str(workdir / "store")},
+        "dataset": {"sources": [{"path": str(workdir / "data")}], "shard_size": 64},
+        "model": {"path": str(workdir / "models")},
+        "text_encoding": {"dtype": "fp32", "device": "cpu", "numerics_samples": 0},
+        "latent_encoding": {"resolution": 256, "batch_size": 1, "device": "cpu"},
+        "training": {"steps": steps, "batch_size": batch, "rank": 16, "alpha": 16, "sample_prompts": [],
+                     "caption_dropout": 0.0, "checkpoint_every": 0, "device": "cpu"},
+    })
+
+
+def prepare(workdir: Path, config: PipelineConfig, count: int) -> str:
+    """Ingest and cache everything; returns the manifest URL."""
+    from storage.store import Store
+    from tasks.encode_latents import encode_latents_shard
+    from tasks.encode_text import encode_prompts, encode_text_shard
+    from tasks.ingest import ingest
+    from tasks.manifest import build_manifest
+    from tasks.models import text_encoder_fingerprint, vae_fingerprint
+
+    make_models(workdir / "models")
+    write_demo_data(workdir / "data", count=count)
+    dataset = ingest(config.storage, config.dataset)
+    store = Store(config.storage)
+    text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
+    vae_fp = vae_fingerprint(config.model, config.latent_encoding)
+    encode_prompts(config.storage, config.model, config.text_encoding, text_fp, [])
+    for shard in dataset["shards"]:
+        url = store.url(f"shards/images/{shard['id']}.parquet")
+        encode_text_shard(config.storage, config.model, config.text_encoding, text_fp, url)
+        encode_latents_shard(config.storage, config.model, config.latent_encoding, vae_fp, url)
+    return build_manifest(config.storage, dataset["id"], text_fp, vae_fp, [])["url"]
+
+
+def run_cached(config: PipelineConfig, manifest_url: str) -> dict:
+    from storage.store import Store
+    from tasks.features import CachedFeatures, bucket_batches
+    from tasks.train import train
+
+    record = train(config.storage, config.model, config.training, manifest_url)
+    store = Store(config.storage)
+    features = CachedFeatures(store, store.read_json(store.key(manifest_url)))
+    batches = bucket_batches(features.buckets, config.training.batch_size, 0)
+    generator = torch.Generator().manual_seed(0)
+    started = time.perf_counter()
+    for _ in range(config.training.steps):
+        features.batch(next(batches), generator, 0.0)
+    loader = (time.perf_counter() - started) / config.training.steps
+    return {"step_s": record["seconds"] / config.training.steps, "loader_s": loader}
+
+
+def run_online(config: PipelineConfig, manifest_url: str) -> dict:
+    """The same loop, but text and latents computed from the raw data every step."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    from storage.shards import read_image_shard
+    from storage.store import Store
+    from tasks.encode_latents import crop_box, preprocess
+    from tasks.encode_text import run_encoder, tokenize
+    from tasks.features import bucket_batches, pad_sequences
+    from tasks.models import load_noise_scheduler, load_text_encoder, load_vae
+    from tasks.train import diffusion_loss, trainable_network
+
+    training = config.training
+    store = Store(config.storage)
+    manifest = store.read_json(store.key(manifest_url))
+    rows = pq.read_table(io.BytesIO(store.read_bytes(manifest["table"]))).to_pylist()
+    buckets: dict[str, list[str]] = {}
+    for row in rows:
+        buckets.setdefault(row["bucket"], []).append(row["sample_id"])
+    samples = {}
+    for key in store.list("shards/images", ".parquet"):
+        for sample in read_image_shard(store.read_bytes(key)).to_pylist():
+            samples[sample["sample_id"]] = sample
+    encoder = load_text_encoder(config.model, "fp32", "cpu", "none")
+    vae = load_vae(config.model, "fp32", "cpu")
+    network = trainable_network(config.model, training)
+    noise_scheduler = load_noise_scheduler(config.model)
+    optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=training.learning_rate)
+    batches = bucket_batches(buckets, training.batch_size, training.seed)
+    generator = torch.Generator().manual_seed(training.seed)
+    started = time.perf_counter()
+    for _ in range(training.steps):
+        batch = [samples[i] for i in next(batches)]
+        with torch.no_grad():
+            ids, _ = tokenize([s["captions"][0] for s in batch], encoder.tokenizer, config.text_encoding.max_length)
+            text, mask = pad_sequences(run_encoder(ids, encoder, config.text_encoding.batch_tokens))
+            pixels = torch.stack([preprocess(s["image"], crop_box(s["width"], s["height"], 256, "center", 0, ""))
+                                  for s in batch])
+            latents = vae.encode(pixels).latent_dist.sample(generator) * vae.config.scaling_factor
+        loss = diffusion_loss(network, noise_scheduler, latents, text, mask, generator, None)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {"step_s": (time.perf_counter() - started) / training.steps}
+
+
+def parameters(folder: Path) -> dict:
+    from diffusers import PixArtTransformer2DModel
+    from transformers import T5EncoderModel
+
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    return {"text_encoder": count(T5EncoderModel.from_pretrained(folder, subfolder="text_encoder")),
+            "transformer": count(PixArtTransformer2DModel.from_pretrained(folder, subfolder="transformer"))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--count", type=int, default=64)
+    parser.add_argument("--worker", choices=["cached", "online"], help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    parser.add_argument("--manifest", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:  # one variant in its own process: print its timings and peak memory
+        config = config_for(Path(args.dir), args.steps, args.batch)
+        result = (run_cached if args.worker == "cached" else run_online)(config, args.manifest)
+        result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+        print(json.dumps(result))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        config = config_for(workdir, args.steps, args.batch)
+        manifest = prepare(workdir, config, args.count)
+        results = {}
+        for worker in ["cached", "online"]:
+            done = subprocess.run([sys.executable, "-m", "benchmarks.training", "--worker", worker, "--dir", tmp,
+                                   "--manifest", manifest, "--steps", str(args.steps), "--batch", str(args.batch)],
+                                  capture_output=True, text=True, check=True)
+            results[worker] = json.loads(done.stdout.strip().splitlines()[-1])
+        sizes = parameters(workdir / "models")
+    cached, online = results["cached"], results["online"]
+    print(json.dumps({
+        "steps": args.steps, "batch": args.batch, "parameters": sizes,
+        "text_encoder_vs_transformer": round(sizes["text_encoder"] / sizes["transformer"], 1),
+        "samples_per_s": {"cached": round(args.batch / cached["step_s"], 2), "online": round(args.batch / online["step_s"], 2)},
+        "cached_vs_online": round(online["step_s"] / cached["step_s"], 2),
+        "peak_rss_mib": {"cached": cached["peak_rss_mib"], "online": online["peak_rss_mib"]},
+        "loader_s_per_batch": round(cached["loader_s"], 5), "cached_step_s": round(cached["step_s"], 4),
+        "loader_share_of_step": round(cached["loader_s"] / cached["step_s"], 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()
