@@ -141,6 +141,10 @@ class TrainingConfig(Section):
     )
     steps: int = Field(1000, ge=1, description="Optimizer steps.")
     batch_size: int = Field(4, ge=1, description="Samples per step; a batch comes from one aspect-ratio bucket.")
+    optimizer: Literal["adamw", "adamw8bit"] = Field(
+        "adamw", description="adamw (torch) or adamw8bit (bitsandbytes: 8-bit optimizer state, about a quarter of "
+        "AdamW's memory for large tensors)."
+    )
     learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate after warm-up.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")

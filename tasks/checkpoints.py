@@ -35,12 +35,11 @@ def pack_checkpoint(
     tensors.update({f"ema/{name}": t.contiguous().cpu() for name, t in (ema or {}).items()})
     state = optimizer.state_dict()
     scalars = {}
-    for index, entries in state["state"].items():
-        for name, value in entries.items():
-            if torch.is_tensor(value):
-                tensors[f"optimizer/{index}/{name}"] = value.contiguous().cpu()
-            else:
-                scalars[f"{index}/{name}"] = value
+    for path, value in _flatten(state["state"]):  # nested: 8-bit optimizers keep a dict of quantisation state
+        if torch.is_tensor(value):  # cloned: 8-bit optimizers share their small quantisation maps
+            tensors[f"optimizer/{path}"] = value.detach().cpu().clone()
+        else:
+            scalars[path] = value
     tensors.update({f"rng/generator/{rank}": state for rank, state in enumerate(generator_states)})
     tensors["rng/torch"] = torch.get_rng_state()
     meta = {"step": step, "param_groups": state["param_groups"], "scalars": scalars,
@@ -83,21 +82,36 @@ def restore_latest(store: Store, run: str, network, optimizer, schedule, generat
                 parameter.copy_(tensors[f"weights/{name}"])
         for name, average in (ema or {}).items():
             average.copy_(tensors[f"ema/{name}"])
-    state: dict[str, Any] = {"state": {}, "param_groups": meta["param_groups"]}
-    for key_name, tensor in tensors.items():
-        if key_name.startswith("optimizer/"):
-            _, index, name = key_name.split("/", 2)
-            state["state"].setdefault(int(index), {})[name] = tensor
-    for key_name, value in meta["scalars"].items():
-        index, name = key_name.split("/", 1)
-        state["state"].setdefault(int(index), {})[name] = value
-    optimizer.load_state_dict(state)
+    entries = [(k.removeprefix("optimizer/"), t) for k, t in tensors.items() if k.startswith("optimizer/")]
+    optimizer.load_state_dict({"state": _unflatten(entries + list(meta["scalars"].items())),
+                               "param_groups": meta["param_groups"]})
     schedule.load_state_dict(meta["schedule"])
     if f"rng/generator/{rank}" not in tensors:
         raise ValueError(f"{store.url(key)} was written by fewer processes than this run has")
     generator.set_state(tensors[f"rng/generator/{rank}"])
     torch.set_rng_state(tensors["rng/torch"])
     return meta["step"]
+
+
+def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """(slash-joined path, leaf) of a nested dict."""
+    leaves = []
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        leaves += _flatten(value, f"{path}/") if isinstance(value, dict) else [(path, value)]
+    return leaves
+
+
+def _unflatten(leaves: list[tuple[str, Any]]) -> dict:
+    """The inverse of `_flatten`; the top level (parameter index) back to int keys."""
+    tree: dict = {}
+    for path, value in leaves:
+        index, *parts = path.split("/")
+        node = tree.setdefault(int(index), {})
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return tree
 
 
 def _header_metadata(data: bytes) -> dict[str, str]:

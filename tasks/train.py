@@ -137,7 +137,13 @@ def run_training(
 
     # --- optimiser: AdamW with linear warm-up -------------------------------------------------
     trainable = [p for p in network.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=training.learning_rate, weight_decay=training.weight_decay)
+    if training.optimizer == "adamw8bit":
+        import bitsandbytes
+
+        adamw = bitsandbytes.optim.AdamW8bit
+    else:
+        adamw = torch.optim.AdamW
+    optimizer = adamw(trainable, lr=training.learning_rate, weight_decay=training.weight_decay)
     warmup = max(1, training.warmup_steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.mixed_precision)

@@ -120,13 +120,14 @@ def test_training_reader_draws_seeded_latents_from_one_bucket(make_config):
     assert not torch.equal(first[0][0], scaled_mean)  # sampled, not the mean
 
 
-def test_interrupted_training_resumes_bit_identically(make_config, tmp_path, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
+def test_interrupted_training_resumes_bit_identically(make_config, tmp_path, monkeypatch, optimizer):
     from tasks import features as features_module
 
     def run(root, crash_at=None):
         config = make_config(root=str(root), training={"steps": 7, "checkpoint_every": 2, "keep_checkpoints": 2,
                                                        "sample_prompts": [], "gradient_accumulation": 2,
-                                                       "ema_decay": 0.9})
+                                                       "ema_decay": 0.9, "optimizer": optimizer, "rank": 64})
         dataset, text_fp, vae_fp = _cache_everything(config)
         manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
         if crash_at is not None:
