@@ -1,8 +1,8 @@
 """Training checkpoints: everything needed to resume bit-exactly, in one safetensors object.
 
-A checkpoint holds the trainable weights (and their EMA), the optimizer's tensors, the RNG states (the run's data
-and noise generator, torch's global generator) as tensors, and as JSON metadata the optimizer's
-hyper-parameters and scalars, the LR schedule state and the step (which fixes the data-order
+A checkpoint holds the trainable weights (and their EMA), the optimizer's tensors, the RNG states
+(the run's data and noise generators, one each per process, and torch's global generator) as
+tensors, and as JSON metadata the optimizer's hyper-parameters and scalars, the LR schedule state and the step (which fixes the data-order
 position: batches are a pure function of seed, epoch and index). It is committed like every other
 artifact, so a run killed mid-write resumes from the previous one. No pickle is involved.
 """
@@ -29,7 +29,8 @@ def trainable_state(network: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def pack_checkpoint(
-    step: int, network, optimizer, schedule, generator_states: list[torch.Tensor], ema: dict[str, torch.Tensor] | None
+    step: int, network, optimizer, schedule, rng_states: dict[str, list[torch.Tensor]],
+    ema: dict[str, torch.Tensor] | None,
 ) -> bytes:
     tensors = {f"weights/{name}": t.contiguous().cpu() for name, t in trainable_state(network).items()}
     tensors.update({f"ema/{name}": t.contiguous().cpu() for name, t in (ema or {}).items()})
@@ -40,7 +41,8 @@ def pack_checkpoint(
             tensors[f"optimizer/{path}"] = value.detach().cpu().clone()
         else:
             scalars[path] = value
-    tensors.update({f"rng/generator/{rank}": state for rank, state in enumerate(generator_states)})
+    for name, states in rng_states.items():
+        tensors.update({f"rng/{name}/{rank}": state for rank, state in enumerate(states)})
     tensors["rng/torch"] = torch.get_rng_state()
     meta = {"step": step, "param_groups": state["param_groups"], "scalars": scalars,
             "schedule": schedule.state_dict()}
@@ -48,11 +50,11 @@ def pack_checkpoint(
 
 
 def save_checkpoint(
-    store: Store, run: str, step: int, network, optimizer, schedule, generator_states, ema, keep: int
+    store: Store, run: str, step: int, network, optimizer, schedule, rng_states, ema, keep: int
 ) -> None:
-    """Commit the checkpoint of `step` (`generator_states`: one per process, in rank order), then
-    drop all but the newest `keep`."""
-    data = pack_checkpoint(step, network, optimizer, schedule, generator_states, ema)
+    """Commit the checkpoint of `step` (`rng_states`: per generator name, one state per process in
+    rank order), then drop all but the newest `keep`."""
+    data = pack_checkpoint(step, network, optimizer, schedule, rng_states, ema)
     store.commit(checkpoint_key(run, step), data, step=step)
     for old in committed_steps(store, run)[:-keep]:
         store.fs.rm(store.path(checkpoint_key(run, old) + ".done"))  # uncommit first: never a record without data
@@ -65,9 +67,11 @@ def committed_steps(store: Store, run: str) -> list[int]:
                   if store.committed(k) is not None)
 
 
-def restore_latest(store: Store, run: str, network, optimizer, schedule, generator, ema, rank: int = 0) -> int:
+def restore_latest(
+    store: Store, run: str, network, optimizer, schedule, generators: dict[str, torch.Generator], ema, rank: int = 0
+) -> int:
     """Load the newest committed checkpoint of `run` into the live objects (the EMA weights too,
-    when kept, and process `rank`'s generator state); returns its step (0: none)."""
+    when kept, and process `rank`'s generator states); returns its step (0: none)."""
     steps = committed_steps(store, run)
     if not steps:
         return 0
@@ -86,9 +90,10 @@ def restore_latest(store: Store, run: str, network, optimizer, schedule, generat
     optimizer.load_state_dict({"state": _unflatten(entries + list(meta["scalars"].items())),
                                "param_groups": meta["param_groups"]})
     schedule.load_state_dict(meta["schedule"])
-    if f"rng/generator/{rank}" not in tensors:
-        raise ValueError(f"{store.url(key)} was written by fewer processes than this run has")
-    generator.set_state(tensors[f"rng/generator/{rank}"])
+    for name, generator in generators.items():
+        if f"rng/{name}/{rank}" not in tensors:
+            raise ValueError(f"{store.url(key)} was written by fewer processes than this run has")
+        generator.set_state(tensors[f"rng/{name}/{rank}"])
     torch.set_rng_state(tensors["rng/torch"])
     return meta["step"]
 

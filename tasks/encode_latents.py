@@ -13,8 +13,6 @@ import io
 import logging
 import random
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -27,6 +25,7 @@ from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig
 from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id_of
 from storage.store import Store
 from tasks.models import DTYPES, LATENT_FORMAT, build_vae, load_vae
+from tasks.prefetch import prefetched
 
 log = logging.getLogger(__name__)
 
@@ -77,21 +76,6 @@ def preprocess(image_bytes: bytes, box: list[int]) -> torch.Tensor:
 
 def latent_cache_key(fingerprint: str, shard_id: str) -> str:
     return f"cache/latents/{fingerprint}/{shard_id}.safetensors"
-
-
-def prefetched(load: Callable[[Any], torch.Tensor], items: list, overlap: bool) -> Iterator[torch.Tensor]:
-    """`load(item)` for each item in order; with `overlap`, the next is loaded in a background
-    thread while the caller works on the current one."""
-    if not overlap:
-        yield from map(load, items)
-        return
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        upcoming = pool.submit(load, items[0]) if items else None
-        for index in range(len(items)):
-            current = upcoming.result()
-            if index + 1 < len(items):
-                upcoming = pool.submit(load, items[index + 1])
-            yield current
 
 
 def encode_pixels(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

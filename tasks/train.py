@@ -41,6 +41,7 @@ from tasks.checkpoints import restore_latest, save_checkpoint, trainable_state
 from tasks.features import CachedFeatures, bucket_batches
 from tasks.models import load_noise_scheduler, load_transformer, resolve_device, transformer_fingerprint
 from tasks.plots import loss_curve_png
+from tasks.prefetch import prefetched
 from tasks.sampling import sample_grid
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,10 @@ def run_training(
     # --- data: cached features only; each process takes every world-th batch ------------------
     features = CachedFeatures(store, manifest)
     batches = islice(bucket_batches(features.buckets, training.batch_size, training.seed), rank, None, world)
-    generator = torch.Generator().manual_seed(training.seed + 1_000_003 * rank)
+    # two generators: data choices (caption variant, dropout, flip, posterior draw) are made in the
+    # loader thread, noise and timesteps in this one, so each stream is reproducible on its own
+    data_rng = torch.Generator().manual_seed(training.seed + 1_000_003 * rank)
+    noise_rng = torch.Generator().manual_seed(training.seed + 1_000_003 * rank + 1)
 
     # --- model: LoRA layers on the frozen transformer, or the whole transformer ---------------
     network = trainable_network(model, training, init).to(device)
@@ -153,12 +157,19 @@ def run_training(
     ema = {name: t.clone() for name, t in trainable_state(network).items()} if training.ema_decay else None
 
     # --- resume: weights, optimiser, schedule, RNG and data position of the latest checkpoint ---
-    start = restore_latest(store, run, network, optimizer, schedule, generator, ema, rank)
+    start = restore_latest(store, run, network, optimizer, schedule, {"data": data_rng, "noise": noise_rng}, ema, rank)
     metrics = read_metrics(store, run)[:start]
     for _ in range(start * training.gradient_accumulation):
         next(batches)  # batches are a pure function of seed and position: skip the ones consumed
     if start:
         log.info("resuming %s at step %d", run, start)
+
+    def load(sample_ids: list[str]):
+        """A batch and the data generator's state after it (what a checkpoint must restore)."""
+        return features.batch(sample_ids, data_rng, training.caption_dropout), data_rng.get_state()
+
+    loader = prefetched(load, batches)  # the next batch is read while the model works on this one
+    data_state = data_rng.get_state()
 
     def render_samples(step: int) -> None:
         """A grid of the sample prompts (pre-encoded) through PixArtSigmaPipeline, seeded."""
@@ -179,9 +190,9 @@ def run_training(
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
         for _ in range(training.gradient_accumulation):
-            latents, text, mask = features.batch(next(batches), generator, training.caption_dropout)
+            (latents, text, mask), data_state = next(loader)
             loss = diffusion_loss(replicas, noise_scheduler, latents.to(device), text.to(device), mask.to(device),
-                                  generator, half)
+                                  noise_rng, half)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss.item()} at step {step}")
             scaler.scale(loss / training.gradient_accumulation).backward()
@@ -209,12 +220,13 @@ def run_training(
                 and step < training.steps:
             render_samples(step)
         if training.checkpoint_every and step % training.checkpoint_every == 0 and step < training.steps:
-            states = gather_generator_states(generator, world)  # every process takes part
-            if leader:
+            states = {"data": gather_states(data_state, world), "noise": gather_states(noise_rng.get_state(), world)}
+            if leader:  # every process took part in the gathering above
                 write_metrics(store, run, metrics)  # before the checkpoint: resuming reads them back
                 save_checkpoint(store, run, step, network, optimizer, schedule, states, ema,
                                 training.keep_checkpoints)
     elapsed = time.perf_counter() - started
+    loader.close()
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -297,9 +309,8 @@ def diffusion_loss(
     return F.mse_loss(prediction.float(), noise.float())
 
 
-def gather_generator_states(generator: torch.Generator, world: int) -> list[torch.Tensor]:
-    """Every process's data/noise generator state, in rank order (all of them call this)."""
-    state = generator.get_state()
+def gather_states(state: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """Every process's copy of a generator state, in rank order (all of them call this)."""
     if world == 1:
         return [state]
     states = [torch.empty_like(state) for _ in range(world)]

@@ -148,7 +148,7 @@ def test_a_non_finite_sample_is_quarantined_alone(make_config, monkeypatch):
 def test_prefetch_overlaps_loading_and_keeps_order():
     import threading
 
-    from tasks.encode_latents import prefetched
+    from tasks.prefetch import prefetched
 
     loaded_in = []
 
@@ -161,3 +161,6 @@ def test_prefetch_overlaps_loading_and_keeps_order():
     loaded_in.clear()
     assert [int(t) for t in prefetched(load, [3, 1], overlap=False)] == [3, 1]
     assert set(loaded_in) == {threading.current_thread().name}
+    endless = prefetched(load, iter(int, 1))  # an endless source is fine: one item ahead at most
+    assert [int(next(endless)) for _ in range(3)] == [0, 0, 0]
+    endless.close()

@@ -288,7 +288,7 @@ def test_two_process_data_parallel_training_on_cpu(make_config, tiny_models):
                              LoraConfig(r=4, lora_alpha=4, target_modules=config.training.target_modules))
     optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    generator = torch.Generator()
-    assert restore_latest(store, run, network, optimizer, schedule, generator, None, rank=1) == 2
+    generators = {"data": torch.Generator(), "noise": torch.Generator()}
+    assert restore_latest(store, run, network, optimizer, schedule, generators, None, rank=1) == 2
     base = PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer")
     PeftModel.from_pretrained(base, store.path(store.key(record["adapter"])))
