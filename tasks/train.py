@@ -104,8 +104,15 @@ def train(
     if training.processes == 1:
         return run_training(0, 1, 0, storage, model, training, manifest, run, init, progress)
     # data parallel: one process per device (gloo on CPUs, NCCL on GPUs); rank 0 writes the run
-    torch.multiprocessing.spawn(run_training, nprocs=training.processes,
-                                args=(training.processes, free_port(), storage, model, training, manifest, run, init))
+    # and its progress, which this process relays while it waits
+    processes = torch.multiprocessing.spawn(
+        run_training, nprocs=training.processes, join=False,
+        args=(training.processes, free_port(), storage, model, training, manifest, run, init))
+    while not processes.join(timeout=2):
+        if progress is not None and store.exists(f"{run}/progress.json"):
+            progress(*store.read_json(f"{run}/progress.json"))
+    if progress is not None:
+        progress(training.steps, training.steps, float("nan"))
     return store.require(f"{run}/lineage.json")
 
 
@@ -216,6 +223,8 @@ def run_training(
             log.info("step %d/%d loss %.4f", step, training.steps, step_loss)
         if leader and progress is not None:
             progress(step, training.steps, step_loss)
+        if leader and world > 1 and step % max(1, training.steps // 100) == 0:
+            store.write_json(f"{run}/progress.json", [step, training.steps, step_loss])
         if leader and training.sample_prompts and training.sample_every and step % training.sample_every == 0 \
                 and step < training.steps:
             render_samples(step)
@@ -254,7 +263,7 @@ def run_training(
     lineage = {
         "manifest": manifest["id"], "model": model.model_dump(), "training": training.model_dump(),
         "init_from": init and {"url": init["url"], "sha256": init["sha256"]},
-        "versions": package_versions(), "python": platform.python_version(),
+        "versions": package_versions(), "code": code_version(), "python": platform.python_version(),
     }
     window = max(1, min(10, len(metrics) // 4))  # mean loss over the first and last few steps
     return store.commit_json(
@@ -332,6 +341,22 @@ def read_metrics(store: Store, run: str) -> list[dict[str, Any]]:
     if not store.exists(f"{run}/metrics.jsonl"):
         return []
     return [json.loads(line) for line in store.read_bytes(f"{run}/metrics.jsonl").splitlines() if line]
+
+
+def code_version() -> str:
+    """The git commit of the code that trained (with "+dirty" for uncommitted changes), else the
+    installed package version."""
+    import subprocess
+
+    here = Path(__file__).parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                                check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return commit + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return f"precast {package_versions()['precast']}"
 
 
 def package_versions() -> dict[str, str]:

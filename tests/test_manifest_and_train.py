@@ -273,7 +273,10 @@ def test_two_process_data_parallel_training_on_cpu(make_config, tiny_models):
 
     config = make_config(training={"steps": 3, "processes": 2, "checkpoint_every": 2, "keep_checkpoints": 1,
                                    "sample_prompts": []})
-    record = train(config.storage, config.model, config.training, _manifest(config)["url"])
+    relayed = []  # rank 0 reports progress through the store; the parent relays it
+    record = train(config.storage, config.model, config.training, _manifest(config)["url"],
+                   progress=lambda *report: relayed.append(report))
+    assert relayed and relayed[-1][:2] == (3, 3)
     store = Store(config.storage)
     run = store.key(record["run"])
     import json
@@ -292,3 +295,29 @@ def test_two_process_data_parallel_training_on_cpu(make_config, tiny_models):
     assert restore_latest(store, run, network, optimizer, schedule, generators, None, rank=1) == 2
     base = PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer")
     PeftModel.from_pretrained(base, store.path(store.key(record["adapter"])))
+
+
+def test_training_refuses_a_shard_tampered_after_the_manifest(make_config):
+    config = make_config(training={"steps": 2, "sample_prompts": []})
+    dataset, text_fp, vae_fp = _cache_everything(config)
+    manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    store = Store(config.storage)
+    from tasks.encode_text import text_cache_key
+
+    tampered = text_cache_key(text_fp, dataset["shards"][2]["id"])
+    data = bytearray(store.read_bytes(tampered))
+    data[-5] ^= 0x01
+    open(store.path(tampered), "wb").write(bytes(data))
+    with pytest.raises(ValueError, match=tampered.replace(".", r"\.") + " is damaged"):
+        train(config.storage, config.model, config.training, manifest["url"])
+    assert store.list("runs") == []  # nothing trained on damaged data
+
+
+def test_lineage_names_the_code_and_the_data(make_config):
+    config = make_config(training={"steps": 1, "sample_prompts": []})
+    manifest = _manifest(config)
+    record = train(config.storage, config.model, config.training, manifest["url"])
+    store = Store(config.storage)
+    lineage = store.read_json(store.key(record["run"]) + "/lineage.json")
+    assert lineage["manifest"] == store.read_json(store.key(manifest["url"]))["id"]
+    assert lineage["code"] and lineage["versions"]["torch"].startswith("2.13")
