@@ -175,7 +175,9 @@ def run_training(
         """A batch and the data generator's state after it (what a checkpoint must restore)."""
         return features.batch(sample_ids, data_rng, training.caption_dropout), data_rng.get_state()
 
-    loader = prefetched(load, batches)  # the next batch is read while the model works on this one
+    # with an accelerator the next batch is read while the model works on this one; on a CPU
+    # that gains nothing (both share the same cores)
+    loader = prefetched(load, batches, overlap=device.type != "cpu")
     data_state = data_rng.get_state()
 
     def render_samples(step: int) -> None:
