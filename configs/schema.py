@@ -180,10 +180,32 @@ class TrainingConfig(Section):
     device: str = Field("auto", description="Torch device for training: auto, cpu, cuda, …")
 
 
+STAGES = ("ingest", "encode-text", "encode-latents", "manifest", "train")
+
+
 class ExecutionConfig(Section):
     retries: int = Field(2, ge=0, description="Prefect retries of each stage task.")
     retry_delay_seconds: float = Field(10, ge=0, description="Wait between retries.")
-    max_parallel_shards: int = Field(2, ge=1, description="Shards encoded at once within one flow run.")
+    max_parallel_shards: int = Field(
+        2, ge=1, description="Shards encoded at once: tasks in this flow, or child flow runs when placed elsewhere."
+    )
+    placement: dict[str, str] = Field(
+        default_factory=dict,
+        description="Where each stage runs: 'local' (in the pipeline's own flow run, the default) or a deployment "
+        "name such as 'precast-stage/encode-text' (its work pool's workers run it; the encoders get one child flow "
+        "run per shard). Keys: ingest, encode-text, encode-latents, manifest, train.",
+    )
+
+    @field_validator("placement")
+    @classmethod
+    def _known_stages(cls, placement: dict[str, str]) -> dict[str, str]:
+        unknown = set(placement) - set(STAGES)
+        if unknown:
+            raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages are {list(STAGES)}")
+        for stage, target in placement.items():
+            if target != "local" and "/" not in target:
+                raise ValueError(f"{stage}: {target!r} is neither 'local' nor a '<flow>/<deployment>' name")
+        return placement
 
 
 class PipelineConfig(Section):

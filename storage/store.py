@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -130,7 +131,8 @@ class Store:
     def commit(self, key: str, data: bytes, **record: Any) -> dict[str, Any]:
         """Write an artifact and then its commit record; returns the record (with url, sha256, size)."""
         self.write_bytes(key, data)
-        full = {"url": self.url(key), "sha256": hashlib.sha256(data).hexdigest(), "size": len(data), **record}
+        full = {"url": self.url(key), "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+                "committed_at": round(time.time(), 3), **record}
         self.write_json(key + COMMIT_SUFFIX, full)
         return full
 

@@ -60,12 +60,17 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     assert "# Training run" in _latest_artifact("training-run")
     assert float(_latest_artifact("training-progress")) == 100.0
 
+    summary = _latest_artifact("pipeline-summary")
+    assert "| ingest | ran | 24 samples in 3 shards |" in summary and "| train | ran | 6 steps" in summary
+
     written = _files(store)
     again = pipeline(config=config, return_state=True)
     assert again.result() == result
     cached = _task_states(again.state_details.flow_run_id)
     assert {name for runs in cached.values() for name in runs} == {"Cached"}
     assert _files(store) == written  # nothing re-encoded, nothing re-written
+    summary = _latest_artifact("pipeline-summary")
+    assert summary.count("| cached |") == 5, summary
 
 
 def test_store_is_the_ground_truth_without_prefect_cache(prefect_server, make_config):
