@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# A local precast stack for development and tests: a Prefect server (SQLite, or PostgreSQL when
+# DATABASE_URL is set), an S3-compatible endpoint (moto), the two work pools of prefect.yaml, a
+# per-node GPU concurrency limit, and one process worker per pool, each in its own empty working
+# directory (they share nothing but the S3 root).
+#
+#   bash infra/local-stack.sh up      # prints the environment to use; state under $STACK_DIR
+#   bash infra/local-stack.sh down
+#
+# Settings (environment): STACK_DIR (default .stack), PREFECT_PORT (4200), S3_PORT (5555),
+# S3_BUCKET (precast), DATABASE_URL (postgresql+asyncpg://… ; default SQLite in STACK_DIR).
+# S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (moto accepts any).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$PWD
+STACK_DIR=$(mkdir -p "${STACK_DIR:-.stack}" && cd "${STACK_DIR:-.stack}" && pwd)
+PREFECT_PORT=${PREFECT_PORT:-4200}
+S3_PORT=${S3_PORT:-5555}
+S3_BUCKET=${S3_BUCKET:-precast}
+BIN=${PRECAST_BIN:-$ROOT/.venv/bin}
+POOLS=(precast-encode precast-train)
+
+export PREFECT_API_URL="http://127.0.0.1:$PREFECT_PORT/api"
+export PREFECT_HOME="$STACK_DIR/prefect-home"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
+export AWS_ACCESS_KEY_ID=${AWS_ACCESS_KEY_ID:-precast-local} AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY:-precast-local}
+export AWS_DEFAULT_REGION=${AWS_DEFAULT_REGION:-us-east-1}
+
+wait_for() {  # url, what
+  for _ in $(seq 1 120); do
+    if "$BIN/python" -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; then
+      return 0
+    fi
+    sleep 0.5
+  done
+  echo "local-stack: $2 did not come up at $1 (logs in $STACK_DIR)" >&2
+  return 1
+}
+
+up() {
+  mkdir -p "$PREFECT_HOME"
+  if [ -n "${DATABASE_URL:-}" ]; then
+    export PREFECT_API_DATABASE_CONNECTION_URL=$DATABASE_URL
+  else
+    export PREFECT_API_DATABASE_CONNECTION_URL="sqlite+aiosqlite:///$STACK_DIR/prefect.db"
+  fi
+  "$BIN/prefect" server start --host 127.0.0.1 --port "$PREFECT_PORT" >"$STACK_DIR/server.log" 2>&1 &
+  echo $! >"$STACK_DIR/server.pid"
+  "$BIN/moto_server" -H 127.0.0.1 -p "$S3_PORT" >"$STACK_DIR/s3.log" 2>&1 &
+  echo $! >"$STACK_DIR/s3.pid"
+  wait_for "http://127.0.0.1:$PREFECT_PORT/api/health" "the Prefect server"
+  wait_for "http://127.0.0.1:$S3_PORT/" "the S3 endpoint"
+  "$BIN/python" -c "import s3fs,sys; s3fs.S3FileSystem(endpoint_url=sys.argv[1]).mkdir(sys.argv[2])" \
+    "http://127.0.0.1:$S3_PORT" "$S3_BUCKET"
+  for pool in "${POOLS[@]}"; do
+    "$BIN/prefect" work-pool create "$pool" --type process >/dev/null 2>&1 || true
+  done
+  # a node never runs two GPU stages at once: the GPU stages hold a slot of this limit
+  "$BIN/prefect" global-concurrency-limit create "gpu-$(hostname)" --limit 1 >/dev/null 2>&1 || true
+  for pool in "${POOLS[@]}"; do
+    mkdir -p "$STACK_DIR/worker-$pool"
+    (cd "$STACK_DIR/worker-$pool" && PRECAST_CACHE="$STACK_DIR/worker-$pool/cache" PREFECT_WORKER_QUERY_SECONDS=1 \
+      exec "$BIN/prefect" worker start --pool "$pool" --type process --limit 4) >"$STACK_DIR/worker-$pool.log" 2>&1 &
+    echo $! >"$STACK_DIR/worker-$pool.pid"
+  done
+  cat <<EOF
+export PREFECT_API_URL=$PREFECT_API_URL
+export AWS_ACCESS_KEY_ID=$AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY=<as set>
+# store root for configs: s3://$S3_BUCKET/…  with  storage.options: {endpoint_url: http://127.0.0.1:$S3_PORT}
+EOF
+}
+
+down() {
+  pids=()
+  for pidfile in "$STACK_DIR"/*.pid; do
+    [ -f "$pidfile" ] || continue
+    pids+=("$(cat "$pidfile")")
+    rm -f "$pidfile"
+  done
+  [ ${#pids[@]} -gt 0 ] || return 0
+  for pid in "${pids[@]}"; do pkill -TERM -P "$pid" 2>/dev/null || true; kill "$pid" 2>/dev/null || true; done
+  for _ in $(seq 1 20); do  # a graceful stop first, then no more waiting
+    alive=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && return 0
+    sleep 0.5
+  done
+  for pid in "${pids[@]}"; do pkill -KILL -P "$pid" 2>/dev/null || true; kill -KILL "$pid" 2>/dev/null || true; done
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) down ;;
+  *) echo "usage: $0 up|down" >&2; exit 2 ;;
+esac

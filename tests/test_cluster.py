@@ -1,0 +1,155 @@
+"""The way teams run it: a real Prefect server, an S3 API, two process workers on two pools whose
+working directories share nothing but the S3 root, deployments from prefect.yaml, runs started
+with `prefect deployment run --watch`. Started by infra/local-stack.sh, as a developer would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from configs.schema import PipelineConfig
+from flows.demo_data import write_demo_data
+from storage.store import Store
+
+ROOT = Path(__file__).parent.parent
+# distinctive credentials: the test searches every object and log line for them
+SECRETS = {"AWS_ACCESS_KEY_ID": "AKIAPRECASTTESTKEY7", "AWS_SECRET_ACCESS_KEY": "precast-secret-4f1c9e2b7a"}
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_models):
+    directory = tmp_path_factory.mktemp("stack")
+    prefect_port, s3_port = _free_port(), _free_port()
+    env = {**os.environ, **SECRETS, "STACK_DIR": str(directory), "PREFECT_PORT": str(prefect_port),
+           "S3_PORT": str(s3_port), "S3_BUCKET": "precast", "PRECAST_HOME": str(ROOT),
+           "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api", "PREFECT_HOME": str(directory / "prefect-home")}
+    env.pop("PRECAST_CACHE", None)
+    subprocess.run(["bash", "infra/local-stack.sh", "up"], cwd=ROOT, env=env, check=True, capture_output=True,
+                   timeout=300)
+    try:
+        deployed = subprocess.run([str(ROOT / ".venv/bin/prefect"), "--no-prompt", "deploy", "--all"], cwd=ROOT,
+                                  env=env, capture_output=True, text=True, timeout=300)
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        endpoint = f"http://127.0.0.1:{s3_port}"
+        import s3fs
+
+        data = write_demo_data(directory / "upload", count=12)
+        s3fs.S3FileSystem(endpoint_url=endpoint, key=SECRETS["AWS_ACCESS_KEY_ID"],
+                          secret=SECRETS["AWS_SECRET_ACCESS_KEY"]).put(str(data), "precast/data", recursive=True)
+        yield {"env": env, "endpoint": endpoint, "dir": directory, "models": tiny_models}
+    finally:
+        subprocess.run(["bash", "infra/local-stack.sh", "down"], cwd=ROOT, env=env, timeout=120)
+
+
+def _config(stack, **training) -> dict:
+    placement = {"encode-text": "precast-stage/encode-text", "encode-latents": "precast-stage/encode-latents",
+                 "train": "precast-stage/train"}
+    config = PipelineConfig.model_validate({
+        "storage": {"root": "s3://precast/store", "options": {"endpoint_url": stack["endpoint"]}},
+        "dataset": {"sources": [{"path": "s3://precast/data"}], "shard_size": 6},
+        "model": {"path": stack["models"]},
+        "text_encoding": {"dtype": "fp32"},
+        "latent_encoding": {"resolution": 256, "batch_size": 1},
+        "training": {"steps": 4, "batch_size": 2, "rank": 4, "alpha": 4, "sample_steps": 2, **training},
+        "execution": {"retries": 0, "placement": placement},
+    })
+    return config.model_dump(mode="json")
+
+
+def _run(stack, deployment: str, config: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ROOT / ".venv/bin/prefect"), "deployment", "run", deployment, "--watch",
+                           "--params", json.dumps({"config": config})],
+                          cwd=ROOT, env=stack["env"], capture_output=True, text=True, timeout=600)
+
+
+def _api(stack, query):
+    from prefect.client.orchestration import PrefectClient
+
+    async def call():
+        async with PrefectClient(stack["env"]["PREFECT_API_URL"]) as client:
+            return await query(client)
+
+    return asyncio.run(call())
+
+
+def _store(stack) -> Store:
+    os.environ.update(SECRETS)
+    return Store(PipelineConfig.model_validate(_config(stack)).storage)
+
+
+def test_pipeline_deployment_spreads_stages_over_pools(stack):
+    done = _run(stack, "precast-pipeline/pipeline", _config(stack))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    runs = _api(stack, lambda client: client.read_flow_runs(limit=100))
+    pools = {run.name: run.work_pool_name for run in runs if run.state and run.state.is_completed()}
+    encoders = {name: pool for name, pool in pools.items() if name.startswith(("encode-text", "encode-latents"))}
+    assert len(encoders) == 4 and set(encoders.values()) == {"precast-encode"}  # 2 shards x 2 encoders
+    assert pools["train-all"] == "precast-train"
+
+    store = _store(stack)
+    lineage = [key for key in store.fs.find(store.path("runs")) if key.endswith("lineage.json")]
+    assert len(lineage) == 1 and store.committed(store.key(store.fs.unstrip_protocol(lineage[0])))
+    assert store.fs.find(store.path("cache/text")) and store.fs.find(store.path("cache/latents"))
+    assert store.fs.find(store.path("manifests")) and store.fs.find(store.path("prefect/results"))
+    workers = [stack["dir"] / f"worker-{pool}" for pool in ("precast-encode", "precast-train")]
+    for worker in workers:  # nothing but caches of remote shards may land in a worker's own folder
+        leftovers = [p for p in worker.rglob("*") if p.is_file() and "cache" not in p.parts]
+        assert leftovers == [], leftovers
+
+
+def test_a_failing_stage_fails_the_run_with_its_error(stack):
+    done = _run(stack, "precast-pipeline/pipeline", _config(stack, init_from="s3://precast/no-such-run"))
+    assert done.returncode != 0
+    runs = _api(stack, lambda client: client.read_flow_runs(limit=100))
+    failed = [run for run in runs if run.state and run.state.is_failed() and run.parent_task_run_id is None]
+    assert failed and "init_from: no adapter_model.safetensors at s3://precast/no-such-run" in failed[0].state.message
+
+
+def test_nightly_schedule_and_an_unchanged_night_encodes_nothing(stack):
+    deployment = _api(stack, lambda client: client.read_deployment_by_name("precast-pipeline/nightly"))
+    (schedule,) = deployment.schedules
+    assert schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "UTC" and schedule.active
+
+    nightly = _config(stack, init_from="latest")
+    first = _run(stack, "precast-pipeline/nightly", nightly)
+    assert first.returncode == 0, first.stdout[-3000:]
+    store = _store(stack)
+    encoded = {key: store.read_json(store.key(store.fs.unstrip_protocol(key)))["committed_at"]
+               for key in store.fs.find(store.path("cache")) if key.endswith(".done")}
+    second = _run(stack, "precast-pipeline/nightly", nightly)
+    assert second.returncode == 0, second.stdout[-3000:]
+    again = {key: store.read_json(store.key(store.fs.unstrip_protocol(key)))["committed_at"]
+             for key in store.fs.find(store.path("cache")) if key.endswith(".done")}
+    assert again == encoded  # the second night encoded nothing
+
+
+def test_credentials_never_reach_objects_or_logs(stack):
+    store = _store(stack)
+    blobs = []
+    for key in store.fs.find("precast"):
+        try:
+            blobs.append(store.fs.cat_file(key))
+        except FileNotFoundError:  # a Prefect lock released while listing
+            continue
+    logs = [path.read_bytes() for path in stack["dir"].glob("*.log")]
+    records = _api(stack, lambda client: client.read_logs(limit=200))
+    logs.append("\n".join(record.message for record in records).encode())
+    assert blobs and logs
+    for secret in SECRETS.values():
+        for blob in blobs + logs:
+            assert secret.encode() not in blob
