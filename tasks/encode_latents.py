@@ -24,7 +24,7 @@ from prefect.cache_policies import INPUTS
 from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig
 from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id_of
 from storage.store import Store
-from tasks.models import DTYPES, LATENT_FORMAT, build_vae, load_vae
+from tasks.models import DTYPES, LATENT_FORMAT, build_vae, device_slot, load_vae
 from tasks.prefetch import prefetched
 
 log = logging.getLogger(__name__)
@@ -187,4 +187,5 @@ def encode_latents_shard(
 def encode_latents_task(
     storage: StorageConfig, model: ModelConfig, latents: LatentEncodingConfig, fingerprint: str, shard_url: str
 ) -> dict[str, Any]:
-    return encode_latents_shard(storage, model, latents, fingerprint, shard_url)
+    with device_slot(latents.device):
+        return encode_latents_shard(storage, model, latents, fingerprint, shard_url)

@@ -19,7 +19,9 @@ from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig
 from storage.fingerprint import hash_json
 from storage.shards import pack_ragged, read_image_shard, shard_id_of
 from storage.store import Store
-from tasks.models import TEXT_ACTIVATIONS, TEXT_FORMAT, TextEncoder, build_text_encoder, load_text_encoder
+from tasks.models import (
+    TEXT_ACTIVATIONS, TEXT_FORMAT, TextEncoder, build_text_encoder, device_slot, load_text_encoder,
+)
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +192,13 @@ def encoding_report(records: list[dict[str, Any]]) -> str:
 def encode_text_task(
     storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, shard_url: str
 ) -> dict[str, Any]:
-    return encode_text_shard(storage, model, text, fingerprint, shard_url)
+    with device_slot(text.device):
+        return encode_text_shard(storage, model, text, fingerprint, shard_url)
 
 
 @task(name="encode-prompts", cache_policy=INPUTS, persist_result=True, result_serializer="json")
 def encode_prompts_task(
     storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, prompts: list[str]
 ) -> dict[str, Any]:
-    return encode_prompts(storage, model, text, fingerprint, prompts)
+    with device_slot(text.device):
+        return encode_prompts(storage, model, text, fingerprint, prompts)

@@ -39,7 +39,9 @@ from storage.fingerprint import hash_json
 from storage.store import Store
 from tasks.checkpoints import restore_latest, save_checkpoint, trainable_state
 from tasks.features import CachedFeatures, bucket_batches
-from tasks.models import load_noise_scheduler, load_transformer, resolve_device, transformer_fingerprint
+from tasks.models import (
+    device_slot, load_noise_scheduler, load_transformer, resolve_device, transformer_fingerprint,
+)
 from tasks.plots import loss_curve_png
 from tasks.prefetch import prefetched
 from tasks.sampling import sample_grid
@@ -382,7 +384,8 @@ def train_task(storage: StorageConfig, model: ModelConfig, training: TrainingCon
         if step % max(1, steps // 100) == 0 or step == steps:
             update_progress_artifact(artifact, progress=100.0 * step / steps)
 
-    record = train(storage, model, training, manifest_url, progress=report)
+    with device_slot(training.device):
+        record = train(storage, model, training, manifest_url, progress=report)
     create_markdown_artifact(key="training-run", markdown=run_markdown(record))
     return record
 

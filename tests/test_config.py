@@ -55,3 +55,29 @@ def test_prefect_yaml_entrypoints_exist():
         module, _, name = deployment["entrypoint"].partition(":")
         assert (ROOT / module).exists() and f"def {name}(" in (ROOT / module).read_text()
         assert deployment["enforce_parameter_schema"] is True
+
+
+def test_gpu_work_pool_templates_request_gpus_and_define_every_variable():
+    import json
+    import re
+
+    for name in ["kubernetes-gpu.json", "docker-gpu.json"]:
+        template = json.loads((ROOT / "infra" / "work-pools" / name).read_text())
+        used = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", json.dumps(template["job_configuration"])))
+        assert used <= set(template["variables"]["properties"]), (name, used - set(template["variables"]["properties"]))
+        assert template["variables"]["properties"]["image"]["default"] == "precast-gpu-worker:latest"
+    k8s = json.loads((ROOT / "infra" / "work-pools" / "kubernetes-gpu.json").read_text())
+    container = k8s["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpu_count }}"
+    docker = json.loads((ROOT / "infra" / "work-pools" / "docker-gpu.json").read_text())
+    assert docker["variables"]["properties"]["container_create_kwargs"]["default"]["device_requests"]
+
+
+def test_worker_image_ships_every_package():
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    dockerfile = (ROOT / "infra" / "Dockerfile").read_text()
+    for package in packages:
+        assert f"COPY {package} {package}" in dockerfile, package
+    assert 'pip install --no-cache-dir "torch==2.13.0"' in dockerfile

@@ -137,3 +137,26 @@ def test_prefect_server_accepts_its_own_clients_default_queries(prefect_server):
             await client.read_flow_runs(limit=5)
 
     asyncio.run(query())
+
+
+def test_gpu_stages_hold_the_nodes_gpu_slot(prefect_server, monkeypatch):
+    import torch
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect import get_client
+
+    from tasks import models
+
+    async def create_and_read(create: bool):
+        async with get_client() as client:
+            if create:
+                await client.create_global_concurrency_limit(
+                    GlobalConcurrencyLimitCreate(name=models.gpu_slot_name(), limit=1))
+            return (await client.read_global_concurrency_limit_by_name(models.gpu_slot_name())).active_slots
+
+    asyncio.run(create_and_read(True))
+    with models.device_slot("cpu"):
+        assert asyncio.run(create_and_read(False)) == 0  # CPU work takes no GPU slot
+    monkeypatch.setattr(models, "resolve_device", lambda name: torch.device("cuda"))
+    with models.device_slot("cuda"):
+        assert asyncio.run(create_and_read(False)) == 1
+    assert asyncio.run(create_and_read(False)) == 0
