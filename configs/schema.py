@@ -30,7 +30,13 @@ class StorageConfig(Section):
     options: dict[str, Any] = Field(
         default_factory=dict,
         description="fsspec storage options for the root (e.g. {'endpoint_url': …} for an S3-compatible "
-        "service). Credentials belong in the environment, not here.",
+        "service). Credentials belong in the environment or in credentials_block, not here.",
+    )
+    credentials_block: str | None = Field(
+        None, description="Name of a Prefect Secret block whose JSON value holds fsspec credential options "
+        "(for s3: {\"key\": …, \"secret\": …}) for precast's own reads and writes; read at run time, never "
+        "copied into any artifact. Prefect's result storage still takes credentials from the worker's environment "
+        "or role. None: credentials from the environment or the node's role.",
     )
 
 

@@ -46,7 +46,9 @@ def result_storage(config: PipelineConfig) -> Path | str:
     store = Store(config.storage)
     if store.is_local:
         return Path(store.path("prefect/results"))
-    # a remote location must be a saved block; its name is derived from the root, never secrets
+    # a remote location must be a saved block; its name comes from the root and its settings hold
+    # only the non-secret options (a RemoteFileSystem block shows its settings in the UI), so
+    # Prefect's own result I/O takes credentials from the worker's environment or role
     name = f"precast-results-{hash_json(store.root_url, chars=12)}"
     RemoteFileSystem(basepath=store.url("prefect/results"), settings=config.storage.options).save(name, overwrite=True)
     return f"remote-file-system/{name}"

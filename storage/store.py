@@ -9,6 +9,7 @@ artifact that looks finished.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -29,10 +30,30 @@ class ArtifactMissing(FileNotFoundError):
     """A stage's input is not committed in the store."""
 
 
+def fsspec_options(config: StorageConfig) -> dict[str, Any]:
+    """The fsspec options of the store: `options` plus the credentials of `credentials_block`."""
+    if not config.credentials_block:
+        return dict(config.options)
+    return {**config.options, **_block_credentials(config.credentials_block)}
+
+
+@functools.lru_cache(maxsize=8)
+def _block_credentials(name: str) -> dict[str, Any]:
+    from prefect.blocks.system import Secret
+
+    try:
+        value = Secret.load(name).get()
+    except ValueError as error:
+        raise ValueError(f"storage.credentials_block {name!r}: no such Prefect Secret block") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"storage.credentials_block {name!r} must hold a JSON object of fsspec options")
+    return value
+
+
 class Store:
     def __init__(self, config: StorageConfig):
         self.config = config
-        self.fs, root_path = fsspec.core.url_to_fs(config.root, **config.options)
+        self.fs, root_path = fsspec.core.url_to_fs(config.root, **fsspec_options(config))
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.root_path = root_path.rstrip("/")
         self.root_url = self.fs.unstrip_protocol(self.root_path)

@@ -26,7 +26,7 @@ from prefect.artifacts import create_markdown_artifact
 from configs.schema import DatasetConfig, StorageConfig
 from storage.fingerprint import hash_json, sha256_bytes
 from storage.shards import pack_image_shard, read_image_shard, shard_id_of
-from storage.store import Store
+from storage.store import Store, fsspec_options
 from tasks.encode_latents import nearest_ratio
 from tasks.sources import Candidate, Rejected, read_source
 
@@ -132,7 +132,7 @@ def read_index(store: Store) -> tuple[dict[tuple[str, tuple[str, ...]], str], di
 
 def source_options(path: str, storage: StorageConfig) -> dict[str, Any]:
     """Remote sources share the store's fsspec options (endpoint, region); local ones need none."""
-    return storage.options if "://" in path and not path.startswith("file://") else {}
+    return fsspec_options(storage) if "://" in path and not path.startswith("file://") else {}
 
 
 def scan_sources(

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from configs.schema import ModelConfig, StorageConfig, TrainingConfig
 from storage.fingerprint import hash_json
-from storage.store import Store
+from storage.store import Store, fsspec_options
 from tasks.checkpoints import restore_latest, save_checkpoint, trainable_state
 from tasks.features import CachedFeatures, bucket_batches
 from tasks.models import (
@@ -80,7 +80,7 @@ def initial_adapter(store: Store, storage: StorageConfig, model: ModelConfig, tr
     else:
         url = training.init_from.rstrip("/")
         url = url if url.endswith("/adapter") else f"{url}/adapter"
-    fs, path = fsspec.core.url_to_fs(f"{url}/adapter_model.safetensors", **storage.options)
+    fs, path = fsspec.core.url_to_fs(f"{url}/adapter_model.safetensors", **fsspec_options(storage))
     try:
         data = fs.cat_file(path)
     except FileNotFoundError as error:

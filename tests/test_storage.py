@@ -60,3 +60,23 @@ def test_s3_store_round_trip(s3_endpoint, tmp_path):
     local = store.local_path("cache/text/fp/shard.safetensors", cache_dir=tmp_path)
     assert open(local, "rb").read() == b"\x00" * 4096
     assert store.list("cache/text/fp", ".safetensors") == ["cache/text/fp/shard.safetensors"]
+
+
+def test_credentials_from_a_prefect_secret_block_never_reach_the_store(prefect_server, s3_endpoint, monkeypatch):
+    import s3fs
+    from prefect.blocks.system import Secret
+
+    s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir("precast-block")
+    Secret(value={"key": "AKIABLOCKKEY", "secret": "block-secret-value"}).save("precast-s3", overwrite=True)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    config = StorageConfig(root="s3://precast-block/root", options={"endpoint_url": s3_endpoint},
+                           credentials_block="precast-s3")
+    store = Store(config)
+    assert store.fs.key == "AKIABLOCKKEY"  # the session signs with the block's credentials
+    store.commit_json("a.json", {"ok": True})
+    for key in store.fs.find("precast-block"):
+        assert b"block-secret-value" not in store.fs.cat_file(key)
+    assert "block-secret-value" not in config.model_dump_json()
+    with pytest.raises(ValueError, match="no such Prefect Secret block"):
+        Store(StorageConfig(root="s3://precast-block/root", credentials_block="missing-block"))
