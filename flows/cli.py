@@ -92,6 +92,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    import yaml
+
+    from configs.schema import StorageConfig
+    from storage.store import Store
+    from storage.verify import report_text, verify_store
+
+    options = {key: yaml.safe_load(value) for key, _, value in (o.partition("=") for o in args.option)}
+    report = verify_store(Store(StorageConfig(root=args.root, options=options)), repair=args.repair)
+    print(json.dumps(report) if args.json else report_text(report))
+    return 0 if report["ok"] else 3
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     import yaml
 
@@ -167,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec storage option for the URL (repeatable)")
     sample.set_defaults(func=cmd_sample)
+
+    verify = commands.add_parser("verify", help="check every committed artifact; list partial and orphaned objects")
+    verify.add_argument("root", help="the store root URL")
+    verify.add_argument("--repair", action="store_true", help="remove partial and orphaned objects (nothing else)")
+    verify.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    verify.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="fsspec storage option for the root (repeatable)")
+    verify.set_defaults(func=cmd_verify)
 
     tiny = commands.add_parser("tiny-models", help="write tiny random PixArt-Sigma models in the hub layout")
     tiny.add_argument("dir")

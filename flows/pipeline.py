@@ -17,10 +17,12 @@ from flows.stages import (
     run_encode_latents, run_encode_text, run_ingest, run_manifest, run_train, stored_dataset, stored_manifest,
 )
 from flows.summary import Summary
+from storage.store import Store
 
 
 @flow(name="precast-pipeline", log_prints=True)
 def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
+    Store(config.storage).check_reachable()
     summary = Summary(config)
     dataset = summary.stage("ingest", lambda: run_ingest(config))
     text = summary.stage("encode-text", lambda: run_encode_text(config, dataset))
@@ -48,6 +50,7 @@ Stage = Literal["ingest", "encode-text", "encode-latents", "manifest", "train"]
 def stage(name: Stage, config: PipelineConfig = PipelineConfig(), shards: list[str] | None = None) -> dict[str, Any]:
     """One stage alone, its inputs taken from the store (the latest dataset of these sources);
     `shards` limits an encoding stage to those image shard URLs."""
+    Store(config.storage).check_reachable()
     if name == "ingest":
         return run_ingest(config)
     if name == "encode-text":

@@ -58,6 +58,16 @@ class Store:
         self.root_path = root_path.rstrip("/")
         self.root_url = self.fs.unstrip_protocol(self.root_path)
 
+    def check_reachable(self) -> None:
+        """Fail now, naming the setting, if the root cannot be used (before any stage does work)."""
+        try:
+            if self.is_local:
+                Path(self.root_path).mkdir(parents=True, exist_ok=True)
+            else:
+                self.fs.exists(self.root_path)
+        except Exception as error:
+            raise ValueError(f"storage.root {self.config.root!r} cannot be reached: {error}") from error
+
     # --- naming -----------------------------------------------------------------------------
     def path(self, key: str) -> str:
         return f"{self.root_path}/{key}"
@@ -106,6 +116,15 @@ class Store:
         if record is None:
             raise ArtifactMissing(f"{self.url(key)} is not committed; run the stage that produces it first")
         return record
+
+    def read_verified(self, key: str) -> bytes:
+        """The bytes of a committed artifact, checked against its recorded sha256 in the same read."""
+        record = self.require(key)
+        data = self.read_bytes(key)
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != record["sha256"]:
+            raise ValueError(f"{self.url(key)} is damaged: sha256 {digest} != committed {record['sha256']}")
+        return data
 
     def verify(self, key: str) -> dict[str, Any]:
         """The commit record of `key` after checking the artifact's bytes against its checksum."""

@@ -110,7 +110,7 @@ def encode_latents_shard(
     key = latent_cache_key(fingerprint, shard_id)
     if (record := store.committed(key)) is not None:
         return record
-    table = read_image_shard(store.read_bytes(store.key(shard_url)), columns=["sample_id", "image", "width", "height"])
+    table = read_image_shard(store.read_verified(store.key(shard_url)), columns=["sample_id", "image", "width", "height"])
     samples = table.to_pylist()
     boxes = {s["sample_id"]: crop_box(s["width"], s["height"], latents.resolution, latents.crop,
                                       latents.crop_seed, s["sample_id"]) for s in samples}

@@ -123,7 +123,7 @@ def encode_text_shard(
     key = text_cache_key(fingerprint, shard_id)
     if (record := store.committed(key)) is not None:
         return record
-    table = read_image_shard(store.read_bytes(store.key(shard_url)), columns=["sample_id", "captions"])
+    table = read_image_shard(store.read_verified(store.key(shard_url)), columns=["sample_id", "captions"])
     texts: dict[str, int] = {}
     rows: dict[str, int] = {}
     for sample in table.to_pylist():

@@ -10,6 +10,7 @@ Output: `manifests/<manifest_id>.parquet` (one row per sample) and `manifests/<m
 from __future__ import annotations
 
 import io
+import json
 from collections import Counter
 from typing import Any
 
@@ -54,7 +55,7 @@ def build_manifest(
     key = manifest_key(this_id)
     if (record := store.committed(key)) is not None:
         return record
-    dataset = store.read_json(f"datasets/{dataset_id}.json")
+    dataset = json.loads(store.read_verified(f"datasets/{dataset_id}.json"))
     prompts_key = prompts_cache_key(text_fp, prompts)
     checksums = {prompts_key: store.verify(prompts_key)["sha256"]}
     rows, buckets, quarantined = [], Counter(), Counter()

@@ -94,7 +94,7 @@ def train(
 ) -> dict[str, Any]:
     """Train (or resume, or return the finished run); `progress(step, steps, loss)` after each step."""
     store = Store(storage)
-    manifest = store.read_json(store.key(manifest_url))
+    manifest = json.loads(store.read_verified(store.key(manifest_url)))
     if training.init_from == "latest":  # resolved only if this run has not finished already
         run = f"runs/{run_id_for(manifest['id'], model, training)}"
         if (record := store.committed(f"{run}/lineage.json")) is not None:
