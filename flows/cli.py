@@ -22,6 +22,13 @@ def _quiet_prefect() -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks,flows,storage")
 
 
+def storage_options(items: list[str]) -> dict:
+    """`--option key=value` pairs as fsspec options (values parsed as YAML)."""
+    import yaml
+
+    return {key: yaml.safe_load(value) for key, _, value in (item.partition("=") for item in items)}
+
+
 def _print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result))
@@ -70,8 +77,6 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    import yaml
-
     from configs.schema import StorageConfig
     from storage.store import Store
     from tasks.ingest import report_key, report_markdown
@@ -79,7 +84,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     root, marker, name = args.dataset_url.rpartition("/datasets/")
     if not marker or not name.endswith(".json"):
         raise ValueError(f"{args.dataset_url}: expected <root>/datasets/<dataset_id>.json")
-    options = {key: yaml.safe_load(value) for key, _, value in (o.partition("=") for o in args.option)}
+    options = storage_options(args.option)
     store = Store(StorageConfig(root=root, options=options))
     dataset_id = name.removesuffix(".json")
     record = store.read_json(f"datasets/{dataset_id}.json")
@@ -93,25 +98,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    import yaml
-
     from configs.schema import StorageConfig
     from storage.store import Store
     from storage.verify import report_text, verify_store
 
-    options = {key: yaml.safe_load(value) for key, _, value in (o.partition("=") for o in args.option)}
+    options = storage_options(args.option)
     report = verify_store(Store(StorageConfig(root=args.root, options=options)), repair=args.repair)
     print(json.dumps(report) if args.json else report_text(report))
     return 0 if report["ok"] else 3
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    import yaml
-
     from configs.schema import ModelConfig
     from tasks.sampling import sample_run
 
-    options = {key: yaml.safe_load(value) for key, _, value in (o.partition("=") for o in args.option)}
+    options = storage_options(args.option)
     model = ModelConfig(path=args.model) if args.model else None
     grid = sample_run(args.url, args.prompt, model=model, options=options, steps=args.steps,
                           guidance_scale=args.guidance_scale, seed=args.seed, device=args.device)

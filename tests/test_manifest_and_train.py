@@ -33,6 +33,24 @@ def _cache_everything(config):
     return dataset, text_fp, vae_fp
 
 
+def kill_training_at(config, manifest_url: str, batch: int) -> None:
+    """Run training until it asks for its `batch`-th batch, then kill it there (a simulated SIGINT)."""
+    from unittest import mock
+
+    from tasks.features import CachedFeatures
+
+    real, calls = CachedFeatures.batch, []
+
+    def killed(self, *args):
+        calls.append(1)
+        if len(calls) == batch:
+            raise KeyboardInterrupt("killed mid-run")
+        return real(self, *args)
+
+    with mock.patch.object(CachedFeatures, "batch", killed), pytest.raises(KeyboardInterrupt):
+        train(config.storage, config.model, config.training, manifest_url)
+
+
 def test_manifest_joins_and_records_checksums(make_config):
     config = make_config()
     dataset, text_fp, vae_fp = _cache_everything(config)
@@ -123,7 +141,6 @@ def test_training_reader_draws_seeded_latents_from_one_bucket(make_config):
 @pytest.mark.parametrize("optimizer, background_loader", [("adamw", False), ("adamw8bit", False), ("adamw", True)])
 def test_interrupted_training_resumes_bit_identically(make_config, tmp_path, monkeypatch, optimizer,
                                                       background_loader):
-    from tasks import features as features_module
     from tasks import prefetch
     from tasks import train as train_module
 
@@ -138,18 +155,7 @@ def test_interrupted_training_resumes_bit_identically(make_config, tmp_path, mon
         dataset, text_fp, vae_fp = _cache_everything(config)
         manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
         if crash_at is not None:
-            real, calls = features_module.CachedFeatures.batch, []
-
-            def crashing(self, *args):
-                calls.append(1)
-                if len(calls) == crash_at:
-                    raise KeyboardInterrupt("killed mid-run")
-                return real(self, *args)
-
-            monkeypatch.setattr(features_module.CachedFeatures, "batch", crashing)
-            with pytest.raises(KeyboardInterrupt):
-                train(config.storage, config.model, config.training, manifest["url"])
-            monkeypatch.setattr(features_module.CachedFeatures, "batch", real)
+            kill_training_at(config, manifest["url"], crash_at)
         return config, train(config.storage, config.model, config.training, manifest["url"])
 
     whole_config, whole = run(tmp_path / "whole")
@@ -164,24 +170,11 @@ def test_interrupted_training_resumes_bit_identically(make_config, tmp_path, mon
     assert [k.rsplit("/", 1)[1] for k in kept] == ["step-00000004.safetensors", "step-00000006.safetensors"]
 
 
-def test_a_damaged_checkpoint_is_refused_by_name(make_config, monkeypatch):
-    from tasks import features as features_module
-
+def test_a_damaged_checkpoint_is_refused_by_name(make_config):
     config = make_config(training={"steps": 5, "checkpoint_every": 2, "sample_prompts": []})
     dataset, text_fp, vae_fp = _cache_everything(config)
     manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
-    real, calls = features_module.CachedFeatures.batch, []
-
-    def crashing(self, *args):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real(self, *args)
-
-    monkeypatch.setattr(features_module.CachedFeatures, "batch", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        train(config.storage, config.model, config.training, manifest["url"])
-    monkeypatch.undo()
+    kill_training_at(config, manifest["url"], 4)
     store = Store(config.storage)
     (checkpoint,) = [k for k in store.fs.find(store.root_path) if k.endswith("step-00000002.safetensors")]
     data = bytearray(open(checkpoint, "rb").read())

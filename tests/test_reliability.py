@@ -15,7 +15,7 @@ from tasks.ingest import ingest
 from tasks.manifest import build_manifest
 from tasks.models import text_encoder_fingerprint, vae_fingerprint
 from tasks.train import train
-from tests.test_manifest_and_train import _cache_everything
+from tests.test_manifest_and_train import _cache_everything, kill_training_at
 
 
 def _flip(store: Store, key: str) -> None:
@@ -56,9 +56,7 @@ def test_verify_finds_damage_partials_and_orphans_and_repairs_only_those(make_co
 
 
 @pytest.mark.parametrize("artifact", ["image shard", "text shard", "latent shard", "manifest", "checkpoint"])
-def test_damage_is_detected_before_use_naming_the_artifact(make_config, artifact, monkeypatch):
-    from tasks import features as features_module
-
+def test_damage_is_detected_before_use_naming_the_artifact(make_config, artifact):
     config = make_config(training={"steps": 3, "sample_prompts": [], "checkpoint_every": 1})
     store = Store(config.storage)
     dataset = ingest(config.storage, config.dataset)
@@ -81,18 +79,7 @@ def test_damage_is_detected_before_use_naming_the_artifact(make_config, artifact
     elif artifact == "manifest":
         key = store.key(manifest["url"])
     else:
-        real, calls = features_module.CachedFeatures.batch, []
-
-        def crash_on_third(self, *args):
-            calls.append(1)
-            if len(calls) == 3:
-                raise KeyboardInterrupt
-            return real(self, *args)
-
-        monkeypatch.setattr(features_module.CachedFeatures, "batch", crash_on_third)
-        with pytest.raises(KeyboardInterrupt):
-            train(config.storage, config.model, config.training, manifest["url"])
-        monkeypatch.undo()
+        kill_training_at(config, manifest["url"], 3)
         key = next(store.key(store.fs.unstrip_protocol(p)) for p in store.fs.find(store.path("runs"))
                    if p.endswith("step-00000002.safetensors"))
     _flip(store, key)
