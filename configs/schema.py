@@ -38,6 +38,13 @@ class StorageConfig(Section):
         "copied into any artifact. Prefect's result storage still takes credentials from the worker's environment "
         "or role. None: credentials from the environment or the node's role.",
     )
+    io_attempts: int = Field(
+        5, ge=1, description="Attempts per storage operation on transient errors (connection reset, timeout, "
+        "EIO, throttling), with exponential backoff; then the stage fails naming the object.",
+    )
+    io_backoff_seconds: float = Field(
+        0.5, ge=0, description="Wait before the first retry of a storage operation; doubled for each further one.",
+    )
 
 
 class SourceConfig(Section):

@@ -42,6 +42,19 @@ def pack_image_shard(rows: list[dict[str, Any]]) -> bytes:
     return buffer.getvalue()
 
 
+def save_deterministic(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """safetensors bytes that depend on the content only. The library writes `__metadata__` in
+    hash-map order, which differs from call to call; the header is rewritten with sorted keys
+    (tensor offsets are relative to the data, so only the header's length prefix changes)."""
+    data = save(tensors, metadata=metadata)
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the data stays 8-byte aligned
+    return len(text).to_bytes(8, "little") + text + data[8 + length :]
+
+
 def read_image_shard(data: bytes, columns: list[str] | None = None) -> pa.Table:
     return pq.read_table(io.BytesIO(data), columns=columns)
 
@@ -54,7 +67,7 @@ def pack_ragged(
     offsets = torch.zeros(len(sequences) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
     tensors = {"embeddings": torch.cat(sequences).contiguous(), "offsets": offsets}
-    return save(tensors, metadata={"rows": json.dumps(rows), "meta": json.dumps(metadata)})
+    return save_deterministic(tensors, {"rows": json.dumps(rows), "meta": json.dumps(metadata)})
 
 
 class RaggedShard:
@@ -86,7 +99,7 @@ def pack_latents(
     """Latent cache shard: `buckets[name]` holds `mean` and, per the posterior layout, `std` or
     `logvar` (and `flip_*` twins) [n, C, h, w]; `rows` maps a sample id to (bucket name, index)."""
     tensors = {f"{part}/{name}": t.contiguous() for name, parts in buckets.items() for part, t in parts.items()}
-    return save(tensors, metadata={"rows": json.dumps(rows), "meta": json.dumps(metadata)})
+    return save_deterministic(tensors, {"rows": json.dumps(rows), "meta": json.dumps(metadata)})
 
 
 class LatentShard:

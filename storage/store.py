@@ -5,18 +5,24 @@ stores: a single PUT, which is atomic), and counts as done only once its commit 
 `<key>.done` — checksum, size and a small JSON payload — is written after it. Readers ask
 `committed(key)` and ignore anything without a record, so a crash never leaves a half-written
 artifact that looks finished.
+
+Every storage operation is retried on transient errors (connection resets, timeouts, EIO,
+throttling) with exponential backoff; one that keeps failing fails with the object's URL.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
+import logging
 import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -24,10 +30,26 @@ from fsspec.implementations.local import LocalFileSystem
 from configs.schema import StorageConfig
 
 COMMIT_SUFFIX = ".done"
+TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
+                    errno.ECONNABORTED, errno.EPIPE}
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ArtifactMissing(FileNotFoundError):
     """A stage's input is not committed in the store."""
+
+
+class StorageUnavailable(OSError):
+    """A storage operation kept failing with transient errors."""
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether retrying the same storage operation may succeed (a missing or forbidden object never will)."""
+    if isinstance(error, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    return isinstance(error, (ConnectionError, TimeoutError)) or (
+        isinstance(error, OSError) and error.errno in TRANSIENT_ERRNOS)
 
 
 def fsspec_options(config: StorageConfig) -> dict[str, Any]:
@@ -64,7 +86,7 @@ class Store:
             if self.is_local:
                 Path(self.root_path).mkdir(parents=True, exist_ok=True)
             else:
-                self.fs.exists(self.root_path)
+                self._io("reach", self.root_path, self.fs.exists, self.root_path)
         except Exception as error:
             raise ValueError(f"storage.root {self.config.root!r} cannot be reached: {error}") from error
 
@@ -82,13 +104,29 @@ class Store:
             raise ValueError(f"{url} is not inside the store {self.root_url}")
         return url[len(prefix):]
 
+    def _io(self, action: str, path: str, operation: Callable[..., T], *args: Any) -> T:
+        """`operation(*args)`, retried with exponential backoff while it fails transiently."""
+        attempts = self.config.io_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                return operation(*args)
+            except Exception as error:
+                if not is_transient(error):
+                    raise
+                url = self.fs.unstrip_protocol(path)
+                if attempt == attempts:
+                    raise StorageUnavailable(f"{action} {url} failed {attempts} times; last error: {error}") from error
+                log.warning("%s %s failed (%s); retry %d of %d", action, url, error, attempt, attempts - 1)
+                time.sleep(self.config.io_backoff_seconds * 2 ** (attempt - 1))
+        raise AssertionError("unreachable")
+
     # --- reading ----------------------------------------------------------------------------
     def exists(self, key: str) -> bool:
-        return self.fs.exists(self.path(key))
+        return self._io("check", self.path(key), self.fs.exists, self.path(key))
 
     def read_bytes(self, key: str) -> bytes:
         try:
-            return self.fs.cat_file(self.path(key))
+            return self._io("read", self.path(key), self.fs.cat_file, self.path(key))
         except FileNotFoundError as error:
             raise ArtifactMissing(f"{self.url(key)} does not exist") from error
 
@@ -98,11 +136,16 @@ class Store:
     def list(self, prefix: str, suffix: str = "") -> list[str]:
         """Keys directly under `prefix` ending in `suffix`, sorted."""
         try:
-            names = self.fs.ls(self.path(prefix), detail=False)
+            names = self._io("list", self.path(prefix), self.fs.ls, self.path(prefix), False)
         except FileNotFoundError:
             return []
         keys = [f"{prefix}/{name.rstrip('/').rsplit('/', 1)[-1]}" for name in names]
         return sorted(key for key in keys if key.endswith(suffix))
+
+    def find(self, prefix: str = "") -> list[str]:
+        """Every key under `prefix` (the whole store by default), sorted."""
+        path = self.path(prefix) if prefix else self.root_path
+        return sorted(self.key(self.fs.unstrip_protocol(p)) for p in self._io("list", path, self.fs.find, path))
 
     def committed(self, key: str) -> dict[str, Any] | None:
         """The commit record of `key`, or None when the artifact is not (fully) written."""
@@ -129,10 +172,14 @@ class Store:
     def verify(self, key: str) -> dict[str, Any]:
         """The commit record of `key` after checking the artifact's bytes against its checksum."""
         record = self.require(key)
-        digest = sha256_stream(self.fs, self.path(key))
+        digest = self.sha256(key)
         if digest != record["sha256"]:
             raise ValueError(f"{self.url(key)} is damaged: sha256 {digest} != committed {record['sha256']}")
         return record
+
+    def sha256(self, key: str) -> str:
+        """The sha256 of the object at `key`, streamed."""
+        return self._io("read", self.path(key), sha256_stream, self.fs, self.path(key))
 
     def local_path(self, key: str, cache_dir: str | Path | None = None) -> str:
         """A local file holding the artifact: the file itself on local roots, else a cached download.
@@ -146,7 +193,7 @@ class Store:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
-            self.fs.get_file(self.path(key), str(partial))
+            self._io("download", self.path(key), self.fs.get_file, self.path(key), str(partial))
             os.replace(partial, target)
         return str(target)
 
@@ -157,13 +204,45 @@ class Store:
         if self.is_local:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             partial = f"{path}.partial-{uuid.uuid4().hex}"
-            with open(partial, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(partial, path)
+            try:
+                with open(partial, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(partial, path)
+            except BaseException:
+                Path(partial).unlink(missing_ok=True)
+                raise
         else:
-            self.fs.pipe_file(path, data)
+            self._io("write", path, self.fs.pipe_file, path, data)
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Write `data` only if nothing is at `key` yet; True if this call wrote it. Atomic on local
+        disks (hard link) and S3 (conditional PUT): of two racing callers exactly one wins."""
+        path = self.path(key)
+        if not self.is_local:
+            try:
+                self._io("create", path, lambda: self.fs.pipe_file(path, data, mode="create"))
+                return True
+            except FileExistsError:
+                return False
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        partial = f"{path}.partial-{uuid.uuid4().hex}"
+        Path(partial).write_bytes(data)
+        try:
+            os.link(partial, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.remove(partial)
+
+    def remove(self, key: str) -> None:
+        """Delete the object at `key` (nothing if it is already gone)."""
+        try:
+            self._io("delete", self.path(key), self.fs.rm_file, self.path(key))
+        except FileNotFoundError:
+            pass
 
     def write_json(self, key: str, obj: Any) -> None:
         self.write_bytes(key, json_bytes(obj))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from storage.store import COMMIT_SUFFIX, Store, sha256_stream
+from storage.store import COMMIT_SUFFIX, Store
 
 # keys that are only valid with a commit record beside them
 COMMITTED = re.compile(
@@ -31,7 +31,7 @@ PARTIAL = re.compile(r"\.partial-[0-9a-f]{32}$")
 
 def verify_store(store: Store, repair: bool = False) -> dict[str, Any]:
     """The integrity report of the store (and, with `repair`, what was removed)."""
-    keys = sorted(store.key(store.fs.unstrip_protocol(path)) for path in store.fs.find(store.root_path))
+    keys = store.find()
     present = set(keys)
     report: dict[str, Any] = {"root": store.root_url, "checked": 0, "damaged": [], "partial": [], "orphaned": [],
                               "removed": []}
@@ -47,13 +47,13 @@ def verify_store(store: Store, repair: bool = False) -> dict[str, Any]:
                 report["damaged"].append({"key": artifact, "reason": "missing: the commit record has no data"})
                 continue
             expected = store.read_json(key)["sha256"]
-            if sha256_stream(store.fs, store.path(artifact)) != expected:
+            if store.sha256(artifact) != expected:
                 report["damaged"].append({"key": artifact, "reason": "checksum mismatch"})
         elif COMMITTED.match(key) and key + COMMIT_SUFFIX not in present:
             report["orphaned"].append(key)
     if repair:
         for key in report["partial"] + report["orphaned"]:
-            store.fs.rm(store.path(key))
+            store.remove(key)
             report["removed"].append(key)
     report["ok"] = not report["damaged"]
     return report

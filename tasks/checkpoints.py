@@ -57,8 +57,8 @@ def save_checkpoint(
     data = pack_checkpoint(step, network, optimizer, schedule, rng_states, ema)
     store.commit(checkpoint_key(run, step), data, step=step)
     for old in committed_steps(store, run)[:-keep]:
-        store.fs.rm(store.path(checkpoint_key(run, old) + ".done"))  # uncommit first: never a record without data
-        store.fs.rm(store.path(checkpoint_key(run, old)))
+        store.remove(checkpoint_key(run, old) + ".done")  # uncommit first: never a record without data
+        store.remove(checkpoint_key(run, old))
 
 
 def committed_steps(store: Store, run: str) -> list[int]:
@@ -76,8 +76,7 @@ def restore_latest(
     if not steps:
         return 0
     key = checkpoint_key(run, steps[-1])
-    store.verify(key)  # a damaged checkpoint is refused by name, never trained on
-    data = store.read_bytes(key)
+    data = store.read_verified(key)  # a damaged checkpoint is refused by name, never trained on
     tensors = load(data)
     meta = json.loads(_header_metadata(data)["meta"])
     with torch.no_grad():

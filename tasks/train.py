@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from configs.schema import ModelConfig, StorageConfig, TrainingConfig
 from storage.fingerprint import hash_json
+from storage.lease import Lease
 from storage.store import Store, fsspec_options
 from tasks.checkpoints import restore_latest, save_checkpoint, trainable_state
 from tasks.features import CachedFeatures, bucket_batches
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 
 # settings that cannot change the trained weights or samples stay out of the run id
 NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints"}
+LEASE_POLL_SECONDS = 2.0
 
 
 def run_id_for(manifest_id: str, model: ModelConfig, training: TrainingConfig, init: dict | None = None) -> str:
@@ -101,29 +103,44 @@ def train(
             return record
     init = initial_adapter(store, storage, model, training)
     run = f"runs/{run_id_for(manifest['id'], model, training, init)}"
-    if (record := store.committed(f"{run}/lineage.json")) is not None:
-        return record
-    if training.processes == 1:
-        return run_training(0, 1, 0, storage, model, training, manifest, run, init, progress)
-    # data parallel: one process per device (gloo on CPUs, NCCL on GPUs); rank 0 writes the run
-    # and its progress, which this process relays while it waits
-    processes = torch.multiprocessing.spawn(
-        run_training, nprocs=training.processes, join=False,
-        args=(training.processes, free_port(), storage, model, training, manifest, run, init))
-    while not processes.join(timeout=2):
-        if progress is not None and store.exists(f"{run}/progress.json"):
-            progress(*store.read_json(f"{run}/progress.json"))
-    if progress is not None:
-        progress(training.steps, training.steps, float("nan"))
-    return store.require(f"{run}/lineage.json")
+    # one trainer per run: another pipeline training it already is waited for, not raced
+    lease = Lease(store, f"{run}/lease")
+    while not lease.acquire():
+        if (record := store.committed(f"{run}/lineage.json")) is not None:
+            return record
+        log.info("run %s is being trained by %s; waiting for it", store.url(run), lease.holder())
+        time.sleep(LEASE_POLL_SECONDS)
+    try:
+        if (record := store.committed(f"{run}/lineage.json")) is not None:
+            return record
+        if training.processes == 1:
+            return run_training(0, 1, 0, storage, model, training, manifest, run, init, progress, lease)
+        # data parallel: one process per device (gloo on CPUs, NCCL on GPUs); rank 0 writes the
+        # run and its progress, which this process relays while it waits
+        processes = torch.multiprocessing.spawn(
+            run_training, nprocs=training.processes, join=False,
+            args=(training.processes, free_port(), storage, model, training, manifest, run, init))
+        while not processes.join(timeout=2):
+            if lease.lost:
+                for process in processes.processes:
+                    process.terminate()
+                lease.check()
+            if progress is not None and store.exists(f"{run}/progress.json"):
+                progress(*store.read_json(f"{run}/progress.json"))
+        if progress is not None:
+            progress(training.steps, training.steps, float("nan"))
+        return store.require(f"{run}/lineage.json")
+    finally:
+        lease.release()
 
 
 def run_training(
     rank: int, world: int, port: int, storage: StorageConfig, model: ModelConfig, training: TrainingConfig,
     manifest: dict[str, Any], run: str, init: dict | None,
-    progress: Callable[[int, int, float], None] | None = None,
+    progress: Callable[[int, int, float], None] | None = None, lease: Lease | None = None,
 ) -> dict[str, Any] | None:
-    """The training loop of one process; returns the run's commit record on rank 0."""
+    """The training loop of one process; returns the run's commit record on rank 0. Writes stop
+    with LeaseLost once `lease` (held by the process that started training) was taken over."""
     store = Store(storage)
     device = resolve_device(training.device)
     if device.type == "cuda" and world > 1:
@@ -235,6 +252,8 @@ def run_training(
         if training.checkpoint_every and step % training.checkpoint_every == 0 and step < training.steps:
             states = {"data": gather_states(data_state, world), "noise": gather_states(noise_rng.get_state(), world)}
             if leader:  # every process took part in the gathering above
+                if lease is not None:
+                    lease.check()
                 write_metrics(store, run, metrics)  # before the checkpoint: resuming reads them back
                 save_checkpoint(store, run, step, network, optimizer, schedule, states, ema,
                                 training.keep_checkpoints)
@@ -247,6 +266,8 @@ def run_training(
         return None
 
     # --- outputs: adapter, samples, metrics, lineage (last) -----------------------------------
+    if lease is not None:
+        lease.check()
     network.eval()
     if ema is not None:  # the averaged weights are the run's result (and render its final samples)
         with torch.no_grad():

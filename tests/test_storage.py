@@ -7,7 +7,7 @@ import os
 import pytest
 
 from configs.schema import StorageConfig
-from storage.store import ArtifactMissing, Store
+from storage.store import ArtifactMissing, Store, json_bytes
 
 
 def test_commit_writes_data_then_record(tmp_path):
@@ -80,3 +80,76 @@ def test_credentials_from_a_prefect_secret_block_never_reach_the_store(prefect_s
     assert "block-secret-value" not in config.model_dump_json()
     with pytest.raises(ValueError, match="no such Prefect Secret block"):
         Store(StorageConfig(root="s3://precast-block/root", credentials_block="missing-block"))
+
+
+def test_cache_shards_are_byte_identical_for_the_same_content(tmp_path):
+    # content-addressed caches must not depend on the writer: re-encoding gives the same checksum
+    import torch
+
+    from storage.shards import LatentShard, pack_latents, pack_ragged
+
+    sequences = [torch.randn(3, 4), torch.randn(5, 4)]
+    rows = {"a/0": 0, "b/0": 1}
+    assert len({pack_ragged(rows, sequences, {"format": 1, "shard": "s"}) for _ in range(10)}) == 1
+    buckets = {"256x256": {"mean": torch.randn(2, 4, 2, 2), "std": torch.rand(2, 4, 2, 2)}}
+    latent_rows = {"a": ["256x256", 0], "b": ["256x256", 1]}
+    packed = {pack_latents(buckets, latent_rows, {"posterior": "mean_std"}) for _ in range(10)}
+    assert len(packed) == 1
+    path = tmp_path / "latents.safetensors"
+    path.write_bytes(packed.pop())  # still a valid safetensors file
+    mean, std = LatentShard(str(path)).get("b")
+    assert torch.equal(mean, buckets["256x256"]["mean"][1]) and torch.equal(std, buckets["256x256"]["std"][1])
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_lease_has_one_holder_until_released_dead_or_stale(where, tmp_path, s3_endpoint, monkeypatch):
+    import socket
+    import subprocess
+    import time
+
+    from storage import lease as leases
+
+    if where == "s3":
+        import s3fs
+
+        s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir("precast-lease")
+        store = Store(StorageConfig(root="s3://precast-lease/store", options={"endpoint_url": s3_endpoint}))
+    else:
+        store = Store(StorageConfig(root=str(tmp_path / "store")))
+    monkeypatch.setattr(leases, "HEARTBEAT_SECONDS", 0.05)
+
+    first, second = leases.Lease(store, "runs/r/lease"), leases.Lease(store, "runs/r/lease")
+    assert first.acquire() and not second.acquire()
+    assert second.holder()["token"] == first.me["token"]
+    first.release()
+    assert second.acquire()  # released: free at once
+    second.release()
+
+    def held_by(generation: int, **holder) -> None:  # another process's lease, written directly
+        assert store.create(f"runs/r/lease/{generation:08d}.json", json_bytes(
+            {"token": "other", "host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time(), **holder}))
+
+    # a holder of this host whose process is gone (a SIGKILLed worker) is taken over at once
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    held_by(3, pid=finished.pid)
+    third = leases.Lease(store, "runs/r/lease")
+    assert third.acquire() and store.list("runs/r/lease") == ["runs/r/lease/00000004.json"]
+    third.release()
+
+    # a holder on another node is taken over only once its heartbeat is stale
+    held_by(5, host="lost-node", heartbeat=time.time() - 30)
+    fourth = leases.Lease(store, "runs/r/lease")
+    assert not fourth.acquire()
+    monkeypatch.setattr(leases, "STALE_AFTER_SECONDS", 10.0)
+    assert fourth.acquire()
+
+    # ... and a holder that was taken over notices at its next heartbeat and stops writing
+    held_by(7, host="other-node")
+    deadline = time.time() + 10
+    while not fourth.lost and time.time() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(leases.LeaseLost, match="taken over by other-node"):
+        fourth.check()
+    fourth.release()
+    assert store.read_json("runs/r/lease/00000007.json")["token"] == "other"  # the new holder's stays

@@ -1,0 +1,154 @@
+"""Faults injected into real pipeline runs: SIGKILL anywhere, flaky storage, two runs at once.
+
+"The same outputs" means the same sha256 for every committed artifact (image shards, both
+caches, the dataset, the manifest, checkpoints, the finished run), key for key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import fsspec
+import pytest
+import yaml
+
+from configs.schema import PipelineConfig
+from flows.pipeline import pipeline
+from storage.store import Store
+from storage.verify import verify_store
+from tests.killer import POINTS
+
+ROOT = Path(__file__).parents[1]
+
+
+def committed_checksums(store: Store) -> dict[str, str]:
+    return {key.removesuffix(".done"): store.read_json(key)["sha256"]
+            for key in store.find() if key.endswith(".done")}
+
+
+def _config(make_config, root: str, **storage) -> PipelineConfig:
+    config = make_config(root=root, training={"steps": 6, "checkpoint_every": 2, "keep_checkpoints": 2},
+                         execution={"retries": 2, "retry_delay_seconds": 0})
+    return config.model_copy(update={"storage": config.storage.model_copy(update=storage)})
+
+
+# --- flaky storage ------------------------------------------------------------------------------
+def _flaky(make_config, s3_endpoint, prefix: str, **faults) -> PipelineConfig:
+    s3 = {"endpoint_url": s3_endpoint}
+    options = {"target_protocol": "s3", "target_options": s3, "seed": 0, **faults}
+    return _config(make_config, f"flaky://precast-faults/{prefix}", options=options, io_backoff_seconds=0.01,
+                   io_attempts=4)
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_endpoint):
+    import s3fs
+
+    s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir("precast-faults")
+
+
+def test_flaky_storage_retries_to_identical_outputs(prefect_server, make_config, s3_endpoint, bucket):
+    clean = _config(make_config, "s3://precast-faults/clean", options={"endpoint_url": s3_endpoint})
+    flaky = _flaky(make_config, s3_endpoint, "flaky", fail_rate=0.2)
+    assert pipeline(config=clean)["final_loss"] == pipeline(config=flaky)["final_loss"]
+
+    faults = fsspec.filesystem("flaky", **flaky.storage.options)
+    assert faults.injected["read"] >= 5 and faults.injected["write"] >= 5, faults.injected
+    assert committed_checksums(Store(flaky.storage)) == committed_checksums(Store(clean.storage))
+    assert verify_store(Store(flaky.storage))["ok"]
+
+
+def test_a_permanently_failing_object_fails_the_run_naming_it(prefect_server, make_config, s3_endpoint, bucket):
+    config = _flaky(make_config, s3_endpoint, "permanent", permanent=["*/cache/latents/*"])
+    with pytest.raises(OSError, match=r"flaky://precast-faults/permanent/cache/latents/\S+ failed 4 times"):
+        pipeline(config=config)
+
+
+# --- separate processes: SIGKILL anywhere, two runs at once ------------------------------------
+def _precast(args: list[str], kill_at: str | None = None) -> subprocess.Popen:
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_LOGGING_LEVEL": "WARNING"}
+    command = [sys.executable, "-m", "tests.killer", kill_at, "--"] if kill_at else [sys.executable, "-m", "flows.cli"]
+    return subprocess.Popen(command + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _finish(process: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = process.communicate(timeout=600)
+    return process.returncode, out, err
+
+
+def _config_file(config: PipelineConfig, path: Path) -> str:
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(prefect_server, tiny_models, demo_data, tmp_path_factory):
+    """An uninterrupted run's committed checksums, and a config factory for other roots."""
+    base = tmp_path_factory.mktemp("faults")
+
+    def config_at(root: Path) -> PipelineConfig:
+        return PipelineConfig.model_validate({
+            "storage": {"root": str(root)},
+            "dataset": {"sources": [{"path": demo_data}], "shard_size": 10},
+            "model": {"path": tiny_models},
+            "text_encoding": {"dtype": "fp32", "batch_tokens": 128},
+            "latent_encoding": {"resolution": 256, "storage_dtype": "fp32", "batch_size": 2},
+            "training": {"rank": 4, "alpha": 4, "steps": 6, "batch_size": 2, "learning_rate": 1e-3,
+                         "checkpoint_every": 2, "keep_checkpoints": 2,
+                         "sample_prompts": ["a red circle on a blue background"], "sample_steps": 2},
+            "execution": {"retries": 0, "max_parallel_shards": 1},
+        })
+
+    config = config_at(base / "reference")
+    pipeline(config=config)
+    return committed_checksums(Store(config.storage)), config_at, base
+
+
+def _verify(root: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "verify", root, "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    return json.loads(done.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", list(POINTS))
+def test_killed_anywhere_a_plain_rerun_converges(reference, point):
+    expected, config_at, base = reference
+    config = config_at(base / point.replace(" ", "-").replace(",", ""))
+    path = _config_file(config, base / f"{point.replace(' ', '-')}.yaml")
+
+    code, _, log = _finish(_precast(["run", path], kill_at=point))
+    assert code == -signal.SIGKILL, f"never reached {point!r}:\n{log[-3000:]}"
+    assert _verify(config.storage.root)["damaged"] == []
+
+    code, _, log = _finish(_precast(["run", path]))
+    assert code == 0, log[-3000:]
+    assert committed_checksums(Store(config.storage)) == expected
+    report = _verify(config.storage.root)
+    assert report["ok"] and report["damaged"] == []
+
+
+@pytest.mark.slow
+def test_two_pipelines_started_at_once_agree(reference):
+    expected, config_at, base = reference
+    config = config_at(base / "concurrent")
+    path = _config_file(config, base / "concurrent.yaml")
+    first, second = _precast(["run", path, "--json"]), _precast(["run", path, "--json"])
+    results = [_finish(first), _finish(second)]
+    for code, _, log in results:
+        assert code == 0, log[-3000:]
+    first_result, second_result = (json.loads(out) for _, out, _ in results)
+    assert first_result == second_result
+    store = Store(config.storage)
+    assert store.list(store.key(first_result["run"]) + "/lease") == [  # trained once: one lease ever taken
+        store.key(first_result["run"]) + "/lease/00000001.json"]
+    assert committed_checksums(Store(config.storage)) == expected
+    assert _verify(config.storage.root)["ok"]
