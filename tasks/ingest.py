@@ -6,6 +6,12 @@ nothing and yields the same dataset id; new samples, and samples whose captions 
 shards holding only them. Images already in a shard are not decoded again. A dataset version lists
 its shards (and, for a shard only partly current, which of its samples). A bad input never fails
 the stage: it is quarantined with a reason code; an unreachable source fails it, naming the source.
+
+Images are untrusted bytes: only the formats the README lists are parsed (Pillow would otherwise
+try every plugin it has, TGA among them, which has no magic number: noise behind a plausible
+header decodes), a file larger than any `max_pixels` image can honestly be is refused undecoded,
+and dimensions are checked before pixels are decoded. Names and messages are stored with control
+characters escaped.
 """
 
 from __future__ import annotations
@@ -28,13 +34,16 @@ from storage.fingerprint import hash_json, sha256_bytes
 from storage.shards import pack_image_shard, read_image_shard, shard_id_of
 from storage.store import Store, fsspec_options
 from tasks.encode_latents import nearest_ratio
-from tasks.sources import Candidate, Rejected, read_source
+from tasks.sources import Candidate, Rejected, printable, read_source
 
 log = logging.getLogger(__name__)
 
 MAX_ASPECT_RATIO = 4.0  # the PixArt bucket tables span 1:4 … 4:1
 SHARDS = "shards/images"
 KEEP_AS_IS = ("JPEG", "PNG", "WEBP")  # RGB files in these formats are stored byte for byte
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+# the largest honest encoding is 16-bit RGBA stored uncompressed, plus its metadata
+MAX_BYTES_PER_PIXEL, METADATA_BYTES = 8, 16 << 20
 CAPTION_WORD_BINS = [5, 10, 20, 50, 100, 200]
 
 
@@ -57,9 +66,14 @@ class Scan:
     formats: Counter = field(default_factory=Counter)
 
     def reject(self, candidate: Candidate, problem: Rejected) -> None:
-        log.warning("quarantined %s: %s (%s)", candidate.source, problem.reason, problem.message)
+        message = printable(problem.message)
+        log.warning("quarantined %s: %s (%s)", candidate.source, problem.reason, message)
         self.quarantined.append({"source": candidate.source, "format": candidate.format,
-                                 "reason": problem.reason, "message": problem.message})
+                                 "reason": problem.reason, "message": message})
+
+
+def max_image_bytes(config: DatasetConfig) -> int:
+    return config.max_pixels * MAX_BYTES_PER_PIXEL + METADATA_BYTES
 
 
 def check_geometry(width: int, height: int, config: DatasetConfig) -> None:
@@ -92,8 +106,10 @@ def normalise_image(data: bytes, config: DatasetConfig) -> tuple[bytes, int, int
     conversion or rotation) and its size after EXIF orientation. Raises Rejected."""
     if not data:
         raise Rejected("empty_file", "zero bytes")
+    if len(data) > max_image_bytes(config):
+        raise Rejected("too_large", f"over {max_image_bytes(config)} bytes, more than max_pixels={config.max_pixels} needs")
     try:
-        with Image.open(io.BytesIO(data)) as opened:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as opened:
             check_geometry(*opened.size, config)  # before decoding: a bomb is refused unread
             opened.load()
             rotated = opened.getexif().get(0x0112, 1) != 1  # EXIF orientation other than "as stored"
@@ -102,7 +118,7 @@ def normalise_image(data: bytes, config: DatasetConfig) -> tuple[bytes, int, int
             if converted:
                 image = to_rgb(image)
     except UnidentifiedImageError as error:
-        raise Rejected("not_image", "not a recognised image format") from error
+        raise Rejected("not_image", f"not {', '.join(IMAGE_FORMATS)}") from error
     except Image.DecompressionBombError as error:
         raise Rejected("too_large", str(error)) from error
     except (OSError, SyntaxError, ValueError) as error:
@@ -140,8 +156,9 @@ def scan_sources(
 ) -> Scan:
     scan = Scan(spill)
     for source in dataset.sources:
-        for candidate in read_source(source, source_options(source.path, storage)):
+        for candidate in read_source(source, source_options(source.path, storage), max_image_bytes(dataset)):
             scan.formats[candidate.format] += 1
+            candidate.source = printable(candidate.source)
             try:
                 if candidate.problem is not None:
                     raise candidate.problem

@@ -3,14 +3,27 @@
 Each reader streams `Candidate`s — one image with its caption variants, or the reason it cannot be
 one — from any fsspec URL, one item at a time (never a whole-dataset copy). Validation of the
 image itself happens in ingest; readers only find the bytes and the captions.
+
+Inputs are untrusted, so no read is unbounded: an image is read to at most `max_image_bytes` + 1
+bytes (enough for ingest to call it `too_large`), a caption file to MAX_CAPTION_BYTES + 1
+(`caption_too_long`), and a local FIFO or device is never opened (`special_file`). Captions lose
+terminal escape sequences and invisible bidi/zero-width characters, other control characters become
+spaces, whitespace is collapsed, and what is left empty is `empty_caption`. A variant longer than
+MAX_CAPTION_CHARS quarantines the sample (`caption_too_long`) rather than being cut: T5 reads only
+the first few hundred tokens anyway, so a caption that long is a broken file (a mis-parsed CSV, a
+binary dump), not a description worth keeping part of. In a tar, links, devices and members named
+outside it are `unsafe_member`, archives inside it `nested_archive` (never opened), and an archive
+that breaks off is `bad_archive`, the samples before the break kept.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import posixpath
+import re
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,11 +31,24 @@ from typing import Any
 
 import fsspec
 import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
 
 from configs.schema import SourceConfig
 
 IMAGE_EXTENSIONS = {"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"}
 CAPTION_EXTENSIONS = ("txt", "caption")  # in order of preference
+ARCHIVE_EXTENSIONS = {"tar", "tgz", "zip"}
+MAX_CAPTION_CHARS = 10_000  # per variant: about 2,500 T5 tokens, where PixArt reads 120 to 300
+MAX_CAPTION_BYTES = 1 << 20  # a caption file, member or cell, all variants together
+CHUNK = 1 << 20
+
+# ECMA-48 escape sequences (colours, cursor moves, OSC titles and links): invisible in a terminal
+ANSI_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+# characters that only hide or reorder text: bidi controls (Trojan Source), zero-width space, word
+# joiner, soft hyphen, BOM; ZWJ and ZWNJ stay (emoji sequences, Indic and Persian scripts)
+INVISIBLE = re.compile("[\u00ad\u061c\u200b\u200e\u200f\u202a-\u202e\u2060\u2066-\u2069\ufeff]")
+CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+SURROGATE = re.compile("[\ud800-\udfff]")  # undecodable bytes (surrogateescape), or a lone half of a pair
 
 
 class Rejected(Exception):
@@ -42,28 +68,66 @@ class Candidate:
     problem: Rejected | None = None
 
 
+def printable(text: str) -> str:
+    """`text` with control, invisible and undecodable characters escaped (`\\x1b`, `\\u202e`,
+    `\\udcff`): names and messages reach logs, terminals, reports and parquet (which needs UTF-8)."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode() for ch in text)
+
+
+def clean_caption(line: str) -> str:
+    """One variant: escape sequences and invisible characters dropped, other control characters
+    read as spaces (a NUL or a stray separator still parts two words), whitespace collapsed."""
+    return " ".join(CONTROL.sub(" ", INVISIBLE.sub("", ANSI_ESCAPE.sub("", line))).split())
+
+
 def caption_variants(value: Any) -> list[str]:
     """Caption variants from a caption file's bytes, a string (one variant per non-empty line) or a
-    list of strings; whitespace-normalised. Raises Rejected for missing, empty or non-UTF-8 text."""
+    list of strings; cleaned. Raises Rejected for missing, empty, non-UTF-8 or absurdly long text."""
     if value is None:
         raise Rejected("missing_caption", "no caption")
     if isinstance(value, bytes):
+        if len(value) > MAX_CAPTION_BYTES:
+            raise Rejected("caption_too_long", f"caption is over {MAX_CAPTION_BYTES} bytes")
         try:
             value = value.decode("utf-8-sig")
         except UnicodeDecodeError as error:
             raise Rejected("caption_encoding", f"caption is not UTF-8: {error}") from error
     if isinstance(value, str):
-        lines = value.removeprefix("\ufeff").splitlines()
+        lines = value.splitlines()
     elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         lines = list(value)
     else:
         raise Rejected("missing_caption", f"caption is a {type(value).__name__}, not text")
-    if any("\udc80" <= ch <= "\udcff" for line in lines for ch in line):  # undecodable bytes (surrogateescape)
+    if any(SURROGATE.search(line) for line in lines):
         raise Rejected("caption_encoding", "caption is not UTF-8")
-    variants = [" ".join(line.split()) for line in lines if line.strip()]
+    variants = [v for v in map(clean_caption, lines) if v]
     if not variants:
         raise Rejected("empty_caption", "caption has no text")
+    if max(map(len, variants)) > MAX_CAPTION_CHARS:
+        raise Rejected("caption_too_long", f"a caption variant is over {MAX_CAPTION_CHARS} characters")
     return list(dict.fromkeys(variants))
+
+
+def read_file(fs: fsspec.AbstractFileSystem, path: str, limit: int, missing: str) -> bytes:
+    """At most `limit` + 1 bytes of a file: enough to tell it is over the limit, never more. A local
+    FIFO or device is refused unopened: reading one would block or never end. A file that is not
+    there (or a link to nothing) is Rejected with the reason `missing`."""
+    name = posixpath.basename(path)
+    try:
+        if isinstance(fs, LocalFileSystem) and fs.info(path)["type"] != "file":  # info follows links
+            raise Rejected("special_file", f"{name} is not a regular file")
+        return fs.cat_file(path, start=0, end=limit + 1)
+    except FileNotFoundError as error:
+        raise Rejected(missing, f"{name} does not exist") from error
+
+
+def parse_json(text: str | bytes, what: str) -> Any:
+    """Lenient JSON (raw control characters in strings are cleaned later); Rejected when it is not
+    JSON, nests too deep, or holds a number too long to convert."""
+    try:
+        return json.loads(text, strict=False)
+    except (ValueError, RecursionError) as error:
+        raise Rejected("bad_metadata", f"{what} is not JSON: {error}") from error
 
 
 def open_source(source: SourceConfig, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -96,12 +160,13 @@ def detect_format(fs: fsspec.AbstractFileSystem, root: str) -> str:
     return "folder"
 
 
-def read_source(source: SourceConfig, options: dict[str, Any]) -> Iterator[Candidate]:
+def read_source(source: SourceConfig, options: dict[str, Any], max_image_bytes: int) -> Iterator[Candidate]:
+    """Candidates of one source; no image is read past `max_image_bytes` + 1 bytes."""
     fs, root = open_source(source, options)
     fmt = source.format if source.format != "auto" else detect_format(fs, root)
     readers = {"folder": read_folder, "jsonl": read_metadata, "csv": read_metadata, "parquet": read_parquet,
                "webdataset": read_webdataset}
-    yield from readers[fmt](fs, root, source, fmt)
+    yield from readers[fmt](fs, root, source, fmt, max_image_bytes)
 
 
 def source_files(fs: fsspec.AbstractFileSystem, root: str, suffix: str = "") -> list[str]:
@@ -109,7 +174,7 @@ def source_files(fs: fsspec.AbstractFileSystem, root: str, suffix: str = "") -> 
     return [f for f in files if f.endswith(suffix)]
 
 
-def read_folder(fs, root: str, source: SourceConfig, fmt: str) -> Iterator[Candidate]:
+def read_folder(fs, root: str, source: SourceConfig, fmt: str, max_image_bytes: int) -> Iterator[Candidate]:
     files = source_files(fs, root)
     present = set(files)
     for file in files:
@@ -121,51 +186,62 @@ def read_folder(fs, root: str, source: SourceConfig, fmt: str) -> Iterator[Candi
         try:
             if caption_file is None:
                 raise Rejected("missing_caption", f"no {posixpath.basename(stem)}.txt or .caption beside the image")
-            candidate.captions = caption_variants(fs.cat_file(caption_file))
-            candidate.image = fs.cat_file(file)
+            candidate.captions = caption_variants(read_file(fs, caption_file, MAX_CAPTION_BYTES, "missing_caption"))
+            candidate.image = read_file(fs, file, max_image_bytes, "missing_image")
         except Rejected as problem:
             candidate.problem = problem
         yield candidate
 
 
-def read_metadata(fs, root: str, source: SourceConfig, fmt: str) -> Iterator[Candidate]:
+def csv_rows(text: str) -> Iterator[tuple[int, dict | Rejected]]:
+    """(row number, row or the reason it cannot be read): csv stops at a bad row, so it is read
+    row by row (a field over csv's size limit, often a quote left open, costs only that row)."""
+    reader = csv.DictReader(io.StringIO(text))
+    for number in itertools.count(2):
+        try:
+            yield number, next(reader)
+        except StopIteration:
+            return
+        except csv.Error as error:
+            yield number, Rejected("bad_metadata", f"row cannot be read: {error}")
+
+
+def read_metadata(fs, root: str, source: SourceConfig, fmt: str, max_image_bytes: int) -> Iterator[Candidate]:
     """HF imagefolder style: metadata.jsonl / metadata.csv with `file_name` and a caption column;
     image paths are relative to the metadata file."""
     meta = root if not fs.isdir(root) else f"{root}/metadata.{fmt}"
     base = posixpath.dirname(meta)
     # surrogateescape keeps a row with bad bytes readable so only that row is quarantined
     text = fs.cat_file(meta).decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
-    if fmt == "jsonl":
-        rows = enumerate(text.splitlines(), start=1)
-        records = ((n, line) for n, line in rows if line.strip())
+    if fmt == "jsonl":  # JSON Lines ends lines at \n only: JSON strings may hold U+2028 or \x85
+        records = ((n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip())
     else:
-        records = enumerate(csv.DictReader(io.StringIO(text)), start=2)
+        records = csv_rows(text)
     for line_number, record in records:
         candidate = Candidate(f"{fs.unstrip_protocol(meta)}:{line_number}", fmt)
         try:
+            if isinstance(record, Rejected):
+                raise record
             if isinstance(record, str):
-                try:
-                    record = json.loads(record)
-                except json.JSONDecodeError as error:
-                    raise Rejected("bad_metadata", f"line is not JSON: {error}") from error
+                record = parse_json(record, "line")
             if not isinstance(record, dict) or not record.get(source.file_column):
                 raise Rejected("bad_metadata", f"no {source.file_column!r} field")
             name = str(record[source.file_column])
             if name.startswith("/") or ".." in name.split("/"):
                 raise Rejected("unsafe_path", f"{name!r} points outside the metadata folder")
+            if "\x00" in name:
+                raise Rejected("unsafe_path", f"{name!r} holds a NUL byte")
             candidate.source = fs.unstrip_protocol(f"{base}/{name}")
             candidate.captions = caption_variants(record.get(source.caption_column))
-            try:
-                candidate.image = fs.cat_file(f"{base}/{name}")
-            except FileNotFoundError as error:
-                raise Rejected("missing_image", f"{name} does not exist") from error
+            candidate.image = read_file(fs, f"{base}/{name}", max_image_bytes, "missing_image")
         except Rejected as problem:
             candidate.problem = problem
         yield candidate
 
 
-def read_parquet(fs, root: str, source: SourceConfig, fmt: str) -> Iterator[Candidate]:
-    """Parquet exports: image bytes (or a struct with `bytes`, as HF datasets writes) and caption(s)."""
+def read_parquet(fs, root: str, source: SourceConfig, fmt: str, max_image_bytes: int) -> Iterator[Candidate]:
+    """Parquet exports: image bytes (or a struct with `bytes`, as HF datasets writes) and caption(s).
+    A batch's cells are in memory already, so ingest checks their size."""
     for file in source_files(fs, root, ".parquet"):
         with fs.open(file, "rb") as handle:
             parquet = pq.ParquetFile(handle)
@@ -192,31 +268,57 @@ def _member_problem(member: tarfile.TarInfo) -> Rejected | None:
         return Rejected("unsafe_member", f"{member.name} is a link")
     if member.name.startswith("/") or ".." in member.name.split("/"):
         return Rejected("unsafe_member", f"{member.name} points outside the archive")
+    if not (member.isfile() or member.isdir()):
+        return Rejected("unsafe_member", f"{member.name} is a device, FIFO or unknown type")
+    if ARCHIVE_EXTENSIONS & set(posixpath.basename(member.name).lower().split(".")[1:]):
+        return Rejected("nested_archive", f"{member.name} is an archive inside the archive: not opened")
     return None
 
 
-def read_webdataset(fs, root: str, source: SourceConfig, fmt: str) -> Iterator[Candidate]:
+def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, limit: int = -1) -> bytes:
+    """Up to `limit` + 1 bytes of a member's data (by default none); the rest is read through and
+    dropped. Read here, a member that claims more data than the archive holds ends at the archive's
+    real end, where tarfile's own skip would go on for as long as the header claims."""
+    stream = None if member.issym() or member.islnk() else archive.extractfile(member)
+    if stream is None:  # links, devices and folders hold no data
+        return b""
+    data = stream.read(limit + 1)
+    while stream.read(CHUNK):
+        pass
+    return data
+
+
+def read_webdataset(fs, root: str, source: SourceConfig, fmt: str, max_image_bytes: int) -> Iterator[Candidate]:
     """webdataset tars: adjacent members sharing a key (`x.jpg` + `x.txt` or `x.json`), streamed."""
+    limits = {**dict.fromkeys(IMAGE_EXTENSIONS, max_image_bytes), "txt": MAX_CAPTION_BYTES, "json": MAX_CAPTION_BYTES}
     for file in source_files(fs, root, ".tar"):
         url = fs.unstrip_protocol(file)
-        with fs.open(file, "rb") as handle, tarfile.open(fileobj=handle, mode="r|*") as archive:
-            key, parts = None, {}
-            for member in archive:
-                if (problem := _member_problem(member)) is not None:
-                    yield Candidate(f"{url}::{member.name}", fmt, problem=problem)
-                    continue
-                if not member.isfile():
-                    continue
-                directory, base = posixpath.split(member.name)
-                stem, _, ext = base.partition(".")
-                member_key = f"{directory}/{stem}" if directory else stem
-                if member_key != key:
-                    if key is not None:
-                        yield from _tar_sample(url, key, parts, source, fmt)
-                    key, parts = member_key, {}
-                parts[ext.lower()] = archive.extractfile(member).read()
-            if key is not None:
-                yield from _tar_sample(url, key, parts, source, fmt)
+        key, parts, last = None, {}, None
+        try:
+            with fs.open(file, "rb") as handle, tarfile.open(fileobj=handle, mode="r|*") as archive:
+                for member in archive:
+                    if (problem := _member_problem(member)) is not None:
+                        yield Candidate(f"{url}::{member.name}", fmt, problem=problem)
+                        _read_member(archive, member)
+                    elif member.isfile():
+                        directory, base = posixpath.split(member.name)
+                        stem, _, ext = base.partition(".")
+                        member_key = f"{directory}/{stem}" if directory else stem
+                        if member_key != key:
+                            if key is not None:
+                                yield from _tar_sample(url, key, parts, source, fmt)
+                            key, parts = member_key, {}
+                        ext = ext.lower()
+                        parts[ext] = _read_member(archive, member, limits.get(ext, -1))  # unused parts: none
+                    last = member.name
+                # a tar ends in zero blocks; tarfile also stops, silently, at a header it cannot read
+                if any(archive.fileobj.read(tarfile.RECORDSIZE)):
+                    raise tarfile.ReadError("a damaged header, or data after the end")
+        except (tarfile.TarError, EOFError) as error:
+            where = f"after {last}" if last else "from the start"
+            yield Candidate(url, fmt, problem=Rejected("bad_archive", f"unreadable {where}: {error}"))
+        if key is not None:
+            yield from _tar_sample(url, key, parts, source, fmt)
 
 
 def _tar_sample(url: str, key: str, parts: dict[str, bytes], source: SourceConfig, fmt: str) -> Iterator[Candidate]:
@@ -228,10 +330,9 @@ def _tar_sample(url: str, key: str, parts: dict[str, bytes], source: SourceConfi
         if "txt" in parts:
             candidate.captions = caption_variants(parts["txt"])
         elif "json" in parts:
-            try:
-                meta = json.loads(parts["json"])
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise Rejected("bad_metadata", f"{key}.json is not JSON: {error}") from error
+            if len(parts["json"]) > MAX_CAPTION_BYTES:
+                raise Rejected("bad_metadata", f"{key}.json is over {MAX_CAPTION_BYTES} bytes")
+            meta = parse_json(parts["json"], f"{key}.json")
             candidate.captions = caption_variants(meta.get(source.caption_column) if isinstance(meta, dict) else None)
         else:
             raise Rejected("missing_caption", f"no {key}.txt or {key}.json in the archive")

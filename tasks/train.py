@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 # settings that cannot change the trained weights or samples stay out of the run id
 NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints"}
 LEASE_POLL_SECONDS = 2.0
+PROGRESS_SECONDS = 5.0
 
 
 def run_id_for(manifest_id: str, model: ModelConfig, training: TrainingConfig, init: dict | None = None) -> str:
@@ -103,6 +104,8 @@ def train(
             return record
     init = initial_adapter(store, storage, model, training)
     run = f"runs/{run_id_for(manifest['id'], model, training, init)}"
+    if (record := store.committed(f"{run}/lineage.json")) is not None:
+        return record
     # one trainer per run: another pipeline training it already is waited for, not raced
     lease = Lease(store, f"{run}/lease")
     while not lease.acquire():
@@ -111,7 +114,7 @@ def train(
         log.info("run %s is being trained by %s; waiting for it", store.url(run), lease.holder())
         time.sleep(LEASE_POLL_SECONDS)
     try:
-        if (record := store.committed(f"{run}/lineage.json")) is not None:
+        if (record := store.committed(f"{run}/lineage.json")) is not None:  # finished while we waited
             return record
         if training.processes == 1:
             return run_training(0, 1, 0, storage, model, training, manifest, run, init, progress, lease)
@@ -401,9 +404,14 @@ def package_versions() -> dict[str, str]:
 def train_task(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, manifest_url: str) -> dict[str, Any]:
     artifact = create_progress_artifact(progress=0.0, key="training-progress", description="training steps done")
 
+    last_update = time.monotonic()
+
     def report(step: int, steps: int, loss: float) -> None:
-        if step % max(1, steps // 100) == 0 or step == steps:
+        # each update is an API call: a few per minute, not one per percent (fast steps would wait on them)
+        nonlocal last_update
+        if step == steps or time.monotonic() - last_update >= PROGRESS_SECONDS:
             update_progress_artifact(artifact, progress=100.0 * step / steps)
+            last_update = time.monotonic()
 
     with device_slot(training.device):
         record = train(storage, model, training, manifest_url, progress=report)
