@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.stages import run_stages
 from configs.schema import PipelineConfig
 from flows.demo_data import write_demo_data
 from flows.tiny_models import build_tokenizer
@@ -62,25 +63,9 @@ def config_for(workdir: Path, steps: int, batch: int) -> PipelineConfig:
 
 def prepare(workdir: Path, config: PipelineConfig, count: int) -> str:
     """Ingest and cache everything; returns the manifest URL."""
-    from storage.store import Store
-    from tasks.encode_latents import encode_latents_shard
-    from tasks.encode_text import encode_prompts, encode_text_shard
-    from tasks.ingest import ingest
-    from tasks.manifest import build_manifest
-    from tasks.models import text_encoder_fingerprint, vae_fingerprint
-
     make_models(workdir / "models")
     write_demo_data(workdir / "data", count=count)
-    dataset = ingest(config.storage, config.dataset)
-    store = Store(config.storage)
-    text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
-    vae_fp = vae_fingerprint(config.model, config.latent_encoding)
-    encode_prompts(config.storage, config.model, config.text_encoding, text_fp, [])
-    for shard in dataset["shards"]:
-        url = store.url(f"shards/images/{shard['id']}.parquet")
-        encode_text_shard(config.storage, config.model, config.text_encoding, text_fp, url)
-        encode_latents_shard(config.storage, config.model, config.latent_encoding, vae_fp, url)
-    return build_manifest(config.storage, dataset["id"], text_fp, vae_fp, [])["url"]
+    return run_stages(config, train=False)[0]["url"]
 
 
 def run_cached(config: PipelineConfig, manifest_url: str) -> dict:
