@@ -58,31 +58,24 @@ def padded(captions: list[str], tokenizer, model, max_length: int, batch: int) -
         model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--captions", type=int, default=512)
-    parser.add_argument("--reference-captions", type=int, default=128, help="the one-per-call method is slow")
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--max-length", type=int, default=300)
-    args = parser.parse_args()
+def run(captions: int = 512, reference_captions: int = 128, d_model: int = 512, layers: int = 6,
+        batch: int = 32, max_length: int = 300) -> dict:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        model = ModelConfig(path=str(make_model(Path(tmp), args.d_model, args.layers)))
-        config = TextEncodingConfig(max_length=args.max_length, dtype="fp32", device="cpu", batch_tokens=8192,
+        model = ModelConfig(path=str(make_model(Path(tmp), d_model, layers)))
+        config = TextEncodingConfig(max_length=max_length, dtype="fp32", device="cpu", batch_tokens=8192,
                                     numerics_samples=0)
         encoder = load_text_encoder(model, config.dtype, config.device, config.offload)
-        captions = make_captions(args.captions)
+        captions = make_captions(captions)
         lengths = sorted(len(x) for x in encoder.tokenizer(captions).input_ids)
         encode_captions(captions[:16], model, config)  # warm-up
 
         timings = {}
         started = time.perf_counter()
-        padded(captions[: args.reference_captions], encoder.tokenizer, encoder.model, args.max_length, 1)
-        timings["reference"] = args.reference_captions / (time.perf_counter() - started)
+        padded(captions[: reference_captions], encoder.tokenizer, encoder.model, max_length, 1)
+        timings["reference"] = reference_captions / (time.perf_counter() - started)
         started = time.perf_counter()
-        padded(captions, encoder.tokenizer, encoder.model, args.max_length, args.batch)
+        padded(captions, encoder.tokenizer, encoder.model, max_length, batch)
         timings["padded_batched"] = len(captions) / (time.perf_counter() - started)
         started = time.perf_counter()
         embeddings, truncated = encode_captions(captions, model, config)
@@ -101,9 +94,9 @@ def main() -> None:
     rows = {str(i): i for i in range(len(embeddings))}
     # the shard as precast stores it for dtype bf16 (this CPU run computes in fp32)
     stored = len(pack_ragged(rows, [e.to(torch.bfloat16) for e in embeddings], {}))
-    padded_fp16 = args.max_length * args.d_model * 2
-    print(json.dumps({
-        "captions": len(captions), "d_model": args.d_model, "layers": args.layers, "max_length": args.max_length,
+    padded_fp16 = max_length * d_model * 2
+    return {
+        "captions": len(captions), "d_model": d_model, "layers": layers, "max_length": max_length,
         "tokens_median": lengths[len(lengths) // 2], "tokens_p95": lengths[int(len(lengths) * 0.95)],
         "truncated": truncated,
         "captions_per_s": {k: round(v, 1) for k, v in timings.items()},
@@ -112,7 +105,30 @@ def main() -> None:
         "bytes_per_caption": {"precast_bf16": round(stored / len(captions)), "padded_fp16": padded_fp16},
         "precast_bytes_vs_padded_fp16": round(stored / len(captions) / padded_fp16, 3),
         "accuracy_vs_fp32": accuracy, "max_abs_fp32": round(max(e.abs().max().item() for e in embeddings), 4),
-    }))
+    }
+
+
+def rows(result: dict) -> list[tuple[str, str, str, str]]:
+    speed = result["captions_per_s"]
+    return [
+        ("text encoding", f"{speed['precast']:,.1f} captions/s",
+         f"{result['precast_vs_padded_batched']}x padded batches ({speed['padded_batched']:,.1f}), "
+         f"{result['precast_vs_reference']}x PixArt's one-per-call ({speed['reference']:,.1f})", "3x padded batches"),
+        ("text cache size", f"{result['bytes_per_caption']['precast_bf16']:,} B/caption",
+         f"{result['precast_bytes_vs_padded_fp16']:.1%} of padded-to-{result['max_length']} fp16", "< 35%"),
+        ("int8 T5 precision", f"cosine min {result['accuracy_vs_fp32']['int8']['cosine_min']}", "vs fp32, per token", ""),
+    ]
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--captions", type=int, default=512)
+    parser.add_argument("--reference-captions", type=int, default=128, help="the one-per-call method is slow")
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=300)
+    args = parser.parse_args()
+    print(json.dumps(run(**vars(args))))
 
 
 if __name__ == "__main__":

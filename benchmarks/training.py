@@ -142,6 +142,41 @@ def parameters(folder: Path) -> dict:
             "transformer": count(PixArtTransformer2DModel.from_pretrained(folder, subfolder="transformer"))}
 
 
+def run(steps: int = 30, batch: int = 4, count: int = 64) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        config = config_for(workdir, steps, batch)
+        manifest = prepare(workdir, config, count)
+        results = {}
+        for worker in ["cached", "online"]:
+            done = subprocess.run([sys.executable, "-m", "benchmarks.training", "--worker", worker, "--dir", tmp,
+                                   "--manifest", manifest, "--steps", str(steps), "--batch", str(batch)],
+                                  capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1])
+            results[worker] = json.loads(done.stdout.strip().splitlines()[-1])
+        sizes = parameters(workdir / "models")
+    cached, online = results["cached"], results["online"]
+    return {
+        "steps": steps, "batch": batch, "parameters": sizes,
+        "text_encoder_vs_transformer": round(sizes["text_encoder"] / sizes["transformer"], 1),
+        "samples_per_s": {"cached": round(batch / cached["step_s"], 2), "online": round(batch / online["step_s"], 2)},
+        "cached_vs_online": round(online["step_s"] / cached["step_s"], 2),
+        "peak_rss_mib": {"cached": cached["peak_rss_mib"], "online": online["peak_rss_mib"]},
+        "loader_s_per_batch": round(cached["loader_s"], 5), "cached_step_s": round(cached["step_s"], 4),
+        "loader_share_of_step": round(cached["loader_s"] / cached["step_s"], 3),
+    }
+
+
+def rows(result: dict) -> list[tuple[str, str, str, str]]:
+    speed, memory = result["samples_per_s"], result["peak_rss_mib"]
+    return [
+        ("training on cached features", f"{speed['cached']:,.1f} samples/s",
+         f"{result['cached_vs_online']}x encoding online every step ({speed['online']:,.1f} samples/s)", ""),
+        ("training peak memory", f"{memory['cached']:,.0f} MiB", f"online {memory['online']:,.0f} MiB (max RSS)", ""),
+        ("loader share of a step", f"{result['loader_share_of_step']:.1%}",
+         f"{result['loader_s_per_batch'] * 1000:.2f} ms per batch", ""),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=30)
@@ -157,27 +192,7 @@ def main() -> None:
         result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
         print(json.dumps(result))
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
-        config = config_for(workdir, args.steps, args.batch)
-        manifest = prepare(workdir, config, args.count)
-        results = {}
-        for worker in ["cached", "online"]:
-            done = subprocess.run([sys.executable, "-m", "benchmarks.training", "--worker", worker, "--dir", tmp,
-                                   "--manifest", manifest, "--steps", str(args.steps), "--batch", str(args.batch)],
-                                  capture_output=True, text=True, check=True)
-            results[worker] = json.loads(done.stdout.strip().splitlines()[-1])
-        sizes = parameters(workdir / "models")
-    cached, online = results["cached"], results["online"]
-    print(json.dumps({
-        "steps": args.steps, "batch": args.batch, "parameters": sizes,
-        "text_encoder_vs_transformer": round(sizes["text_encoder"] / sizes["transformer"], 1),
-        "samples_per_s": {"cached": round(args.batch / cached["step_s"], 2), "online": round(args.batch / online["step_s"], 2)},
-        "cached_vs_online": round(online["step_s"] / cached["step_s"], 2),
-        "peak_rss_mib": {"cached": cached["peak_rss_mib"], "online": online["peak_rss_mib"]},
-        "loader_s_per_batch": round(cached["loader_s"], 5), "cached_step_s": round(cached["step_s"], 4),
-        "loader_share_of_step": round(cached["loader_s"] / cached["step_s"], 3),
-    }))
+    print(json.dumps(run(args.steps, args.batch, args.count)))
 
 
 if __name__ == "__main__":

@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fsspec storage option for the root (repeatable)")
     verify.set_defaults(func=cmd_verify)
 
+    # its own arguments (--quick, --only, --help) are parsed by the suite: see main()
+    commands.add_parser("bench", add_help=False, help="run the benchmark suite (python -m benchmarks)")
+
     tiny = commands.add_parser("tiny-models", help="write tiny random PixArt-Sigma models in the hub layout")
     tiny.add_argument("dir")
     tiny.set_defaults(func=cmd_tiny_models)
@@ -203,8 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     _quiet_prefect()
+    if argv[:1] == ["bench"]:
+        from benchmarks.__main__ import main as run_benchmarks
+
+        return run_benchmarks(argv[1:])
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
