@@ -42,10 +42,13 @@ def pack_image_shard(rows: list[dict[str, Any]]) -> bytes:
     return buffer.getvalue()
 
 
-def save_deterministic(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """safetensors bytes that depend on the content only. The library writes `__metadata__` in
-    hash-map order, which differs from call to call; the header is rewritten with sorted keys
-    (tensor offsets are relative to the data, so only the header's length prefix changes)."""
+def save_deterministic(tensors: dict[str, torch.Tensor], rows: dict[str, Any], meta: dict[str, Any]) -> bytes:
+    """A cache shard's safetensors bytes, which depend on the content only: `rows` and `meta` go
+    into the header as JSON with sorted keys, however their dicts were built, and the header is
+    rewritten with sorted keys too, since the library writes `__metadata__` in hash-map order,
+    which differs from call to call (tensor offsets are relative to the data, so only the header's
+    length prefix changes)."""
+    metadata = {"rows": json.dumps(rows, sort_keys=True), "meta": json.dumps(meta, sort_keys=True)}
     data = save(tensors, metadata=metadata)
     length = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + length])
@@ -67,7 +70,7 @@ def pack_ragged(
     offsets = torch.zeros(len(sequences) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
     tensors = {"embeddings": torch.cat(sequences).contiguous(), "offsets": offsets}
-    return save_deterministic(tensors, {"rows": json.dumps(rows), "meta": json.dumps(metadata)})
+    return save_deterministic(tensors, rows, metadata)
 
 
 class RaggedShard:
@@ -99,7 +102,7 @@ def pack_latents(
     """Latent cache shard: `buckets[name]` holds `mean` and, per the posterior layout, `std` or
     `logvar` (and `flip_*` twins) [n, C, h, w]; `rows` maps a sample id to (bucket name, index)."""
     tensors = {f"{part}/{name}": t.contiguous() for name, parts in buckets.items() for part, t in parts.items()}
-    return save_deterministic(tensors, {"rows": json.dumps(rows), "meta": json.dumps(metadata)})
+    return save_deterministic(tensors, rows, metadata)
 
 
 class LatentShard:
