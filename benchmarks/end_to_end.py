@@ -40,13 +40,13 @@ ROOT = Path(__file__).parents[1]
 SHARD_SIZE = 256  # the quickstart's 32 shows sharding on a demo; real datasets use far larger shards
 
 
-def workload(workdir: Path, store: str, steps: int, *overrides: str) -> Path:
-    """A config file: the quickstart with this workload's paths and steps."""
+def workload(workdir: Path, name: str, store: str, steps: int, *overrides: str) -> Path:
+    """Config file `<name>.yaml`: the quickstart with this workload's paths and steps."""
     config = load_config(QUICKSTART, [f"storage.root={workdir / store}", f"model.path={workdir / 'models'}",
                                       f"training.steps={steps}", f"dataset.shard_size={SHARD_SIZE}", *overrides])
     raw = config.model_dump(mode="json")
     raw["dataset"]["sources"] = [{**raw["dataset"]["sources"][0], "path": str(workdir / "data")}]
-    path = workdir / f"{store}-{len(overrides)}.yaml"
+    path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 
@@ -93,13 +93,13 @@ def run(count: int = 3000, steps: int = 1000) -> dict[str, Any]:
         with prefect_server(workdir / "prefect") as env:
             precast = [sys.executable, "-m", "flows.cli", "run"]
             stages = json.loads(timed_process(
-                [sys.executable, "-m", "benchmarks.end_to_end", "--worker", str(workload(workdir, "direct", steps))],
+                [sys.executable, "-m", "benchmarks.end_to_end", "--worker", str(workload(workdir, "direct", "direct", steps))],
                 env)[1].strip().splitlines()[-1])
-            config = workload(workdir, "store", steps)
+            config = workload(workdir, "pipeline", "store", steps)
             pipeline_s, _ = timed_process(precast + [str(config)], env)
             rerun_s, _ = timed_process(precast + [str(config)], env)
             write_demo_data(workdir / "data", count=count + count // 10)  # the first `count` are unchanged
-            nightly = workload(workdir, "store", max(1, steps // 10), "training.init_from=latest")
+            nightly = workload(workdir, "nightly", "store", max(1, steps // 10), "training.init_from=latest")
             added_s, _ = timed_process(precast + [str(nightly)], env)
     compute = sum(stages.values())
     return {

@@ -107,7 +107,8 @@ def largest_batch(try_batch: Callable[[int], dict[str, float]], limit: int) -> t
         except torch.OutOfMemoryError:
             break
         finally:
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         batch *= 2
     if best is None:
         raise RuntimeError("not even batch 1 fits")

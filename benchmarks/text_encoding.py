@@ -66,26 +66,26 @@ def run(captions: int = 512, reference_captions: int = 128, d_model: int = 512, 
         config = TextEncodingConfig(max_length=max_length, dtype="fp32", device="cpu", batch_tokens=8192,
                                     numerics_samples=0)
         encoder = load_text_encoder(model, config.dtype, config.device, config.offload)
-        captions = make_captions(captions)
-        lengths = sorted(len(x) for x in encoder.tokenizer(captions).input_ids)
-        encode_captions(captions[:16], model, config)  # warm-up
+        texts = make_captions(captions)
+        lengths = sorted(len(x) for x in encoder.tokenizer(texts).input_ids)
+        encode_captions(texts[:16], model, config)  # warm-up
 
         timings = {}
         started = time.perf_counter()
-        padded(captions[: reference_captions], encoder.tokenizer, encoder.model, max_length, 1)
+        padded(texts[: reference_captions], encoder.tokenizer, encoder.model, max_length, 1)
         timings["reference"] = reference_captions / (time.perf_counter() - started)
         started = time.perf_counter()
-        padded(captions, encoder.tokenizer, encoder.model, max_length, batch)
-        timings["padded_batched"] = len(captions) / (time.perf_counter() - started)
+        padded(texts, encoder.tokenizer, encoder.model, max_length, batch)
+        timings["padded_batched"] = len(texts) / (time.perf_counter() - started)
         started = time.perf_counter()
-        embeddings, truncated = encode_captions(captions, model, config)
-        timings["precast"] = len(captions) / (time.perf_counter() - started)
+        embeddings, truncated = encode_captions(texts, model, config)
+        timings["precast"] = len(texts) / (time.perf_counter() - started)
 
         # accuracy of each reduced precision against these fp32 embeddings, per token
         accuracy = {}
         reference = torch.cat(embeddings[:64]).float()
         for dtype in ["bf16", "fp16", "int8"]:
-            low, _ = encode_captions(captions[:64], model, config.model_copy(update={"dtype": dtype}))
+            low, _ = encode_captions(texts[:64], model, config.model_copy(update={"dtype": dtype}))
             low = torch.cat(low).float()
             cosine = torch.nn.functional.cosine_similarity(low, reference, dim=-1)
             accuracy[dtype] = {"cosine_min": round(cosine.min().item(), 5), "cosine_mean": round(cosine.mean().item(), 6),
@@ -96,14 +96,14 @@ def run(captions: int = 512, reference_captions: int = 128, d_model: int = 512, 
     stored = len(pack_ragged(rows, [e.to(torch.bfloat16) for e in embeddings], {}))
     padded_fp16 = max_length * d_model * 2
     return {
-        "captions": len(captions), "d_model": d_model, "layers": layers, "max_length": max_length,
+        "captions": len(texts), "d_model": d_model, "layers": layers, "max_length": max_length,
         "tokens_median": lengths[len(lengths) // 2], "tokens_p95": lengths[int(len(lengths) * 0.95)],
         "truncated": truncated,
         "captions_per_s": {k: round(v, 1) for k, v in timings.items()},
         "precast_vs_padded_batched": round(timings["precast"] / timings["padded_batched"], 2),
         "precast_vs_reference": round(timings["precast"] / timings["reference"], 2),
-        "bytes_per_caption": {"precast_bf16": round(stored / len(captions)), "padded_fp16": padded_fp16},
-        "precast_bytes_vs_padded_fp16": round(stored / len(captions) / padded_fp16, 3),
+        "bytes_per_caption": {"precast_bf16": round(stored / len(texts)), "padded_fp16": padded_fp16},
+        "precast_bytes_vs_padded_fp16": round(stored / len(texts) / padded_fp16, 3),
         "accuracy_vs_fp32": accuracy, "max_abs_fp32": round(max(e.abs().max().item() for e in embeddings), 4),
     }
 

@@ -35,7 +35,6 @@ class FlakyFileSystem(AbstractFileSystem):
         self.target = fsspec.filesystem(target_protocol, **(target_options or {}))
         self.fail_rate, self.permanent = fail_rate, tuple(permanent)
         self.injected: Counter[str] = Counter()
-        self.calls: Counter[str] = Counter()
         self._random, self._lock = random.Random(seed), threading.Lock()
 
     def _fault(self, operation: str, path: str, applied: bool = False) -> None:
@@ -46,7 +45,6 @@ class FlakyFileSystem(AbstractFileSystem):
             return
         with self._lock:
             roll = self._random.random()
-        self.calls[operation] += 1
         if roll < self.fail_rate and (roll < self.fail_rate / 2) == applied:
             self.injected[operation] += 1
             raise ConnectionResetError(errno.ECONNRESET, f"injected transient failure: {operation} {path}")

@@ -106,8 +106,8 @@ class Store:
 
     def _io(self, action: str, path: str, operation: Callable[..., T], *args: Any) -> T:
         """`operation(*args)`, retried with exponential backoff while it fails transiently."""
-        attempts = self.config.io_attempts
-        for attempt in range(1, attempts + 1):
+        attempts, attempt = self.config.io_attempts, 1
+        while True:
             try:
                 return operation(*args)
             except Exception as error:
@@ -118,7 +118,7 @@ class Store:
                     raise StorageUnavailable(f"{action} {url} failed {attempts} times; last error: {error}") from error
                 log.warning("%s %s failed (%s); retry %d of %d", action, url, error, attempt, attempts - 1)
                 time.sleep(self.config.io_backoff_seconds * 2 ** (attempt - 1))
-        raise AssertionError("unreachable")
+                attempt += 1
 
     # --- reading ----------------------------------------------------------------------------
     def exists(self, key: str) -> bool:
