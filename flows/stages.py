@@ -20,6 +20,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.context import FlowRunContext
 from prefect.deployments import run_deployment
 from prefect.filesystems import RemoteFileSystem
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.callables import get_call_parameters
 
 from configs.schema import PipelineConfig
 from storage.fingerprint import hash_json
@@ -55,13 +57,15 @@ def result_storage(config: PipelineConfig) -> Path | str:
 
 
 def bounded_map(task: Task, items: list[Any], limit: int, *args: Any) -> list[Any]:
-    """Run `task(*args, item)` for each item, at most `limit` at once; raises the first failure."""
-    futures, results = [], []
-    for item in items:
-        if len(futures) - len(results) >= limit:
-            results.append(futures[len(results)].result())
-        futures.append(task.submit(*args, item))
-    return results + [future.result() for future in futures[len(results):]]
+    """Run `task(*args, item)` for each item, at most `limit` at once; raises the first failure.
+
+    The threads live only as long as this stage: a thread that ran torch keeps an OpenMP team, and
+    while more threads are managed than there are cores libgomp puts idle workers to sleep after
+    every parallel region, so later stages (training) ran twice as slow beside the flow's own,
+    never-closed task runner."""
+    with ThreadPoolTaskRunner(max_workers=limit) as runner:
+        futures = [runner.submit(task, get_call_parameters(task.fn, (*args, item), {})) for item in items]
+        return [future.result() for future in futures]
 
 
 def placed(config: PipelineConfig, stage: str) -> str | None:
