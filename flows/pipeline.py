@@ -7,6 +7,7 @@ is all cache hits and any stage can run on another node.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from prefect import flow
@@ -19,6 +20,8 @@ from flows.stages import (
 from flows.summary import Summary
 from storage.store import Store
 
+log = logging.getLogger(__name__)
+
 
 @flow(name="precast-pipeline", log_prints=True)
 def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
@@ -30,6 +33,7 @@ def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
     manifest = summary.stage("manifest", lambda: run_manifest(config, dataset))
     run = summary.stage("train", lambda: run_train(config, manifest))
     create_markdown_artifact(key="pipeline-summary", markdown=summary.markdown())
+    log.info("%s", summary.markdown())  # what ran, what was cached, and how long each stage took
     return {
         "dataset": dataset["url"],
         "text_cache": text["url"],

@@ -59,10 +59,12 @@ def result_storage(config: PipelineConfig) -> Path | str:
 def bounded_map(task: Task, items: list[Any], limit: int, *args: Any) -> list[Any]:
     """Run `task(*args, item)` for each item, at most `limit` at once; raises the first failure.
 
-    The threads live only as long as this stage: a thread that ran torch keeps an OpenMP team, and
-    while more threads are managed than there are cores libgomp puts idle workers to sleep after
-    every parallel region, so later stages (training) ran twice as slow beside the flow's own,
-    never-closed task runner."""
+    One at a time runs in this thread. Parallel threads live only as long as this stage: a thread
+    that ran torch keeps an OpenMP team, and while libgomp manages more threads than there are
+    cores it puts idle workers to sleep after every parallel region, which made every later
+    stage (training) run twice as slow beside the flow's own, never-closed task runner."""
+    if limit == 1:
+        return [task(*args, item) for item in items]
     with ThreadPoolTaskRunner(max_workers=limit) as runner:
         futures = [runner.submit(task, get_call_parameters(task.fn, (*args, item), {})) for item in items]
         return [future.result() for future in futures]

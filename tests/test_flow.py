@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from peft import PeftModel
 from diffusers import PixArtTransformer2DModel
@@ -42,7 +43,8 @@ def _files(store: Store) -> set[str]:
     return {path for path in store.fs.find(store.root_path) if "/prefect/" not in path}
 
 
-def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, tiny_models):
+def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, tiny_models, caplog):
+    caplog.set_level(logging.INFO, logger="flows.pipeline")
     config = make_config()
     state = pipeline(config=config, return_state=True)
     assert state.is_completed(), state.message
@@ -62,6 +64,7 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
 
     summary = _latest_artifact("pipeline-summary")
     assert "| ingest | ran | 24 samples in 3 shards |" in summary and "| train | ran | 6 steps" in summary
+    assert summary in caplog.text  # the run's log shows it too (precast run prints it)
 
     written = _files(store)
     again = pipeline(config=config, return_state=True)

@@ -1,0 +1,30 @@
+"""The benchmark suite's command: what it runs, what it writes."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+
+import pytest
+
+from benchmarks.__main__ import main
+
+
+def test_bench_writes_dated_json_and_markdown_table(tmp_path, capsys):
+    assert main(["--only", "ingest", "--quick", "--out", str(tmp_path)]) == 0
+    stem = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}-{socket.gethostname()}-quick"
+    report = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert report["quick"] and set(report["results"]) == {"ingest"}
+    assert report["machine"]["cpus"] and report["machine"]["torch"]
+    assert report["results"]["ingest"]["precast_ingest_images_per_s"] > 0
+    table = (tmp_path / f"{stem}.md").read_text()
+    assert "| ingest | ingest | " in table and "img/s" in table
+    assert table in capsys.readouterr().out
+
+
+def test_bench_refuses_an_unknown_benchmark(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--only", "ingest,nope", "--out", str(tmp_path)])
+    assert exit_.value.code == 2 and "unknown benchmark(s): nope" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
