@@ -29,7 +29,7 @@ SUITE = {
     "text_encoding": (text_encoding, {}, {"captions": 256, "reference_captions": 64}),
     "latent_encoding": (latent_encoding, {}, {"count": 48, "repeat": 2}),
     "training": (training, {}, {"steps": 20, "count": 32}),
-    "end_to_end": (end_to_end, {"count": 4000, "steps": 2000}, {"count": 2000, "steps": 600}),
+    "end_to_end": (end_to_end, {"count": 4000, "steps": 2000, "repeat": 3}, {"count": 2000, "steps": 600, "repeat": 2}),
     "gpu": (gpu, {}, {"captions": 128, "repeat": 3}),
 }
 
