@@ -32,8 +32,9 @@ def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
     latents = summary.stage("encode-latents", lambda: run_encode_latents(config, dataset))
     manifest = summary.stage("manifest", lambda: run_manifest(config, dataset))
     run = summary.stage("train", lambda: run_train(config, manifest))
-    create_markdown_artifact(key="pipeline-summary", markdown=summary.markdown())
-    log.info("%s", summary.markdown())  # what ran, what was cached, and how long each stage took
+    report = summary.markdown()  # what ran, what was cached, and how long each stage took
+    create_markdown_artifact(key="pipeline-summary", markdown=report)
+    log.info("%s", report)
     return {
         "dataset": dataset["url"],
         "text_cache": text["url"],
