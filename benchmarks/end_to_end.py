@@ -119,11 +119,11 @@ def run(count: int = 3000, steps: int = 1000, repeat: int = 2) -> dict[str, Any]
                                                  str(workload(workdir, "direct", f"direct-{attempt}", steps))], env)
                 direct_runs.append(json.loads(out.strip().splitlines()[-1]))
                 direct_process_s.append(seconds)
-                config = workload(workdir, "pipeline", f"store-{attempt}", steps)
+                store = f"store-{attempt}"  # the re-run and the nightly continue the last one
+                config = workload(workdir, "pipeline", store, steps)
                 pipeline_runs.append(pipeline_run(precast + [str(config)], env))
             stages = min(direct_runs, key=lambda seconds: sum(seconds.values()))
             full = min(pipeline_runs, key=lambda run: run["s"])
-            store = f"store-{repeat - 1}"  # the re-run and the nightly continue the last pipeline's store
             rerun = pipeline_run(precast + [str(config)], env)
             write_demo_data(workdir / "data", count=count + count // 10)  # the first `count` are unchanged
             nightly = workload(workdir, "nightly", store, max(1, steps // 10), "training.init_from=latest")
