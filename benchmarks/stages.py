@@ -14,7 +14,7 @@ def run_stages(config: PipelineConfig, train: bool = True) -> tuple[dict[str, An
     train. Returns the manifest's record and each stage's seconds."""
     from storage.store import Store
     from tasks.encode_latents import encode_latents_shard
-    from tasks.encode_text import encode_prompts, encode_text_shard
+    from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics
     from tasks.ingest import ingest
     from tasks.manifest import build_manifest
     from tasks.models import text_encoder_fingerprint, vae_fingerprint
@@ -34,7 +34,8 @@ def run_stages(config: PipelineConfig, train: bool = True) -> tuple[dict[str, An
     text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
     vae_fp = vae_fingerprint(config.model, config.latent_encoding)
     args = (config.storage, config.model, config.text_encoding, text_fp)
-    timed("encode-text", lambda: [encode_prompts(*args, config.training.sample_prompts)]
+    timed("encode-text", lambda: [encode_prompts(*args, config.training.sample_prompts),
+                                  measure_numerics(*args, urls[0] if urls else None)]
           + [encode_text_shard(*args, url) for url in urls])
     timed("encode-latents", lambda: [encode_latents_shard(config.storage, config.model, config.latent_encoding,
                                                           vae_fp, url) for url in urls])

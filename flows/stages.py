@@ -28,7 +28,9 @@ from storage.fingerprint import hash_json
 from storage.shards import shard_id_of
 from storage.store import Store
 from tasks.encode_latents import encode_latents_task, latent_cache_key
-from tasks.encode_text import encode_prompts_task, encode_text_task, encoding_report, prompts_cache_key, text_cache_key
+from tasks.encode_text import (
+    encode_prompts_task, encode_text_task, encoding_report, measure_numerics_task, prompts_cache_key, text_cache_key,
+)
 from tasks.ingest import ingest_task, latest_dataset
 from tasks.manifest import manifest_id, manifest_key, manifest_task
 from tasks.models import text_encoder_fingerprint, vae_fingerprint
@@ -79,7 +81,7 @@ def placed(config: PipelineConfig, stage: str) -> str | None:
 def run_elsewhere(config: PipelineConfig, deployment: str, stage: str, shards: list[str] | None = None) -> None:
     """Run `stage` (for `shards`) as a child flow run of `deployment` and wait for it."""
     parent = FlowRunContext.get()
-    part = hash_json(shards, chars=12) if shards else "all"
+    part = "all" if shards is None else "prepare" if not shards else hash_json(shards, chars=12)
     # the child runs everything in place: it must not place stages again
     local = config.model_copy(update={"execution": config.execution.model_copy(update={"placement": {}})})
     child = run_deployment(
@@ -111,16 +113,21 @@ def run_ingest(config: PipelineConfig) -> dict[str, Any]:
 
 
 def run_encode_text(config: PipelineConfig, dataset: dict[str, Any], shards: list[str] | None = None) -> dict[str, Any]:
+    """`shards`: only these image shards (None: all of the dataset's; []: only the prompts and the
+    precision check, which always come first, measured on the dataset's first shard)."""
     fingerprint = text_encoder_fingerprint(config.model, config.text_encoding)
     store = Store(config.storage)
-    urls = shards or shard_urls(config, dataset)
+    every = shard_urls(config, dataset)
+    urls = every if shards is None else shards
     if deployment := placed(config, "encode-text"):
+        run_elsewhere(config, deployment, "encode-text", [])  # before the shards fan out
         run_shards_elsewhere(config, deployment, "encode-text", urls)
         prompts = store.require(prompts_cache_key(fingerprint, config.training.sample_prompts))
         records = [store.require(text_cache_key(fingerprint, shard_id_of(url))) for url in urls]
     else:
         args = (config.storage, config.model, config.text_encoding, fingerprint)
         prompts = configured(encode_prompts_task, config)(*args, config.training.sample_prompts)
+        configured(measure_numerics_task, config)(*args, every[0] if every else None)
         records = bounded_map(configured(encode_text_task, config), urls, config.execution.max_parallel_shards, *args)
     create_markdown_artifact(key="text-encoding", markdown=encoding_report(records))
     return {"url": store.url(f"cache/text/{fingerprint}"), "prompts": prompts, "shards": records}
@@ -131,7 +138,7 @@ def run_encode_latents(
 ) -> dict[str, Any]:
     fingerprint = vae_fingerprint(config.model, config.latent_encoding)
     store = Store(config.storage)
-    urls = shards or shard_urls(config, dataset)
+    urls = shard_urls(config, dataset) if shards is None else shards
     if deployment := placed(config, "encode-latents"):
         run_shards_elsewhere(config, deployment, "encode-latents", urls)
         records = [store.require(latent_cache_key(fingerprint, shard_id_of(url))) for url in urls]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 from prefect import task
-from prefect.cache_policies import INPUTS
+from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig
 from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id_of
@@ -183,7 +183,7 @@ def encode_latents_shard(
     return record
 
 
-@task(name="encode-latents", cache_policy=INPUTS, persist_result=True, result_serializer="json")
+@task(name="encode-latents", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
 def encode_latents_task(
     storage: StorageConfig, model: ModelConfig, latents: LatentEncodingConfig, fingerprint: str, shard_url: str
 ) -> dict[str, Any]:

@@ -8,19 +8,21 @@ needs T5. A shard whose output is committed returns at once without loading T5.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
 import torch
 from prefect import task
-from prefect.cache_policies import INPUTS
+from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig
 from storage.fingerprint import hash_json
 from storage.shards import pack_ragged, read_image_shard, shard_id_of
-from storage.store import Store
+from storage.store import Store, json_bytes
 from tasks.models import (
     TEXT_ACTIVATIONS, TEXT_FORMAT, TextEncoder, build_text_encoder, device_slot, load_text_encoder,
+    reference_placement,
 )
 
 log = logging.getLogger(__name__)
@@ -89,48 +91,67 @@ def encode_captions(texts: list[str], model: ModelConfig, config: TextEncodingCo
     return embeddings, truncated
 
 
-def numerics_check(
-    texts: list[str], embeddings: list[torch.Tensor], model: ModelConfig, config: TextEncodingConfig
-) -> dict[str, Any]:
-    """Error of the configured precision against fp32 on a spread sample of captions: per-token
-    cosine similarity (min, mean) and max abs error. fp32 itself is the reference."""
-    if config.dtype == "fp32" or config.numerics_samples == 0:
-        return {"dtype": config.dtype, "samples": 0, "reference": "fp32"}
-    step = max(1, len(texts) // config.numerics_samples)
-    picked = list(range(0, len(texts), step))[: config.numerics_samples]
-    # the reference is loaded for this check only (same placement), then freed
-    reference = build_text_encoder(model, "fp32", config.device, config.offload)
-    ids, _ = tokenize([texts[i] for i in picked], reference.tokenizer, config.max_length)
-    expected = run_encoder(ids, reference, config.batch_tokens)
-    del reference
-    got = torch.cat([embeddings[i].float() for i in picked])
-    want = torch.cat(expected).float()
-    cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
-    return {
-        "dtype": config.dtype, "samples": len(picked), "reference": "fp32",
-        "cosine_min": round(cosine.min().item(), 6), "cosine_mean": round(cosine.mean().item(), 6),
-        "max_abs_error": round((got - want).abs().max().item(), 6),
-        "max_abs_reference": round(want.abs().max().item(), 6),
-    }
+def numerics_key(fingerprint: str) -> str:
+    return f"cache/text/{fingerprint}/numerics.json"
 
 
-def encode_text_shard(
-    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, shard_url: str
+def measure_numerics(
+    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, shard_url: str | None
 ) -> dict[str, Any]:
-    """Encode every caption variant of one image shard; returns the cache shard's commit record."""
+    """The precision check of a fingerprint, measured once and committed before any shard is
+    encoded, so every shard of the fingerprint embeds this one record: error of the configured
+    precision against fp32 on a spread sample of the captions of `shard_url` (the dataset's first
+    shard; None: the empty dataset, nothing to measure) as per-token cosine (min, mean) and max abs
+    error. fp32 itself is the reference."""
     store = Store(storage)
-    shard_id = shard_id_of(shard_url)
-    key = text_cache_key(fingerprint, shard_id)
-    if (record := store.committed(key)) is not None:
-        return record
+    key = numerics_key(fingerprint)
+    if store.committed(key) is not None:
+        return json.loads(store.read_verified(key))
+    numerics: dict[str, Any] = {"dtype": text.dtype, "samples": 0, "reference": "fp32"}
+    if text.dtype != "fp32" and text.numerics_samples > 0 and shard_url is not None:
+        texts = shard_captions(store, shard_url)[0]
+        step = max(1, len(texts) // text.numerics_samples)
+        picked = texts[::step][: text.numerics_samples]
+        got = torch.cat([e.float() for e in encode_captions(picked, model, text)[0]])
+        # the fp32 reference never shares the accelerator with the encoder (T5-XXL: ~19 GB)
+        reference = build_text_encoder(model, "fp32", *reference_placement(text.device))
+        ids, _ = tokenize(picked, reference.tokenizer, text.max_length)
+        want = torch.cat(run_encoder(ids, reference, text.batch_tokens)).float()
+        del reference
+        cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+        numerics.update(
+            samples=len(picked), cosine_min=round(cosine.min().item(), 6), cosine_mean=round(cosine.mean().item(), 6),
+            max_abs_error=round((got - want).abs().max().item(), 6),
+            max_abs_reference=round(want.abs().max().item(), 6),
+        )
+    store.commit_first(key, json_bytes(numerics))  # pipelines measuring at once all keep the first record
+    return json.loads(store.read_verified(key))
+
+
+def shard_captions(store: Store, shard_url: str) -> tuple[list[str], dict[str, int]]:
+    """The distinct captions of an image shard, and each `<sample_id>/<variant>` row's index into them."""
     table = read_image_shard(store.read_verified(store.key(shard_url)), columns=["sample_id", "captions"])
     texts: dict[str, int] = {}
     rows: dict[str, int] = {}
     for sample in table.to_pylist():
         for variant, caption in enumerate(sample["captions"]):
             rows[f"{sample['sample_id']}/{variant}"] = texts.setdefault(caption, len(texts))
-    embeddings, truncated = encode_captions(list(texts), model, text)
-    numerics = fingerprint_numerics(store, fingerprint, list(texts), embeddings, model, text)
+    return list(texts), rows
+
+
+def encode_text_shard(
+    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, shard_url: str
+) -> dict[str, Any]:
+    """Encode every caption variant of one image shard; returns the cache shard's commit record.
+    The fingerprint's precision check (`measure_numerics`) must be committed first."""
+    store = Store(storage)
+    shard_id = shard_id_of(shard_url)
+    key = text_cache_key(fingerprint, shard_id)
+    if (record := store.committed(key)) is not None:
+        return record
+    texts, rows = shard_captions(store, shard_url)
+    numerics = json.loads(store.read_verified(numerics_key(fingerprint)))
+    embeddings, truncated = encode_captions(texts, model, text)
     meta = {"format": TEXT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "truncated": truncated,
             "numerics": numerics}
     record = store.commit(
@@ -140,19 +161,6 @@ def encode_text_shard(
     log.info("encoded %d captions of shard %s (%d tokens, %d truncated)", len(texts), shard_id,
              record["tokens"], truncated)
     return record
-
-
-def fingerprint_numerics(
-    store: Store, fingerprint: str, texts: list[str], embeddings: list[torch.Tensor], model: ModelConfig,
-    text: TextEncodingConfig,
-) -> dict[str, Any]:
-    """The precision check of this fingerprint: measured once, on the first shard encoded with it."""
-    key = f"cache/text/{fingerprint}/numerics.json"
-    if store.exists(key):
-        return store.read_json(key)
-    numerics = numerics_check(texts, embeddings, model, text)
-    store.write_json(key, numerics)
-    return numerics
 
 
 def encode_prompts(
@@ -188,7 +196,9 @@ def encoding_report(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-@task(name="encode-text", cache_policy=INPUTS, persist_result=True, result_serializer="json")
+# INPUTS alone keys on the arguments only: text-numerics and encode-text of the first shard take the
+# same ones, and TASK_SOURCE keeps their cache keys apart (in every stage, for the same reason)
+@task(name="encode-text", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
 def encode_text_task(
     storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, shard_url: str
 ) -> dict[str, Any]:
@@ -196,7 +206,15 @@ def encode_text_task(
         return encode_text_shard(storage, model, text, fingerprint, shard_url)
 
 
-@task(name="encode-prompts", cache_policy=INPUTS, persist_result=True, result_serializer="json")
+@task(name="text-numerics", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
+def measure_numerics_task(
+    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, shard_url: str | None
+) -> dict[str, Any]:
+    with device_slot(text.device):
+        return measure_numerics(storage, model, text, fingerprint, shard_url)
+
+
+@task(name="encode-prompts", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
 def encode_prompts_task(
     storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, prompts: list[str]
 ) -> dict[str, Any]:

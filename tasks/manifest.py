@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import task
-from prefect.cache_policies import INPUTS
+from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from configs.schema import StorageConfig
 from storage.fingerprint import hash_json
@@ -93,7 +93,7 @@ def build_manifest(
     return store.commit_json(key, manifest, samples=len(rows), buckets=manifest["buckets"])
 
 
-@task(name="manifest", cache_policy=INPUTS, persist_result=True, result_serializer="json")
+@task(name="manifest", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
 def manifest_task(
     storage: StorageConfig, dataset_id: str, text_fp: str, vae_fp: str, prompts: list[str]
 ) -> dict[str, Any]:

@@ -22,11 +22,12 @@ from storage.fingerprint import component_fingerprint, hash_json
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # activation (and stored embedding) dtype of each text_encoding.dtype; int8 quantises weights only
 TEXT_ACTIVATIONS = {**DTYPES, "int8": torch.bfloat16}
-TEXT_FORMAT = "precast.text/2"  # bump when the stored text layout or numerics change
+TEXT_FORMAT = "precast.text/3"  # bump when the stored text layout or numerics change
 LATENT_FORMAT = "precast.latents/2"
 # from_pretrained patches torch.nn.Module globally while it builds empty weights; two threads
-# loading at once can leave the patch in place, so loads are serialised.
-LOAD_LOCK = threading.Lock()
+# loading at once can leave the patch in place ("Cannot copy out of meta tensor"), so every load
+# (cached or not) holds this lock; re-entrant, because a cached loader locks around its builder.
+LOAD_LOCK = threading.RLock()
 
 
 def serialised(load):
@@ -78,6 +79,7 @@ class TextEncoder:
             self.offload_hook.offload()
 
 
+@serialised
 def build_text_encoder(model: ModelConfig, dtype: str, device: str, offload: str) -> TextEncoder:
     """Load T5 by the real `from_pretrained` path in `dtype` and place it for `offload`.
 
@@ -108,10 +110,20 @@ def build_text_encoder(model: ModelConfig, dtype: str, device: str, offload: str
     return TextEncoder(tokenizer, encoder.to(target), target)
 
 
-# one encoder per worker process: every shard that worker encodes reuses it
+# one encoder per worker process: every shard that worker encodes reuses it; the lock outside
+# the cache makes concurrent first calls load once
 load_text_encoder = serialised(functools.lru_cache(maxsize=1)(build_text_encoder))
 
 
+def reference_placement(device: str) -> tuple[str, str]:
+    """(device, offload) for an fp32 reference model beside an encoder on `device`: on the CPU as
+    it is; beside an accelerator, streamed to it layer by layer from host memory (sequential
+    offload), so the reference never needs the accelerator memory the encoder was sized to fit."""
+    target = resolve_device(device)
+    return ("cpu", "none") if target.type == "cpu" else (str(target), "sequential")
+
+
+@serialised
 def build_vae(model: ModelConfig, dtype: str, device: str):
     from diffusers import AutoencoderKL
 

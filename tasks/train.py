@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import yaml
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
-from prefect.cache_policies import INPUTS
+from prefect.cache_policies import INPUTS, TASK_SOURCE
 from safetensors.torch import load as load_safetensors
 from torch.nn.parallel import DistributedDataParallel
 
@@ -400,7 +400,7 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-@task(name="train", cache_policy=INPUTS, persist_result=True, result_serializer="json")
+@task(name="train", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
 def train_task(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, manifest_url: str) -> dict[str, Any]:
     artifact = create_progress_artifact(progress=0.0, key="training-progress", description="training steps done")
 

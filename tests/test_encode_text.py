@@ -10,7 +10,7 @@ from transformers import AutoTokenizer, T5EncoderModel
 
 from storage.shards import RaggedShard, read_image_shard
 from storage.store import Store
-from tasks.encode_text import encode_captions, encode_prompts, encode_text_shard, text_cache_key
+from tasks.encode_text import encode_captions, encode_prompts, encode_text_shard, measure_numerics, text_cache_key
 from tasks.ingest import ingest
 from tasks.models import text_encoder_fingerprint
 
@@ -42,8 +42,9 @@ def _encode_first_shard(config, dataset, **text):
     settings = config.text_encoding.model_copy(update=text)
     fingerprint = text_encoder_fingerprint(config.model, settings)
     shard = dataset["shards"][0]["id"]
-    record = encode_text_shard(config.storage, config.model, settings, fingerprint,
-                               store.url(f"shards/images/{shard}.parquet"))
+    url = store.url(f"shards/images/{shard}.parquet")
+    measure_numerics(config.storage, config.model, settings, fingerprint, url)
+    record = encode_text_shard(config.storage, config.model, settings, fingerprint, url)
     cache = RaggedShard(store.local_path(text_cache_key(fingerprint, shard)))
     rows = read_image_shard(store.read_bytes(f"shards/images/{shard}.parquet")).to_pylist()
     return record, cache, rows
@@ -138,7 +139,7 @@ def test_non_finite_output_fails_the_shard_and_caches_nothing(make_config, tiny_
     dataset = ingest(config.storage, config.dataset)
     with pytest.raises(FloatingPointError, match="non-finite values in fp32 for caption"):
         _encode_first_shard(config, dataset)
-    assert Store(config.storage).list("cache/text") == []
+    assert [key for key in Store(config.storage).find("cache/text") if key.endswith(".safetensors")] == []
 
 
 def test_results_do_not_depend_on_batching_and_truncation_is_counted(ingested, tiny_models):
@@ -148,6 +149,7 @@ def test_results_do_not_depend_on_batching_and_truncation_is_counted(ingested, t
     short = config.text_encoding.model_copy(update={"max_length": 8, "batch_tokens": 1})
     fp_short = text_encoder_fingerprint(config.model, short)
     assert fp_short != text_encoder_fingerprint(config.model, config.text_encoding)
+    measure_numerics(config.storage, config.model, short, fp_short, shard_url)
     record = encode_text_shard(config.storage, config.model, short, fp_short, shard_url)
     assert record["truncated"] > 0
     cache = RaggedShard(store.local_path(text_cache_key(fp_short, dataset["shards"][0]["id"])))
@@ -216,3 +218,56 @@ def test_text_cache_reads_padded_batches_from_local_and_remote_shards(make_confi
             assert embeddings[i, lengths[i]:].abs().sum() == 0
         batches.append(embeddings)
     torch.testing.assert_close(batches[0], batches[1])
+
+
+def test_model_loads_never_overlap_and_the_reference_stays_off_the_accelerator(make_config, monkeypatch):
+    """from_pretrained patches torch.nn.Module globally while it builds, so two loads at once can
+    leave meta tensors behind ("Cannot copy out of meta tensor"): every load of every component,
+    cached or not, the fp32 reference and the fp32 VAE fallback included, waits for the one before."""
+    import threading
+    import time
+
+    from diffusers import AutoencoderKL
+
+    from tasks import models
+
+    config = make_config()
+    active, peak, guard, errors = 0, 0, threading.Lock(), []
+
+    def tracked(original):
+        def load(*args, **kwargs):
+            nonlocal active, peak
+            with guard:
+                active += 1
+                peak = max(peak, active)
+            time.sleep(0.05)  # widen the window two unserialised loads would share
+            try:
+                return original(*args, **kwargs)
+            finally:
+                with guard:
+                    active -= 1
+        return load
+
+    monkeypatch.setattr(T5EncoderModel, "from_pretrained", tracked(T5EncoderModel.from_pretrained))
+    monkeypatch.setattr(AutoencoderKL, "from_pretrained", tracked(AutoencoderKL.from_pretrained))
+    models.load_text_encoder.__wrapped__.cache_clear()
+    models.load_vae.__wrapped__.cache_clear()
+    loads = [lambda: models.load_text_encoder(config.model, "int8", "cpu", "none"),
+             lambda: models.build_text_encoder(config.model, "fp32", *models.reference_placement("cpu")),
+             lambda: models.load_vae(config.model, "bf16", "cpu"),
+             lambda: models.build_vae(config.model, "fp32", "cpu")] * 2
+
+    def run(load):
+        try:
+            load()
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(load,)) for load in loads]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and peak == 1
+    assert models.reference_placement("cpu") == ("cpu", "none")
+    assert models.reference_placement("cuda:1") == ("cuda:1", "sequential")  # streamed, never resident

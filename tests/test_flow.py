@@ -5,16 +5,24 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
+import pytest
 from peft import PeftModel
 from diffusers import PixArtTransformer2DModel
 
 from flows.cli import main
-from flows.pipeline import pipeline
+from flows.pipeline import pipeline, stage
 from storage.store import Store
 
 
-def _task_states(flow_run_id) -> dict[str, list[str]]:
+FINAL = {"Completed", "Cached", "Failed", "Crashed", "Cancelled"}
+
+
+def _task_states(flow_run_id, count: int, deadline: float = 30.0) -> dict[str, list[str]]:
+    """State names of a finished flow run's `count` task runs, by task name. Prefect 3 reports
+    task runs to the server asynchronously, so this polls until all `count` are there in a final
+    state (or the deadline passes, leaving what it saw for the caller's assertion to show)."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.client.schemas.sorting import TaskRunSort
@@ -30,7 +38,13 @@ def _task_states(flow_run_id) -> dict[str, list[str]]:
                 states.setdefault(run.name.rsplit("-", 1)[0], []).append(run.state.name)
             return states
 
-    return asyncio.run(read())
+    give_up = time.monotonic() + deadline
+    while True:
+        states = asyncio.run(read())
+        names = [name for names in states.values() for name in names]
+        if (len(names) == count and set(names) <= FINAL) or time.monotonic() > give_up:
+            return states
+        time.sleep(0.25)
 
 
 def _latest_artifact(key: str) -> str:
@@ -53,8 +67,9 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     assert set(result) >= {"dataset", "text_cache", "latent_cache", "manifest", "run", "adapter", "samples"}
     base = PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer")
     PeftModel.from_pretrained(base, store.path(store.key(result["adapter"])))
-    states = _task_states(state.state_details.flow_run_id)
-    assert set(states) == {"ingest", "encode-prompts", "encode-text", "encode-latents", "manifest", "train"}
+    states = _task_states(state.state_details.flow_run_id, count=11)
+    assert set(states) == {"ingest", "encode-prompts", "text-numerics", "encode-text", "encode-latents", "manifest",
+                           "train"}
     assert len(states["encode-text"]) == len(states["encode-latents"]) == 3
 
     assert "## Quarantined by reason" in _latest_artifact("ingest-report")
@@ -69,7 +84,7 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     written = _files(store)
     again = pipeline(config=config, return_state=True)
     assert again.result() == result
-    cached = _task_states(again.state_details.flow_run_id)
+    cached = _task_states(again.state_details.flow_run_id, count=11)
     assert {name for runs in cached.values() for name in runs} == {"Cached"}
     assert _files(store) == written  # nothing re-encoded, nothing re-written
     summary = _latest_artifact("pipeline-summary")
@@ -163,3 +178,27 @@ def test_gpu_stages_hold_the_nodes_gpu_slot(prefect_server, monkeypatch):
     with models.device_slot("cuda"):
         assert asyncio.run(create_and_read(False)) == 1
     assert asyncio.run(create_and_read(False)) == 0
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_parallel_shards_of_a_fingerprint_carry_one_precision_record(prefect_server, make_config, tmp_path, dtype):
+    """The configuration users run: shards in parallel, a non-fp32 dtype, on fresh stores (each with
+    no model loaded yet): every shard embeds the fingerprint's one committed precision record."""
+    from storage.shards import RaggedShard
+    from tasks.models import load_text_encoder
+
+    for attempt in range(3):
+        config = make_config(root=str(tmp_path / f"store-{attempt}"), text_encoding={"dtype": dtype},
+                             execution={"max_parallel_shards": 2})
+        load_text_encoder.__wrapped__.cache_clear()  # as a fresh worker: no model loaded yet
+        stage(name="ingest", config=config)
+        result = stage(name="encode-text", config=config)
+        store = Store(config.storage)
+        (numerics,) = [key for key in store.find("cache/text") if key.endswith("numerics.json")]
+        committed = json.loads(store.read_verified(numerics))
+        assert committed["dtype"] == dtype and 0 < committed["samples"] <= config.text_encoding.numerics_samples
+        assert committed["cosine_min"] > 0.99
+        assert len(result["shards"]) == 3
+        for record in result["shards"]:
+            assert record["numerics"] == committed
+            assert RaggedShard(store.local_path(store.key(record["url"]))).meta["numerics"] == committed

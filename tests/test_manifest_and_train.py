@@ -13,7 +13,7 @@ from PIL import Image
 
 from storage.store import Store
 from tasks.encode_latents import encode_latents_shard, latent_cache_key
-from tasks.encode_text import encode_prompts, encode_text_shard
+from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics
 from tasks.ingest import ingest
 from tasks.manifest import build_manifest
 from tasks.models import text_encoder_fingerprint, vae_fingerprint
@@ -26,6 +26,8 @@ def _cache_everything(config):
     text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
     vae_fp = vae_fingerprint(config.model, config.latent_encoding)
     encode_prompts(config.storage, config.model, config.text_encoding, text_fp, config.training.sample_prompts)
+    first = store.url(f"shards/images/{dataset['shards'][0]['id']}.parquet")
+    measure_numerics(config.storage, config.model, config.text_encoding, text_fp, first)
     for shard in dataset["shards"]:
         url = store.url(f"shards/images/{shard['id']}.parquet")
         encode_text_shard(config.storage, config.model, config.text_encoding, text_fp, url)
