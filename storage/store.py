@@ -160,41 +160,51 @@ class Store:
             raise ArtifactMissing(f"{self.url(key)} is not committed; run the stage that produces it first")
         return record
 
-    def read_verified(self, key: str) -> bytes:
-        """The bytes of a committed artifact, checked against its recorded sha256 in the same read."""
-        record = self.require(key)
+    def read_verified(self, key: str, sha256: str | None = None) -> bytes:
+        """The bytes of a committed artifact, checked against `sha256` (default: its commit record's)
+        in the same read."""
+        expected = sha256 or self.require(key)["sha256"]
         data = self.read_bytes(key)
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != record["sha256"]:
-            raise ValueError(f"{self.url(key)} is damaged: sha256 {digest} != committed {record['sha256']}")
+        self._check(key, hashlib.sha256(data).hexdigest(), expected)
         return data
+
+    def _check(self, key: str, digest: str, expected: str) -> None:
+        if digest != expected:
+            raise ValueError(f"{self.url(key)} is damaged: sha256 {digest} != committed {expected}")
 
     def verify(self, key: str) -> dict[str, Any]:
         """The commit record of `key` after checking the artifact's bytes against its checksum."""
         record = self.require(key)
-        digest = self.sha256(key)
-        if digest != record["sha256"]:
-            raise ValueError(f"{self.url(key)} is damaged: sha256 {digest} != committed {record['sha256']}")
+        self._check(key, self.sha256(key), record["sha256"])
         return record
 
     def sha256(self, key: str) -> str:
         """The sha256 of the object at `key`, streamed."""
         return self._io("read", self.path(key), sha256_stream, self.fs, self.path(key))
 
-    def local_path(self, key: str, cache_dir: str | Path | None = None) -> str:
-        """A local file holding the artifact: the file itself on local roots, else a cached download.
+    def local_path(self, key: str, sha256: str | None = None, cache_dir: str | Path | None = None) -> str:
+        """A local file holding the committed artifact at `key`, its bytes checked against `sha256`
+        (default: its commit record's): the file itself on local roots, else a cached download,
+        fetched again when the cached copy differs. What the caller reads is what was checked.
 
-        Only content-addressed artifacts are read this way, so a cached copy never goes stale.
+        Only content-addressed artifacts are read this way, so a good cached copy never goes stale.
         """
+        expected = sha256 or self.require(key)["sha256"]
         if self.is_local:
+            self._check(key, file_sha256(self.path(key)), expected)
             return self.path(key)
         cache = Path(cache_dir or os.environ.get("PRECAST_CACHE", Path.home() / ".cache" / "precast"))
         target = cache / hashlib.sha256(self.url(key).encode()).hexdigest()[:32] / key.rsplit("/", 1)[-1]
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
+        if target.exists() and file_sha256(target) == expected:
+            return str(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
+        try:
             self._io("download", self.path(key), self.fs.get_file, self.path(key), str(partial))
+            self._check(key, file_sha256(partial), expected)
             os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
         return str(target)
 
     # --- writing ----------------------------------------------------------------------------
@@ -272,6 +282,10 @@ class Store:
 
 def json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, indent=1, sort_keys=True).encode()
+
+
+def file_sha256(path: str | Path) -> str:
+    return sha256_stream(fsspec.filesystem("file"), str(path))
 
 
 def sha256_stream(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 1 << 22) -> str:

@@ -22,10 +22,10 @@ from storage.store import Store
 
 class TextCache:
     """T5 embeddings of (text shard, sample, variant) from cache shards, memory-mapped; remote
-    shards are read through a local copy (content-addressed, so never stale)."""
+    shards are read through a local copy, checked against the manifest's checksum."""
 
-    def __init__(self, store: Store, shard_keys: set[str]):
-        self._shards = {key: RaggedShard(store.local_path(key)) for key in sorted(shard_keys)}
+    def __init__(self, store: Store, checksums: dict[str, str]):
+        self._shards = {key: RaggedShard(store.local_path(key, sha)) for key, sha in sorted(checksums.items())}
 
     def embedding(self, shard_key: str, sample_id: str, variant: int) -> torch.Tensor:
         return self._shards[shard_key][f"{sample_id}/{variant}"]
@@ -37,16 +37,15 @@ class TextCache:
 
 class CachedFeatures:
     def __init__(self, store: Store, manifest: dict[str, Any]):
-        for key, sha in manifest["checksums"].items():
-            if key.endswith(".safetensors") or key == manifest["table"]:
-                if store.verify(key)["sha256"] != sha:
-                    raise ValueError(f"{store.url(key)} does not match the manifest's checksum")
-        table = pq.read_table(io.BytesIO(store.read_bytes(manifest["table"]))).to_pylist()
-        self.samples = {row["sample_id"]: row for row in table}
-        shard_keys = {row["text_shard"] for row in table} | {row["latent_shard"] for row in table}
-        self.text = TextCache(store, {k for k in shard_keys if k.startswith("cache/text/")})
-        self._latents = {k: LatentShard(store.local_path(k)) for k in shard_keys if k.startswith("cache/latents/")}
-        self.prompts = RaggedShard(store.local_path(manifest["prompts_shard"]))
+        # every byte read below is checked against the manifest's checksum in the read that uses it
+        checksums = manifest["checksums"]
+        table = pq.read_table(io.BytesIO(store.read_verified(manifest["table"], checksums[manifest["table"]])))
+        self.samples = {row["sample_id"]: row for row in table.to_pylist()}
+        text_keys = {row["text_shard"] for row in self.samples.values()}
+        latent_keys = {row["latent_shard"] for row in self.samples.values()}
+        self.text = TextCache(store, {key: checksums[key] for key in text_keys})
+        self._latents = {key: LatentShard(store.local_path(key, checksums[key])) for key in sorted(latent_keys)}
+        self.prompts = RaggedShard(store.local_path(manifest["prompts_shard"], checksums[manifest["prompts_shard"]]))
         first = next(iter(self._latents.values())).meta
         self.scaling_factor, self.shift_factor = first["scaling_factor"], first["shift_factor"]
         self.buckets: dict[str, list[str]] = defaultdict(list)

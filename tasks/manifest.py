@@ -62,9 +62,11 @@ def build_manifest(
     for shard in dataset["shards"]:
         image_key = f"{SHARDS}/{shard['id']}.parquet"
         text_key, latent_key = text_cache_key(text_fp, shard["id"]), latent_cache_key(vae_fp, shard["id"])
-        for needed in (image_key, text_key, latent_key):
-            checksums[needed] = store.verify(needed)["sha256"]
-        text, latents = RaggedShard(store.local_path(text_key)), LatentShard(store.local_path(latent_key))
+        checksums[image_key] = store.verify(image_key)["sha256"]
+        for needed in (text_key, latent_key):  # checked in the read that is used below
+            checksums[needed] = store.require(needed)["sha256"]
+        text = RaggedShard(store.local_path(text_key, checksums[text_key]))
+        latents = LatentShard(store.local_path(latent_key, checksums[latent_key]))
         variants = Counter(row.rsplit("/", 1)[0] for row in text.rows)
         excluded = {q["sample_id"]: q["reason"] for q in latents.meta["quarantined"]}
         members = shard["samples"] if shard["samples"] is not None else sorted(set(variants) | set(latents.rows))

@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 
 # settings that cannot change the trained weights or samples stay out of the run id
 NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints"}
+# in the run id: bump it with any change to training's code that changes what a run produces (the
+# loss, sampling, data order, outputs), so a re-run trains anew instead of returning the old run
+TRAIN_FORMAT = "precast.train/2"
 LEASE_POLL_SECONDS = 2.0
 PROGRESS_SECONDS = 5.0
 
@@ -61,7 +64,8 @@ def run_id_for(manifest_id: str, model: ModelConfig, training: TrainingConfig, i
     # over an unchanged manifest is the same run, and new data continues from the newest run
     init_id = init["sha256"] if init and training.init_from not in ("none", "latest") else None
     return hash_json({"manifest": manifest_id, "transformer": transformer_fingerprint(model),
-                      "training": training.model_dump(exclude=NOT_IN_RUN_ID), "init": init_id})
+                      "training": training.model_dump(exclude=NOT_IN_RUN_ID), "init": init_id,
+                      "format": TRAIN_FORMAT})
 
 
 def initial_adapter(store: Store, storage: StorageConfig, model: ModelConfig, training: TrainingConfig) -> dict | None:

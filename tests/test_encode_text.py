@@ -209,7 +209,7 @@ def test_text_cache_reads_padded_batches_from_local_and_remote_shards(make_confi
         record, cache, rows = _encode_first_shard(config, dataset)
         key = Store(config.storage).key(record["url"])
         items = [(key, row["sample_id"], 0) for row in rows]
-        embeddings, mask = TextCache(Store(config.storage), {key}).batch(items)
+        embeddings, mask = TextCache(Store(config.storage), {key: record["sha256"]}).batch(items)
         lengths = [len(cache[f"{row['sample_id']}/0"]) for row in rows]
         assert embeddings.shape[:2] == mask.shape == (len(rows), max(lengths))
         assert mask.sum(1).tolist() == lengths  # the mask is implied by each caption's real length

@@ -315,6 +315,45 @@ def test_training_refuses_a_shard_tampered_after_the_manifest(make_config):
     assert [key for key in store.find("runs") if "/lease/" not in key] == []  # nothing trained on damaged data
 
 
+def test_training_on_a_remote_root_reads_the_bytes_it_verified(make_config, s3_endpoint, tmp_path, monkeypatch):
+    """Local copies of remote shards are checked in the read that is used: an earlier copy that
+    differs from the committed object (stale, or damaged on disk) is fetched again, never trained on."""
+    import s3fs
+
+    from storage.fingerprint import sha256_bytes
+
+    s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir("precast-verified")
+    config = make_config(root="s3://precast-verified/store", training={"steps": 2, "sample_prompts": []})
+    config = config.model_copy(update={"storage": config.storage.model_copy(
+        update={"options": {"endpoint_url": s3_endpoint}})})
+    monkeypatch.setenv("PRECAST_CACHE", str(tmp_path / "cache"))
+    dataset, text_fp, vae_fp = _cache_everything(config)
+    manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, [])
+    copies = list((tmp_path / "cache").rglob("*.safetensors"))
+    assert copies  # the manifest stage read the shards through local copies
+    for copy in copies:
+        data = bytearray(copy.read_bytes())
+        data[-5] ^= 0x01
+        copy.write_bytes(bytes(data))
+    train(config.storage, config.model, config.training, manifest["url"])
+    checksums = set(Store(config.storage).read_json(Store(config.storage).key(manifest["url"]))["checksums"].values())
+    assert {sha256_bytes(copy.read_bytes()) for copy in copies} <= checksums
+
+
+def test_a_new_training_format_is_a_new_run(make_config, monkeypatch):
+    """A fix to the training loop bumps TRAIN_FORMAT: the same config and data then train a new
+    run instead of returning the one the old code made."""
+    from tasks import train as training
+
+    config = make_config(training={"steps": 1, "sample_prompts": []})
+    manifest = _manifest(config)
+    first = train(config.storage, config.model, config.training, manifest["url"])
+    assert train(config.storage, config.model, config.training, manifest["url"]) == first
+    monkeypatch.setattr(training, "TRAIN_FORMAT", training.TRAIN_FORMAT + "-fixed")
+    second = train(config.storage, config.model, config.training, manifest["url"])
+    assert second["run"] != first["run"]
+
+
 def test_lineage_names_the_code_and_the_data(make_config):
     config = make_config(training={"steps": 1, "sample_prompts": []})
     manifest = _manifest(config)

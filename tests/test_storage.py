@@ -59,6 +59,13 @@ def test_s3_store_round_trip(s3_endpoint, tmp_path):
     assert store.verify("cache/text/fp/shard.safetensors")["size"] == 4096
     local = store.local_path("cache/text/fp/shard.safetensors", cache_dir=tmp_path)
     assert open(local, "rb").read() == b"\x00" * 4096
+    with open(local, "wb") as handle:  # an earlier local copy that differs from the committed object
+        handle.write(b"\x01" * 4096)
+    assert open(store.local_path("cache/text/fp/shard.safetensors", cache_dir=tmp_path), "rb").read() == b"\x00" * 4096
+    store.fs.pipe_file(store.path("cache/text/fp/shard.safetensors"), b"\x02" * 4096)  # damaged after its commit
+    with pytest.raises(ValueError, match=r"shard\.safetensors is damaged"):
+        store.local_path("cache/text/fp/shard.safetensors", cache_dir=tmp_path / "fresh")
+    assert list((tmp_path / "fresh").rglob("*")) == [next((tmp_path / "fresh").iterdir())]  # no bad copy kept
     assert store.list("cache/text/fp", ".safetensors") == ["cache/text/fp/shard.safetensors"]
 
 
