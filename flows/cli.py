@@ -76,6 +76,35 @@ def cmd_stage(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from configs.schema import load_config
+    from flows.deploy import deploy
+
+    names = deploy(load_config(args.config, args.set), nightly_cron=args.nightly, timezone=args.timezone,
+                   home=args.home)
+    for name in names:
+        print(f"deployed: {name}")
+    print(f"parameters: {args.config}" + (f" with {' '.join(args.set)}" if args.set else ""))
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from configs.schema import load_config
+    from flows.deploy import submit
+
+    if args.set and not args.config:
+        raise ValueError("--set needs --config: it changes that config, not the deployed one")
+    config = load_config(args.config, args.set) if args.config else None
+    result = submit(args.deployment, config, echo=lambda line: print(line, flush=True))
+    if not result["failures"]:
+        print(f"{args.deployment}: {result['state']}")
+        return 0
+    print(f"precast: {args.deployment} ended {result['state']} ({result['url']})", file=sys.stderr)
+    for failure in result["failures"]:
+        print(f"  {failure['stage']}: {failure['state']}: {failure['error']}", file=sys.stderr)
+    return 1
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from configs.schema import StorageConfig
     from storage.store import Store
@@ -138,6 +167,8 @@ def cmd_demo_data(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="precast", description=__doc__)
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show third-party warnings known to be harmless, progress bars and INFO logs")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def with_config(sub: argparse.ArgumentParser, required: bool = True) -> None:
@@ -161,6 +192,20 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(stage)
     stage.add_argument("--json", action="store_true", help="print the stage's record as one JSON line")
     stage.set_defaults(func=cmd_stage)
+
+    deploy = commands.add_parser("deploy", help="register prefect.yaml's deployments with this config as parameters")
+    with_config(deploy)
+    deploy.add_argument("--nightly", metavar="CRON", help="the nightly schedule (default: prefect.yaml's, 0 2 * * *)")
+    deploy.add_argument("--timezone", help="timezone of the nightly schedule (default: prefect.yaml's, UTC)")
+    deploy.add_argument("--home", help="the checkout's path on the workers (default: $PRECAST_HOME, else this one)")
+    deploy.set_defaults(func=cmd_deploy)
+
+    submit = commands.add_parser("submit", help="run a deployment and follow it; exit 1 with the failed stage's error")
+    submit.add_argument("deployment", help="e.g. precast-pipeline/pipeline")
+    submit.add_argument("--config", help="YAML config for this run (default: the one it was deployed with)")
+    submit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field of --config (repeatable)")
+    submit.set_defaults(func=cmd_submit)
 
     inspect = commands.add_parser("inspect", help="show a dataset's ingest report")
     inspect.add_argument("dataset_url", help="<root>/datasets/<dataset_id>.json, as printed by ingest")
@@ -213,7 +258,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_benchmarks(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    if args.verbose:  # workers and training processes started from here read it too
+        os.environ["PRECAST_VERBOSE"] = "1"
+    from tasks.noise import quiet_known_noise
+
+    quiet_known_noise()  # before any library that makes the noise loads
+    # precast's own progress at INFO; other libraries' only from WARNING on, unless --verbose
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    for name in ("tasks", "flows", "storage"):
+        logging.getLogger(name).setLevel(logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.func(args)

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from prefect import get_run_logger
+
 from configs.schema import PipelineConfig
 from storage.store import Store
 
@@ -20,7 +22,13 @@ class Summary:
     def stage(self, name: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Run one stage and record its row (a failing stage records nothing: the flow fails)."""
         began = time.perf_counter()
-        result = run()
+        try:
+            result = run()
+        except Exception as error:
+            # the run's log names the stage (the flow run's state names only the exception), and
+            # `precast submit` reports it from there
+            get_run_logger().error("stage %s failed: %s: %s", name, type(error).__name__, error)
+            raise
         seconds = time.perf_counter() - began
         records, amount, where = self._outputs(name, result)
         # "ran" when any output was committed during this pipeline run, else everything was cached

@@ -10,6 +10,7 @@ import functools
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +55,20 @@ def resolve_model_folder(path: str, subfolder: str, revision: str | None = None)
     if local.is_dir():
         return local
     if os.path.exists(path):
-        raise FileNotFoundError(f"{path} has no {subfolder}/ folder (expected the PixArt-Sigma hub layout)")
+        raise FileNotFoundError(f"model.path {path}: has no {subfolder}/ folder (expected the PixArt-Sigma hub layout)")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    snapshot = snapshot_download(path, revision=revision, allow_patterns=[f"{subfolder}/*"])
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        raise FileNotFoundError(f"model.path {path!r} is neither an existing folder on {socket.gethostname()} "
+                                "nor a hub id (owner/name)") from None
+    try:
+        snapshot = snapshot_download(path, revision=revision, allow_patterns=[f"{subfolder}/*"])
+    except Exception as error:  # offline, unknown repo, no access: all say the same to the user
+        raise FileNotFoundError(f"model.path {path!r} is not a folder on {socket.gethostname()}, and as a hub id "
+                                f"its {subfolder}/ could not be fetched: {type(error).__name__}: {error}") from error
     return Path(snapshot) / subfolder
 
 

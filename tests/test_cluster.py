@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -41,16 +42,16 @@ def stack(tmp_path_factory, tiny_models):
     subprocess.run(["bash", "infra/local-stack.sh", "up"], cwd=ROOT, env=env, check=True, capture_output=True,
                    timeout=300)
     try:
-        deployed = subprocess.run([str(ROOT / ".venv/bin/prefect"), "--no-prompt", "deploy", "--all"], cwd=ROOT,
-                                  env=env, capture_output=True, text=True, timeout=300)
-        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         endpoint = f"http://127.0.0.1:{s3_port}"
         import s3fs
 
         data = write_demo_data(directory / "upload", count=12)
         s3fs.S3FileSystem(endpoint_url=endpoint, key=SECRETS["AWS_ACCESS_KEY_ID"],
                           secret=SECRETS["AWS_SECRET_ACCESS_KEY"]).put(str(data), "precast/data", recursive=True)
-        yield {"env": env, "endpoint": endpoint, "dir": directory, "models": tiny_models}
+        stack = {"env": env, "endpoint": endpoint, "dir": directory, "models": tiny_models}
+        deployed = _precast(stack, "deploy", _config_file(stack, _config(stack)))
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        yield stack
     finally:
         subprocess.run(["bash", "infra/local-stack.sh", "down"], cwd=ROOT, env=env, timeout=120)
 
@@ -70,6 +71,19 @@ def _config(stack, **training) -> dict:
     return config.model_dump(mode="json")
 
 
+def _config_file(stack, config: dict, name: str = "my-run.yaml") -> str:
+    import yaml
+
+    path = stack["dir"] / name
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def _precast(stack, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ROOT / ".venv/bin/precast"), *args], cwd=stack["dir"], env=stack["env"],
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def _run(stack, deployment: str, config: dict) -> subprocess.CompletedProcess:
     return subprocess.run([str(ROOT / ".venv/bin/prefect"), "deployment", "run", deployment, "--watch",
                            "--params", json.dumps({"config": config})],
@@ -86,6 +100,22 @@ def _api(stack, query):
     return asyncio.run(call())
 
 
+def _scheduled_runs(stack, deployment_id) -> list:
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    runs = _api(stack, lambda client: client.read_flow_runs(
+        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))))
+    return [run for run in runs if run.auto_scheduled]
+
+
+def _wait(probe, seconds: float):
+    """probe() until it returns something truthy, for at most `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not (found := probe()) and time.monotonic() < deadline:
+        time.sleep(2)
+    return found
+
+
 def _store(stack) -> Store:
     os.environ.update(SECRETS)
     return Store(PipelineConfig.model_validate(_config(stack)).storage)
@@ -98,7 +128,8 @@ def test_pipeline_deployment_spreads_stages_over_pools(stack):
     runs = _api(stack, lambda client: client.read_flow_runs(limit=100))
     pools = {run.name: run.work_pool_name for run in runs if run.state and run.state.is_completed()}
     encoders = {name: pool for name, pool in pools.items() if name.startswith(("encode-text", "encode-latents"))}
-    assert len(encoders) == 4 and set(encoders.values()) == {"precast-encode"}  # 2 shards x 2 encoders
+    # 2 shards x 2 encoders, and the text encoder's prompts and precision check before its shards
+    assert len(encoders) == 5 and "encode-text-prepare" in encoders and set(encoders.values()) == {"precast-encode"}
     assert pools["train-all"] == "precast-train"
 
     store = _store(stack)
@@ -136,6 +167,70 @@ def test_nightly_schedule_and_an_unchanged_night_encodes_nothing(stack):
     again = {key: store.read_json(store.key(store.fs.unstrip_protocol(key)))["committed_at"]
              for key in store.fs.find(store.path("cache")) if key.endswith(".done")}
     assert again == encoded  # the second night encoded nothing
+
+
+def test_a_users_config_deployed_and_run_by_the_schedulers_nightly_run(stack):
+    """`precast deploy` puts the user's config in every deployment (the UI form's values); deploying
+    again updates them and the runs already scheduled; the server's own scheduler creates the
+    nightly run and a worker executes it to Completed with those values."""
+    import datetime
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    when = (now + datetime.timedelta(seconds=120)).replace(second=0, microsecond=0)  # 60-120 s from now
+    cron = f"{when.minute} {when.hour} * * *"
+    path = _config_file(stack, _config(stack), "nightly.yaml")
+    nightly = None
+
+    def deploy_then_wait_for_the_scheduler(steps: int):
+        nonlocal nightly
+        done = _precast(stack, "deploy", path, "--nightly", cron, "--set", f"training.steps={steps}")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert done.stdout.count("deployed: ") == 7 and "deployed: precast-pipeline/nightly" in done.stdout
+        nightly = _api(stack, lambda client: client.read_deployment_by_name("precast-pipeline/nightly"))
+        runs = _wait(lambda: [r for r in _scheduled_runs(stack, nightly.id) if r.expected_start_time == when], 60)
+        assert runs, "the scheduler created no nightly run"
+        time.sleep(8)  # past the scheduler's window for recently updated deployments (5 s)
+        return runs
+
+    first = deploy_then_wait_for_the_scheduler(3)
+    assert first[0].parameters["config"]["training"]["steps"] == 3
+    (run,) = deploy_then_wait_for_the_scheduler(5)  # deploying again updates the deployments and the runs
+    assert run.id != first[0].id and run.parameters["config"]["training"]["steps"] == 5
+    expected = PipelineConfig.model_validate({**_config(stack), "training": {**_config(stack)["training"], "steps": 5}})
+    pipeline = _api(stack, lambda client: client.read_deployment_by_name("precast-pipeline/pipeline"))
+    assert pipeline.parameters["config"] == expected.model_dump(mode="json")  # the UI form's values
+    assert nightly.parameters["config"]["training"] == {**expected.model_dump(mode="json")["training"],
+                                                        "init_from": "latest"}
+    (schedule,) = nightly.schedules
+    assert schedule.schedule.cron == cron and schedule.active
+
+    seconds = (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds() + 300
+    finished = _wait(lambda: [r for r in _scheduled_runs(stack, nightly.id)
+                              if r.id == run.id and r.state.is_final()], seconds)
+    assert finished, f"the scheduled nightly run at {when} did not finish"
+    assert finished[0].state.is_completed(), finished[0].state.message
+    assert finished[0].parameters["config"]["storage"]["root"] == "s3://precast/store"
+    lineage = [key for key in _store(stack).find("runs") if key.endswith("lineage.json")]
+    assert any(_store(stack).read_json(key)["training"]["steps"] == 5 for key in lineage)
+
+
+def test_submit_from_ci_names_the_failed_stage_and_its_error(stack):
+    """The README's CI command: exit 1, with the failing stage and a clear reason for a mistyped model path."""
+    bad = _config(stack)
+    bad["model"]["path"] = "/models/PixArt-Sigma-XL-2-1024-MS"  # no such folder on the worker
+    done = _precast(stack, "submit", "precast-pipeline/pipeline", "--config", _config_file(stack, bad, "bad.yaml"))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "encode-text: Failed: FileNotFoundError: model.path '/models/PixArt-Sigma-XL-2-1024-MS' is neither an " \
+           "existing folder" in done.stderr, done.stderr
+    assert "HFValidationError" not in done.stderr
+
+    readme = (ROOT / "README.md").read_text()
+    example = readme.split("## Calling from CI", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    command = next(line for line in example.splitlines() if line.startswith("precast submit"))
+    done = subprocess.run(["bash", "-c", command.replace("precast ", f"{ROOT / '.venv/bin/precast'} ", 1)],
+                          cwd=ROOT, env=stack["env"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.rstrip().endswith("precast-pipeline/pipeline: Completed")
 
 
 def test_credentials_never_reach_objects_or_logs(stack):
