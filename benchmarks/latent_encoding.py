@@ -23,6 +23,7 @@ import torch
 
 from configs.schema import DatasetConfig, LatentEncodingConfig, ModelConfig, SourceConfig, StorageConfig
 from flows.demo_data import write_demo_data
+from storage import layout
 from storage.store import Store
 from tasks.encode_latents import crop_box, encode_latents_shard, preprocess
 from tasks.ingest import ingest
@@ -84,7 +85,7 @@ def run(count: int = 96, width: int = 32, resolution: int = 256, batch: int = 1,
                 store.fs.rm(store.path("cache"), recursive=True)
             started = time.perf_counter()
             records = [encode_latents_shard(storage, model, settings, fingerprint,
-                                            store.url(f"shards/images/{shard['id']}.parquet"))
+                                            store.url(layout.image_shard(shard["id"])))
                        for shard in dataset["shards"]]
             precast_s = min(precast_s, time.perf_counter() - started)
     samples = sum(r["samples"] for r in records)

@@ -12,6 +12,7 @@ from configs.schema import PipelineConfig
 def run_stages(config: PipelineConfig, train: bool = True) -> tuple[dict[str, Any], dict[str, float]]:
     """Ingest, encode every shard (text, then latents), build the manifest and (with `train`)
     train. Returns the manifest's record and each stage's seconds."""
+    from storage import layout
     from storage.store import Store
     from tasks.encode_latents import encode_latents_shard
     from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics
@@ -30,7 +31,7 @@ def run_stages(config: PipelineConfig, train: bool = True) -> tuple[dict[str, An
 
     store = Store(config.storage)
     dataset = timed("ingest", lambda: ingest(config.storage, config.dataset))
-    urls = [store.url(f"shards/images/{shard['id']}.parquet") for shard in dataset["shards"]]
+    urls = [store.url(layout.image_shard(shard["id"])) for shard in dataset["shards"]]
     text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
     vae_fp = vae_fingerprint(config.model, config.latent_encoding)
     args = (config.storage, config.model, config.text_encoding, text_fp)

@@ -91,6 +91,7 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
 
     import pyarrow.parquet as pq
 
+    from storage import layout
     from storage.shards import read_image_shard
     from storage.store import Store
     from tasks.encode_latents import crop_box, preprocess
@@ -107,7 +108,7 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
     for row in rows:
         buckets.setdefault(row["bucket"], []).append(row["sample_id"])
     samples = {}
-    for key in store.list("shards/images", ".parquet"):
+    for key in store.list(layout.IMAGE_SHARDS, ".parquet"):
         for sample in read_image_shard(store.read_bytes(key)).to_pylist():
             samples[sample["sample_id"]] = sample
     encoder = load_text_encoder(config.model, "fp32", "cpu", "none")

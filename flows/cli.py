@@ -107,22 +107,20 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from configs.schema import StorageConfig
+    from storage import layout
     from storage.store import Store
-    from tasks.ingest import report_key, report_markdown
+    from tasks.ingest import report_markdown
 
-    root, marker, name = args.dataset_url.rpartition("/datasets/")
-    if not marker or not name.endswith(".json"):
-        raise ValueError(f"{args.dataset_url}: expected <root>/datasets/<dataset_id>.json")
+    root, dataset_id = layout.parse_dataset(args.dataset_url)
     options = storage_options(args.option)
     store = Store(StorageConfig(root=root, options=options))
-    dataset_id = name.removesuffix(".json")
-    record = store.read_json(f"datasets/{dataset_id}.json")
-    report = store.read_json(report_key(dataset_id))
+    record = store.read_json(layout.dataset(dataset_id))
+    report = store.read_json(layout.dataset_report(dataset_id))
     if args.json:
         print(json.dumps({"dataset": record, "report": report}))
     else:
         print(report_markdown(report))
-        print(f"\n{len(record['shards'])} image shards under {store.url('shards/images')}")
+        print(f"\n{len(record['shards'])} image shards under {store.url(layout.IMAGE_SHARDS)}")
     return 0
 
 

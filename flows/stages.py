@@ -24,15 +24,16 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.callables import get_call_parameters
 
 from configs.schema import PipelineConfig
+from storage import layout
 from storage.fingerprint import hash_json
 from storage.shards import shard_id_of
 from storage.store import Store
-from tasks.encode_latents import encode_latents_task, latent_cache_key
+from tasks.encode_latents import encode_latents_task
 from tasks.encode_text import (
-    encode_prompts_task, encode_text_task, encoding_report, measure_numerics_task, prompts_cache_key, text_cache_key,
+    encode_prompts_task, encode_text_task, encoding_report, measure_numerics_task, prompts_cache_key,
 )
 from tasks.ingest import ingest_task, latest_dataset
-from tasks.manifest import manifest_id, manifest_key, manifest_task
+from tasks.manifest import manifest_id, manifest_task
 from tasks.models import text_encoder_fingerprint, vae_fingerprint
 from tasks.train import run_id_for, train_task
 
@@ -49,12 +50,13 @@ def result_storage(config: PipelineConfig) -> Path | str:
     """Prefect result (and cache key) storage under `<root>/prefect/results`."""
     store = Store(config.storage)
     if store.is_local:
-        return Path(store.path("prefect/results"))
+        return Path(store.path(layout.PREFECT_RESULTS))
     # a remote location must be a saved block; its name comes from the root and its settings hold
     # only the non-secret options (a RemoteFileSystem block shows its settings in the UI), so
     # Prefect's own result I/O takes credentials from the worker's environment or role
     name = f"precast-results-{hash_json(store.root_url, chars=12)}"
-    RemoteFileSystem(basepath=store.url("prefect/results"), settings=config.storage.options).save(name, overwrite=True)
+    RemoteFileSystem(basepath=store.url(layout.PREFECT_RESULTS), settings=config.storage.options).save(
+        name, overwrite=True)
     return f"remote-file-system/{name}"
 
 
@@ -123,14 +125,14 @@ def run_encode_text(config: PipelineConfig, dataset: dict[str, Any], shards: lis
         run_elsewhere(config, deployment, "encode-text", [])  # before the shards fan out
         run_shards_elsewhere(config, deployment, "encode-text", urls)
         prompts = store.require(prompts_cache_key(fingerprint, config.training.sample_prompts))
-        records = [store.require(text_cache_key(fingerprint, shard_id_of(url))) for url in urls]
+        records = [store.require(layout.cache_shard("text", fingerprint, shard_id_of(url))) for url in urls]
     else:
         args = (config.storage, config.model, config.text_encoding, fingerprint)
         prompts = configured(encode_prompts_task, config)(*args, config.training.sample_prompts)
         configured(measure_numerics_task, config)(*args, every[0] if every else None)
         records = bounded_map(configured(encode_text_task, config), urls, config.execution.max_parallel_shards, *args)
     create_markdown_artifact(key="text-encoding", markdown=encoding_report(records))
-    return {"url": store.url(f"cache/text/{fingerprint}"), "prompts": prompts, "shards": records}
+    return {"url": store.url(layout.cache("text", fingerprint)), "prompts": prompts, "shards": records}
 
 
 def run_encode_latents(
@@ -141,11 +143,11 @@ def run_encode_latents(
     urls = shard_urls(config, dataset) if shards is None else shards
     if deployment := placed(config, "encode-latents"):
         run_shards_elsewhere(config, deployment, "encode-latents", urls)
-        records = [store.require(latent_cache_key(fingerprint, shard_id_of(url))) for url in urls]
+        records = [store.require(layout.cache_shard("latents", fingerprint, shard_id_of(url))) for url in urls]
     else:
         records = bounded_map(configured(encode_latents_task, config), urls, config.execution.max_parallel_shards,
                               config.storage, config.model, config.latent_encoding, fingerprint)
-    return {"url": store.url(f"cache/latents/{fingerprint}"), "shards": records}
+    return {"url": store.url(layout.cache("latents", fingerprint)), "shards": records}
 
 
 def run_manifest(config: PipelineConfig, dataset: dict[str, Any]) -> dict[str, Any]:
@@ -167,7 +169,7 @@ def run_train(config: PipelineConfig, manifest: dict[str, Any]) -> dict[str, Any
 
 def shard_urls(config: PipelineConfig, dataset: dict[str, Any]) -> list[str]:
     store = Store(config.storage)
-    return [store.url(f"shards/images/{shard['id']}.parquet") for shard in dataset["shards"]]
+    return [store.url(layout.image_shard(shard["id"])) for shard in dataset["shards"]]
 
 
 def stored_dataset(config: PipelineConfig) -> dict[str, Any]:
@@ -178,7 +180,7 @@ def stored_manifest(config: PipelineConfig) -> dict[str, Any]:
     dataset = stored_dataset(config)
     text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
     vae_fp = vae_fingerprint(config.model, config.latent_encoding)
-    key = manifest_key(manifest_id(dataset["id"], text_fp, vae_fp, config.training.sample_prompts))
+    key = layout.manifest(manifest_id(dataset["id"], text_fp, vae_fp, config.training.sample_prompts))
     return Store(config.storage).require(key)
 
 
@@ -190,4 +192,5 @@ def stored_run(config: PipelineConfig, manifest: dict[str, Any]) -> dict[str, An
     this_manifest = store.read_json(store.key(manifest["url"]))["id"]
     explicit = config.training.init_from not in ("none", "latest")
     init = initial_adapter(store, config.storage, config.model, config.training) if explicit else None
-    return store.require(f"runs/{run_id_for(this_manifest, config.model, config.training, init)}/lineage.json")
+    run = layout.run(run_id_for(this_manifest, config.model, config.training, init))
+    return store.require(layout.run_part(run, "lineage"))

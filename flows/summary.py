@@ -10,6 +10,7 @@ from typing import Any
 from prefect import get_run_logger
 
 from configs.schema import PipelineConfig
+from storage import layout
 from storage.store import Store
 
 
@@ -38,7 +39,7 @@ class Summary:
 
     def _outputs(self, name: str, result: dict[str, Any]) -> tuple[list[dict], str, str]:
         if name == "ingest":
-            shards = [self.store.committed(f"shards/images/{s['id']}.parquet") or {} for s in result["shards"]]
+            shards = [self.store.committed(layout.image_shard(s["id"])) or {} for s in result["shards"]]
             return shards, f"{result['samples']} samples in {len(shards)} shards", result["url"]
         if name == "encode-text":
             records = result["shards"] + [result["prompts"]]

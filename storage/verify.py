@@ -14,18 +14,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from storage.layout import COMMITTED, PREFECT_RESULTS
 from storage.store import COMMIT_SUFFIX, Store
 
-# keys that are only valid with a commit record beside them
-COMMITTED = re.compile(
-    r"^(shards/images/[^/]+\.parquet"
-    r"|cache/(text|latents)/[^/]+/[^/]+\.safetensors"
-    r"|cache/text/[^/]+/prompts/[^/]+\.safetensors"
-    r"|manifests/[^/]+\.(parquet|json)"
-    r"|datasets/[^/.]+\.json"
-    r"|runs/[^/]+/checkpoints/[^/]+\.safetensors"
-    r"|runs/[^/]+/lineage\.json)$"
-)
 PARTIAL = re.compile(r"\.partial-[0-9a-f]{32}$")
 
 
@@ -36,7 +27,7 @@ def verify_store(store: Store, repair: bool = False) -> dict[str, Any]:
     report: dict[str, Any] = {"root": store.root_url, "checked": 0, "damaged": [], "partial": [], "orphaned": [],
                               "removed": []}
     for key in keys:
-        if key.startswith("prefect/"):
+        if key.startswith(PREFECT_RESULTS.split("/")[0] + "/"):
             continue
         if PARTIAL.search(key):
             report["partial"].append(key)

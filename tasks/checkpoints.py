@@ -15,13 +15,8 @@ from typing import Any
 import torch
 from safetensors.torch import load, save
 
+from storage import layout
 from storage.store import Store
-
-PREFIX = "checkpoints/step-"
-
-
-def checkpoint_key(run: str, step: int) -> str:
-    return f"{run}/{PREFIX}{step:08d}.safetensors"
 
 
 def trainable_state(network: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -55,16 +50,15 @@ def save_checkpoint(
     """Commit the checkpoint of `step` (`rng_states`: per generator name, one state per process in
     rank order), then drop all but the newest `keep`."""
     data = pack_checkpoint(step, network, optimizer, schedule, rng_states, ema)
-    store.commit(checkpoint_key(run, step), data, step=step)
+    store.commit(layout.checkpoint(run, step), data, step=step)
     for old in committed_steps(store, run)[:-keep]:
-        store.remove(checkpoint_key(run, old) + ".done")  # uncommit first: never a record without data
-        store.remove(checkpoint_key(run, old))
+        store.remove(layout.checkpoint(run, old) + ".done")  # uncommit first: never a record without data
+        store.remove(layout.checkpoint(run, old))
 
 
 def committed_steps(store: Store, run: str) -> list[int]:
-    keys = store.list(f"{run}/checkpoints", ".safetensors")
-    return sorted(int(k.rsplit(PREFIX, 1)[1].removesuffix(".safetensors")) for k in keys
-                  if store.committed(k) is not None)
+    keys = store.list(layout.run_part(run, "checkpoints"), ".safetensors")
+    return sorted(layout.checkpoint_step(k) for k in keys if store.committed(k) is not None)
 
 
 def restore_latest(
@@ -75,7 +69,7 @@ def restore_latest(
     steps = committed_steps(store, run)
     if not steps:
         return 0
-    key = checkpoint_key(run, steps[-1])
+    key = layout.checkpoint(run, steps[-1])
     data = store.read_verified(key)  # a damaged checkpoint is refused by name, never trained on
     tensors = load(data)
     meta = json.loads(_header_metadata(data)["meta"])

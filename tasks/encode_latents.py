@@ -22,6 +22,7 @@ from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig
+from storage import layout
 from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id_of
 from storage.store import Store
 from tasks.models import DTYPES, LATENT_FORMAT, build_vae, device_slot, load_vae
@@ -74,10 +75,6 @@ def preprocess(image_bytes: bytes, box: list[int]) -> torch.Tensor:
     return pixels.float().div(127.5).sub(1.0)
 
 
-def latent_cache_key(fingerprint: str, shard_id: str) -> str:
-    return f"cache/latents/{fingerprint}/{shard_id}.safetensors"
-
-
 def encode_pixels(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Posterior mean and log-variance [B, C, h, w] in fp32 on the CPU."""
     posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
@@ -107,7 +104,7 @@ def encode_latents_shard(
     """
     store = Store(storage)
     shard_id = shard_id_of(shard_url)
-    key = latent_cache_key(fingerprint, shard_id)
+    key = layout.cache_shard("latents", fingerprint, shard_id)
     if (record := store.committed(key)) is not None:
         return record
     table = read_image_shard(store.read_verified(store.key(shard_url)), columns=["sample_id", "image", "width", "height"])

@@ -17,6 +17,7 @@ from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig
+from storage import layout
 from storage.fingerprint import hash_json
 from storage.shards import pack_ragged, read_image_shard, shard_id_of
 from storage.store import Store, json_bytes
@@ -28,12 +29,8 @@ from tasks.models import (
 log = logging.getLogger(__name__)
 
 
-def text_cache_key(fingerprint: str, shard_id: str) -> str:
-    return f"cache/text/{fingerprint}/{shard_id}.safetensors"
-
-
 def prompts_cache_key(fingerprint: str, prompts: list[str]) -> str:
-    return f"cache/text/{fingerprint}/prompts/{hash_json(prompt_rows(prompts))}.safetensors"
+    return layout.text_prompts(fingerprint, hash_json(prompt_rows(prompts)))
 
 
 def prompt_rows(prompts: list[str]) -> list[str]:
@@ -91,10 +88,6 @@ def encode_captions(texts: list[str], model: ModelConfig, config: TextEncodingCo
     return embeddings, truncated
 
 
-def numerics_key(fingerprint: str) -> str:
-    return f"cache/text/{fingerprint}/numerics.json"
-
-
 def measure_numerics(
     storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, shard_url: str | None
 ) -> dict[str, Any]:
@@ -104,7 +97,7 @@ def measure_numerics(
     shard; None: the empty dataset, nothing to measure) as per-token cosine (min, mean) and max abs
     error. fp32 itself is the reference."""
     store = Store(storage)
-    key = numerics_key(fingerprint)
+    key = layout.text_numerics(fingerprint)
     if store.committed(key) is not None:
         return json.loads(store.read_verified(key))
     numerics: dict[str, Any] = {"dtype": text.dtype, "samples": 0, "reference": "fp32"}
@@ -146,11 +139,11 @@ def encode_text_shard(
     The fingerprint's precision check (`measure_numerics`) must be committed first."""
     store = Store(storage)
     shard_id = shard_id_of(shard_url)
-    key = text_cache_key(fingerprint, shard_id)
+    key = layout.cache_shard("text", fingerprint, shard_id)
     if (record := store.committed(key)) is not None:
         return record
     texts, rows = shard_captions(store, shard_url)
-    numerics = json.loads(store.read_verified(numerics_key(fingerprint)))
+    numerics = json.loads(store.read_verified(layout.text_numerics(fingerprint)))
     embeddings, truncated = encode_captions(texts, model, text)
     meta = {"format": TEXT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "truncated": truncated,
             "numerics": numerics}

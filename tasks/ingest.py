@@ -30,6 +30,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
 from configs.schema import DatasetConfig, StorageConfig
+from storage import layout
 from storage.fingerprint import hash_json, sha256_bytes
 from storage.shards import pack_image_shard, read_image_shard, shard_id_of
 from storage.store import Store, fsspec_options
@@ -39,7 +40,6 @@ from tasks.sources import Candidate, Rejected, printable, read_source
 log = logging.getLogger(__name__)
 
 MAX_ASPECT_RATIO = 4.0  # the PixArt bucket tables span 1:4 … 4:1
-SHARDS = "shards/images"
 KEEP_AS_IS = ("JPEG", "PNG", "WEBP")  # RGB files in these formats are stored byte for byte
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 # the largest honest encoding is 16-bit RGBA stored uncompressed, plus its metadata
@@ -135,7 +135,7 @@ def read_index(store: Store) -> tuple[dict[tuple[str, tuple[str, ...]], str], di
     """Over every committed image shard: (sample id, captions) → shard id, and
     sample id → (width, height, a shard holding its bytes)."""
     records, images = {}, {}
-    for key in store.list(SHARDS, ".parquet"):
+    for key in store.list(layout.IMAGE_SHARDS, ".parquet"):
         if store.committed(key) is None:
             continue
         shard_id = shard_id_of(key)
@@ -228,17 +228,18 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
     for shard_id in sorted(members):
         current = sorted(members[shard_id])
         # null means "the whole shard"; a list names the current samples of a partly superseded shard
-        whole = len(current) == store.require(f"{SHARDS}/{shard_id}.parquet")["samples"]
+        whole = len(current) == store.require(layout.image_shard(shard_id))["samples"]
         shards.append({"id": shard_id, "samples": None if whole else current})
     dataset_id = hash_json(shards)
     record = {"id": dataset_id, "shards": shards, "samples": len(scan.samples),
               "sources": [s.path for s in dataset.sources]}
-    if store.committed(f"datasets/{dataset_id}.json") is None:  # an unchanged dataset writes nothing
-        store.commit_json(f"datasets/{dataset_id}.json", record, samples=len(scan.samples))
+    if store.committed(layout.dataset(dataset_id)) is None:  # an unchanged dataset writes nothing
+        store.commit_json(layout.dataset(dataset_id), record, samples=len(scan.samples))
     report = {"dataset": dataset_id, **ingest_report(scan), "quarantine": scan.quarantined}
-    write_if_changed(store, report_key(dataset_id), report)
+    write_if_changed(store, layout.dataset_report(dataset_id), report)
     write_if_changed(store, dataset_ref(dataset), {"dataset": dataset_id})
-    return {**record, "url": store.url(f"datasets/{dataset_id}.json"), "report": store.url(report_key(dataset_id)),
+    return {**record, "url": store.url(layout.dataset(dataset_id)),
+            "report": store.url(layout.dataset_report(dataset_id)),
             "new_shards": -(-len(new) // dataset.shard_size), "new_samples": len(new),
             "quarantined": len(scan.quarantined)}
 
@@ -264,7 +265,7 @@ def write_new_shards(
         shard_id = hash_json([(s.sample_id, s.captions) for s in chunk])
         rows = [{"sample_id": s.sample_id, "image": s.image_file.read_bytes(), "width": s.width,
                  "height": s.height, "captions": s.captions, "source": s.source} for s in chunk]
-        store.commit(f"{SHARDS}/{shard_id}.parquet", pack_image_shard(rows), samples=len(chunk))
+        store.commit(layout.image_shard(shard_id), pack_image_shard(rows), samples=len(chunk))
         members[shard_id] = [s.sample_id for s in chunk]
     return new, members
 
@@ -277,7 +278,7 @@ def spill_known_images(
     for sample in samples:
         by_shard.setdefault(images[sample.sample_id][2], []).append(sample)
     for shard_id, wanted in by_shard.items():
-        table = read_image_shard(store.read_bytes(f"{SHARDS}/{shard_id}.parquet"), columns=["sample_id", "image"])
+        table = read_image_shard(store.read_bytes(layout.image_shard(shard_id)), columns=["sample_id", "image"])
         stored = dict(zip(table.column("sample_id").to_pylist(), table.column("image").to_pylist()))
         for sample in wanted:
             sample.image_file = spill / sample.sample_id
@@ -289,14 +290,9 @@ def write_if_changed(store: Store, key: str, obj: Any) -> None:
         store.write_json(key, obj)
 
 
-def report_key(dataset_id: str) -> str:
-    """The report of the latest ingest that produced this dataset (quarantine included)."""
-    return f"datasets/{dataset_id}.report.json"
-
-
 def dataset_ref(dataset: DatasetConfig) -> str:
     """Key of the pointer to the latest dataset ingested from these sources and rules."""
-    return f"refs/datasets/{hash_json(dataset.model_dump())}.json"
+    return layout.dataset_ref(hash_json(dataset.model_dump()))
 
 
 def latest_dataset(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
@@ -305,7 +301,7 @@ def latest_dataset(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, 
     ref = dataset_ref(dataset)
     if not store.exists(ref):
         raise FileNotFoundError(f"no dataset ingested yet for these sources in {store.root_url}; run ingest first")
-    key = f"datasets/{store.read_json(ref)['dataset']}.json"
+    key = layout.dataset(store.read_json(ref)["dataset"])
     store.require(key)
     return {**store.read_json(key), "url": store.url(key)}
 
@@ -350,7 +346,7 @@ def sources_signature(storage: StorageConfig, dataset: DatasetConfig) -> str:
       cache_key_fn=lambda _, parameters: "ingest-" + sources_signature(parameters["storage"], parameters["dataset"]))
 def ingest_task(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
     result = ingest(storage, dataset)
-    report = Store(storage).read_json(report_key(result["id"]))
+    report = Store(storage).read_json(layout.dataset_report(result["id"]))
     create_markdown_artifact(markdown=report_markdown(report), key="ingest-report",
                              description=f"ingest of dataset {result['id']}")
     return result

@@ -20,12 +20,11 @@ from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from configs.schema import StorageConfig
+from storage import layout
 from storage.fingerprint import hash_json
 from storage.shards import LatentShard, RaggedShard
 from storage.store import Store
-from tasks.encode_latents import latent_cache_key
-from tasks.encode_text import prompts_cache_key, text_cache_key
-from tasks.ingest import SHARDS
+from tasks.encode_text import prompts_cache_key
 
 MANIFEST_SCHEMA = pa.schema(
     [
@@ -42,26 +41,23 @@ def manifest_id(dataset_id: str, text_fp: str, vae_fp: str, prompts: list[str]) 
     return hash_json({"dataset": dataset_id, "text": text_fp, "vae": vae_fp, "prompts": prompts})
 
 
-def manifest_key(manifest: str) -> str:
-    return f"manifests/{manifest}.json"
-
-
 def build_manifest(
     storage: StorageConfig, dataset_id: str, text_fp: str, vae_fp: str, prompts: list[str]
 ) -> dict[str, Any]:
     """Write the manifest for a dataset encoded with the given fingerprints; returns its record."""
     store = Store(storage)
     this_id = manifest_id(dataset_id, text_fp, vae_fp, prompts)
-    key = manifest_key(this_id)
+    key = layout.manifest(this_id)
     if (record := store.committed(key)) is not None:
         return record
-    dataset = json.loads(store.read_verified(f"datasets/{dataset_id}.json"))
+    dataset = json.loads(store.read_verified(layout.dataset(dataset_id)))
     prompts_key = prompts_cache_key(text_fp, prompts)
     checksums = {prompts_key: store.verify(prompts_key)["sha256"]}
     rows, buckets, quarantined = [], Counter(), Counter()
     for shard in dataset["shards"]:
-        image_key = f"{SHARDS}/{shard['id']}.parquet"
-        text_key, latent_key = text_cache_key(text_fp, shard["id"]), latent_cache_key(vae_fp, shard["id"])
+        image_key = layout.image_shard(shard["id"])
+        text_key = layout.cache_shard("text", text_fp, shard["id"])
+        latent_key = layout.cache_shard("latents", vae_fp, shard["id"])
         checksums[image_key] = store.verify(image_key)["sha256"]
         for needed in (text_key, latent_key):  # checked in the read that is used below
             checksums[needed] = store.require(needed)["sha256"]
@@ -82,7 +78,7 @@ def build_manifest(
             rows.append({"sample_id": sample_id, "variants": variants[sample_id], "text_shard": text_key,
                          "latent_shard": latent_key, "bucket": bucket})
 
-    table_key = f"manifests/{this_id}.parquet"
+    table_key = layout.manifest_table(this_id)
     buffer = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA), buffer)
     table_record = store.commit(table_key, buffer.getvalue(), samples=len(rows))

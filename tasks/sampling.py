@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from configs.schema import ModelConfig
+from storage import layout
 from tasks.features import pad_sequences
 from tasks.models import load_vae
 
@@ -74,18 +75,19 @@ def sample_run(
     from tasks.models import load_transformer, resolve_device
 
     fs, path = fsspec.core.url_to_fs(url.rstrip("/"), **(options or {}))
-    run = path.removesuffix("/adapter").removesuffix("/transformer")
+    run = layout.run_of(path)
     if model is None:
-        if not fs.exists(f"{run}/lineage.json"):
+        if not fs.exists(layout.run_part(run, "lineage")):
             raise FileNotFoundError(f"{url} has no lineage.json: say which model with --model")
-        model = ModelConfig.model_validate(json.loads(fs.cat_file(f"{run}/lineage.json"))["model"])
+        model = ModelConfig.model_validate(json.loads(fs.cat_file(layout.run_part(run, "lineage")))["model"])
     with tempfile.TemporaryDirectory() as local:
-        if fs.exists(f"{run}/adapter/adapter_config.json"):
+        adapter, full = layout.run_part(run, "adapter"), layout.run_part(run, "transformer")
+        if fs.exists(f"{adapter}/adapter_config.json"):
             for name in ("adapter_config.json", "adapter_model.safetensors"):
-                fs.get_file(f"{run}/adapter/{name}", f"{local}/{name}")
+                fs.get_file(f"{adapter}/{name}", f"{local}/{name}")
             transformer = PeftModel.from_pretrained(load_transformer(model), local).merge_and_unload()
-        elif fs.exists(f"{run}/transformer/config.json"):
-            for name in fs.ls(f"{run}/transformer", detail=False):
+        elif fs.exists(f"{full}/config.json"):
+            for name in fs.ls(full, detail=False):
                 fs.get_file(name, f"{local}/{name.rsplit('/', 1)[-1]}")
             transformer = PixArtTransformer2DModel.from_pretrained(local)
         else:

@@ -35,6 +35,7 @@ from safetensors.torch import load as load_safetensors
 from torch.nn.parallel import DistributedDataParallel
 
 from configs.schema import ModelConfig, StorageConfig, TrainingConfig
+from storage import layout
 from storage.fingerprint import hash_json
 from storage.lease import Lease
 from storage.store import Store, fsspec_options
@@ -76,8 +77,8 @@ def initial_adapter(store: Store, storage: StorageConfig, model: ModelConfig, tr
         return None
     if training.init_from == "latest":
         finished = []
-        for key in store.list("runs"):
-            record = store.committed(f"{key}/lineage.json")
+        for key in store.list(layout.RUNS):
+            record = store.committed(layout.run_part(key, "lineage"))
             if record and record.get("adapter") and record.get("model") == model.model_dump():
                 finished.append((record["finished"], record["adapter"]))
         if not finished:
@@ -86,7 +87,7 @@ def initial_adapter(store: Store, storage: StorageConfig, model: ModelConfig, tr
         url = max(finished)[1]
     else:
         url = training.init_from.rstrip("/")
-        url = url if url.endswith("/adapter") else f"{url}/adapter"
+        url = layout.run_part(layout.run_of(url), "adapter")
     fs, path = fsspec.core.url_to_fs(f"{url}/adapter_model.safetensors", **fsspec_options(storage))
     try:
         data = fs.cat_file(path)
@@ -103,22 +104,22 @@ def train(
     store = Store(storage)
     manifest = json.loads(store.read_verified(store.key(manifest_url)))
     if training.init_from == "latest":  # resolved only if this run has not finished already
-        run = f"runs/{run_id_for(manifest['id'], model, training)}"
-        if (record := store.committed(f"{run}/lineage.json")) is not None:
+        run = layout.run(run_id_for(manifest["id"], model, training))
+        if (record := store.committed(layout.run_part(run, "lineage"))) is not None:
             return record
     init = initial_adapter(store, storage, model, training)
-    run = f"runs/{run_id_for(manifest['id'], model, training, init)}"
-    if (record := store.committed(f"{run}/lineage.json")) is not None:
+    run = layout.run(run_id_for(manifest["id"], model, training, init))
+    if (record := store.committed(layout.run_part(run, "lineage"))) is not None:
         return record
     # one trainer per run: another pipeline training it already is waited for, not raced
-    lease = Lease(store, f"{run}/lease")
+    lease = Lease(store, layout.run_part(run, "lease"))
     while not lease.acquire():
-        if (record := store.committed(f"{run}/lineage.json")) is not None:
+        if (record := store.committed(layout.run_part(run, "lineage"))) is not None:
             return record
         log.info("run %s is being trained by %s; waiting for it", store.url(run), lease.holder())
         time.sleep(LEASE_POLL_SECONDS)
     try:
-        if (record := store.committed(f"{run}/lineage.json")) is not None:  # finished while we waited
+        if (record := store.committed(layout.run_part(run, "lineage"))) is not None:  # finished while we waited
             return record
         if training.processes == 1:
             return run_training(0, 1, 0, storage, model, training, manifest, run, init, progress, lease)
@@ -132,11 +133,11 @@ def train(
                 for process in processes.processes:
                     process.terminate()
                 lease.check()
-            if progress is not None and store.exists(f"{run}/progress.json"):
-                progress(*store.read_json(f"{run}/progress.json"))
+            if progress is not None and store.exists(layout.run_part(run, "progress")):
+                progress(*store.read_json(layout.run_part(run, "progress")))
         if progress is not None:
             progress(training.steps, training.steps, float("nan"))
-        return store.require(f"{run}/lineage.json")
+        return store.require(layout.run_part(run, "lineage"))
     finally:
         lease.release()
 
@@ -216,7 +217,7 @@ def run_training(
         network.train()
         buffer = io.BytesIO()
         grid.save(buffer, format="PNG")
-        store.write_bytes(f"{run}/samples/step-{step:06d}.png", buffer.getvalue())
+        store.write_bytes(layout.sample(run, step), buffer.getvalue())
 
     # --- loop ---------------------------------------------------------------------------------
     network.train()
@@ -252,7 +253,7 @@ def run_training(
         if leader and progress is not None:
             progress(step, training.steps, step_loss)
         if leader and world > 1 and step % max(1, training.steps // 100) == 0:
-            store.write_json(f"{run}/progress.json", [step, training.steps, step_loss])
+            store.write_json(layout.run_part(run, "progress"), [step, training.steps, step_loss])
         if leader and training.sample_prompts and training.sample_every and step % training.sample_every == 0 \
                 and step < training.steps:
             render_samples(step)
@@ -285,13 +286,13 @@ def run_training(
         network.save_pretrained(tmp)
         for file in sorted(Path(tmp).iterdir()):
             if file.is_file():
-                store.put_file(file, f"{run}/{output}/{file.name}")
+                store.put_file(file, f"{layout.run_part(run, output)}/{file.name}")
     if training.sample_prompts:
         render_samples(training.steps)
-    samples = [store.url(key) for key in store.list(f"{run}/samples", ".png")]
+    samples = [store.url(key) for key in store.list(layout.run_part(run, "samples"), ".png")]
     write_metrics(store, run, metrics)
-    store.write_bytes(f"{run}/loss_curve.png", loss_curve_png(metrics))
-    store.write_bytes(f"{run}/config.yaml", yaml.safe_dump(training.model_dump(), sort_keys=False).encode())
+    store.write_bytes(layout.run_part(run, "loss_curve"), loss_curve_png(metrics))
+    store.write_bytes(layout.run_part(run, "config"), yaml.safe_dump(training.model_dump(), sort_keys=False).encode())
     lineage = {
         "manifest": manifest["id"], "model": model.model_dump(), "training": training.model_dump(),
         "init_from": init and {"url": init["url"], "sha256": init["sha256"]},
@@ -299,9 +300,10 @@ def run_training(
     }
     window = max(1, min(10, len(metrics) // 4))  # mean loss over the first and last few steps
     return store.commit_json(
-        f"{run}/lineage.json", lineage, run=store.url(run), samples=samples, model=model.model_dump(),
-        adapter=store.url(f"{run}/adapter") if output == "adapter" else None,
-        transformer=store.url(f"{run}/transformer") if output == "transformer" else None, finished=time.time(),
+        layout.run_part(run, "lineage"), lineage, run=store.url(run), samples=samples, model=model.model_dump(),
+        adapter=store.url(layout.run_part(run, "adapter")) if output == "adapter" else None,
+        transformer=store.url(layout.run_part(run, "transformer")) if output == "transformer" else None,
+        finished=time.time(),
         steps=training.steps, resumed_from=start, seconds=round(elapsed, 2),
         first_loss=sum(m["loss"] for m in metrics[:window]) / window,
         final_loss=sum(m["loss"] for m in metrics[-window:]) / window,
@@ -366,13 +368,13 @@ def free_port() -> int:
 
 
 def write_metrics(store: Store, run: str, metrics: list[dict[str, Any]]) -> None:
-    store.write_bytes(f"{run}/metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics).encode())
+    store.write_bytes(layout.run_part(run, "metrics"), "".join(json.dumps(m) + "\n" for m in metrics).encode())
 
 
 def read_metrics(store: Store, run: str) -> list[dict[str, Any]]:
-    if not store.exists(f"{run}/metrics.jsonl"):
+    if not store.exists(layout.run_part(run, "metrics")):
         return []
-    return [json.loads(line) for line in store.read_bytes(f"{run}/metrics.jsonl").splitlines() if line]
+    return [json.loads(line) for line in store.read_bytes(layout.run_part(run, "metrics")).splitlines() if line]
 
 
 def code_version() -> str:
@@ -427,7 +429,8 @@ def run_markdown(record: dict[str, Any]) -> str:
     resumed = f" (resumed at step {record['resumed_from']})" if record["resumed_from"] else ""
     lines = [f"# Training run{resumed}", "", f"- steps: {record['steps']}",
              f"- loss: {record['first_loss']:.4f} at the start, {record['final_loss']:.4f} at the end",
-             f"- weights: `{record['adapter'] or record['transformer']}`", f"- loss curve: `{record['run']}/loss_curve.png`",
-             f"- metrics: `{record['run']}/metrics.jsonl`"]
+             f"- weights: `{record['adapter'] or record['transformer']}`",
+             f"- loss curve: `{layout.run_part(record['run'], 'loss_curve')}`",
+             f"- metrics: `{layout.run_part(record['run'], 'metrics')}`"]
     lines += [f"- samples: `{url}`" for url in record["samples"]]
     return "\n".join(lines)

@@ -9,10 +9,11 @@ import torch
 from diffusers import AutoencoderKL
 from PIL import Image
 
+from storage import layout
 from storage.shards import LatentShard, read_image_shard
 from storage.store import Store
 from tasks import encode_latents
-from tasks.encode_latents import bucket_table, crop_box, encode_latents_shard, latent_cache_key, preprocess
+from tasks.encode_latents import bucket_table, crop_box, encode_latents_shard, preprocess
 from tasks.ingest import ingest
 from tasks.models import vae_fingerprint
 
@@ -25,7 +26,7 @@ def _encode(config, dataset=None, **settings):
     shard = dataset["shards"][0]["id"]
     record = encode_latents_shard(config.storage, config.model, latents, fingerprint,
                                   store.url(f"shards/images/{shard}.parquet"))
-    cache = LatentShard(store.local_path(latent_cache_key(fingerprint, shard)))
+    cache = LatentShard(store.local_path(layout.cache_shard("latents", fingerprint, shard)))
     rows = read_image_shard(store.read_bytes(f"shards/images/{shard}.parquet")).to_pylist()
     return record, cache, rows, latents
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, T5EncoderModel
 
+from storage import layout
 from storage.shards import RaggedShard, read_image_shard
 from storage.store import Store
-from tasks.encode_text import encode_captions, encode_prompts, encode_text_shard, measure_numerics, text_cache_key
+from tasks.encode_text import encode_captions, encode_prompts, encode_text_shard, measure_numerics
 from tasks.ingest import ingest
 from tasks.models import text_encoder_fingerprint
 
@@ -45,7 +46,7 @@ def _encode_first_shard(config, dataset, **text):
     url = store.url(f"shards/images/{shard}.parquet")
     measure_numerics(config.storage, config.model, settings, fingerprint, url)
     record = encode_text_shard(config.storage, config.model, settings, fingerprint, url)
-    cache = RaggedShard(store.local_path(text_cache_key(fingerprint, shard)))
+    cache = RaggedShard(store.local_path(layout.cache_shard("text", fingerprint, shard)))
     rows = read_image_shard(store.read_bytes(f"shards/images/{shard}.parquet")).to_pylist()
     return record, cache, rows
 
@@ -152,7 +153,7 @@ def test_results_do_not_depend_on_batching_and_truncation_is_counted(ingested, t
     measure_numerics(config.storage, config.model, short, fp_short, shard_url)
     record = encode_text_shard(config.storage, config.model, short, fp_short, shard_url)
     assert record["truncated"] > 0
-    cache = RaggedShard(store.local_path(text_cache_key(fp_short, dataset["shards"][0]["id"])))
+    cache = RaggedShard(store.local_path(layout.cache_shard("text", fp_short, dataset["shards"][0]["id"])))
     for key in list(cache.rows)[:4]:
         assert len(cache[key]) <= 8
     caption = read_image_shard(store.read_bytes(store.key(shard_url))).to_pylist()[0]

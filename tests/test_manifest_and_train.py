@@ -11,8 +11,9 @@ from diffusers import PixArtTransformer2DModel
 from peft import PeftModel
 from PIL import Image
 
+from storage import layout
 from storage.store import Store
-from tasks.encode_latents import encode_latents_shard, latent_cache_key
+from tasks.encode_latents import encode_latents_shard
 from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics
 from tasks.ingest import ingest
 from tasks.manifest import build_manifest
@@ -66,7 +67,7 @@ def test_manifest_refuses_a_missing_or_damaged_shard(make_config):
     config = make_config()
     dataset, text_fp, vae_fp = _cache_everything(config)
     store = Store(config.storage)
-    damaged = latent_cache_key(vae_fp, dataset["shards"][1]["id"])
+    damaged = layout.cache_shard("latents", vae_fp, dataset["shards"][1]["id"])
     path = store.path(damaged)
     data = bytearray(open(path, "rb").read())
     data[-1] ^= 0xFF
@@ -304,9 +305,7 @@ def test_training_refuses_a_shard_tampered_after_the_manifest(make_config):
     dataset, text_fp, vae_fp = _cache_everything(config)
     manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
     store = Store(config.storage)
-    from tasks.encode_text import text_cache_key
-
-    tampered = text_cache_key(text_fp, dataset["shards"][2]["id"])
+    tampered = layout.cache_shard("text", text_fp, dataset["shards"][2]["id"])
     data = bytearray(store.read_bytes(tampered))
     data[-5] ^= 0x01
     open(store.path(tampered), "wb").write(bytes(data))

@@ -8,9 +8,10 @@ import json
 import pytest
 
 from flows.cli import main
+from storage import layout
 from storage.store import Store
 from tasks.encode_latents import encode_latents_shard
-from tasks.encode_text import encode_text_shard, text_cache_key
+from tasks.encode_text import encode_text_shard
 from tasks.ingest import ingest
 from tasks.manifest import build_manifest
 from tasks.models import text_encoder_fingerprint, vae_fingerprint
@@ -36,7 +37,7 @@ def test_verify_finds_damage_partials_and_orphans_and_repairs_only_those(make_co
     clean = json.loads(capsys.readouterr().out)
     assert clean["ok"] and clean["checked"] >= 12 and not (clean["partial"] or clean["orphaned"])
 
-    damaged = text_cache_key(text_fp, dataset["shards"][0]["id"])
+    damaged = layout.cache_shard("text", text_fp, dataset["shards"][0]["id"])
     _flip(store, damaged)
     store.write_bytes("shards/images/deadbeef.parquet", b"written, never committed")  # killed before its record
     (store_path := store.path("cache/latents/x.safetensors.partial-" + "0" * 32))

@@ -162,3 +162,20 @@ def test_a_lease_has_one_holder_until_released_dead_or_stale(where, tmp_path, s3
         fourth.check()
     fourth.release()
     assert store.read_json("runs/r/lease/00000007.json")["token"] == "other"  # the new holder's stays
+
+
+def test_only_the_layout_spells_store_keys():
+    """storage/layout.py is the one home of the store's keys: no other module spells one."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    spelled = re.compile(r"""["'](runs|cache|shards|manifests|datasets|refs|prefect)/"""
+                         r"|\}/(lineage\.json|checkpoints\b|samples\b|adapter[\"/]|transformer[\"/]|metrics\.jsonl"
+                         r"|progress\.json|lease\b|config\.yaml|loss_curve\.png)")
+    offenders = [f"{path.relative_to(root)}:{number}: {line.strip()}"
+                 for folder in ("flows", "tasks", "storage", "benchmarks", "configs")
+                 for path in sorted((root / folder).rglob("*.py")) if path.name != "layout.py"
+                 for number, line in enumerate(path.read_text().splitlines(), 1)
+                 if spelled.search(line) and not line.lstrip().startswith("#")]
+    assert offenders == []

@@ -1,0 +1,137 @@
+"""The store's layout: the key of every artifact kind, in one place.
+
+Keys are relative to the store root (`Store.url(key)` makes a URL). Content-addressed ids go in
+(shard, dataset, manifest and run ids, encoder fingerprints); nothing else in precast spells a
+path. `COMMITTED` lists the kinds that are only valid with a commit record beside them, which
+`precast verify` checks.
+
+    shards/images/<shard_id>.parquet
+    datasets/<dataset_id>.json, datasets/<dataset_id>.report.json
+    refs/datasets/<config hash>.json                          the latest dataset of a dataset config
+    cache/text/<fp>/<shard_id>.safetensors, prompts/<hash>.safetensors, numerics.json
+    cache/latents/<fp>/<shard_id>.safetensors
+    manifests/<manifest_id>.json, manifests/<manifest_id>.parquet
+    runs/<run_id>/lineage.json, config.yaml, metrics.jsonl, loss_curve.png, progress.json, lease,
+                  checkpoints/step-<8 digits>.safetensors, samples/step-<6 digits>.png,
+                  adapter/ or transformer/
+    prefect/results/                                          Prefect results and cache keys
+"""
+
+from __future__ import annotations
+
+import re
+
+IMAGE_SHARDS = "shards/images"
+RUNS = "runs"
+PREFECT_RESULTS = "prefect/results"
+CHECKPOINT_PREFIX = "checkpoints/step-"
+
+
+# --- ingest ---------------------------------------------------------------------------------------
+def image_shard(shard_id: str) -> str:
+    return f"{IMAGE_SHARDS}/{shard_id}.parquet"
+
+
+def dataset(dataset_id: str) -> str:
+    return f"datasets/{dataset_id}.json"
+
+
+def parse_dataset(url: str) -> tuple[str, str]:
+    """(store root URL, dataset id) of a dataset record's URL."""
+    root, marker, name = url.rpartition("/datasets/")
+    if not marker or not name.endswith(".json") or "/" in name:
+        raise ValueError(f"{url}: expected <root>/datasets/<dataset_id>.json")
+    return root, name.removesuffix(".json")
+
+
+def dataset_report(dataset_id: str) -> str:
+    """The report of the latest ingest that produced this dataset (quarantine included)."""
+    return f"datasets/{dataset_id}.report.json"
+
+
+def dataset_ref(config_hash: str) -> str:
+    return f"refs/datasets/{config_hash}.json"
+
+
+# --- caches: kind "text" (T5 embeddings) or "latents" (VAE posteriors), under the encoder's fingerprint ---
+def cache(kind: str, fingerprint: str) -> str:
+    return f"cache/{kind}/{fingerprint}"
+
+
+def cache_shard(kind: str, fingerprint: str, shard_id: str) -> str:
+    return f"{cache(kind, fingerprint)}/{shard_id}.safetensors"
+
+
+def text_prompts(fingerprint: str, prompts_hash: str) -> str:
+    """The empty caption and the sample prompts, encoded."""
+    return f"{cache('text', fingerprint)}/prompts/{prompts_hash}.safetensors"
+
+
+def text_numerics(fingerprint: str) -> str:
+    """The fingerprint's precision check, measured once."""
+    return f"{cache('text', fingerprint)}/numerics.json"
+
+
+# --- manifests ------------------------------------------------------------------------------------
+def manifest(manifest_id: str) -> str:
+    return f"manifests/{manifest_id}.json"
+
+
+def manifest_table(manifest_id: str) -> str:
+    return f"manifests/{manifest_id}.parquet"
+
+
+# --- runs ----------------------------------------------------------------------------------------
+RUN_PARTS = {
+    "lineage": "lineage.json",  # the run's commit record: written last, it says the run finished
+    "config": "config.yaml",
+    "metrics": "metrics.jsonl",
+    "loss_curve": "loss_curve.png",
+    "progress": "progress.json",  # relayed from rank 0 of a multi-process run
+    "lease": "lease",  # one trainer at a time
+    "samples": "samples",
+    "checkpoints": "checkpoints",
+    "adapter": "adapter",  # trained weights: a PEFT adapter,
+    "transformer": "transformer",  # or the whole transformer (diffusers)
+}
+
+
+def run(run_id: str) -> str:
+    return f"{RUNS}/{run_id}"
+
+
+def run_part(run: str, part: str) -> str:
+    """The key of one of RUN_PARTS in a run (`run`: a run's key or path)."""
+    return f"{run}/{RUN_PARTS[part]}"
+
+
+def run_of(path: str) -> str:
+    """The run an adapter/transformer path (or the run itself) belongs to."""
+    for part in ("adapter", "transformer"):
+        path = path.removesuffix(f"/{RUN_PARTS[part]}")
+    return path
+
+
+def sample(run: str, step: int) -> str:
+    return f"{run_part(run, 'samples')}/step-{step:06d}.png"
+
+
+def checkpoint(run: str, step: int) -> str:
+    return f"{run}/{CHECKPOINT_PREFIX}{step:08d}.safetensors"
+
+
+def checkpoint_step(key: str) -> int:
+    return int(key.rsplit(CHECKPOINT_PREFIX, 1)[1].removesuffix(".safetensors"))
+
+
+# keys that are only valid with a commit record beside them (`precast verify`)
+COMMITTED = re.compile(
+    rf"^({IMAGE_SHARDS}/[^/]+\.parquet"
+    r"|cache/(text|latents)/[^/]+/[^/]+\.safetensors"
+    r"|cache/text/[^/]+/prompts/[^/]+\.safetensors"
+    r"|cache/text/[^/]+/numerics\.json"
+    r"|manifests/[^/]+\.(parquet|json)"
+    r"|datasets/[^/.]+\.json"
+    rf"|{RUNS}/[^/]+/{CHECKPOINT_PREFIX}[^/]+\.safetensors"
+    rf"|{RUNS}/[^/]+/{RUN_PARTS['lineage']})$"
+)
