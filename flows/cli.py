@@ -9,7 +9,6 @@ import os
 import sys
 from pathlib import Path
 
-DEMO_DIR = Path("precast-demo")
 STAGES = ["ingest", "encode-text", "encode-latents", "manifest", "train"]
 
 

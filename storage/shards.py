@@ -2,7 +2,9 @@
 
 Text cache: only the real tokens of each caption, ragged — `embeddings` [total_tokens, dim] plus
 `offsets` [rows + 1]; the attention mask is implied by the length. Latent cache: the VAE
-posterior (mean and std) of each sample, one tensor per aspect-ratio bucket. Both are read
+posterior of each sample (mean with std or log-variance, or the mean alone, as
+`latent_encoding.posterior` says; flipped twins when `flip` is on), one tensor per aspect-ratio
+bucket. Both are read
 memory-mapped through safetensors, a row at a time.
 """
 
@@ -128,6 +130,3 @@ class LatentShard:
         if posterior == "mean_logvar":
             return mean, torch.exp(0.5 * self._file.get_slice(f"{prefix}logvar/{bucket}")[index].float())
         return mean, None
-
-    def __getitem__(self, sample_id: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.get(sample_id)

@@ -40,6 +40,10 @@ class ArtifactMissing(FileNotFoundError):
     """A stage's input is not committed in the store."""
 
 
+class Damaged(ValueError):
+    """An artifact whose bytes no longer match its recorded sha256."""
+
+
 class StorageUnavailable(OSError):
     """A storage operation kept failing with transient errors."""
 
@@ -170,7 +174,7 @@ class Store:
 
     def _check(self, key: str, digest: str, expected: str) -> None:
         if digest != expected:
-            raise ValueError(f"{self.url(key)} is damaged: sha256 {digest} != committed {expected}")
+            raise Damaged(f"{self.url(key)} is damaged: sha256 {digest} != committed {expected}")
 
     def verify(self, key: str) -> dict[str, Any]:
         """The commit record of `key` after checking the artifact's bytes against its checksum."""

@@ -1,4 +1,5 @@
-"""Stage 3 — encode-latents: VAE per image shard → posterior mean and std per aspect-ratio bucket.
+"""Stage 3 — encode-latents: VAE per image shard → posterior (`posterior`: mean+std, mean+logvar or
+mean) per aspect-ratio bucket.
 
 Each image goes to the nearest ratio of diffusers' PixArt table for the configured resolution,
 is resized to cover it and centre-cropped (PixArt's recipe), and encoded in batches that never mix

@@ -1,8 +1,10 @@
 """Training data from the caches alone: bucketed batches of latents and padded T5 embeddings.
 
-Shards are checked against the manifest's checksums before use and then read memory-mapped, a
-row at a time. Every random choice (order, caption variant, dropout, latent noise) comes from one
-seeded generator, so a run is reproducible.
+Shards are checked against the manifest's checksums in the read that is used, then read
+memory-mapped, a row at a time. Every random choice is seeded: the batch order by
+`bucket_batches`' seed and epoch; flips, caption variants, dropout and latent noise by the
+generator the trainer passes in (its state is checkpointed with each batch), so a run is
+reproducible and resumes exactly.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from peft import PeftModel
 from PIL import Image
 
 from storage import layout
-from storage.store import Store
+from storage.store import Damaged, Store
 from tasks.encode_latents import encode_latents_shard
 from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics
 from tasks.ingest import ingest
@@ -183,7 +183,7 @@ def test_a_damaged_checkpoint_is_refused_by_name(make_config):
     data = bytearray(open(checkpoint, "rb").read())
     data[-3] ^= 0x55
     open(checkpoint, "wb").write(bytes(data))
-    with pytest.raises(ValueError, match="step-00000002.safetensors is damaged"):
+    with pytest.raises(Damaged, match="step-00000002.safetensors is damaged"):
         train(config.storage, config.model, config.training, manifest["url"])
 
 
@@ -266,6 +266,7 @@ def test_ema_weights_are_the_saved_result(make_config):
     store = Store(config.storage)
     a, b = (load(store.read_bytes(store.key(r["adapter"]) + "/adapter_model.safetensors")) for r in (raw, averaged))
     lora_b = [name for name in a if "lora_B" in name]
+    assert lora_b and set(a) == set(b)
     # same seed and data: the averaged B matrices lag the raw ones (they start at zero)
     assert all(b[n].abs().sum() < a[n].abs().sum() for n in lora_b)
 
@@ -309,7 +310,7 @@ def test_training_refuses_a_shard_tampered_after_the_manifest(make_config):
     data = bytearray(store.read_bytes(tampered))
     data[-5] ^= 0x01
     open(store.path(tampered), "wb").write(bytes(data))
-    with pytest.raises(ValueError, match=tampered.replace(".", r"\.") + " is damaged"):
+    with pytest.raises(Damaged, match=tampered.replace(".", r"\.") + " is damaged"):
         train(config.storage, config.model, config.training, manifest["url"])
     assert [key for key in store.find("runs") if "/lease/" not in key] == []  # nothing trained on damaged data
 

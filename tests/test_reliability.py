@@ -9,7 +9,7 @@ import pytest
 
 from flows.cli import main
 from storage import layout
-from storage.store import Store
+from storage.store import Damaged, Store
 from tasks.encode_latents import encode_latents_shard
 from tasks.encode_text import encode_text_shard
 from tasks.ingest import ingest
@@ -69,7 +69,7 @@ def test_damage_is_detected_before_use_naming_the_artifact(make_config, artifact
         _flip(store, f"shards/images/{shard}.parquet")
         for encode, settings, fp in [(encode_text_shard, config.text_encoding, text_fp),
                                      (encode_latents_shard, config.latent_encoding, vae_fp)]:
-            with pytest.raises(ValueError, match=f"shards/images/{shard}.parquet is damaged"):
+            with pytest.raises(Damaged, match=f"shards/images/{shard}.parquet is damaged"):
                 encode(config.storage, config.model, settings, fp, shard_url)
         return
     dataset, text_fp, vae_fp = _cache_everything(config)
@@ -84,7 +84,7 @@ def test_damage_is_detected_before_use_naming_the_artifact(make_config, artifact
         key = next(store.key(store.fs.unstrip_protocol(p)) for p in store.fs.find(store.path("runs"))
                    if p.endswith("step-00000002.safetensors"))
     _flip(store, key)
-    with pytest.raises(ValueError, match=key.replace(".", r"\.") + " is damaged"):
+    with pytest.raises(Damaged, match=key.replace(".", r"\.") + " is damaged"):
         train(config.storage, config.model, config.training, manifest["url"])
     assert not any(p.endswith("lineage.json") for p in store.fs.find(store.root_path))  # nothing trained on it
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from configs.schema import StorageConfig
-from storage.store import ArtifactMissing, Store, json_bytes
+from storage.store import ArtifactMissing, Damaged, Store, json_bytes
 
 
 def test_commit_writes_data_then_record(tmp_path):
@@ -45,7 +45,7 @@ def test_damaged_artifact_is_named(tmp_path):
     store = Store(StorageConfig(root=str(tmp_path)))
     store.commit("shards/x.parquet", b"original bytes")
     (tmp_path / "shards" / "x.parquet").write_bytes(b"original bytez")
-    with pytest.raises(ValueError, match=r"shards/x\.parquet is damaged"):
+    with pytest.raises(Damaged, match=r"shards/x\.parquet is damaged"):
         store.verify("shards/x.parquet")
 
 
@@ -63,7 +63,7 @@ def test_s3_store_round_trip(s3_endpoint, tmp_path):
         handle.write(b"\x01" * 4096)
     assert open(store.local_path("cache/text/fp/shard.safetensors", cache_dir=tmp_path), "rb").read() == b"\x00" * 4096
     store.fs.pipe_file(store.path("cache/text/fp/shard.safetensors"), b"\x02" * 4096)  # damaged after its commit
-    with pytest.raises(ValueError, match=r"shard\.safetensors is damaged"):
+    with pytest.raises(Damaged, match=r"shard\.safetensors is damaged"):
         store.local_path("cache/text/fp/shard.safetensors", cache_dir=tmp_path / "fresh")
     assert list((tmp_path / "fresh").rglob("*")) == [next((tmp_path / "fresh").iterdir())]  # no bad copy kept
     assert store.list("cache/text/fp", ".safetensors") == ["cache/text/fp/shard.safetensors"]
