@@ -15,23 +15,23 @@ from prefect.artifacts import create_markdown_artifact
 
 from configs.schema import PipelineConfig
 from flows.stages import (
-    run_encode_latents, run_encode_text, run_ingest, run_manifest, run_train, stored_dataset, stored_manifest,
+    Plan, run_encode_latents, run_encode_text, run_ingest, run_manifest, run_train, stored_dataset, stored_manifest,
 )
 from flows.summary import Summary
-from storage.store import Store
 
 log = logging.getLogger(__name__)
 
 
 @flow(name="precast-pipeline", log_prints=True)
 def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
-    Store(config.storage).check_reachable()
-    summary = Summary(config)
-    dataset = summary.stage("ingest", lambda: run_ingest(config))
-    text = summary.stage("encode-text", lambda: run_encode_text(config, dataset))
-    latents = summary.stage("encode-latents", lambda: run_encode_latents(config, dataset))
-    manifest = summary.stage("manifest", lambda: run_manifest(config, dataset))
-    run = summary.stage("train", lambda: run_train(config, manifest))
+    plan = Plan(config)  # the store, fingerprints and result storage, each derived once
+    plan.store.check_reachable()
+    summary = Summary(plan.store)
+    dataset = summary.stage("ingest", lambda: run_ingest(plan))
+    text = summary.stage("encode-text", lambda: run_encode_text(plan, dataset))
+    latents = summary.stage("encode-latents", lambda: run_encode_latents(plan, dataset))
+    manifest = summary.stage("manifest", lambda: run_manifest(plan, dataset))
+    run = summary.stage("train", lambda: run_train(plan, manifest))
     report = summary.markdown()  # what ran, what was cached, and how long each stage took
     create_markdown_artifact(key="pipeline-summary", markdown=report)
     log.info("%s", report)
@@ -55,13 +55,14 @@ Stage = Literal["ingest", "encode-text", "encode-latents", "manifest", "train"]
 def stage(name: Stage, config: PipelineConfig = PipelineConfig(), shards: list[str] | None = None) -> dict[str, Any]:
     """One stage alone, its inputs taken from the store (the latest dataset of these sources);
     `shards` limits an encoding stage to those image shard URLs."""
-    Store(config.storage).check_reachable()
+    plan = Plan(config)
+    plan.store.check_reachable()
     if name == "ingest":
-        return run_ingest(config)
+        return run_ingest(plan)
     if name == "encode-text":
-        return run_encode_text(config, stored_dataset(config), shards)
+        return run_encode_text(plan, stored_dataset(plan), shards)
     if name == "encode-latents":
-        return run_encode_latents(config, stored_dataset(config), shards)
+        return run_encode_latents(plan, stored_dataset(plan), shards)
     if name == "manifest":
-        return run_manifest(config, stored_dataset(config))
-    return run_train(config, stored_manifest(config))
+        return run_manifest(plan, stored_dataset(plan))
+    return run_train(plan, stored_manifest(plan))

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextvars
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -35,29 +37,46 @@ from tasks.encode_text import (
 from tasks.ingest import ingest_task, latest_dataset
 from tasks.manifest import manifest_id, manifest_task
 from tasks.models import text_encoder_fingerprint, vae_fingerprint
-from tasks.train import run_id_for, train_task
+from tasks.train import initial_adapter, run_id_for, train_task
 
 
-def configured(task: Task, config: PipelineConfig) -> Task:
-    return task.with_options(
-        retries=config.execution.retries,
-        retry_delay_seconds=config.execution.retry_delay_seconds,
-        result_storage=result_storage(config),
-    )
+@dataclass
+class Plan:
+    """What one pipeline (or stage) run derives from its config, each computed once and only when
+    first needed: the store, the encoders' fingerprints (hashing a model's files, or asking the
+    hub; a stage that does not need them never computes them) and Prefect's result storage."""
 
+    config: PipelineConfig
 
-def result_storage(config: PipelineConfig) -> Path | str:
-    """Prefect result (and cache key) storage under `<root>/prefect/results`."""
-    store = Store(config.storage)
-    if store.is_local:
-        return Path(store.path(layout.PREFECT_RESULTS))
-    # a remote location must be a saved block; its name comes from the root and its settings hold
-    # only the non-secret options (a RemoteFileSystem block shows its settings in the UI), so
-    # Prefect's own result I/O takes credentials from the worker's environment or role
-    name = f"precast-results-{hash_json(store.root_url, chars=12)}"
-    RemoteFileSystem(basepath=store.url(layout.PREFECT_RESULTS), settings=config.storage.options).save(
-        name, overwrite=True)
-    return f"remote-file-system/{name}"
+    @cached_property
+    def store(self) -> Store:
+        return Store(self.config.storage)
+
+    @cached_property
+    def text_fp(self) -> str:
+        return text_encoder_fingerprint(self.config.model, self.config.text_encoding)
+
+    @cached_property
+    def vae_fp(self) -> str:
+        return vae_fingerprint(self.config.model, self.config.latent_encoding)
+
+    @cached_property
+    def results(self) -> Path | str:
+        """Prefect result (and cache key) storage under `<root>/prefect/results`."""
+        if self.store.is_local:
+            return Path(self.store.path(layout.PREFECT_RESULTS))
+        # a remote location must be a saved block; its name comes from the root and its settings
+        # hold only the non-secret options (a RemoteFileSystem block shows its settings in the
+        # UI), so Prefect's own result I/O takes credentials from the worker's environment or role
+        name = f"precast-results-{hash_json(self.store.root_url, chars=12)}"
+        RemoteFileSystem(basepath=self.store.url(layout.PREFECT_RESULTS),
+                         settings=self.config.storage.options).save(name, overwrite=True)
+        return f"remote-file-system/{name}"
+
+    def configured(self, task: Task) -> Task:
+        execution = self.config.execution
+        return task.with_options(retries=execution.retries, retry_delay_seconds=execution.retry_delay_seconds,
+                                 result_storage=self.results)
 
 
 def bounded_map(task: Task, items: list[Any], limit: int, *args: Any) -> list[Any]:
@@ -107,19 +126,19 @@ def run_shards_elsewhere(config: PipelineConfig, deployment: str, stage: str, ur
             future.result()
 
 
-def run_ingest(config: PipelineConfig) -> dict[str, Any]:
+def run_ingest(plan: Plan) -> dict[str, Any]:
+    config = plan.config
     if deployment := placed(config, "ingest"):
         run_elsewhere(config, deployment, "ingest")
-        return stored_dataset(config)
-    return configured(ingest_task, config)(config.storage, config.dataset)
+        return stored_dataset(plan)
+    return plan.configured(ingest_task)(config.storage, config.dataset)
 
 
-def run_encode_text(config: PipelineConfig, dataset: dict[str, Any], shards: list[str] | None = None) -> dict[str, Any]:
+def run_encode_text(plan: Plan, dataset: dict[str, Any], shards: list[str] | None = None) -> dict[str, Any]:
     """`shards`: only these image shards (None: all of the dataset's; []: only the prompts and the
     precision check, which always come first, measured on the dataset's first shard)."""
-    fingerprint = text_encoder_fingerprint(config.model, config.text_encoding)
-    store = Store(config.storage)
-    every = shard_urls(config, dataset)
+    config, store, fingerprint = plan.config, plan.store, plan.text_fp
+    every = shard_urls(plan, dataset)
     urls = every if shards is None else shards
     if deployment := placed(config, "encode-text"):
         run_elsewhere(config, deployment, "encode-text", [])  # before the shards fan out
@@ -128,67 +147,59 @@ def run_encode_text(config: PipelineConfig, dataset: dict[str, Any], shards: lis
         records = [store.require(layout.cache_shard("text", fingerprint, shard_id_of(url))) for url in urls]
     else:
         args = (config.storage, config.model, config.text_encoding, fingerprint)
-        prompts = configured(encode_prompts_task, config)(*args, config.training.sample_prompts)
-        configured(measure_numerics_task, config)(*args, every[0] if every else None)
-        records = bounded_map(configured(encode_text_task, config), urls, config.execution.max_parallel_shards, *args)
+        prompts = plan.configured(encode_prompts_task)(*args, config.training.sample_prompts)
+        plan.configured(measure_numerics_task)(*args, every[0] if every else None)
+        records = bounded_map(plan.configured(encode_text_task), urls, config.execution.max_parallel_shards, *args)
     create_markdown_artifact(key="text-encoding", markdown=encoding_report(records))
     return {"url": store.url(layout.cache("text", fingerprint)), "prompts": prompts, "shards": records}
 
 
-def run_encode_latents(
-    config: PipelineConfig, dataset: dict[str, Any], shards: list[str] | None = None
-) -> dict[str, Any]:
-    fingerprint = vae_fingerprint(config.model, config.latent_encoding)
-    store = Store(config.storage)
-    urls = shard_urls(config, dataset) if shards is None else shards
+def run_encode_latents(plan: Plan, dataset: dict[str, Any], shards: list[str] | None = None) -> dict[str, Any]:
+    config, store, fingerprint = plan.config, plan.store, plan.vae_fp
+    urls = shard_urls(plan, dataset) if shards is None else shards
     if deployment := placed(config, "encode-latents"):
         run_shards_elsewhere(config, deployment, "encode-latents", urls)
         records = [store.require(layout.cache_shard("latents", fingerprint, shard_id_of(url))) for url in urls]
     else:
-        records = bounded_map(configured(encode_latents_task, config), urls, config.execution.max_parallel_shards,
+        records = bounded_map(plan.configured(encode_latents_task), urls, config.execution.max_parallel_shards,
                               config.storage, config.model, config.latent_encoding, fingerprint)
     return {"url": store.url(layout.cache("latents", fingerprint)), "shards": records}
 
 
-def run_manifest(config: PipelineConfig, dataset: dict[str, Any]) -> dict[str, Any]:
+def run_manifest(plan: Plan, dataset: dict[str, Any]) -> dict[str, Any]:
+    config = plan.config
     if deployment := placed(config, "manifest"):
         run_elsewhere(config, deployment, "manifest")
-        return stored_manifest(config)
-    text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
-    vae_fp = vae_fingerprint(config.model, config.latent_encoding)
-    return configured(manifest_task, config)(config.storage, dataset["id"], text_fp, vae_fp,
-                                             config.training.sample_prompts)
+        return stored_manifest(plan)
+    return plan.configured(manifest_task)(config.storage, dataset["id"], plan.text_fp, plan.vae_fp,
+                                          config.training.sample_prompts)
 
 
-def run_train(config: PipelineConfig, manifest: dict[str, Any]) -> dict[str, Any]:
+def run_train(plan: Plan, manifest: dict[str, Any]) -> dict[str, Any]:
+    config = plan.config
     if deployment := placed(config, "train"):
         run_elsewhere(config, deployment, "train")
-        return stored_run(config, manifest)
-    return configured(train_task, config)(config.storage, config.model, config.training, manifest["url"])
+        return stored_run(plan, manifest)
+    return plan.configured(train_task)(config.storage, config.model, config.training, manifest["url"])
 
 
-def shard_urls(config: PipelineConfig, dataset: dict[str, Any]) -> list[str]:
-    store = Store(config.storage)
-    return [store.url(layout.image_shard(shard["id"])) for shard in dataset["shards"]]
+def shard_urls(plan: Plan, dataset: dict[str, Any]) -> list[str]:
+    return [plan.store.url(layout.image_shard(shard["id"])) for shard in dataset["shards"]]
 
 
-def stored_dataset(config: PipelineConfig) -> dict[str, Any]:
-    return latest_dataset(config.storage, config.dataset)
+def stored_dataset(plan: Plan) -> dict[str, Any]:
+    return latest_dataset(plan.config.storage, plan.config.dataset)
 
 
-def stored_manifest(config: PipelineConfig) -> dict[str, Any]:
-    dataset = stored_dataset(config)
-    text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
-    vae_fp = vae_fingerprint(config.model, config.latent_encoding)
-    key = layout.manifest(manifest_id(dataset["id"], text_fp, vae_fp, config.training.sample_prompts))
-    return Store(config.storage).require(key)
+def stored_manifest(plan: Plan) -> dict[str, Any]:
+    dataset = stored_dataset(plan)
+    this_id = manifest_id(dataset["id"], plan.text_fp, plan.vae_fp, plan.config.training.sample_prompts)
+    return plan.store.require(layout.manifest(this_id))
 
 
-def stored_run(config: PipelineConfig, manifest: dict[str, Any]) -> dict[str, Any]:
+def stored_run(plan: Plan, manifest: dict[str, Any]) -> dict[str, Any]:
     """The commit record of the run a train child finished (found by its id, as train finds it)."""
-    from tasks.train import initial_adapter
-
-    store = Store(config.storage)
+    config, store = plan.config, plan.store
     this_manifest = store.read_json(store.key(manifest["url"]))["id"]
     explicit = config.training.init_from not in ("none", "latest")
     init = initial_adapter(store, config.storage, config.model, config.training) if explicit else None

@@ -9,14 +9,13 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from configs.schema import PipelineConfig
 from storage import layout
 from storage.store import Store
 
 
 class Summary:
-    def __init__(self, config: PipelineConfig):
-        self.store = Store(config.storage)
+    def __init__(self, store: Store):
+        self.store = store
         self.started = time.time()
         self.rows: list[tuple[str, str, str, str, str]] = []
 
