@@ -19,7 +19,7 @@ from pathlib import Path
 from PIL import Image
 
 from configs.schema import DatasetConfig, SourceConfig, StorageConfig
-from flows.demo_data import write_demo_data
+from tasks.demo_data import write_demo_data
 from tasks.encode_latents import nearest_ratio
 from tasks.ingest import ingest
 from tasks.sources import IMAGE_EXTENSIONS

@@ -25,8 +25,8 @@ import torch
 
 from benchmarks.stages import run_stages
 from configs.schema import PipelineConfig
-from flows.demo_data import write_demo_data
-from flows.tiny_models import build_tokenizer
+from tasks.demo_data import write_demo_data
+from tasks.tiny_models import build_tokenizer
 
 
 def make_models(folder: Path) -> Path:

@@ -38,8 +38,8 @@ def _print_result(result: dict, as_json: bool) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from configs.schema import load_config
-    from flows.demo_data import write_demo_data
-    from flows.tiny_models import write_tiny_models
+    from tasks.demo_data import write_demo_data
+    from tasks.tiny_models import write_tiny_models
 
     config = load_config(None, args.set)
     write_tiny_models(config.model.path)
@@ -149,14 +149,14 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_models(args: argparse.Namespace) -> int:
-    from flows.tiny_models import write_tiny_models
+    from tasks.tiny_models import write_tiny_models
 
     print(write_tiny_models(args.dir))
     return 0
 
 
 def cmd_demo_data(args: argparse.Namespace) -> int:
-    from flows.demo_data import write_demo_data
+    from tasks.demo_data import write_demo_data
 
     print(write_demo_data(args.dir, count=args.count, seed=args.seed))
     return 0

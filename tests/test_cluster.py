@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from configs.schema import PipelineConfig
-from flows.demo_data import write_demo_data
+from tasks.demo_data import write_demo_data
 from storage.store import Store
 
 ROOT = Path(__file__).parent.parent
