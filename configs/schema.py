@@ -8,7 +8,7 @@ text or latent caches.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -193,7 +193,8 @@ class TrainingConfig(Section):
     device: str = Field("auto", description="Torch device for training: auto, cpu, cuda, …")
 
 
-STAGES = ("ingest", "encode-text", "encode-latents", "manifest", "train")
+Stage = Literal["ingest", "encode-text", "encode-latents", "manifest", "train"]
+STAGES: tuple[str, ...] = get_args(Stage)  # in pipeline order
 
 
 class ExecutionConfig(Section):

@@ -9,7 +9,6 @@ import os
 import sys
 from pathlib import Path
 
-STAGES = ["ingest", "encode-text", "encode-latents", "manifest", "train"]
 
 
 def _quiet_prefect() -> None:
@@ -163,6 +162,8 @@ def cmd_demo_data(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from configs.schema import STAGES
+
     parser = argparse.ArgumentParser(prog="precast", description=__doc__)
     parser.add_argument("--verbose", action="store_true",
                         help="also show third-party warnings known to be harmless, progress bars and INFO logs")

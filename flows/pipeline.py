@@ -8,12 +8,12 @@ is all cache hits and any stage can run on another node.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from configs.schema import PipelineConfig
+from configs.schema import PipelineConfig, Stage
 from flows.stages import (
     Plan, run_encode_latents, run_encode_text, run_ingest, run_manifest, run_train, stored_dataset, stored_manifest,
 )
@@ -46,9 +46,6 @@ def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
         "final_loss": run["final_loss"],
         "first_loss": run["first_loss"],
     }
-
-
-Stage = Literal["ingest", "encode-text", "encode-latents", "manifest", "train"]
 
 
 @flow(name="precast-stage", log_prints=True)
