@@ -40,7 +40,6 @@ from typing import Any, Iterator
 
 import yaml
 
-from benchmarks.stages import run_stages
 from configs.schema import QUICKSTART, PipelineConfig, load_config
 from tasks.demo_data import write_demo_data
 from tasks.tiny_models import write_tiny_models
@@ -174,8 +173,10 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # run the stages directly on this config file
     args = parser.parse_args()
     if args.worker:
-        _, seconds = run_stages(PipelineConfig.model_validate(yaml.safe_load(Path(args.worker).read_text())))
-        print(json.dumps(seconds))
+        from tasks.runner import run_direct
+
+        done = run_direct(PipelineConfig.model_validate(yaml.safe_load(Path(args.worker).read_text())))
+        print(json.dumps(done["seconds"]))
         return
     print(json.dumps(run(args.count, args.steps, args.repeat)))
 

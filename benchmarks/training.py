@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.stages import run_stages
 from configs.schema import PipelineConfig
 from tasks.demo_data import write_demo_data
 from tasks.tiny_models import build_tokenizer
@@ -63,9 +62,11 @@ def config_for(workdir: Path, steps: int, batch: int) -> PipelineConfig:
 
 def prepare(workdir: Path, config: PipelineConfig, count: int) -> str:
     """Ingest and cache everything; returns the manifest URL."""
+    from tasks.runner import run_direct
+
     make_models(workdir / "models")
     write_demo_data(workdir / "data", count=count)
-    return run_stages(config, train=False)[0]["url"]
+    return run_direct(config, until="manifest")["manifest"]["url"]
 
 
 def run_cached(config: PipelineConfig, manifest_url: str) -> dict:

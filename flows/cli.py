@@ -62,7 +62,13 @@ def _run_pipeline(config):
 def cmd_run(args: argparse.Namespace) -> int:
     from configs.schema import load_config
 
-    _print_result(_run_pipeline(load_config(args.config, args.set)), args.json)
+    config = load_config(args.config, args.set)
+    if args.direct:
+        from tasks.runner import outputs, run_direct
+
+        _print_result(outputs(run_direct(config)), args.json)
+    else:
+        _print_result(_run_pipeline(config), args.json)
     return 0
 
 
@@ -183,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run the whole pipeline")
     with_config(run)
     run.add_argument("--json", action="store_true", help="print the output URLs as one JSON line")
+    run.add_argument("--direct", action="store_true",
+                     help="every stage in order in this process, without Prefect (debugging, profiling)")
     run.set_defaults(func=cmd_run)
 
     stage = commands.add_parser("stage", help="run one stage alone, inputs taken from the store")

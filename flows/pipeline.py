@@ -18,6 +18,7 @@ from flows.stages import (
     Plan, run_encode_latents, run_encode_text, run_ingest, run_manifest, run_train, stored_dataset, stored_manifest,
 )
 from flows.summary import Summary
+from tasks.runner import outputs
 
 log = logging.getLogger(__name__)
 
@@ -28,24 +29,14 @@ def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
     plan.store.check_reachable()
     summary = Summary(plan.store)
     dataset = summary.stage("ingest", lambda: run_ingest(plan))
-    text = summary.stage("encode-text", lambda: run_encode_text(plan, dataset))
-    latents = summary.stage("encode-latents", lambda: run_encode_latents(plan, dataset))
+    summary.stage("encode-text", lambda: run_encode_text(plan, dataset))
+    summary.stage("encode-latents", lambda: run_encode_latents(plan, dataset))
     manifest = summary.stage("manifest", lambda: run_manifest(plan, dataset))
-    run = summary.stage("train", lambda: run_train(plan, manifest))
+    summary.stage("train", lambda: run_train(plan, manifest))
     report = summary.markdown()  # what ran, what was cached, and how long each stage took
     create_markdown_artifact(key="pipeline-summary", markdown=report)
     log.info("%s", report)
-    return {
-        "dataset": dataset["url"],
-        "text_cache": text["url"],
-        "latent_cache": latents["url"],
-        "manifest": manifest["url"],
-        "run": run["run"],
-        "adapter": run["adapter"] or run["transformer"],
-        "samples": run["samples"],
-        "final_loss": run["final_loss"],
-        "first_loss": run["first_loss"],
-    }
+    return outputs(summary.records)
 
 
 @flow(name="precast-stage", log_prints=True)

@@ -18,6 +18,7 @@ class Summary:
         self.store = store
         self.started = time.time()
         self.rows: list[tuple[str, str, str, str, str]] = []
+        self.records: dict[str, dict[str, Any]] = {}  # each stage's record, by name
 
     def stage(self, name: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Run one stage and record its row (a failing stage records nothing: the flow fails)."""
@@ -34,6 +35,7 @@ class Summary:
         # "ran" when any output was committed during this pipeline run, else everything was cached
         ran = any(r.get("committed_at", 0) >= self.started for r in records)
         self.rows.append((name, "ran" if ran else "cached", amount, f"{seconds:.1f} s", where))
+        self.records[name] = result
         return result
 
     def _outputs(self, name: str, result: dict[str, Any]) -> tuple[list[dict], str, str]:

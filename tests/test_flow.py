@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import time
+from pathlib import Path
 
 import pytest
 from peft import PeftModel
@@ -202,3 +203,19 @@ def test_parallel_shards_of_a_fingerprint_carry_one_precision_record(prefect_ser
         for record in result["shards"]:
             assert record["numerics"] == committed
             assert RaggedShard(store.local_path(store.key(record["url"]))).meta["numerics"] == committed
+
+
+def test_direct_run_without_prefect_builds_what_the_pipeline_builds(prefect_server, make_config, capsys):
+    """`precast run --direct`: the same stages in order, no Prefect: the same outputs, so the flow
+    afterwards finds everything committed and re-encodes nothing."""
+    import yaml
+
+    config = make_config(training={"steps": 3})
+    path = Path(config.storage.root).parent / "direct.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump()))
+    assert main(["run", str(path), "--direct", "--json"]) == 0
+    direct = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    store = Store(config.storage)
+    written = {p: store.fs.info(p)["mtime"] for p in _files(store)}
+    assert pipeline(config=config) == direct
+    assert {p: store.fs.info(p)["mtime"] for p in _files(store) if p in written} == written

@@ -13,27 +13,14 @@ from PIL import Image
 
 from storage import layout
 from storage.store import Damaged, Store
-from tasks.encode_latents import encode_latents_shard
-from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics
-from tasks.ingest import ingest
 from tasks.manifest import build_manifest
-from tasks.models import text_encoder_fingerprint, vae_fingerprint
+from tasks.runner import run_direct
 from tasks.train import train
 
 
 def _cache_everything(config):
-    dataset = ingest(config.storage, config.dataset)
-    store = Store(config.storage)
-    text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
-    vae_fp = vae_fingerprint(config.model, config.latent_encoding)
-    encode_prompts(config.storage, config.model, config.text_encoding, text_fp, config.training.sample_prompts)
-    first = store.url(f"shards/images/{dataset['shards'][0]['id']}.parquet")
-    measure_numerics(config.storage, config.model, config.text_encoding, text_fp, first)
-    for shard in dataset["shards"]:
-        url = store.url(f"shards/images/{shard['id']}.parquet")
-        encode_text_shard(config.storage, config.model, config.text_encoding, text_fp, url)
-        encode_latents_shard(config.storage, config.model, config.latent_encoding, vae_fp, url)
-    return dataset, text_fp, vae_fp
+    done = run_direct(config, until="encode-latents")
+    return done["ingest"], done["text_fingerprint"], done["vae_fingerprint"]
 
 
 def kill_training_at(config, manifest_url: str, batch: int) -> None:
