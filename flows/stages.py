@@ -22,22 +22,21 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.context import FlowRunContext
 from prefect.deployments import run_deployment
 from prefect.filesystems import RemoteFileSystem
-from prefect.task_runners import ThreadPoolTaskRunner
-from prefect.utilities.callables import get_call_parameters
 
 from configs.schema import PipelineConfig
 from storage import layout
 from storage.fingerprint import hash_json
 from storage.shards import shard_id_of
 from storage.store import Store
-from tasks.encode_latents import encode_latents_task
-from tasks.encode_text import (
-    encode_prompts_task, encode_text_task, encoding_report, measure_numerics_task, prompts_cache_key,
+from flows.stage_tasks import (
+    device_slot, encode_latents_task, encode_prompts_task, encode_text_task, ingest_task, manifest_task,
+    measure_numerics_task, train_task, training_progress,
 )
-from tasks.ingest import ingest_task, latest_dataset
-from tasks.manifest import manifest_id, manifest_task
+from tasks.encode_text import encoding_report, prompts_cache_key
+from tasks.ingest import latest_dataset, report_markdown
+from tasks.manifest import manifest_id
 from tasks.models import text_encoder_fingerprint, vae_fingerprint
-from tasks.train import initial_adapter, run_id_for, train_task
+from tasks.train import initial_adapter, run_id_for, run_markdown
 
 
 @dataclass
@@ -79,17 +78,23 @@ class Plan:
                                  result_storage=self.results)
 
 
-def bounded_map(task: Task, items: list[Any], limit: int, *args: Any) -> list[Any]:
-    """Run `task(*args, item)` for each item, at most `limit` at once; raises the first failure.
+def bounded_map(task: Task, items: list[Any], limit: int, device: str, *args: Any) -> list[Any]:
+    """Run `task(*args, item)` for each item, at most `limit` at once, each holding the node's GPU
+    slot when `device` is a GPU; raises the first failure.
 
     One at a time runs in this thread. Parallel threads live only as long as this stage: a thread
     that ran torch keeps an OpenMP team, and while libgomp manages more threads than there are
     cores it puts idle workers to sleep after every parallel region, which made every later
-    stage (training) run twice as slow beside the flow's own, never-closed task runner."""
+    stage (training) run twice as slow beside long-lived threads."""
+    def one(item: Any) -> Any:
+        with device_slot(device):
+            return task(*args, item)
+
     if limit == 1:
-        return [task(*args, item) for item in items]
-    with ThreadPoolTaskRunner(max_workers=limit) as runner:
-        futures = [runner.submit(task, get_call_parameters(task.fn, (*args, item), {})) for item in items]
+        return [one(item) for item in items]
+    with ThreadPoolExecutor(max_workers=limit) as pool:
+        # each thread gets a copy of this flow's context, so its task runs belong to this flow run
+        futures = [pool.submit(contextvars.copy_context().run, one, item) for item in items]
         return [future.result() for future in futures]
 
 
@@ -131,7 +136,11 @@ def run_ingest(plan: Plan) -> dict[str, Any]:
     if deployment := placed(config, "ingest"):
         run_elsewhere(config, deployment, "ingest")
         return stored_dataset(plan)
-    return plan.configured(ingest_task)(config.storage, config.dataset)
+    record = plan.configured(ingest_task)(config.storage, config.dataset)
+    report = plan.store.read_json(plan.store.key(record["report"]))
+    create_markdown_artifact(markdown=report_markdown(report), key="ingest-report",
+                             description=f"ingest of dataset {record['id']}")
+    return record
 
 
 def run_encode_text(plan: Plan, dataset: dict[str, Any], shards: list[str] | None = None) -> dict[str, Any]:
@@ -147,9 +156,11 @@ def run_encode_text(plan: Plan, dataset: dict[str, Any], shards: list[str] | Non
         records = [store.require(layout.cache_shard("text", fingerprint, shard_id_of(url))) for url in urls]
     else:
         args = (config.storage, config.model, config.text_encoding, fingerprint)
-        prompts = plan.configured(encode_prompts_task)(*args, config.training.sample_prompts)
-        plan.configured(measure_numerics_task)(*args, every[0] if every else None)
-        records = bounded_map(plan.configured(encode_text_task), urls, config.execution.max_parallel_shards, *args)
+        with device_slot(config.text_encoding.device):
+            prompts = plan.configured(encode_prompts_task)(*args, config.training.sample_prompts)
+            plan.configured(measure_numerics_task)(*args, every[0] if every else None)
+        records = bounded_map(plan.configured(encode_text_task), urls, config.execution.max_parallel_shards,
+                              config.text_encoding.device, *args)
     create_markdown_artifact(key="text-encoding", markdown=encoding_report(records))
     return {"url": store.url(layout.cache("text", fingerprint)), "prompts": prompts, "shards": records}
 
@@ -162,7 +173,8 @@ def run_encode_latents(plan: Plan, dataset: dict[str, Any], shards: list[str] | 
         records = [store.require(layout.cache_shard("latents", fingerprint, shard_id_of(url))) for url in urls]
     else:
         records = bounded_map(plan.configured(encode_latents_task), urls, config.execution.max_parallel_shards,
-                              config.storage, config.model, config.latent_encoding, fingerprint)
+                              config.latent_encoding.device, config.storage, config.model, config.latent_encoding,
+                              fingerprint)
     return {"url": store.url(layout.cache("latents", fingerprint)), "shards": records}
 
 
@@ -180,7 +192,11 @@ def run_train(plan: Plan, manifest: dict[str, Any]) -> dict[str, Any]:
     if deployment := placed(config, "train"):
         run_elsewhere(config, deployment, "train")
         return stored_run(plan, manifest)
-    return plan.configured(train_task)(config.storage, config.model, config.training, manifest["url"])
+    with device_slot(config.training.device):
+        record = plan.configured(train_task)(config.storage, config.model, config.training, manifest["url"],
+                                             progress=training_progress())
+    create_markdown_artifact(key="training-run", markdown=run_markdown(record))
+    return record
 
 
 def shard_urls(plan: Plan, dataset: dict[str, Any]) -> list[str]:

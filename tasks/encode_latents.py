@@ -19,14 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from prefect import task
-from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig
 from storage import layout
 from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id_of
 from storage.store import Store
-from tasks.models import DTYPES, LATENT_FORMAT, build_vae, device_slot, load_vae
+from tasks.models import DTYPES, LATENT_FORMAT, build_vae, load_vae
 from tasks.prefetch import prefetched
 
 log = logging.getLogger(__name__)
@@ -179,11 +177,3 @@ def encode_latents_shard(
     log.info("encoded %d images of shard %s into %d buckets (%d quarantined)", len(rows), shard_id, len(buckets),
              len(quarantined))
     return record
-
-
-@task(name="encode-latents", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
-def encode_latents_task(
-    storage: StorageConfig, model: ModelConfig, latents: LatentEncodingConfig, fingerprint: str, shard_url: str
-) -> dict[str, Any]:
-    with device_slot(latents.device):
-        return encode_latents_shard(storage, model, latents, fingerprint, shard_url)

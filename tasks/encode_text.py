@@ -13,8 +13,6 @@ import logging
 from typing import Any
 
 import torch
-from prefect import task
-from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig
 from storage import layout
@@ -22,7 +20,7 @@ from storage.fingerprint import hash_json
 from storage.shards import pack_ragged, read_image_shard, shard_id_of
 from storage.store import Store, json_bytes
 from tasks.models import (
-    TEXT_ACTIVATIONS, TEXT_FORMAT, TextEncoder, build_text_encoder, device_slot, load_text_encoder,
+    TEXT_ACTIVATIONS, TEXT_FORMAT, TextEncoder, build_text_encoder, load_text_encoder,
     reference_placement,
 )
 
@@ -187,29 +185,3 @@ def encoding_report(records: list[dict[str, Any]]) -> str:
     lines += ["", f"{sum(r['captions'] for r in records)} captions, {sum(r['tokens'] for r in records)} tokens stored, "
               f"{total} truncated at max_length."]
     return "\n".join(lines)
-
-
-# INPUTS alone keys on the arguments only: text-numerics and encode-text of the first shard take the
-# same ones, and TASK_SOURCE keeps their cache keys apart (in every stage, for the same reason)
-@task(name="encode-text", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
-def encode_text_task(
-    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, shard_url: str
-) -> dict[str, Any]:
-    with device_slot(text.device):
-        return encode_text_shard(storage, model, text, fingerprint, shard_url)
-
-
-@task(name="text-numerics", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
-def measure_numerics_task(
-    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, shard_url: str | None
-) -> dict[str, Any]:
-    with device_slot(text.device):
-        return measure_numerics(storage, model, text, fingerprint, shard_url)
-
-
-@task(name="encode-prompts", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
-def encode_prompts_task(
-    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, prompts: list[str]
-) -> dict[str, Any]:
-    with device_slot(text.device):
-        return encode_prompts(storage, model, text, fingerprint, prompts)

@@ -26,8 +26,6 @@ from typing import Any
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
-from prefect import task
-from prefect.artifacts import create_markdown_artifact
 
 from configs.schema import DatasetConfig, StorageConfig
 from storage import layout
@@ -340,13 +338,3 @@ def sources_signature(storage: StorageConfig, dataset: DatasetConfig) -> str:
             stamp = info.get("mtime") or info.get("ETag") or info.get("LastModified")
             listing.append((name, info.get("size"), str(stamp)))
     return hash_json({"storage": storage.model_dump(), "dataset": dataset.model_dump(), "files": listing})
-
-
-@task(name="ingest", persist_result=True, result_serializer="json",
-      cache_key_fn=lambda _, parameters: "ingest-" + sources_signature(parameters["storage"], parameters["dataset"]))
-def ingest_task(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
-    result = ingest(storage, dataset)
-    report = Store(storage).read_json(layout.dataset_report(result["id"]))
-    create_markdown_artifact(markdown=report_markdown(report), key="ingest-report",
-                             description=f"ingest of dataset {result['id']}")
-    return result

@@ -16,8 +16,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from prefect import task
-from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from configs.schema import StorageConfig
 from storage import layout
@@ -89,10 +87,3 @@ def build_manifest(
         "buckets": dict(sorted(buckets.items())), "quarantined": dict(quarantined), "checksums": checksums,
     }
     return store.commit_json(key, manifest, samples=len(rows), buckets=manifest["buckets"])
-
-
-@task(name="manifest", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
-def manifest_task(
-    storage: StorageConfig, dataset_id: str, text_fp: str, vae_fp: str, prompts: list[str]
-) -> dict[str, Any]:
-    return build_manifest(storage, dataset_id, text_fp, vae_fp, prompts)

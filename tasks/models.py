@@ -7,10 +7,7 @@ layout. Loaders are cached per process so a worker that encodes many shards load
 from __future__ import annotations
 
 import functools
-import socket
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,25 +40,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def gpu_slot_name() -> str:
-    return f"gpu-{socket.gethostname()}"
-
-
-@contextmanager
-def device_slot(device: str) -> Iterator[None]:
-    """While a stage uses a GPU, hold this node's slot of the Prefect global concurrency limit
-    `gpu-<hostname>` (limit 1: infra/local-stack.sh creates it; on a cluster, `prefect
-    global-concurrency-limit create gpu-<hostname> --limit 1`), so a node never runs two GPU stages
-    at once. Without the limit Prefect warns and lets the stage run."""
-    if resolve_device(device).type != "cuda":
-        yield
-        return
-    from prefect.concurrency.sync import concurrency
-
-    with concurrency(gpu_slot_name(), occupy=1):
-        yield
 
 
 @dataclass

@@ -28,9 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
-from prefect import task
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
-from prefect.cache_policies import INPUTS, TASK_SOURCE
 from safetensors.torch import load as load_safetensors
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,7 +39,7 @@ from storage.store import Store, fsspec_options
 from tasks.checkpoints import restore_latest, save_checkpoint, trainable_state
 from tasks.features import CachedFeatures, bucket_batches
 from tasks.models import (
-    device_slot, load_noise_scheduler, load_transformer, resolve_device, transformer_fingerprint,
+    load_noise_scheduler, load_transformer, resolve_device, transformer_fingerprint,
 )
 from tasks.plots import loss_curve_png
 from tasks.prefetch import prefetched
@@ -57,7 +54,6 @@ NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints"}
 # loss, sampling, data order, outputs), so a re-run trains anew instead of returning the old run
 TRAIN_FORMAT = "precast.train/2"
 LEASE_POLL_SECONDS = 2.0
-PROGRESS_SECONDS = 5.0
 
 
 def run_id_for(manifest_id: str, model: ModelConfig, training: TrainingConfig, init: dict | None = None) -> str:
@@ -404,25 +400,6 @@ def package_versions() -> dict[str, str]:
         except PackageNotFoundError:
             versions[name] = "not installed"
     return versions
-
-
-@task(name="train", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, result_serializer="json")
-def train_task(storage: StorageConfig, model: ModelConfig, training: TrainingConfig, manifest_url: str) -> dict[str, Any]:
-    artifact = create_progress_artifact(progress=0.0, key="training-progress", description="training steps done")
-
-    last_update = time.monotonic()
-
-    def report(step: int, steps: int, loss: float) -> None:
-        # each update is an API call: a few per minute, not one per percent (fast steps would wait on them)
-        nonlocal last_update
-        if step == steps or time.monotonic() - last_update >= PROGRESS_SECONDS:
-            update_progress_artifact(artifact, progress=100.0 * step / steps)
-            last_update = time.monotonic()
-
-    with device_slot(training.device):
-        record = train(storage, model, training, manifest_url, progress=report)
-    create_markdown_artifact(key="training-run", markdown=run_markdown(record))
-    return record
 
 
 def run_markdown(record: dict[str, Any]) -> str:

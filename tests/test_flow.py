@@ -163,20 +163,20 @@ def test_gpu_stages_hold_the_nodes_gpu_slot(prefect_server, monkeypatch):
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect import get_client
 
-    from tasks import models
+    from flows import stage_tasks as tasks
 
     async def create_and_read(create: bool):
         async with get_client() as client:
             if create:
                 await client.create_global_concurrency_limit(
-                    GlobalConcurrencyLimitCreate(name=models.gpu_slot_name(), limit=1))
-            return (await client.read_global_concurrency_limit_by_name(models.gpu_slot_name())).active_slots
+                    GlobalConcurrencyLimitCreate(name=tasks.gpu_slot_name(), limit=1))
+            return (await client.read_global_concurrency_limit_by_name(tasks.gpu_slot_name())).active_slots
 
     asyncio.run(create_and_read(True))
-    with models.device_slot("cpu"):
+    with tasks.device_slot("cpu"):
         assert asyncio.run(create_and_read(False)) == 0  # CPU work takes no GPU slot
-    monkeypatch.setattr(models, "resolve_device", lambda name: torch.device("cuda"))
-    with models.device_slot("cuda"):
+    monkeypatch.setattr(tasks, "resolve_device", lambda name: torch.device("cuda"))
+    with tasks.device_slot("cuda"):
         assert asyncio.run(create_and_read(False)) == 1
     assert asyncio.run(create_and_read(False)) == 0
 
@@ -219,3 +219,23 @@ def test_direct_run_without_prefect_builds_what_the_pipeline_builds(prefect_serv
     written = {p: store.fs.info(p)["mtime"] for p in _files(store)}
     assert pipeline(config=config) == direct
     assert {p: store.fs.info(p)["mtime"] for p in _files(store) if p in written} == written
+
+
+def test_stage_modules_are_prefect_free_and_each_task_is_its_stage_function():
+    """The Prefect layer wraps the stage functions themselves: `.fn` runs a stage without Prefect,
+    and nothing below flows/ imports Prefect."""
+    import subprocess
+    import sys
+
+    from flows.stage_tasks import TASKS
+    from tasks import encode_latents, encode_text, ingest, manifest, train
+
+    stages = {encode_latents.encode_latents_shard, encode_text.encode_prompts, encode_text.measure_numerics,
+              encode_text.encode_text_shard, ingest.ingest, manifest.build_manifest, train.train}
+    assert {task.fn for task in TASKS} == stages
+    probe = ("import sys, tasks.runner, tasks.sampling, storage.verify, tasks.tiny_models, tasks.demo_data; "
+             "print(sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

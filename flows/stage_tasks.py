@@ -1,0 +1,86 @@
+"""The Prefect layer of the stages, on one screen: one task per stage function, its cache policy,
+the GPU slot and the progress artifact. The stage modules in tasks/ never import Prefect: each
+task here is `task(...)` applied to the stage function itself (`encode_text_task.fn is
+encode_text_shard`), so calling `.fn` skips Prefect entirely. Retries and result storage come
+from the run's config (`flows.stages.Plan.configured`); the other artifacts are created by the
+stage runners in flows/stages.py. Not named flows/tasks.py: Prefect loads a flow file as a script
+with its folder first on sys.path, where that name would hide the `tasks` package.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+
+from tasks.encode_latents import encode_latents_shard
+from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics
+from tasks.ingest import ingest, sources_signature
+from tasks.manifest import build_manifest
+from tasks.models import resolve_device
+from tasks.train import train
+
+# Arguments are content-addressed ids, URLs and config sections, so INPUTS is the store's own key.
+# INPUTS alone ignores which task it is: text-numerics and encode-text of the first shard take the
+# same arguments, and TASK_SOURCE keeps their keys apart.
+STAGE_CACHE = INPUTS + TASK_SOURCE
+JSON = {"persist_result": True, "result_serializer": "json"}
+
+# ingest's key also covers the source listing (names, sizes, modification stamps): new files re-run it
+ingest_task = task(name="ingest", cache_key_fn=lambda _, p: "ingest-" + sources_signature(p["storage"], p["dataset"]),
+                   **JSON)(ingest)
+encode_prompts_task = task(name="encode-prompts", cache_policy=STAGE_CACHE, **JSON)(encode_prompts)
+measure_numerics_task = task(name="text-numerics", cache_policy=STAGE_CACHE, **JSON)(measure_numerics)
+encode_text_task = task(name="encode-text", cache_policy=STAGE_CACHE, **JSON)(encode_text_shard)
+encode_latents_task = task(name="encode-latents", cache_policy=STAGE_CACHE, **JSON)(encode_latents_shard)
+manifest_task = task(name="manifest", cache_policy=STAGE_CACHE, **JSON)(build_manifest)
+# the progress callback reports, it changes no result
+train_task = task(name="train", cache_policy=(INPUTS - "progress") + TASK_SOURCE, **JSON)(train)
+TASKS = [ingest_task, encode_prompts_task, measure_numerics_task, encode_text_task, encode_latents_task,
+         manifest_task, train_task]
+
+PROGRESS_SECONDS = 5.0
+
+
+def gpu_slot_name() -> str:
+    return f"gpu-{socket.gethostname()}"
+
+
+@contextmanager
+def device_slot(device: str) -> Iterator[None]:
+    """While a stage uses a GPU, hold this node's slot of the Prefect global concurrency limit
+    `gpu-<hostname>` (limit 1: infra/local-stack.sh creates it; on a cluster, `prefect
+    global-concurrency-limit create gpu-<hostname> --limit 1`), so a node never runs two GPU stages
+    at once. Without the limit Prefect warns and lets the stage run."""
+    if resolve_device(device).type != "cuda":
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    with concurrency(gpu_slot_name(), occupy=1):
+        yield
+
+
+def training_progress() -> Callable[[int, int, float], None]:
+    """A `progress(step, steps, loss)` callback for `train` that keeps the `training-progress`
+    artifact of the task run it is called in up to date."""
+    artifact = None
+    last_update = 0.0
+
+    def report(step: int, steps: int, loss: float) -> None:
+        # each update is an API call: a few per minute, not one per percent (fast steps would wait on them)
+        nonlocal artifact, last_update
+        if artifact is None:
+            artifact = create_progress_artifact(progress=0.0, key="training-progress",
+                                                description="training steps done")
+            last_update = time.monotonic()
+        if step == steps or time.monotonic() - last_update >= PROGRESS_SECONDS:
+            update_progress_artifact(artifact, progress=100.0 * step / steps)
+            last_update = time.monotonic()
+
+    return report
