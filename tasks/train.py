@@ -11,39 +11,32 @@ training config and the transformer weights, so the same run is never trained tw
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
-import platform
-import socket
-import tempfile
 import time
 from collections.abc import Callable
 from itertools import islice
-from pathlib import Path
 from typing import Any
 
 import fsspec
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-import yaml
 from safetensors.torch import load as load_safetensors
-from torch.nn.parallel import DistributedDataParallel
 
 from configs.schema import ModelConfig, StorageConfig, TrainingConfig
 from storage import layout
 from storage.fingerprint import hash_json
 from storage.lease import Lease
 from storage.store import Store, fsspec_options
-from tasks.checkpoints import restore_latest, save_checkpoint, trainable_state
+from tasks.checkpoints import restore_latest, save_checkpoint
+from tasks.distributed import Distributed, free_port
+from tasks.ema import Ema
+from tasks.publisher import RunPublisher, read_metrics, write_metrics
 from tasks.features import CachedFeatures, bucket_batches
 from tasks.models import (
-    load_noise_scheduler, load_transformer, resolve_device, transformer_fingerprint,
+    load_noise_scheduler, load_transformer, transformer_fingerprint,
 )
-from tasks.plots import loss_curve_png
 from tasks.prefetch import prefetched
-from tasks.sampling import sample_grid
 
 log = logging.getLogger(__name__)
 
@@ -146,14 +139,8 @@ def run_training(
     """The training loop of one process; returns the run's commit record on rank 0. Writes stop
     with LeaseLost once `lease` (held by the process that started training) was taken over."""
     store = Store(storage)
-    device = resolve_device(training.device)
-    if device.type == "cuda" and world > 1:
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world)
-    leader = rank == 0
+    processes = Distributed.start(rank, world, port, training.device)
+    device, leader = processes.device, processes.leader
 
     # --- data: cached features only; each process takes every world-th batch ------------------
     features = CachedFeatures(store, manifest)
@@ -165,8 +152,7 @@ def run_training(
 
     # --- model: LoRA layers on the frozen transformer, or the whole transformer ---------------
     network = trainable_network(model, training, init).to(device)
-    replicas = DistributedDataParallel(network, device_ids=[device.index] if device.type == "cuda" else None) \
-        if world > 1 else network  # averages gradients across processes in backward
+    replicas = processes.wrap(network)
     noise_scheduler = load_noise_scheduler(model)
 
     # --- optimiser: AdamW with linear warm-up -------------------------------------------------
@@ -183,11 +169,12 @@ def run_training(
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.mixed_precision)
     scaler = torch.amp.GradScaler(device.type, enabled=training.mixed_precision == "fp16")
 
-    # exponential moving average of the trainable weights; what is saved when it is on
-    ema = {name: t.clone() for name, t in trainable_state(network).items()} if training.ema_decay else None
+    # the moving average of the trainable weights is what is saved when it is on
+    ema = Ema(network, training.ema_decay) if training.ema_decay else None
 
     # --- resume: weights, optimiser, schedule, RNG and data position of the latest checkpoint ---
-    start = restore_latest(store, run, network, optimizer, schedule, {"data": data_rng, "noise": noise_rng}, ema, rank)
+    start = restore_latest(store, run, network, optimizer, schedule, {"data": data_rng, "noise": noise_rng},
+                           ema and ema.averages, rank)
     metrics = read_metrics(store, run)[:start]
     for _ in range(start * training.gradient_accumulation):
         next(batches)  # batches are a pure function of seed and position: skip the ones consumed
@@ -202,18 +189,7 @@ def run_training(
     # that gains nothing (both share the same cores)
     loader = prefetched(load, batches, overlap=device.type != "cpu")
     data_state = data_rng.get_state()
-
-    def render_samples(step: int) -> None:
-        """A grid of the sample prompts (pre-encoded) through PixArtSigmaPipeline, seeded."""
-        network.eval()
-        with torch.no_grad():
-            grid = sample_grid(model, network.base_model.model if training.method == "lora" else network,
-                               [features.prompts[p] for p in training.sample_prompts], features.prompts[""],
-                               training.sample_steps, training.guidance_scale, training.seed)
-        network.train()
-        buffer = io.BytesIO()
-        grid.save(buffer, format="PNG")
-        store.write_bytes(layout.sample(run, step), buffer.getvalue())
+    publisher = RunPublisher(store, run, model, training, manifest, init, features.prompts)
 
     # --- loop ---------------------------------------------------------------------------------
     network.train()
@@ -235,13 +211,8 @@ def run_training(
         scaler.update()
         schedule.step()
         if ema is not None:
-            with torch.no_grad():
-                for name, parameter in trainable_state(network).items():
-                    ema[name].lerp_(parameter, 1.0 - training.ema_decay)
-        if world > 1:  # the logged loss is the mean over every process's batches
-            total = torch.tensor([step_loss], dtype=torch.float64)
-            dist.all_reduce(total)
-            step_loss = total.item() / world
+            ema.update(network)
+        step_loss = processes.mean(step_loss)  # the logged loss is the mean over every process's batches
         metrics.append({"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"],
                         "bucket": f"{latents.shape[2]}x{latents.shape[3]}", "batch": len(latents) * world})
         if leader and (step % max(1, training.steps // 20) == 0 or step == training.steps):
@@ -250,60 +221,28 @@ def run_training(
             progress(step, training.steps, step_loss)
         if leader and world > 1 and step % max(1, training.steps // 100) == 0:
             store.write_json(layout.run_part(run, "progress"), [step, training.steps, step_loss])
-        if leader and training.sample_prompts and training.sample_every and step % training.sample_every == 0 \
-                and step < training.steps:
-            render_samples(step)
+        if leader:
+            publisher.maybe_sample(network, step)
         if training.checkpoint_every and step % training.checkpoint_every == 0 and step < training.steps:
-            states = {"data": gather_states(data_state, world), "noise": gather_states(noise_rng.get_state(), world)}
+            states = {"data": processes.gather(data_state), "noise": processes.gather(noise_rng.get_state())}
             if leader:  # every process took part in the gathering above
                 if lease is not None:
                     lease.check()
                 write_metrics(store, run, metrics)  # before the checkpoint: resuming reads them back
-                save_checkpoint(store, run, step, network, optimizer, schedule, states, ema,
+                save_checkpoint(store, run, step, network, optimizer, schedule, states, ema and ema.averages,
                                 training.keep_checkpoints)
     elapsed = time.perf_counter() - started
     loader.close()
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    processes.close()
     if not leader:
         return None
 
-    # --- outputs: adapter, samples, metrics, lineage (last) -----------------------------------
+    # --- outputs: weights, samples, metrics, lineage (last) ------------------------------------
     if lease is not None:
         lease.check()
-    network.eval()
     if ema is not None:  # the averaged weights are the run's result (and render its final samples)
-        with torch.no_grad():
-            for name, parameter in trainable_state(network).items():
-                parameter.copy_(ema[name])
-    output = "adapter" if training.method == "lora" else "transformer"  # PEFT adapter, or diffusers weights
-    with tempfile.TemporaryDirectory() as tmp:
-        network.save_pretrained(tmp)
-        for file in sorted(Path(tmp).iterdir()):
-            if file.is_file():
-                store.put_file(file, f"{layout.run_part(run, output)}/{file.name}")
-    if training.sample_prompts:
-        render_samples(training.steps)
-    samples = [store.url(key) for key in store.list(layout.run_part(run, "samples"), ".png")]
-    write_metrics(store, run, metrics)
-    store.write_bytes(layout.run_part(run, "loss_curve"), loss_curve_png(metrics))
-    store.write_bytes(layout.run_part(run, "config"), yaml.safe_dump(training.model_dump(), sort_keys=False).encode())
-    lineage = {
-        "manifest": manifest["id"], "model": model.model_dump(), "training": training.model_dump(),
-        "init_from": init and {"url": init["url"], "sha256": init["sha256"]},
-        "versions": package_versions(), "code": code_version(), "python": platform.python_version(),
-    }
-    window = max(1, min(10, len(metrics) // 4))  # mean loss over the first and last few steps
-    return store.commit_json(
-        layout.run_part(run, "lineage"), lineage, run=store.url(run), samples=samples, model=model.model_dump(),
-        adapter=store.url(layout.run_part(run, "adapter")) if output == "adapter" else None,
-        transformer=store.url(layout.run_part(run, "transformer")) if output == "transformer" else None,
-        finished=time.time(),
-        steps=training.steps, resumed_from=start, seconds=round(elapsed, 2),
-        first_loss=sum(m["loss"] for m in metrics[:window]) / window,
-        final_loss=sum(m["loss"] for m in metrics[-window:]) / window,
-    )
+        ema.copy_to(network)
+    return publisher.publish(network, metrics, start, elapsed)
 
 
 def trainable_network(model: ModelConfig, training: TrainingConfig, init: dict | None = None):
@@ -346,60 +285,6 @@ def diffusion_loss(
     if prediction.shape[1] == 2 * latents.shape[1]:  # learned sigma: the variance half is not trained by this loss
         prediction = prediction.chunk(2, dim=1)[0]
     return F.mse_loss(prediction.float(), noise.float())
-
-
-def gather_states(state: torch.Tensor, world: int) -> list[torch.Tensor]:
-    """Every process's copy of a generator state, in rank order (all of them call this)."""
-    if world == 1:
-        return [state]
-    states = [torch.empty_like(state) for _ in range(world)]
-    dist.all_gather(states, state)
-    return states
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def write_metrics(store: Store, run: str, metrics: list[dict[str, Any]]) -> None:
-    store.write_bytes(layout.run_part(run, "metrics"), "".join(json.dumps(m) + "\n" for m in metrics).encode())
-
-
-def read_metrics(store: Store, run: str) -> list[dict[str, Any]]:
-    if not store.exists(layout.run_part(run, "metrics")):
-        return []
-    return [json.loads(line) for line in store.read_bytes(layout.run_part(run, "metrics")).splitlines() if line]
-
-
-def code_version() -> str:
-    """The git commit of the code that trained (with "+dirty" for uncommitted changes), else the
-    installed package version."""
-    import subprocess
-
-    here = Path(__file__).parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                                check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return commit + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return f"precast {package_versions()['precast']}"
-
-
-def package_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    names = ["precast", "torch", "diffusers", "transformers", "peft", "prefect"]
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
 
 
 def run_markdown(record: dict[str, Any]) -> str:

@@ -1,0 +1,25 @@
+"""An exponential moving average of the trainable weights, as diffusers' `EMAModel`: updated once
+per optimizer step, checkpointed like the optimizer, and copied into the network at the end (the
+averaged weights are the run's result when `training.ema_decay` > 0)."""
+
+from __future__ import annotations
+
+import torch
+
+from tasks.checkpoints import trainable_state
+
+
+class Ema:
+    def __init__(self, network: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.averages = {name: t.clone() for name, t in trainable_state(network).items()}
+
+    @torch.no_grad()
+    def update(self, network: torch.nn.Module) -> None:
+        for name, parameter in trainable_state(network).items():
+            self.averages[name].lerp_(parameter, 1.0 - self.decay)
+
+    @torch.no_grad()
+    def copy_to(self, network: torch.nn.Module) -> None:
+        for name, parameter in trainable_state(network).items():
+            parameter.copy_(self.averages[name])

@@ -1,0 +1,122 @@
+"""What a training run shows and leaves: sample grids while it trains, then (rank 0 only) the
+trained weights, final samples, metrics, loss curve, config and lineage, the lineage committed
+last as the run's commit record."""
+
+from __future__ import annotations
+
+import io
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from configs.schema import ModelConfig, TrainingConfig
+from storage import layout
+from storage.shards import RaggedShard
+from storage.store import Store
+from tasks.plots import loss_curve_png
+from tasks.sampling import sample_grid
+
+
+class RunPublisher:
+    def __init__(self, store: Store, run: str, model: ModelConfig, training: TrainingConfig, manifest: dict[str, Any],
+                 init: dict | None, prompts: RaggedShard):
+        self.store, self.run, self.model, self.training = store, run, model, training
+        self.manifest, self.init, self.prompts = manifest, init, prompts
+        # PEFT adapter, or the whole transformer in diffusers format
+        self.output = "adapter" if training.method == "lora" else "transformer"
+
+    def maybe_sample(self, network: torch.nn.Module, step: int) -> None:
+        """Render the sample prompts every `sample_every` steps (the last step is `publish`'s)."""
+        every = self.training.sample_every
+        if self.training.sample_prompts and every and step % every == 0 and step < self.training.steps:
+            self.sample(network, step)
+
+    def sample(self, network: torch.nn.Module, step: int) -> None:
+        """A grid of the sample prompts (pre-encoded) through PixArtSigmaPipeline, seeded."""
+        training = self.training
+        network.eval()
+        with torch.no_grad():
+            grid = sample_grid(self.model, network.base_model.model if training.method == "lora" else network,
+                               [self.prompts[p] for p in training.sample_prompts], self.prompts[""],
+                               training.sample_steps, training.guidance_scale, training.seed)
+        network.train()
+        buffer = io.BytesIO()
+        grid.save(buffer, format="PNG")
+        self.store.write_bytes(layout.sample(self.run, step), buffer.getvalue())
+
+    def publish(self, network: torch.nn.Module, metrics: list[dict[str, Any]], start: int,
+                elapsed: float) -> dict[str, Any]:
+        """Write every output of the finished run, the lineage last; returns its commit record."""
+        store, run, model, training = self.store, self.run, self.model, self.training
+        network.eval()
+        with tempfile.TemporaryDirectory() as tmp:
+            network.save_pretrained(tmp)
+            for file in sorted(Path(tmp).iterdir()):
+                if file.is_file():
+                    store.put_file(file, f"{layout.run_part(run, self.output)}/{file.name}")
+        if training.sample_prompts:
+            self.sample(network, training.steps)
+        samples = [store.url(key) for key in store.list(layout.run_part(run, "samples"), ".png")]
+        write_metrics(store, run, metrics)
+        store.write_bytes(layout.run_part(run, "loss_curve"), loss_curve_png(metrics))
+        config = yaml.safe_dump(training.model_dump(), sort_keys=False).encode()
+        store.write_bytes(layout.run_part(run, "config"), config)
+        lineage = {
+            "manifest": self.manifest["id"], "model": model.model_dump(), "training": training.model_dump(),
+            "init_from": self.init and {"url": self.init["url"], "sha256": self.init["sha256"]},
+            "versions": package_versions(), "code": code_version(), "python": platform.python_version(),
+        }
+        window = max(1, min(10, len(metrics) // 4))  # mean loss over the first and last few steps
+        return store.commit_json(
+            layout.run_part(run, "lineage"), lineage, run=store.url(run), samples=samples, model=model.model_dump(),
+            adapter=store.url(layout.run_part(run, "adapter")) if self.output == "adapter" else None,
+            transformer=store.url(layout.run_part(run, "transformer")) if self.output == "transformer" else None,
+            finished=time.time(), steps=training.steps, resumed_from=start, seconds=round(elapsed, 2),
+            first_loss=sum(m["loss"] for m in metrics[:window]) / window,
+            final_loss=sum(m["loss"] for m in metrics[-window:]) / window,
+        )
+
+
+def write_metrics(store: Store, run: str, metrics: list[dict[str, Any]]) -> None:
+    store.write_bytes(layout.run_part(run, "metrics"), "".join(json.dumps(m) + "\n" for m in metrics).encode())
+
+
+def read_metrics(store: Store, run: str) -> list[dict[str, Any]]:
+    if not store.exists(layout.run_part(run, "metrics")):
+        return []
+    return [json.loads(line) for line in store.read_bytes(layout.run_part(run, "metrics")).splitlines() if line]
+
+
+def code_version() -> str:
+    """The git commit of the code that trained (with "+dirty" for uncommitted changes), else the
+    installed package version."""
+    import subprocess
+
+    here = Path(__file__).parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                                check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return commit + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return f"precast {package_versions()['precast']}"
+
+
+def package_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = ["precast", "torch", "diffusers", "transformers", "peft", "prefect"]
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
