@@ -11,6 +11,7 @@ that ran on another node is used exactly like one that ran here.
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -24,14 +25,14 @@ from prefect.deployments import run_deployment
 from prefect.filesystems import RemoteFileSystem
 
 from configs.schema import PipelineConfig
-from storage import layout
-from storage.fingerprint import hash_json
-from storage.shards import shard_id_of
-from storage.store import Store
 from flows.stage_tasks import (
     device_slot, encode_latents_task, encode_prompts_task, encode_text_task, ingest_task, manifest_task,
     measure_numerics_task, train_task, training_progress,
 )
+from storage import layout
+from storage.fingerprint import hash_json
+from storage.shards import shard_id_of
+from storage.store import Store
 from tasks.encode_text import encoding_report, prompts_cache_key
 from tasks.ingest import latest_dataset, report_markdown
 from tasks.manifest import manifest_id
@@ -90,11 +91,17 @@ def bounded_map(task: Task, items: list[Any], limit: int, device: str, *args: An
         with device_slot(device):
             return task(*args, item)
 
+    return in_threads(one, items, limit)
+
+
+def in_threads(work: Callable[[Any], Any], items: list[Any], limit: int) -> list[Any]:
+    """`work(item)` for each item, at most `limit` at once (one: in this thread), in threads that
+    end with the call; raises the first failure. Each thread gets a copy of this flow's context, so
+    its task runs and child flow runs belong to this flow run."""
     if limit == 1:
-        return [one(item) for item in items]
+        return [work(item) for item in items]
     with ThreadPoolExecutor(max_workers=limit) as pool:
-        # each thread gets a copy of this flow's context, so its task runs belong to this flow run
-        futures = [pool.submit(contextvars.copy_context().run, one, item) for item in items]
+        futures = [pool.submit(contextvars.copy_context().run, work, item) for item in items]
         return [future.result() for future in futures]
 
 
@@ -123,12 +130,7 @@ def run_elsewhere(config: PipelineConfig, deployment: str, stage: str, shards: l
 
 def run_shards_elsewhere(config: PipelineConfig, deployment: str, stage: str, urls: list[str]) -> None:
     """One child flow run per shard, at most `max_parallel_shards` at once; raises the first failure."""
-    with ThreadPoolExecutor(max_workers=config.execution.max_parallel_shards) as pool:
-        # each thread gets a copy of this flow's context, so children are linked to it as subflows
-        futures = [pool.submit(contextvars.copy_context().run, run_elsewhere, config, deployment, stage, [url])
-                   for url in urls]
-        for future in futures:
-            future.result()
+    in_threads(lambda url: run_elsewhere(config, deployment, stage, [url]), urls, config.execution.max_parallel_shards)
 
 
 def run_ingest(plan: Plan) -> dict[str, Any]:

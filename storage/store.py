@@ -269,12 +269,13 @@ class Store:
         self.write_json(key + COMMIT_SUFFIX, full)
         return full
 
-    def commit_first(self, key: str, data: bytes, **record: Any) -> dict[str, Any]:
+    def commit_first(self, key: str, data: bytes, **record: Any) -> bytes:
         """Commit `data` at `key` unless another writer created it first: racing writers of one key
-        all end up committing the first one's bytes."""
+        all end up committing the first one's bytes, which this returns."""
         if not self.create(key, data):
             data = self.read_bytes(key)
-        return self.commit(key, data, **record)
+        self.commit(key, data, **record)
+        return data
 
     def commit_json(self, key: str, obj: Any, **record: Any) -> dict[str, Any]:
         return self.commit(key, json_bytes(obj), **record)
