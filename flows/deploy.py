@@ -76,8 +76,14 @@ async def _submit(deployment: str, config: PipelineConfig | None, poll_seconds: 
     )
     from prefect.settings import PREFECT_UI_URL
 
+    from prefect.exceptions import ObjectNotFound
+
     async with get_client() as client:
-        target = await client.read_deployment_by_name(deployment)
+        try:
+            target = await client.read_deployment_by_name(deployment)
+        except ObjectNotFound:
+            raise ValueError(f"deployment {deployment!r} does not exist on {client.api_url}: "
+                             "register it with `precast deploy CONFIG`") from None
         parameters = {"config": config.model_dump(mode="json")} if config is not None else {}
         run = await client.create_flow_run_from_deployment(target.id, parameters=parameters)
         url = f"{PREFECT_UI_URL.value()}/runs/flow-run/{run.id}" if PREFECT_UI_URL.value() else str(run.id)

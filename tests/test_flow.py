@@ -239,3 +239,9 @@ def test_stage_modules_are_prefect_free_and_each_task_is_its_stage_function():
                           cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_submit_names_a_deployment_that_does_not_exist(prefect_server, capsys):
+    assert main(["submit", "precast-pipeline/no-such-deployment"]) == 1
+    error = capsys.readouterr().err
+    assert "deployment 'precast-pipeline/no-such-deployment' does not exist" in error and "precast deploy" in error
