@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
     plan = Plan(config)  # the store, fingerprints and result storage, each derived once
     plan.store.check_reachable()
-    summary = Summary(plan.store)
+    summary = Summary()
     dataset = summary.stage("ingest", lambda: run_ingest(plan))
     summary.stage("encode-text", lambda: run_encode_text(plan, dataset))
     summary.stage("encode-latents", lambda: run_encode_latents(plan, dataset))

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
-from prefect.cache_policies import INPUTS, TASK_SOURCE
+from prefect.cache_policies import INPUTS, TASK_SOURCE, CacheKeyFnPolicy
 
 from tasks.encode_latents import encode_latents_shard
 from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics
@@ -31,9 +31,9 @@ from tasks.train import train
 STAGE_CACHE = INPUTS + TASK_SOURCE
 JSON = {"persist_result": True, "result_serializer": "json"}
 
-# ingest's key also covers the source listing (names, sizes, modification stamps): new files re-run it
-ingest_task = task(name="ingest", cache_key_fn=lambda _, p: "ingest-" + sources_signature(p["storage"], p["dataset"]),
-                   **JSON)(ingest)
+# ingest's key is the source listing (names, sizes, modification stamps): new files re-run it
+SOURCES = CacheKeyFnPolicy(cache_key_fn=lambda _, p: "ingest-" + sources_signature(p["storage"], p["dataset"]))
+ingest_task = task(name="ingest", cache_policy=SOURCES + TASK_SOURCE, **JSON)(ingest)
 encode_prompts_task = task(name="encode-prompts", cache_policy=STAGE_CACHE, **JSON)(encode_prompts)
 measure_numerics_task = task(name="text-numerics", cache_policy=STAGE_CACHE, **JSON)(measure_numerics)
 encode_text_task = task(name="encode-text", cache_policy=STAGE_CACHE, **JSON)(encode_text_shard)

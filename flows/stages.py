@@ -33,11 +33,12 @@ from storage import layout
 from storage.fingerprint import hash_json
 from storage.shards import shard_id_of
 from storage.store import Store
-from tasks.encode_text import encoding_report, prompts_cache_key
+from tasks.encode_latents import latent_cache_record
+from tasks.encode_text import encoding_report, prompts_cache_key, text_cache_record
 from tasks.ingest import latest_dataset, report_markdown
-from tasks.manifest import manifest_id
+from tasks.manifest import manifest_id, manifest_record
 from tasks.models import text_encoder_fingerprint, vae_fingerprint
-from tasks.train import initial_adapter, run_id_for, run_markdown
+from tasks.train import finished_run, run_for, run_markdown
 
 
 @dataclass
@@ -164,7 +165,7 @@ def run_encode_text(plan: Plan, dataset: dict[str, Any], shards: list[str] | Non
         records = bounded_map(plan.configured(encode_text_task), urls, config.execution.max_parallel_shards,
                               config.text_encoding.device, *args)
     create_markdown_artifact(key="text-encoding", markdown=encoding_report(records))
-    return {"url": store.url(layout.cache("text", fingerprint)), "prompts": prompts, "shards": records}
+    return text_cache_record(store, fingerprint, prompts, records)
 
 
 def run_encode_latents(plan: Plan, dataset: dict[str, Any], shards: list[str] | None = None) -> dict[str, Any]:
@@ -177,7 +178,7 @@ def run_encode_latents(plan: Plan, dataset: dict[str, Any], shards: list[str] | 
         records = bounded_map(plan.configured(encode_latents_task), urls, config.execution.max_parallel_shards,
                               config.latent_encoding.device, config.storage, config.model, config.latent_encoding,
                               fingerprint)
-    return {"url": store.url(layout.cache("latents", fingerprint)), "shards": records}
+    return latent_cache_record(store, fingerprint, records)
 
 
 def run_manifest(plan: Plan, dataset: dict[str, Any]) -> dict[str, Any]:
@@ -212,14 +213,13 @@ def stored_dataset(plan: Plan) -> dict[str, Any]:
 def stored_manifest(plan: Plan) -> dict[str, Any]:
     dataset = stored_dataset(plan)
     this_id = manifest_id(dataset["id"], plan.text_fp, plan.vae_fp, plan.config.training.sample_prompts)
-    return plan.store.require(layout.manifest(this_id))
+    return manifest_record(plan.store.require(layout.manifest(this_id)))
 
 
 def stored_run(plan: Plan, manifest: dict[str, Any]) -> dict[str, Any]:
-    """The commit record of the run a train child finished (found by its id, as train finds it)."""
+    """The record of the run a train child finished (found by its id, as train finds it)."""
     config, store = plan.config, plan.store
-    this_manifest = store.read_json(store.key(manifest["url"]))["id"]
-    explicit = config.training.init_from not in ("none", "latest")
-    init = initial_adapter(store, config.storage, config.model, config.training) if explicit else None
-    run = layout.run(run_id_for(this_manifest, config.model, config.training, init))
-    return store.require(layout.run_part(run, "lineage"))
+    run, _ = run_for(store, config.model, config.training, store.read_json(store.key(manifest["url"]))["id"])
+    if (record := finished_run(store, run)) is None:
+        raise FileNotFoundError(f"{store.url(run)} is not finished: its train child ended without committing it")
+    return record

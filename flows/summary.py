@@ -9,13 +9,10 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from storage import layout
-from storage.store import Store
 
 
 class Summary:
-    def __init__(self, store: Store):
-        self.store = store
+    def __init__(self):
         self.started = time.time()
         self.rows: list[tuple[str, str, str, str, str]] = []
         self.records: dict[str, dict[str, Any]] = {}  # each stage's record, by name
@@ -31,26 +28,11 @@ class Summary:
             get_run_logger().error("stage %s failed: %s: %s", name, type(error).__name__, error)
             raise
         seconds = time.perf_counter() - began
-        records, amount, where = self._outputs(name, result)
         # "ran" when any output was committed during this pipeline run, else everything was cached
-        ran = any(r.get("committed_at", 0) >= self.started for r in records)
-        self.rows.append((name, "ran" if ran else "cached", amount, f"{seconds:.1f} s", where))
+        ran = result["committed_at"] >= self.started
+        self.rows.append((name, "ran" if ran else "cached", result["amount"], f"{seconds:.1f} s", result["url"]))
         self.records[name] = result
         return result
-
-    def _outputs(self, name: str, result: dict[str, Any]) -> tuple[list[dict], str, str]:
-        if name == "ingest":
-            shards = [self.store.committed(layout.image_shard(s["id"])) or {} for s in result["shards"]]
-            return shards, f"{result['samples']} samples in {len(shards)} shards", result["url"]
-        if name == "encode-text":
-            records = result["shards"] + [result["prompts"]]
-            return records, f"{sum(r['captions'] for r in records)} captions", result["url"]
-        if name == "encode-latents":
-            return result["shards"], f"{sum(r['samples'] for r in result['shards'])} images", result["url"]
-        if name == "manifest":
-            return [result], f"{result['samples']} samples", result["url"]
-        return [result], f"{result['steps']} steps, loss {result['first_loss']:.3f} → {result['final_loss']:.3f}", \
-            result["adapter"] or result["transformer"]
 
     def markdown(self) -> str:
         lines = ["# precast pipeline", "", "| stage | status | amount | time | output |",

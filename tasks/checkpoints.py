@@ -10,85 +10,109 @@ artifact, so a run killed mid-write resumes from the previous one. No pickle is 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from safetensors.torch import load, save
 
 from storage import layout
+from storage.lease import Lease
 from storage.store import Store
+from tasks.publisher import write_metrics
 
 
 def trainable_state(network: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in network.named_parameters() if p.requires_grad}
 
 
-def pack_checkpoint(
-    step: int, network, optimizer, schedule, rng_states: dict[str, list[torch.Tensor]],
-    ema: dict[str, torch.Tensor] | None,
-) -> bytes:
-    tensors = {f"weights/{name}": t.contiguous().cpu() for name, t in trainable_state(network).items()}
-    tensors.update({f"ema/{name}": t.contiguous().cpu() for name, t in (ema or {}).items()})
-    state = optimizer.state_dict()
+@dataclass
+class TrainingState:
+    """What a checkpoint saves and restores besides the step: the trainable weights (and their
+    moving average, when kept), the optimiser, the LR schedule and this process's generators."""
+
+    network: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: Any
+    generators: dict[str, torch.Generator]
+    ema: dict[str, torch.Tensor] | None = None
+
+
+@dataclass
+class Checkpointer:
+    """A run's checkpoint policy: every `every` steps before the last (0: never), keeping the
+    newest `keep`; writes stop with LeaseLost once `lease` was taken over."""
+
+    store: Store
+    run: str
+    every: int
+    keep: int
+    lease: Lease | None = None
+
+    def due(self, step: int, steps: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and step < steps
+
+    def save(self, step: int, state: TrainingState, rng_states: dict[str, list[torch.Tensor]],
+             metrics: list[dict[str, Any]]) -> None:
+        """Commit the checkpoint of `step` (`rng_states`: per generator name, one state per process
+        in rank order) after the metrics so far (resuming reads them back), then drop all but the
+        newest `keep`."""
+        if self.lease is not None:
+            self.lease.check()
+        write_metrics(self.store, self.run, metrics)
+        self.store.commit(layout.checkpoint(self.run, step), pack_checkpoint(step, state, rng_states), step=step)
+        for old in self.steps()[: -self.keep]:
+            self.store.remove(layout.checkpoint(self.run, old) + ".done")  # uncommit first: never a record without data
+            self.store.remove(layout.checkpoint(self.run, old))
+
+    def steps(self) -> list[int]:
+        keys = self.store.list(layout.run_part(self.run, "checkpoints"), ".safetensors")
+        return sorted(layout.checkpoint_step(k) for k in keys if self.store.committed(k) is not None)
+
+    def restore(self, state: TrainingState, rank: int = 0) -> int:
+        """Load the newest committed checkpoint into the live `state` (process `rank`'s generator
+        states); returns its step (0: none)."""
+        steps = self.steps()
+        if not steps:
+            return 0
+        key = layout.checkpoint(self.run, steps[-1])
+        data = self.store.read_verified(key)  # a damaged checkpoint is refused by name, never trained on
+        tensors = load(data)
+        meta = json.loads(_header_metadata(data)["meta"])
+        with torch.no_grad():
+            for name, parameter in state.network.named_parameters():
+                if parameter.requires_grad:
+                    parameter.copy_(tensors[f"weights/{name}"])
+            for name, average in (state.ema or {}).items():
+                average.copy_(tensors[f"ema/{name}"])
+        entries = [(k.removeprefix("optimizer/"), t) for k, t in tensors.items() if k.startswith("optimizer/")]
+        state.optimizer.load_state_dict({"state": _unflatten(entries + list(meta["scalars"].items())),
+                                         "param_groups": meta["param_groups"]})
+        state.schedule.load_state_dict(meta["schedule"])
+        for name, generator in state.generators.items():
+            if f"rng/{name}/{rank}" not in tensors:
+                raise ValueError(f"{self.store.url(key)} was written by fewer processes than this run has")
+            generator.set_state(tensors[f"rng/{name}/{rank}"])
+        torch.set_rng_state(tensors["rng/torch"])
+        return meta["step"]
+
+
+def pack_checkpoint(step: int, state: TrainingState, rng_states: dict[str, list[torch.Tensor]]) -> bytes:
+    tensors = {f"weights/{name}": t.contiguous().cpu() for name, t in trainable_state(state.network).items()}
+    tensors.update({f"ema/{name}": t.contiguous().cpu() for name, t in (state.ema or {}).items()})
+    optimizer = state.optimizer.state_dict()
     scalars = {}
-    for path, value in _flatten(state["state"]):  # nested: 8-bit optimizers keep a dict of quantisation state
+    for path, value in _flatten(optimizer["state"]):  # nested: 8-bit optimizers keep a dict of quantisation state
         if torch.is_tensor(value):  # cloned: 8-bit optimizers share their small quantisation maps
             tensors[f"optimizer/{path}"] = value.detach().cpu().clone()
         else:
             scalars[path] = value
     for name, states in rng_states.items():
-        tensors.update({f"rng/{name}/{rank}": state for rank, state in enumerate(states)})
+        tensors.update({f"rng/{name}/{rank}": rng for rank, rng in enumerate(states)})
     tensors["rng/torch"] = torch.get_rng_state()
-    meta = {"step": step, "param_groups": state["param_groups"], "scalars": scalars,
-            "schedule": schedule.state_dict()}
+    meta = {"step": step, "param_groups": optimizer["param_groups"], "scalars": scalars,
+            "schedule": state.schedule.state_dict()}
     return save(tensors, metadata={"meta": json.dumps(meta)})
-
-
-def save_checkpoint(
-    store: Store, run: str, step: int, network, optimizer, schedule, rng_states, ema, keep: int
-) -> None:
-    """Commit the checkpoint of `step` (`rng_states`: per generator name, one state per process in
-    rank order), then drop all but the newest `keep`."""
-    data = pack_checkpoint(step, network, optimizer, schedule, rng_states, ema)
-    store.commit(layout.checkpoint(run, step), data, step=step)
-    for old in committed_steps(store, run)[:-keep]:
-        store.remove(layout.checkpoint(run, old) + ".done")  # uncommit first: never a record without data
-        store.remove(layout.checkpoint(run, old))
-
-
-def committed_steps(store: Store, run: str) -> list[int]:
-    keys = store.list(layout.run_part(run, "checkpoints"), ".safetensors")
-    return sorted(layout.checkpoint_step(k) for k in keys if store.committed(k) is not None)
-
-
-def restore_latest(
-    store: Store, run: str, network, optimizer, schedule, generators: dict[str, torch.Generator], ema, rank: int = 0
-) -> int:
-    """Load the newest committed checkpoint of `run` into the live objects (the EMA weights too,
-    when kept, and process `rank`'s generator states); returns its step (0: none)."""
-    steps = committed_steps(store, run)
-    if not steps:
-        return 0
-    key = layout.checkpoint(run, steps[-1])
-    data = store.read_verified(key)  # a damaged checkpoint is refused by name, never trained on
-    tensors = load(data)
-    meta = json.loads(_header_metadata(data)["meta"])
-    with torch.no_grad():
-        for name, parameter in network.named_parameters():
-            if parameter.requires_grad:
-                parameter.copy_(tensors[f"weights/{name}"])
-        for name, average in (ema or {}).items():
-            average.copy_(tensors[f"ema/{name}"])
-    entries = [(k.removeprefix("optimizer/"), t) for k, t in tensors.items() if k.startswith("optimizer/")]
-    optimizer.load_state_dict({"state": _unflatten(entries + list(meta["scalars"].items())),
-                               "param_groups": meta["param_groups"]})
-    schedule.load_state_dict(meta["schedule"])
-    for name, generator in generators.items():
-        if f"rng/{name}/{rank}" not in tensors:
-            raise ValueError(f"{store.url(key)} was written by fewer processes than this run has")
-        generator.set_state(tensors[f"rng/{name}/{rank}"])
-    torch.set_rng_state(tensors["rng/torch"])
-    return meta["step"]
 
 
 def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:

@@ -177,3 +177,11 @@ def encode_latents_shard(
     log.info("encoded %d images of shard %s into %d buckets (%d quarantined)", len(rows), shard_id, len(buckets),
              len(quarantined))
     return record
+
+
+def latent_cache_record(store: Store, fingerprint: str, shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the encode-latents stage returns, wherever its shards ran: the cache's URL, each shard's
+    commit record, `amount` and `committed_at` (the newest)."""
+    return {"url": store.url(layout.cache("latents", fingerprint)), "shards": shards,
+            "amount": f"{sum(r['samples'] for r in shards)} images",
+            "committed_at": max((r["committed_at"] for r in shards), default=0.0)}

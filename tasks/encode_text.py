@@ -169,6 +169,15 @@ def encode_prompts(
     return store.commit(key, pack_ragged(rows, embeddings, meta), rows=len(rows), captions=len(rows))
 
 
+def text_cache_record(store: Store, fingerprint: str, prompts: dict[str, Any], shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the encode-text stage returns, wherever its shards ran: the cache's URL, the commit
+    records of the prompts and of each shard, `amount` and `committed_at` (the newest)."""
+    records = [prompts, *shards]
+    return {"url": store.url(layout.cache("text", fingerprint)), "prompts": prompts, "shards": shards,
+            "amount": f"{sum(r['captions'] for r in records)} captions",
+            "committed_at": max(r["committed_at"] for r in records)}
+
+
 def encoding_report(records: list[dict[str, Any]]) -> str:
     """Markdown summary of an encode-text stage: per shard counts and the precision check."""
     numerics = next((r["numerics"] for r in records if r.get("numerics")), {})

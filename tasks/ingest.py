@@ -17,6 +17,7 @@ characters escaped.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import tempfile
 from collections import Counter
@@ -212,7 +213,7 @@ def ingest_report(scan: Scan) -> dict[str, Any]:
 
 
 def ingest(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
-    """Ingest every source; returns the dataset record (id, shards, report) with its URL."""
+    """Ingest every source; returns the dataset's record (`dataset_record`) and what was new."""
     store = Store(storage)
     records, images = read_index(store)
     with tempfile.TemporaryDirectory(prefix="precast-ingest-") as spill:
@@ -236,10 +237,21 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
     report = {"dataset": dataset_id, **ingest_report(scan), "quarantine": scan.quarantined}
     write_if_changed(store, layout.dataset_report(dataset_id), report)
     write_if_changed(store, dataset_ref(dataset), {"dataset": dataset_id})
-    return {**record, "url": store.url(layout.dataset(dataset_id)),
-            "report": store.url(layout.dataset_report(dataset_id)),
-            "new_shards": -(-len(new) // dataset.shard_size), "new_samples": len(new),
-            "quarantined": len(scan.quarantined)}
+    return {**dataset_record(store, dataset_id), "new_shards": -(-len(new) // dataset.shard_size),
+            "new_samples": len(new)}
+
+
+def dataset_record(store: Store, dataset_id: str) -> dict[str, Any]:
+    """What ingest returns for a committed dataset version, also when it ran elsewhere: the record
+    (id, shards, samples, sources) with its URL, report, quarantined count, and the fields every
+    stage's record has: `url`, `amount` and `committed_at` (its newest output's commit time)."""
+    key = layout.dataset(dataset_id)
+    record = {**json.loads(store.read_verified(key)), "url": store.url(key)}
+    commits = [store.require(key)] + [store.require(layout.image_shard(s["id"])) for s in record["shards"]]
+    report = store.read_json(layout.dataset_report(dataset_id))
+    return {**record, "report": store.url(layout.dataset_report(dataset_id)), "quarantined": report["quarantined"],
+            "amount": f"{record['samples']} samples in {len(record['shards'])} shards",
+            "committed_at": max(c["committed_at"] for c in commits)}
 
 
 def write_new_shards(
@@ -299,9 +311,7 @@ def latest_dataset(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, 
     ref = dataset_ref(dataset)
     if not store.exists(ref):
         raise FileNotFoundError(f"no dataset ingested yet for these sources in {store.root_url}; run ingest first")
-    key = layout.dataset(store.read_json(ref)["dataset"])
-    store.require(key)
-    return {**store.read_json(key), "url": store.url(key)}
+    return dataset_record(store, store.read_json(ref)["dataset"])
 
 
 def report_markdown(report: dict[str, Any]) -> str:

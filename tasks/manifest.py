@@ -47,7 +47,7 @@ def build_manifest(
     this_id = manifest_id(dataset_id, text_fp, vae_fp, prompts)
     key = layout.manifest(this_id)
     if (record := store.committed(key)) is not None:
-        return record
+        return manifest_record(record)
     dataset = json.loads(store.read_verified(layout.dataset(dataset_id)))
     prompts_key = prompts_cache_key(text_fp, prompts)
     checksums = {prompts_key: store.verify(prompts_key)["sha256"]}
@@ -86,4 +86,10 @@ def build_manifest(
         "prompts": prompts, "prompts_shard": prompts_key, "table": table_key, "samples": len(rows),
         "buckets": dict(sorted(buckets.items())), "quarantined": dict(quarantined), "checksums": checksums,
     }
-    return store.commit_json(key, manifest, samples=len(rows), buckets=manifest["buckets"])
+    return manifest_record(store.commit_json(key, manifest, samples=len(rows), buckets=manifest["buckets"]))
+
+
+def manifest_record(commit: dict[str, Any]) -> dict[str, Any]:
+    """What the manifest stage returns, also when it ran elsewhere: the manifest's commit record
+    (url, sha256, samples, buckets, committed_at) and its `amount`."""
+    return {**commit, "amount": f"{commit['samples']} samples"}

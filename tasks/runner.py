@@ -14,8 +14,8 @@ from typing import Any
 from configs.schema import PipelineConfig, Stage
 from storage import layout
 from storage.store import Store
-from tasks.encode_latents import encode_latents_shard
-from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics
+from tasks.encode_latents import encode_latents_shard, latent_cache_record
+from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics, text_cache_record
 from tasks.ingest import ingest
 from tasks.manifest import build_manifest
 from tasks.models import text_encoder_fingerprint, vae_fingerprint
@@ -23,8 +23,9 @@ from tasks.train import train
 
 
 def run_direct(config: PipelineConfig, until: Stage = "train") -> dict[str, Any]:
-    """Run the stages up to `until`; returns each stage's record by name, the encoders'
-    fingerprints and `seconds`, each stage's wall time."""
+    """Run the stages up to `until`; returns each stage's record by name (every one has `url`,
+    `amount` and `committed_at`, as in the flow), the encoders' fingerprints and `seconds`, each
+    stage's wall time."""
     store = Store(config.storage)
     store.check_reachable()
     text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
@@ -46,15 +47,12 @@ def run_direct(config: PipelineConfig, until: Stage = "train") -> dict[str, Any]
     def encode_text() -> dict[str, Any]:
         prompts = encode_prompts(*text, config.training.sample_prompts)
         measure_numerics(*text, urls[0] if urls else None)  # before any shard, as in the flow
-        return {"url": store.url(layout.cache("text", text_fp)), "prompts": prompts,
-                "shards": [encode_text_shard(*text, url) for url in urls]}
+        return text_cache_record(store, text_fp, prompts, [encode_text_shard(*text, url) for url in urls])
 
     if stage("encode-text", encode_text):
         return done
-    if stage("encode-latents", lambda: {
-        "url": store.url(layout.cache("latents", vae_fp)),
-        "shards": [encode_latents_shard(config.storage, config.model, config.latent_encoding, vae_fp, url)
-                   for url in urls]}):
+    if stage("encode-latents", lambda: latent_cache_record(store, vae_fp, [
+            encode_latents_shard(config.storage, config.model, config.latent_encoding, vae_fp, url) for url in urls])):
         return done
     if stage("manifest", lambda: build_manifest(config.storage, done["ingest"]["id"], text_fp, vae_fp,
                                                 config.training.sample_prompts)):
@@ -72,7 +70,7 @@ def outputs(records: dict[str, Any]) -> dict[str, Any]:
         "latent_cache": records["encode-latents"]["url"],
         "manifest": records["manifest"]["url"],
         "run": run["run"],
-        "adapter": run["adapter"] or run["transformer"],
+        "adapter": run["url"],
         "samples": run["samples"],
         "final_loss": run["final_loss"],
         "first_loss": run["first_loss"],

@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
@@ -28,10 +29,10 @@ from storage import layout
 from storage.fingerprint import hash_json
 from storage.lease import Lease
 from storage.store import Store, fsspec_options
-from tasks.checkpoints import restore_latest, save_checkpoint
+from tasks.checkpoints import Checkpointer, TrainingState
 from tasks.distributed import Distributed, free_port
 from tasks.ema import Ema
-from tasks.publisher import RunPublisher, read_metrics, write_metrics
+from tasks.publisher import RunPublisher, read_metrics
 from tasks.features import CachedFeatures, bucket_batches
 from tasks.models import (
     load_noise_scheduler, load_transformer, transformer_fingerprint,
@@ -58,7 +59,7 @@ def run_id_for(manifest_id: str, model: ModelConfig, training: TrainingConfig, i
                       "format": TRAIN_FORMAT})
 
 
-def initial_adapter(store: Store, storage: StorageConfig, model: ModelConfig, training: TrainingConfig) -> dict | None:
+def initial_adapter(store: Store, model: ModelConfig, training: TrainingConfig) -> dict | None:
     """The adapter `init_from` names: None, the newest finished LoRA run of this model in the
     store ("latest"; None if there is none yet), or a run/adapter URL. Returns its URL, sha256
     and tensors."""
@@ -77,12 +78,30 @@ def initial_adapter(store: Store, storage: StorageConfig, model: ModelConfig, tr
     else:
         url = training.init_from.rstrip("/")
         url = layout.run_part(layout.run_of(url), "adapter")
-    fs, path = fsspec.core.url_to_fs(f"{url}/adapter_model.safetensors", **fsspec_options(storage))
+    fs, path = fsspec.core.url_to_fs(f"{url}/adapter_model.safetensors", **fsspec_options(store.config))
     try:
         data = fs.cat_file(path)
     except FileNotFoundError as error:
         raise FileNotFoundError(f"init_from: no adapter_model.safetensors at {url}") from error
     return {"url": url, "sha256": hashlib.sha256(data).hexdigest(), "tensors": load_safetensors(data)}
+
+
+def run_for(store: Store, model: ModelConfig, training: TrainingConfig, manifest_id: str) -> tuple[str, dict | None]:
+    """The run folder these inputs train, and the adapter an explicit `init_from` names (for
+    "latest" the newest run is looked up only when training starts: it is not part of the id)."""
+    explicit = training.init_from not in ("none", "latest")
+    init = initial_adapter(store, model, training) if explicit else None
+    return layout.run(run_id_for(manifest_id, model, training, init)), init
+
+
+def finished_run(store: Store, run: str) -> dict[str, Any] | None:
+    """What train returns for a finished run, also when it ran elsewhere (None: not finished): the
+    lineage's commit record with the fields every stage's record has — `url` (the weights),
+    `amount` and `committed_at`."""
+    if (record := store.committed(layout.run_part(run, "lineage"))) is None:
+        return None
+    return {**record, "url": record["adapter"] or record["transformer"],
+            "amount": f"{record['steps']} steps, loss {record['first_loss']:.3f} → {record['final_loss']:.3f}"}
 
 
 def train(
@@ -92,31 +111,29 @@ def train(
     """Train (or resume, or return the finished run); `progress(step, steps, loss)` after each step."""
     store = Store(storage)
     manifest = json.loads(store.read_verified(store.key(manifest_url)))
-    if training.init_from == "latest":  # resolved only if this run has not finished already
-        run = layout.run(run_id_for(manifest["id"], model, training))
-        if (record := store.committed(layout.run_part(run, "lineage"))) is not None:
-            return record
-    init = initial_adapter(store, storage, model, training)
-    run = layout.run(run_id_for(manifest["id"], model, training, init))
-    if (record := store.committed(layout.run_part(run, "lineage"))) is not None:
+    run, init = run_for(store, model, training, manifest["id"])
+    if (record := finished_run(store, run)) is not None:
         return record
+    if training.init_from == "latest":  # resolved only now that this run is known to be unfinished
+        init = initial_adapter(store, model, training)
     # one trainer per run: another pipeline training it already is waited for, not raced
     lease = Lease(store, layout.run_part(run, "lease"))
     while not lease.acquire():
-        if (record := store.committed(layout.run_part(run, "lineage"))) is not None:
+        if (record := finished_run(store, run)) is not None:
             return record
         log.info("run %s is being trained by %s; waiting for it", store.url(run), lease.holder())
         time.sleep(LEASE_POLL_SECONDS)
     try:
-        if (record := store.committed(layout.run_part(run, "lineage"))) is not None:  # finished while we waited
+        if (record := finished_run(store, run)) is not None:  # finished while we waited
             return record
+        trainer = Trainer(storage, model, training, manifest, run, init)
         if training.processes == 1:
-            return run_training(0, 1, 0, storage, model, training, manifest, run, init, progress, lease)
+            trainer(0, 1, 0, progress, lease)
+            return finished_run(store, run)
         # data parallel: one process per device (gloo on CPUs, NCCL on GPUs); rank 0 writes the
         # run and its progress, which this process relays while it waits
-        processes = torch.multiprocessing.spawn(
-            run_training, nprocs=training.processes, join=False,
-            args=(training.processes, free_port(), storage, model, training, manifest, run, init))
+        processes = torch.multiprocessing.spawn(trainer, nprocs=training.processes, join=False,
+                                                args=(training.processes, free_port()))
         while not processes.join(timeout=2):
             if lease.lost:
                 for process in processes.processes:
@@ -126,123 +143,134 @@ def train(
                 progress(*store.read_json(layout.run_part(run, "progress")))
         if progress is not None:
             progress(training.steps, training.steps, float("nan"))
-        return store.require(layout.run_part(run, "lineage"))
+        if (record := finished_run(store, run)) is None:
+            raise RuntimeError(f"training processes of {store.url(run)} ended without committing the run")
+        return record
     finally:
         lease.release()
 
 
-def run_training(
-    rank: int, world: int, port: int, storage: StorageConfig, model: ModelConfig, training: TrainingConfig,
-    manifest: dict[str, Any], run: str, init: dict | None,
-    progress: Callable[[int, int, float], None] | None = None, lease: Lease | None = None,
-) -> dict[str, Any] | None:
-    """The training loop of one process; returns the run's commit record on rank 0. Writes stop
-    with LeaseLost once `lease` (held by the process that started training) was taken over."""
-    store = Store(storage)
-    processes = Distributed.start(rank, world, port, training.device)
-    device, leader = processes.device, processes.leader
+@dataclass
+class Trainer:
+    """One run's training, built from its parts: the process group (`Distributed`), cached
+    features, the network, optimiser and moving average, the `Checkpointer` and the
+    `RunPublisher`. Called once per process; rank 0 publishes the run."""
 
-    # --- data: cached features only; each process takes every world-th batch ------------------
-    features = CachedFeatures(store, manifest)
-    batches = islice(bucket_batches(features.buckets, training.batch_size, training.seed), rank, None, world)
-    # two generators: data choices (caption variant, dropout, flip, posterior draw) are made in the
-    # loader thread, noise and timesteps in this one, so each stream is reproducible on its own
-    data_rng = torch.Generator().manual_seed(training.seed + 1_000_003 * rank)
-    noise_rng = torch.Generator().manual_seed(training.seed + 1_000_003 * rank + 1)
+    storage: StorageConfig
+    model: ModelConfig
+    training: TrainingConfig
+    manifest: dict[str, Any]
+    run: str
+    init: dict | None
 
-    # --- model: LoRA layers on the frozen transformer, or the whole transformer ---------------
-    network = trainable_network(model, training, init).to(device)
-    replicas = processes.wrap(network)
-    noise_scheduler = load_noise_scheduler(model)
+    def __call__(self, rank: int, world: int, port: int, progress: Callable[[int, int, float], None] | None = None,
+                 lease: Lease | None = None) -> None:
+        """The loop of process `rank` of `world`; `progress(step, steps, loss)` on rank 0. Writes
+        stop with LeaseLost once `lease` (held by the process that started training) was taken over."""
+        training, run = self.training, self.run
+        store = Store(self.storage)
+        processes = Distributed.start(rank, world, port, training.device)
+        device, leader = processes.device, processes.leader
 
-    # --- optimiser: AdamW with linear warm-up -------------------------------------------------
-    trainable = [p for p in network.parameters() if p.requires_grad]
-    if training.optimizer == "adamw8bit":
-        import bitsandbytes
+        # --- data: cached features only; each process takes every world-th batch --------------
+        features = CachedFeatures(store, self.manifest)
+        batches = islice(bucket_batches(features.buckets, training.batch_size, training.seed), rank, None, world)
+        # two generators: data choices (caption variant, dropout, flip, posterior draw) are made in the
+        # loader thread, noise and timesteps in this one, so each stream is reproducible on its own
+        data_rng = torch.Generator().manual_seed(training.seed + 1_000_003 * rank)
+        noise_rng = torch.Generator().manual_seed(training.seed + 1_000_003 * rank + 1)
 
-        adamw = bitsandbytes.optim.AdamW8bit
-    else:
-        adamw = torch.optim.AdamW
-    optimizer = adamw(trainable, lr=training.learning_rate, weight_decay=training.weight_decay)
-    warmup = max(1, training.warmup_steps)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.mixed_precision)
-    scaler = torch.amp.GradScaler(device.type, enabled=training.mixed_precision == "fp16")
+        # --- model: LoRA layers on the frozen transformer, or the whole transformer -----------
+        network = trainable_network(self.model, training, self.init).to(device)
+        replicas = processes.wrap(network)
+        noise_scheduler = load_noise_scheduler(self.model)
 
-    # the moving average of the trainable weights is what is saved when it is on
-    ema = Ema(network, training.ema_decay) if training.ema_decay else None
+        # --- optimiser: AdamW with linear warm-up ---------------------------------------------
+        trainable = [p for p in network.parameters() if p.requires_grad]
+        if training.optimizer == "adamw8bit":
+            import bitsandbytes
 
-    # --- resume: weights, optimiser, schedule, RNG and data position of the latest checkpoint ---
-    start = restore_latest(store, run, network, optimizer, schedule, {"data": data_rng, "noise": noise_rng},
-                           ema and ema.averages, rank)
-    metrics = read_metrics(store, run)[:start]
-    for _ in range(start * training.gradient_accumulation):
-        next(batches)  # batches are a pure function of seed and position: skip the ones consumed
-    if start:
-        log.info("resuming %s at step %d", run, start)
+            adamw = bitsandbytes.optim.AdamW8bit
+        else:
+            adamw = torch.optim.AdamW
+        optimizer = adamw(trainable, lr=training.learning_rate, weight_decay=training.weight_decay)
+        warmup = max(1, training.warmup_steps)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.mixed_precision)
+        scaler = torch.amp.GradScaler(device.type, enabled=training.mixed_precision == "fp16")
 
-    def load(sample_ids: list[str]):
-        """A batch and the data generator's state after it (what a checkpoint must restore)."""
-        return features.batch(sample_ids, data_rng, training.caption_dropout), data_rng.get_state()
+        # the moving average of the trainable weights is what is saved when it is on
+        ema = Ema(network, training.ema_decay) if training.ema_decay else None
 
-    # with an accelerator the next batch is read while the model works on this one; on a CPU
-    # that gains nothing (both share the same cores)
-    loader = prefetched(load, batches, overlap=device.type != "cpu")
-    data_state = data_rng.get_state()
-    publisher = RunPublisher(store, run, model, training, manifest, init, features.prompts)
+        # --- resume: weights, optimiser, schedule, RNG and data position of the latest checkpoint
+        state = TrainingState(network, optimizer, schedule, {"data": data_rng, "noise": noise_rng},
+                              ema and ema.averages)
+        checkpointer = Checkpointer(store, run, training.checkpoint_every, training.keep_checkpoints, lease)
+        start = checkpointer.restore(state, rank)
+        metrics = read_metrics(store, run)[:start]
+        for _ in range(start * training.gradient_accumulation):
+            next(batches)  # batches are a pure function of seed and position: skip the ones consumed
+        if start:
+            log.info("resuming %s at step %d", run, start)
 
-    # --- loop ---------------------------------------------------------------------------------
-    network.train()
-    started = time.perf_counter()
-    for step in range(start + 1, training.steps + 1):
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = 0.0
-        for _ in range(training.gradient_accumulation):
-            (latents, text, mask), data_state = next(loader)
-            loss = diffusion_loss(replicas, noise_scheduler, latents.to(device), text.to(device), mask.to(device),
-                                  noise_rng, half)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss.item()} at step {step}")
-            scaler.scale(loss / training.gradient_accumulation).backward()
-            step_loss += loss.item() / training.gradient_accumulation
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(trainable, training.max_grad_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        schedule.step()
-        if ema is not None:
-            ema.update(network)
-        step_loss = processes.mean(step_loss)  # the logged loss is the mean over every process's batches
-        metrics.append({"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"],
-                        "bucket": f"{latents.shape[2]}x{latents.shape[3]}", "batch": len(latents) * world})
-        if leader and (step % max(1, training.steps // 20) == 0 or step == training.steps):
-            log.info("step %d/%d loss %.4f", step, training.steps, step_loss)
-        if leader and progress is not None:
-            progress(step, training.steps, step_loss)
-        if leader and world > 1 and step % max(1, training.steps // 100) == 0:
-            store.write_json(layout.run_part(run, "progress"), [step, training.steps, step_loss])
-        if leader:
-            publisher.maybe_sample(network, step)
-        if training.checkpoint_every and step % training.checkpoint_every == 0 and step < training.steps:
-            states = {"data": processes.gather(data_state), "noise": processes.gather(noise_rng.get_state())}
-            if leader:  # every process took part in the gathering above
-                if lease is not None:
-                    lease.check()
-                write_metrics(store, run, metrics)  # before the checkpoint: resuming reads them back
-                save_checkpoint(store, run, step, network, optimizer, schedule, states, ema and ema.averages,
-                                training.keep_checkpoints)
-    elapsed = time.perf_counter() - started
-    loader.close()
-    processes.close()
-    if not leader:
-        return None
+        def load(sample_ids: list[str]):
+            """A batch and the data generator's state after it (what a checkpoint must restore)."""
+            return features.batch(sample_ids, data_rng, training.caption_dropout), data_rng.get_state()
 
-    # --- outputs: weights, samples, metrics, lineage (last) ------------------------------------
-    if lease is not None:
-        lease.check()
-    if ema is not None:  # the averaged weights are the run's result (and render its final samples)
-        ema.copy_to(network)
-    return publisher.publish(network, metrics, start, elapsed)
+        # with an accelerator the next batch is read while the model works on this one; on a CPU
+        # that gains nothing (both share the same cores)
+        loader = prefetched(load, batches, overlap=device.type != "cpu")
+        data_state = data_rng.get_state()
+        publisher = RunPublisher(store, run, self.model, training, self.manifest, self.init, features.prompts)
+
+        # --- loop -----------------------------------------------------------------------------
+        network.train()
+        started = time.perf_counter()
+        for step in range(start + 1, training.steps + 1):
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            for _ in range(training.gradient_accumulation):
+                (latents, text, mask), data_state = next(loader)
+                loss = diffusion_loss(replicas, noise_scheduler, latents.to(device), text.to(device),
+                                      mask.to(device), noise_rng, half)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"loss is {loss.item()} at step {step}")
+                scaler.scale(loss / training.gradient_accumulation).backward()
+                step_loss += loss.item() / training.gradient_accumulation
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(trainable, training.max_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            schedule.step()
+            if ema is not None:
+                ema.update(network)
+            step_loss = processes.mean(step_loss)  # the logged loss is the mean over every process's batches
+            metrics.append({"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"],
+                            "bucket": f"{latents.shape[2]}x{latents.shape[3]}", "batch": len(latents) * world})
+            if leader and (step % max(1, training.steps // 20) == 0 or step == training.steps):
+                log.info("step %d/%d loss %.4f", step, training.steps, step_loss)
+            if leader and progress is not None:
+                progress(step, training.steps, step_loss)
+            if leader and world > 1 and step % max(1, training.steps // 100) == 0:
+                store.write_json(layout.run_part(run, "progress"), [step, training.steps, step_loss])
+            if leader:
+                publisher.maybe_sample(network, step)
+            if checkpointer.due(step, training.steps):
+                states = {"data": processes.gather(data_state), "noise": processes.gather(noise_rng.get_state())}
+                if leader:  # every process took part in the gathering above
+                    checkpointer.save(step, state, states, metrics)
+        elapsed = time.perf_counter() - started
+        loader.close()
+        processes.close()
+        if not leader:
+            return
+
+        # --- outputs: weights, samples, metrics, lineage (last) --------------------------------
+        if lease is not None:
+            lease.check()
+        if ema is not None:  # the averaged weights are the run's result (and render its final samples)
+            ema.copy_to(network)
+        publisher.publish(network, metrics, start, elapsed)
 
 
 def trainable_network(model: ModelConfig, training: TrainingConfig, init: dict | None = None):
@@ -291,7 +319,7 @@ def run_markdown(record: dict[str, Any]) -> str:
     resumed = f" (resumed at step {record['resumed_from']})" if record["resumed_from"] else ""
     lines = [f"# Training run{resumed}", "", f"- steps: {record['steps']}",
              f"- loss: {record['first_loss']:.4f} at the start, {record['final_loss']:.4f} at the end",
-             f"- weights: `{record['adapter'] or record['transformer']}`",
+             f"- weights: `{record['url']}`",
              f"- loss curve: `{layout.run_part(record['run'], 'loss_curve')}`",
              f"- metrics: `{layout.run_part(record['run'], 'metrics')}`"]
     lines += [f"- samples: `{url}`" for url in record["samples"]]

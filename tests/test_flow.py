@@ -15,6 +15,7 @@ from diffusers import PixArtTransformer2DModel
 from flows.cli import main
 from flows.pipeline import pipeline, stage
 from storage.store import Store
+from tasks.runner import run_direct
 
 
 FINAL = {"Completed", "Cached", "Failed", "Crashed", "Cancelled"}
@@ -110,10 +111,17 @@ def test_cli_run_json_and_single_stages(prefect_server, make_config, tmp_path, c
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config.model_dump()))
 
+    records = {}
     for stage in ["ingest", "encode-text", "encode-latents", "manifest", "train"]:
         assert main(["stage", stage, str(path), "--set", "training.steps=3", "--json"]) == 0
-        record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert record, stage
+        records[stage] = record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        # the record every stage returns: where its output is, how much, when it was committed
+        assert {"url", "amount", "committed_at"} <= set(record), stage
+    # the runner without Prefect returns the same records, all cached now
+    direct = run_direct(config.model_copy(update={"training": config.training.model_copy(update={"steps": 3})}))
+    for stage, record in records.items():
+        assert set(direct[stage]) == set(record) and direct[stage]["url"] == record["url"], stage
+        assert direct[stage]["committed_at"] == record["committed_at"], stage
     assert main(["run", str(path), "--set", "training.steps=3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"dataset", "text_cache", "latent_cache", "manifest", "run", "adapter"} <= set(out)

@@ -260,7 +260,7 @@ def test_ema_weights_are_the_saved_result(make_config):
 
 def test_two_process_data_parallel_training_on_cpu(make_config, tiny_models):
     """torch DDP over gloo: two processes, each its own batches, rank 0 writes the run."""
-    from tasks.checkpoints import restore_latest
+    from tasks.checkpoints import Checkpointer, TrainingState
 
     config = make_config(training={"steps": 3, "processes": 2, "checkpoint_every": 2, "keep_checkpoints": 1,
                                    "sample_prompts": []})
@@ -283,7 +283,8 @@ def test_two_process_data_parallel_training_on_cpu(make_config, tiny_models):
     optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     generators = {"data": torch.Generator(), "noise": torch.Generator()}
-    assert restore_latest(store, run, network, optimizer, schedule, generators, None, rank=1) == 2
+    state = TrainingState(network, optimizer, schedule, generators)
+    assert Checkpointer(store, run, every=2, keep=1).restore(state, rank=1) == 2
     base = PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer")
     PeftModel.from_pretrained(base, store.path(store.key(record["adapter"])))
 
