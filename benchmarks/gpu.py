@@ -119,7 +119,8 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
     from tasks.encode_text import encode_captions, run_encoder, tokenize
     from tasks.features import pad_sequences
     from tasks.models import load_noise_scheduler, load_text_encoder, load_vae
-    from tasks.train import diffusion_loss, trainable_network
+    from tasks.loss import diffusion_loss
+    from tasks.train import trainable_network
 
     if not torch.cuda.is_available() and not tiny:
         return {"skipped": "no CUDA device: the real-architecture benchmarks need a GPU"}
@@ -149,7 +150,7 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
         noise_scheduler = load_noise_scheduler(model)
         optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=1e-4)
         generator = torch.Generator().manual_seed(0)
-        lengths = [len(ids) for ids in tokenize(texts, encoder.tokenizer, text.max_length)[0]]
+        lengths = [len(ids) for ids in tokenize(texts, encoder.tokenizer, text)[0]]
         latent_side = resolution // 8
 
         def step(latents: torch.Tensor, embeddings: torch.Tensor, mask: torch.Tensor) -> None:
@@ -172,7 +173,7 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
 
             def encode_and_step() -> None:
                 with torch.no_grad():
-                    ids, _ = tokenize(batch_texts, encoder.tokenizer, text.max_length)
+                    ids, _ = tokenize(batch_texts, encoder.tokenizer, text)
                     embeddings, mask = pad_sequences(run_encoder(ids, encoder, text.batch_tokens))
                     latents = vae.encode(pixels).latent_dist.sample(generator).float() * vae.config.scaling_factor
                 step(latents, embeddings.to(device).float(), mask.to(device))

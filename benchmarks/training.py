@@ -99,7 +99,8 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
     from tasks.encode_text import run_encoder, tokenize
     from tasks.features import bucket_batches, pad_sequences
     from tasks.models import load_noise_scheduler, load_text_encoder, load_vae
-    from tasks.train import diffusion_loss, trainable_network
+    from tasks.loss import diffusion_loss
+    from tasks.train import trainable_network
 
     training = config.training
     store = Store(config.storage)
@@ -123,7 +124,7 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
     for _ in range(training.steps):
         batch = [samples[i] for i in next(batches)]
         with torch.no_grad():
-            ids, _ = tokenize([s["captions"][0] for s in batch], encoder.tokenizer, config.text_encoding.max_length)
+            ids, _ = tokenize([s["captions"][0] for s in batch], encoder.tokenizer, config.text_encoding)
             text, mask = pad_sequences(run_encoder(ids, encoder, config.text_encoding.batch_tokens))
             pixels = torch.stack([preprocess(s["image"], crop_box(s["width"], s["height"], 256, "center", 0, ""))
                                   for s in batch])

@@ -89,6 +89,14 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 
 class TextEncodingConfig(Section):
     max_length: int = Field(300, ge=1, description="T5 token limit; longer captions are truncated (PixArt-Sigma: 300).")
+    caption_preprocessing: Literal["diffusers", "none"] = Field(
+        "diffusers",
+        description="What T5 reads of a caption or prompt. diffusers: exactly what PixArtSigmaPipeline feeds its "
+        "tokenizer by default (its own clean_caption: lowercased; URLs, HTML, hashtags, IDs removed), so an adapter "
+        "sees the same tokens in training as where it is used. none: the caption as written, as PixArt's own "
+        "train.py does. Applied alike to captions, sample prompts and `precast sample`; part of the encoder "
+        "fingerprint.",
+    )
     dtype: Literal["fp32", "bf16", "fp16", "int8"] = Field(
         "bf16",
         description="T5 precision. fp16 loads through from_pretrained(dtype=float16), which keeps T5's wo layers "
@@ -184,6 +192,14 @@ class TrainingConfig(Section):
         description="Prompts rendered into the run's sample grid (encoded by the text stage, not here).",
     )
     sample_every: int = Field(0, ge=0, description="Steps between sample grids during training (0: at the end only).")
+    validation_samples: int = Field(
+        8, ge=0, description="Samples of the manifest held out of training (chosen by a hash of seed and sample id) "
+        "to score a validation loss with fixed draws, noise and timesteps (0: no validation)."
+    )
+    validation_every: int = Field(
+        50, ge=0, description="Steps between validation losses (0: at the end only); logged in metrics.jsonl, the "
+        "loss curve and the run's progress."
+    )
     sample_steps: int = Field(20, ge=1, description="Denoising steps per sample image.")
     guidance_scale: float = Field(4.5, ge=1, description="Classifier-free guidance scale of the samples.")
     processes: int = Field(

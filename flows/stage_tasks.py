@@ -9,6 +9,7 @@ with its folder first on sys.path, where that name would hide the `tasks` packag
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -66,21 +67,25 @@ def device_slot(device: str) -> Iterator[None]:
         yield
 
 
-def training_progress() -> Callable[[int, int, float], None]:
-    """A `progress(step, steps, loss)` callback for `train` that keeps the `training-progress`
-    artifact of the task run it is called in up to date."""
+def training_progress() -> Callable[[int, int, float, float | None], None]:
+    """A `progress(step, steps, loss, validation_loss)` callback for `train` that keeps the
+    `training-progress` artifact of the task run it is called in up to date: the share of steps
+    done, and the latest training and validation loss as its description."""
     artifact = None
     last_update = 0.0
+    validation = None
 
-    def report(step: int, steps: int, loss: float) -> None:
+    def report(step: int, steps: int, loss: float, validation_loss: float | None = None) -> None:
         # each update is an API call: a few per minute, not one per percent (fast steps would wait on them)
-        nonlocal artifact, last_update
+        nonlocal artifact, last_update, validation
+        validation = validation_loss if validation_loss is not None else validation
+        description = f"step {step}/{steps}" + (f", loss {loss:.4f}" if math.isfinite(loss) else "") + \
+            (f", validation loss {validation:.4f}" if validation is not None else "")
         if artifact is None:
-            artifact = create_progress_artifact(progress=0.0, key="training-progress",
-                                                description="training steps done")
+            artifact = create_progress_artifact(progress=0.0, key="training-progress", description=description)
             last_update = time.monotonic()
         if step == steps or time.monotonic() - last_update >= PROGRESS_SECONDS:
-            update_progress_artifact(artifact, progress=100.0 * step / steps)
+            update_progress_artifact(artifact, progress=100.0 * step / steps, description=description)
             last_update = time.monotonic()
 
     return report

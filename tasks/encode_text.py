@@ -20,7 +20,7 @@ from storage.fingerprint import hash_json
 from storage.shards import pack_ragged, read_image_shard, shard_id_of
 from storage.store import Store, json_bytes
 from tasks.models import (
-    TEXT_ACTIVATIONS, TEXT_FORMAT, TextEncoder, build_text_encoder, load_text_encoder,
+    TEXT_ACTIVATIONS, TEXT_FORMAT, TextEncoder, build_text_encoder, load_text_encoder, preprocess_captions,
     reference_placement,
 )
 
@@ -36,9 +36,11 @@ def prompt_rows(prompts: list[str]) -> list[str]:
     return list(dict.fromkeys(["", *prompts]))
 
 
-def tokenize(texts: list[str], tokenizer, max_length: int) -> tuple[list[list[int]], int]:
-    """Token ids of each caption (with </s>) cut at max_length, and how many were cut."""
-    full = tokenizer(texts, add_special_tokens=True).input_ids
+def tokenize(texts: list[str], tokenizer, config: TextEncodingConfig) -> tuple[list[list[int]], int]:
+    """Token ids of each caption (preprocessed as configured, with </s>) cut at max_length, and how
+    many were cut."""
+    max_length = config.max_length
+    full = tokenizer(preprocess_captions(texts, config.caption_preprocessing), add_special_tokens=True).input_ids
     truncated = sum(len(x) > max_length for x in full)
     # the same cut as the tokenizer's own truncation: keep max_length-1 tokens, then </s>
     return [x if len(x) <= max_length else x[: max_length - 1] + [tokenizer.eos_token_id] for x in full], truncated
@@ -76,7 +78,7 @@ def encode_captions(texts: list[str], model: ModelConfig, config: TextEncodingCo
     """T5 embeddings of `texts` (real tokens only, in the stored dtype) and the truncation count.
     Non-finite output fails with the caption named instead of being cached."""
     encoder = load_text_encoder(model, config.dtype, config.device, config.offload)
-    ids, truncated = tokenize(texts, encoder.tokenizer, config.max_length)
+    ids, truncated = tokenize(texts, encoder.tokenizer, config)
     embeddings = [e.to(TEXT_ACTIVATIONS[config.dtype]) for e in run_encoder(ids, encoder, config.batch_tokens)]
     for text, embedding in zip(texts, embeddings):
         if not torch.isfinite(embedding).all():
@@ -106,7 +108,7 @@ def measure_numerics(
         got = torch.cat([e.float() for e in encode_captions(picked, model, text)[0]])
         # the fp32 reference never shares the accelerator with the encoder (T5-XXL: ~19 GB)
         reference = build_text_encoder(model, "fp32", *reference_placement(text.device))
-        ids, _ = tokenize(picked, reference.tokenizer, text.max_length)
+        ids, _ = tokenize(picked, reference.tokenizer, text)
         want = torch.cat(run_encoder(ids, reference, text.batch_tokens)).float()
         del reference
         cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
@@ -164,7 +166,9 @@ def encode_prompts(
         return record
     texts = prompt_rows(prompts)
     embeddings, truncated = encode_captions(texts, model, text)
-    meta = {"format": TEXT_FORMAT, "fingerprint": fingerprint, "truncated": truncated}
+    # what `precast sample` must do to a prompt to match: kept with the run's lineage
+    meta = {"format": TEXT_FORMAT, "fingerprint": fingerprint, "truncated": truncated,
+            "caption_preprocessing": text.caption_preprocessing, "max_length": text.max_length}
     rows = {t: i for i, t in enumerate(texts)}
     return store.commit(key, pack_ragged(rows, embeddings, meta), rows=len(rows), captions=len(rows))
 

@@ -120,18 +120,61 @@ def load_transformer(model: ModelConfig):
     return PixArtTransformer2DModel.from_pretrained(model.path, subfolder="transformer", revision=model.revision)
 
 
+TRAINABLE_PREDICTIONS = ("epsilon", "v_prediction", "sample")
+
+
 def load_noise_scheduler(model: ModelConfig):
-    """The training scheduler: DDPM with the betas of the model's own scheduler config."""
+    """The training scheduler: DDPM with the betas, timesteps and `prediction_type` of the model's
+    own scheduler config (what its samplers assume). A flow-matching model, or a prediction type
+    DDPM cannot train, is refused by name."""
     from diffusers import DDPMScheduler
 
-    return DDPMScheduler.from_pretrained(model.path, subfolder="scheduler", revision=model.revision)
+    config = DDPMScheduler.load_config(model.path, subfolder="scheduler", revision=model.revision)
+    kind, prediction = config.get("_class_name", "unknown"), config.get("prediction_type", "epsilon")
+    if kind.startswith("FlowMatch") or prediction not in TRAINABLE_PREDICTIONS:
+        raise ValueError(f"{model.path}: its scheduler ({kind}, prediction_type {prediction!r}) cannot be trained "
+                         f"by precast, which trains DDPM noise schedules with prediction_type "
+                         f"{', '.join(TRAINABLE_PREDICTIONS)}")
+    return DDPMScheduler.from_config(config)
 
 
 def text_encoder_fingerprint(model: ModelConfig, text: TextEncodingConfig) -> str:
-    """Covers weights, tokenizer files, max_length, dtype (quantisation included) and format; not
-    device, offload or batch size, which change nothing beyond float noise."""
+    """Covers weights, tokenizer files, max_length, dtype (quantisation included), caption
+    preprocessing and format; not device, offload or batch size, which change nothing beyond
+    float noise."""
     files = component_fingerprint(model.path, ["text_encoder", "tokenizer"], model.revision)
-    return hash_json({"files": files, "max_length": text.max_length, "dtype": text.dtype, "format": TEXT_FORMAT})
+    return hash_json({"files": files, "max_length": text.max_length, "dtype": text.dtype, "format": TEXT_FORMAT,
+                      "captions": caption_rule(text.caption_preprocessing)})
+
+
+def caption_rule(mode: str) -> str:
+    """What decides the text of `mode`: for diffusers, the source of the pipeline's cleaning code,
+    so a diffusers release that cleans otherwise re-encodes (and one that does not, does not)."""
+    if mode == "none":
+        return mode
+    import inspect
+
+    from diffusers import PixArtSigmaPipeline
+
+    code = [inspect.getsource(PixArtSigmaPipeline._text_preprocessing),
+            inspect.getsource(PixArtSigmaPipeline._clean_caption), PixArtSigmaPipeline.bad_punct_regex.pattern]
+    return hash_json(code)
+
+
+def preprocess_captions(texts: list[str], mode: str) -> list[str]:
+    """The text T5 reads: as written (`none`), or what PixArtSigmaPipeline's `encode_prompt` feeds
+    its tokenizer by default (`diffusers`: the pipeline's own `_text_preprocessing` with
+    `clean_caption=True`)."""
+    if mode == "none":
+        return list(texts)
+    from diffusers import PixArtSigmaPipeline
+    from diffusers.utils import is_bs4_available, is_ftfy_available
+
+    if not (is_bs4_available() and is_ftfy_available()):  # the pipeline would fall back to lowercasing only
+        raise ImportError("text_encoding.caption_preprocessing 'diffusers' needs beautifulsoup4 and ftfy, as the "
+                          "pipeline's clean_caption does: pip install beautifulsoup4 ftfy")
+    cleaner = object.__new__(PixArtSigmaPipeline)  # the method uses no model: nothing is loaded
+    return cleaner._text_preprocessing(list(texts), clean_caption=True)
 
 
 def vae_fingerprint(model: ModelConfig, latents: LatentEncodingConfig) -> str:

@@ -70,6 +70,7 @@ class RunPublisher:
         lineage = {
             "manifest": self.manifest["id"], "model": model.model_dump(), "training": training.model_dump(),
             "init_from": self.init and {"url": self.init["url"], "sha256": self.init["sha256"]},
+            "text": {k: self.prompts.meta[k] for k in ("caption_preprocessing", "max_length")},
             "versions": package_versions(), "code": code_version(), "python": platform.python_version(),
         }
         window = max(1, min(10, len(metrics) // 4))  # mean loss over the first and last few steps
@@ -80,6 +81,7 @@ class RunPublisher:
             finished=time.time(), steps=training.steps, resumed_from=start, seconds=round(elapsed, 2),
             first_loss=sum(m["loss"] for m in metrics[:window]) / window,
             final_loss=sum(m["loss"] for m in metrics[-window:]) / window,
+            validation_loss=next((m["validation_loss"] for m in reversed(metrics) if "validation_loss" in m), None),
         )
 
 

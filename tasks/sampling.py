@@ -76,10 +76,14 @@ def sample_run(
 
     fs, path = fsspec.core.url_to_fs(url.rstrip("/"), **(options or {}))
     run = layout.run_of(path)
+    lineage = json.loads(fs.cat_file(layout.run_part(run, "lineage"))) if fs.exists(layout.run_part(run, "lineage")) \
+        else {}
     if model is None:
-        if not fs.exists(layout.run_part(run, "lineage")):
+        if not lineage:
             raise FileNotFoundError(f"{url} has no lineage.json: say which model with --model")
-        model = ModelConfig.model_validate(json.loads(fs.cat_file(layout.run_part(run, "lineage")))["model"])
+        model = ModelConfig.model_validate(lineage["model"])
+    # the prompt text T5 reads, as it read the run's captions
+    text = lineage.get("text", {"caption_preprocessing": "diffusers", "max_length": 300})
     with tempfile.TemporaryDirectory() as local:
         adapter, full = layout.run_part(run, "adapter"), layout.run_part(run, "transformer")
         if fs.exists(f"{adapter}/adapter_config.json"):
@@ -94,6 +98,10 @@ def sample_run(
             raise FileNotFoundError(f"no adapter/ or transformer/ with trained weights at {url}")
     pipeline = PixArtSigmaPipeline.from_pretrained(model.path, revision=model.revision, transformer=transformer)
     pipeline.to(resolve_device(device)).set_progress_bar_config(disable=True)
-    images = pipeline(prompts, num_inference_steps=steps, guidance_scale=guidance_scale,
+    if text["caption_preprocessing"] == "none":  # the pipeline lowercases even without clean_caption
+        pipeline._text_preprocessing = lambda texts, clean_caption=False: (
+            [texts] if isinstance(texts, str) else list(texts))
+    images = pipeline(prompts, num_inference_steps=steps,
+                      guidance_scale=guidance_scale, clean_caption=True, max_sequence_length=text["max_length"],
                       generator=torch.Generator(device="cpu").manual_seed(seed)).images
     return side_by_side(images)

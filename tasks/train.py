@@ -21,7 +21,6 @@ from typing import Any
 
 import fsspec
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load as load_safetensors
 
 from configs.schema import ModelConfig, StorageConfig, TrainingConfig
@@ -34,10 +33,12 @@ from tasks.distributed import Distributed, free_port
 from tasks.ema import Ema
 from tasks.publisher import RunPublisher, read_metrics
 from tasks.features import CachedFeatures, bucket_batches
+from tasks.loss import diffusion_loss
 from tasks.models import (
     load_noise_scheduler, load_transformer, transformer_fingerprint,
 )
 from tasks.prefetch import prefetched
+from tasks.validation import Validation
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,10 @@ log = logging.getLogger(__name__)
 NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints"}
 # in the run id: bump it with any change to training's code that changes what a run produces (the
 # loss, sampling, data order, outputs), so a re-run trains anew instead of returning the old run
-TRAIN_FORMAT = "precast.train/2"
+TRAIN_FORMAT = "precast.train/3"
 LEASE_POLL_SECONDS = 2.0
+# progress(step, steps, loss, validation_loss or None)
+Progress = Callable[[int, int, float, float | None], None]
 
 
 def run_id_for(manifest_id: str, model: ModelConfig, training: TrainingConfig, init: dict | None = None) -> str:
@@ -106,9 +109,10 @@ def finished_run(store: Store, run: str) -> dict[str, Any] | None:
 
 def train(
     storage: StorageConfig, model: ModelConfig, training: TrainingConfig, manifest_url: str,
-    progress: Callable[[int, int, float], None] | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Train (or resume, or return the finished run); `progress(step, steps, loss)` after each step."""
+    """Train (or resume, or return the finished run); `progress(step, steps, loss, validation_loss)`
+    after each step (the validation loss is None at steps without one)."""
     store = Store(storage)
     manifest = json.loads(store.read_verified(store.key(manifest_url)))
     run, init = run_for(store, model, training, manifest["id"])
@@ -142,7 +146,7 @@ def train(
             if progress is not None and store.exists(layout.run_part(run, "progress")):
                 progress(*store.read_json(layout.run_part(run, "progress")))
         if progress is not None:
-            progress(training.steps, training.steps, float("nan"))
+            progress(training.steps, training.steps, float("nan"), None)
         if (record := finished_run(store, run)) is None:
             raise RuntimeError(f"training processes of {store.url(run)} ended without committing the run")
         return record
@@ -153,8 +157,8 @@ def train(
 @dataclass
 class Trainer:
     """One run's training, built from its parts: the process group (`Distributed`), cached
-    features, the network, optimiser and moving average, the `Checkpointer` and the
-    `RunPublisher`. Called once per process; rank 0 publishes the run."""
+    features and the held-out `Validation`, the network, optimiser and moving average, the
+    `Checkpointer` and the `RunPublisher`. Called once per process; rank 0 publishes the run."""
 
     storage: StorageConfig
     model: ModelConfig
@@ -163,9 +167,9 @@ class Trainer:
     run: str
     init: dict | None
 
-    def __call__(self, rank: int, world: int, port: int, progress: Callable[[int, int, float], None] | None = None,
+    def __call__(self, rank: int, world: int, port: int, progress: Progress | None = None,
                  lease: Lease | None = None) -> None:
-        """The loop of process `rank` of `world`; `progress(step, steps, loss)` on rank 0. Writes
+        """The loop of process `rank` of `world`; `progress` (as `train`'s) on rank 0. Writes
         stop with LeaseLost once `lease` (held by the process that started training) was taken over."""
         training, run = self.training, self.run
         store = Store(self.storage)
@@ -174,7 +178,10 @@ class Trainer:
 
         # --- data: cached features only; each process takes every world-th batch --------------
         features = CachedFeatures(store, self.manifest)
-        batches = islice(bucket_batches(features.buckets, training.batch_size, training.seed), rank, None, world)
+        validation = Validation(features, training.validation_samples, training.validation_every,
+                                training.batch_size, training.seed)
+        batches = islice(bucket_batches(validation.training_buckets(), training.batch_size, training.seed),
+                         rank, None, world)
         # two generators: data choices (caption variant, dropout, flip, posterior draw) are made in the
         # loader thread, noise and timesteps in this one, so each stream is reproducible on its own
         data_rng = torch.Generator().manual_seed(training.seed + 1_000_003 * rank)
@@ -247,12 +254,16 @@ class Trainer:
             step_loss = processes.mean(step_loss)  # the logged loss is the mean over every process's batches
             metrics.append({"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"],
                             "bucket": f"{latents.shape[2]}x{latents.shape[3]}", "batch": len(latents) * world})
+            if leader and validation.due(step, training.steps):
+                metrics[-1]["validation_loss"] = validation.loss(network, noise_scheduler, device, half)
             if leader and (step % max(1, training.steps // 20) == 0 or step == training.steps):
-                log.info("step %d/%d loss %.4f", step, training.steps, step_loss)
+                log.info("step %d/%d loss %.4f%s", step, training.steps, step_loss,
+                         f" validation {metrics[-1]['validation_loss']:.4f}" if "validation_loss" in metrics[-1] else "")
             if leader and progress is not None:
-                progress(step, training.steps, step_loss)
+                progress(step, training.steps, step_loss, metrics[-1].get("validation_loss"))
             if leader and world > 1 and step % max(1, training.steps // 100) == 0:
-                store.write_json(layout.run_part(run, "progress"), [step, training.steps, step_loss])
+                store.write_json(layout.run_part(run, "progress"),
+                                 [step, training.steps, step_loss, metrics[-1].get("validation_loss")])
             if leader:
                 publisher.maybe_sample(network, step)
             if checkpointer.due(step, training.steps):
@@ -296,30 +307,13 @@ def trainable_network(model: ModelConfig, training: TrainingConfig, init: dict |
     return network
 
 
-def diffusion_loss(
-    network, noise_scheduler, latents: torch.Tensor, text: torch.Tensor, mask: torch.Tensor,
-    generator: torch.Generator, half: torch.dtype | None,
-) -> torch.Tensor:
-    """PixArt's training loss for one batch: noise the scaled latents at random timesteps and
-    regress the noise from the text-conditioned transformer (epsilon prediction)."""
-    device = latents.device
-    noise = torch.randn(latents.shape, generator=generator).to(device)
-    steps = noise_scheduler.config.num_train_timesteps
-    timesteps = torch.randint(0, steps, (len(latents),), generator=generator).to(device)
-    noisy = noise_scheduler.add_noise(latents, noise, timesteps)
-    with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
-        prediction = network(noisy, encoder_hidden_states=text, encoder_attention_mask=mask, timestep=timesteps,
-                             added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
-    if prediction.shape[1] == 2 * latents.shape[1]:  # learned sigma: the variance half is not trained by this loss
-        prediction = prediction.chunk(2, dim=1)[0]
-    return F.mse_loss(prediction.float(), noise.float())
-
-
 def run_markdown(record: dict[str, Any]) -> str:
     resumed = f" (resumed at step {record['resumed_from']})" if record["resumed_from"] else ""
     lines = [f"# Training run{resumed}", "", f"- steps: {record['steps']}",
              f"- loss: {record['first_loss']:.4f} at the start, {record['final_loss']:.4f} at the end",
              f"- weights: `{record['url']}`",
+             f"- validation loss: {record['validation_loss']:.4f}" if record["validation_loss"] is not None
+             else "- validation loss: none (training.validation_samples is 0)",
              f"- loss curve: `{layout.run_part(record['run'], 'loss_curve')}`",
              f"- metrics: `{layout.run_part(record['run'], 'metrics')}`"]
     lines += [f"- samples: `{url}`" for url in record["samples"]]

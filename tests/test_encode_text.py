@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from diffusers import PixArtSigmaPipeline
 from transformers import AutoTokenizer, T5EncoderModel
 
 from storage import layout
@@ -25,17 +26,56 @@ def ingested(make_config):
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16}
 
 
-def _direct(models, caption, max_length=300, dtype="fp32"):
-    """The encoder's own output for one caption, unpadded, loaded as a user would load it."""
+def _direct(models, caption, max_length=300, dtype="fp32", preprocessing="diffusers"):
+    """The reference for one caption's real tokens, loaded as a user would load it: what
+    PixArtSigmaPipeline.encode_prompt gives (preprocessing `diffusers`), or T5 on the text as
+    written (`none`)."""
     tokenizer = AutoTokenizer.from_pretrained(models, subfolder="tokenizer")
     encoder = T5EncoderModel.from_pretrained(models, subfolder="text_encoder", dtype=DTYPES[dtype]).eval()
     if dtype == "int8":
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
         quantize_(encoder, Int8WeightOnlyConfig())
+    if preprocessing == "diffusers":
+        pipeline = PixArtSigmaPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=None, transformer=None,
+                                       scheduler=None)
+        with torch.no_grad():
+            embeds, mask, _, _ = pipeline.encode_prompt(caption, do_classifier_free_guidance=False, device="cpu",
+                                                        max_sequence_length=max_length, clean_caption=True)
+        return embeds[0, : int(mask.sum())]
     ids = tokenizer(caption, truncation=True, max_length=max_length, return_tensors="pt").input_ids
     with torch.no_grad():
         return encoder(input_ids=ids).last_hidden_state[0]
+
+
+@pytest.mark.parametrize("preprocessing", ["diffusers", "none"])
+def test_captions_are_read_as_the_pipeline_reads_them_or_as_written(make_config, tiny_models, tmp_path,
+                                                                    preprocessing):
+    """A cased caption with a URL, HTML and a hashtag: `diffusers` caches exactly the pipeline's
+    encode_prompt tokens (far fewer), `none` the caption as written; the fingerprints differ."""
+    from PIL import Image
+
+    source = tmp_path / "cased"
+    source.mkdir()
+    captions = ["A RED Circle on a Blue background, see https://example.com/x?id=3 <b>bold</b> #Geometric",
+                "The Composition is Simple"]
+    for index, caption in enumerate(captions):
+        Image.new("RGB", (64, 64), (200, 30 * index, 30)).save(source / f"{index}.png")
+        (source / f"{index}.txt").write_text(caption)
+    config = make_config(source=str(source), text_encoding={"caption_preprocessing": preprocessing})
+    dataset = ingest(config.storage, config.dataset)
+    _, cache, rows = _encode_first_shard(config, dataset)
+    other = config.text_encoding.model_copy(
+        update={"caption_preprocessing": "none" if preprocessing == "diffusers" else "diffusers"})
+    assert text_encoder_fingerprint(config.model, config.text_encoding) != text_encoder_fingerprint(config.model, other)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models, subfolder="tokenizer")
+    for row in rows:
+        caption = row["captions"][0]
+        cached = cache[f"{row['sample_id']}/0"]
+        torch.testing.assert_close(cached, _direct(tiny_models, caption, preprocessing=preprocessing),
+                                   rtol=1e-4, atol=1e-5)
+        as_written = len(tokenizer(caption).input_ids)
+        assert (len(cached) < as_written) if preprocessing == "diffusers" else (len(cached) == as_written)
 
 
 def _encode_first_shard(config, dataset, **text):

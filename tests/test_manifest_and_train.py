@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 import shutil
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 from diffusers import PixArtTransformer2DModel
@@ -174,10 +177,15 @@ def test_a_damaged_checkpoint_is_refused_by_name(make_config):
         train(config.storage, config.model, config.training, manifest["url"])
 
 
-def test_samples_during_training_loss_curve_and_precast_sample(make_config, tmp_path):
+@pytest.mark.parametrize("captions", ["diffusers", "none"])
+def test_samples_during_training_loss_curve_and_precast_sample(make_config, tmp_path, captions):
+    """`precast sample` gives the pipeline prompt text; it renders what training rendered from the
+    cached prompt embeddings, so both read the same tokens (a cased prompt with a URL included)."""
     from flows.cli import main
 
-    config = make_config(training={"steps": 4, "sample_every": 2, "sample_steps": 2})
+    prompts = ["A RED Circle, see https://example.com/red.png", "a blue square"]
+    config = make_config(text_encoding={"caption_preprocessing": captions},
+                         training={"steps": 4, "sample_every": 2, "sample_steps": 2, "sample_prompts": prompts})
     dataset, text_fp, vae_fp = _cache_everything(config)
     manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
     record = train(config.storage, config.model, config.training, manifest["url"])
@@ -187,9 +195,12 @@ def test_samples_during_training_loss_curve_and_precast_sample(make_config, tmp_
     assert curve.size == (720, 360)
 
     out = tmp_path / "out" / "sample.png"
-    assert main(["sample", record["run"], "--prompt", "a red circle", "--prompt", "a blue square",
-                 "--out", str(out), "--steps", "2"]) == 0
+    assert main(["sample", record["run"], "--prompt", prompts[0], "--prompt", prompts[1], "--out", str(out),
+                 "--steps", "2", "--seed", str(config.training.seed)]) == 0
     assert Image.open(out).size == (512, 256)  # two 256 px images side by side
+    final = Image.open(io.BytesIO(store.read_bytes(store.key(record["samples"][-1]))))
+    difference = np.abs(np.asarray(Image.open(out), dtype=float) - np.asarray(final, dtype=float))
+    assert difference.mean() < 1.0, difference.mean()  # the LoRA merged vs applied: rounding only
 
 
 def _manifest(config):
@@ -350,3 +361,95 @@ def test_lineage_names_the_code_and_the_data(make_config):
     lineage = store.read_json(store.key(record["run"]) + "/lineage.json")
     assert lineage["manifest"] == store.read_json(store.key(manifest["url"]))["id"]
     assert lineage["code"] and lineage["versions"]["torch"].startswith("2.13")
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction", "sample", "flow_prediction"])
+def test_noisy_input_and_target_follow_the_models_scheduler(tiny_models, tmp_path, prediction):
+    """The noisy latents and the regression target are the model's own scheduler's for its
+    prediction_type (alphas from its DPM-Solver config, as the pipeline samples with); a type DDPM
+    cannot train is refused by name."""
+    import shutil
+
+    from diffusers import DPMSolverMultistepScheduler
+
+    from configs.schema import ModelConfig
+    from tasks.models import load_noise_scheduler
+    from tasks.loss import diffusion_loss
+
+    folder = tmp_path / "models"
+    shutil.copytree(tiny_models, folder)
+    config_file = folder / "scheduler" / "scheduler_config.json"
+    config_file.write_text(config_file.read_text().replace('"epsilon"', f'"{prediction}"'))
+    model = ModelConfig(path=str(folder))
+    if prediction == "flow_prediction":
+        with pytest.raises(ValueError, match=r"prediction_type 'flow_prediction'\) cannot be trained"):
+            load_noise_scheduler(model)
+        return
+    seen = {}
+
+    def network(noisy, encoder_hidden_states, encoder_attention_mask, timestep, added_cond_kwargs):
+        seen.update(noisy=noisy, timestep=timestep)
+        return SimpleNamespace(sample=torch.zeros(len(noisy), 2 * noisy.shape[1], *noisy.shape[2:]))
+
+    latents = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    text, mask = torch.randn(3, 5, 32), torch.ones(3, 5, dtype=torch.long)
+    loss = diffusion_loss(network, load_noise_scheduler(model), latents, text, mask,
+                          torch.Generator().manual_seed(7), None)
+    # the same draws: noise, then uniform timesteps over the training schedule
+    generator = torch.Generator().manual_seed(7)
+    noise = torch.randn(latents.shape, generator=generator)
+    timesteps = torch.randint(0, 1000, (3,), generator=generator)
+    reference = DPMSolverMultistepScheduler.from_pretrained(folder, subfolder="scheduler")
+    assert reference.config.prediction_type == prediction
+    alpha = reference.alphas_cumprod[timesteps].sqrt().view(-1, 1, 1, 1)
+    sigma = (1 - reference.alphas_cumprod[timesteps]).sqrt().view(-1, 1, 1, 1)
+    assert torch.equal(seen["timestep"], timesteps)
+    torch.testing.assert_close(seen["noisy"], alpha * latents + sigma * noise)
+    target = {"epsilon": noise, "v_prediction": alpha * noise - sigma * latents, "sample": latents}[prediction]
+    torch.testing.assert_close(loss, (target ** 2).mean())  # the prediction was zero
+
+
+def test_validation_loss_on_held_out_samples_with_fixed_draws(make_config, monkeypatch):
+    """A fixed held-out set, never trained on, scored every `validation_every` steps and at the
+    end with the same draws: in metrics.jsonl, the lineage and the progress callback."""
+    import json
+    from unittest import mock
+
+    from tasks.features import CachedFeatures
+    from tasks.validation import Validation
+
+    config = make_config(training={"steps": 6, "validation_samples": 5, "validation_every": 4,
+                                   "caption_dropout": 0.2, "sample_prompts": []})
+    manifest = _manifest(config)
+    seen: dict[float, set[str]] = {}  # caption dropout of the call (0: validation) -> sample ids
+    real = CachedFeatures.batch
+
+    def recorded(self, sample_ids, generator, caption_dropout):
+        seen.setdefault(caption_dropout, set()).update(sample_ids)
+        return real(self, sample_ids, generator, caption_dropout)
+
+    reports = []
+    with mock.patch.object(CachedFeatures, "batch", recorded):
+        record = train(config.storage, config.model, config.training, manifest["url"],
+                       progress=lambda *report: reports.append(report))
+    store = Store(config.storage)
+    features = CachedFeatures(store, json.loads(store.read_bytes(store.key(manifest["url"]))))
+    validation = Validation(features, 5, 4, config.training.batch_size, config.training.seed)
+    assert len(validation.held) == 5 and seen[0.0] == validation.held
+    assert not seen[0.2] & validation.held  # never trained on
+
+    metrics = [json.loads(line) for line in store.read_bytes(store.key(record["run"]) + "/metrics.jsonl").splitlines()]
+    scored = [m["step"] for m in metrics if "validation_loss" in m]
+    assert scored == [4, 6] and record["validation_loss"] == metrics[-1]["validation_loss"]
+    assert [r[3] is not None for r in reports] == [m["step"] in scored for m in metrics]
+    # fixed draws: the same weights score the same, a different seed's draws score otherwise
+    network = PixArtTransformer2DModel.from_pretrained(config.model.path, subfolder="transformer")
+    from tasks.models import load_noise_scheduler
+
+    scheduler = load_noise_scheduler(config.model)
+    first = validation.loss(network, scheduler, torch.device("cpu"), None)
+    assert validation.loss(network, scheduler, torch.device("cpu"), None) == first
+
+    too_many = config.training.model_copy(update={"validation_samples": 24})
+    with pytest.raises(ValueError, match="validation_samples is 24, which leaves none of the manifest's 24 samples"):
+        train(config.storage, config.model, too_many, manifest["url"])
