@@ -153,6 +153,16 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from tasks.export import export_adapter
+
+    data = export_adapter(args.url, args.format, storage_options(args.option))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_bytes(data)
+    print(Path(args.out).resolve())
+    return 0
+
+
 def cmd_tiny_models(args: argparse.Namespace) -> int:
     from tasks.tiny_models import write_tiny_models
 
@@ -232,6 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec storage option for the URL (repeatable)")
     sample.set_defaults(func=cmd_sample)
+
+    export = commands.add_parser("export", help="write a run's LoRA in the layout another program loads")
+    export.add_argument("url", help="a run URL (<root>/runs/<id>) or its adapter URL")
+    export.add_argument("--format", required=True, choices=["comfyui"],
+                        help="comfyui: one .safetensors for ComfyUI's LoRA loader (PixArt models)")
+    export.add_argument("--out", required=True, help="file to write")
+    export.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="fsspec storage option for the URL (repeatable)")
+    export.set_defaults(func=cmd_export)
 
     verify = commands.add_parser("verify", help="check every committed artifact; list partial and orphaned objects")
     verify.add_argument("root", help="the store root URL")
