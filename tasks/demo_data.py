@@ -1,8 +1,9 @@
 """A deterministic generated dataset: images of varied sizes and aspect ratios with captions.
 
-Each image is a coloured background with a few shapes; its caption describes them, from a few
-words to a long paragraph, so token lengths spread like a real caption set. The same `count` and
-`seed` always give the same bytes.
+Each image is a coloured background with a few shapes; its caption names what can be seen (the
+background colour, each shape's colour, kind, size and place), from a few words to a long
+paragraph, so token lengths spread like a real caption set. The same `count` and `seed` always
+give the same bytes.
 """
 
 from __future__ import annotations
@@ -38,18 +39,25 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int,
         draw.rectangle((x0, (y0 + y1) // 2 - 6, x1, (y0 + y1) // 2 + 6), fill=fill)
 
 
-def _caption(rng: random.Random, background: str, objects: list[tuple[str, str, str]]) -> str:
-    first = f"a {objects[0][0]} {objects[0][1]} on a {background} background"
+def _position(box: tuple[int, int, int, int], width: int, height: int) -> str:
+    """Where a shape sits, in words: "top left", "bottom", "center"…"""
+    x, y = (box[0] + box[2]) / 2 / width, (box[1] + box[3]) / 2 / height
+    vertical = "top" if y < 1 / 3 else "bottom" if y > 2 / 3 else ""
+    horizontal = "left" if x < 1 / 3 else "right" if x > 2 / 3 else ""
+    return " ".join(word for word in (vertical, horizontal) if word) or "center"
+
+
+def _caption(rng: random.Random, background: str, objects: list[tuple[str, str, str, str]]) -> str:
+    """Names what can be seen: the background colour, and each shape's colour, kind, size and place."""
+    color, shape, _, position = objects[0]
+    first = f"a {color} {shape} at the {position} on a {background} background"
     length = rng.choice(["short", "short", "medium", "medium", "medium", "long"])
     if length == "short":
         return first
-    parts = [first] + [f"a {size} {color} {shape}" for color, shape, size in objects[1:]]
+    parts = [first] + [f"a {size} {color} {shape} at the {position}" for color, shape, size, position in objects[1:]]
     text = ", ".join(parts) + f", {rng.choice(STYLES)}"
     if length == "long":
-        extra = [
-            f"the {color} {shape} is {size} and sits near the {rng.choice(['left', 'right', 'top', 'bottom'])}"
-            for color, shape, size in objects
-        ]
+        extra = [f"the {color} {shape} is {size} and sits at the {position}" for color, shape, size, position in objects]
         text += ". " + ". ".join(extra) + ". " + "The composition is simple and geometric, with " + \
             f"{len(objects)} shapes over a {background} background, rendered in a {rng.choice(STYLES)}."
     return text
@@ -72,8 +80,10 @@ def write_demo_data(folder: str | Path, count: int = 48, seed: int = 0) -> Path:
             shape = rng.choice(SHAPES)
             side = rng.randint(min(width, height) // 6, min(width, height) // 2)
             x0, y0 = rng.randint(0, width - side), rng.randint(0, height - side)
-            _draw_shape(draw, shape, (x0, y0, x0 + side, y0 + side), COLORS[color])
-            objects.append((color, shape, "large" if side > min(width, height) // 3 else "small"))
+            box = (x0, y0, x0 + side, y0 + side)
+            _draw_shape(draw, shape, box, COLORS[color])
+            objects.append((color, shape, "large" if side > min(width, height) // 3 else "small",
+                            _position(box, width, height)))
         stem = folder / f"{index:05d}"
         if index % 3 == 2:
             image.save(stem.with_suffix(".jpg"), quality=92)

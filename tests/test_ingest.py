@@ -144,3 +144,36 @@ def test_inspect_prints_the_report(corpora, make_config, capsys):
     assert main(["inspect", result["url"]]) == 0
     text = capsys.readouterr().out
     assert "| caption_encoding | 1 |" in text and "| jsonl | 9 | 9 |" in text
+
+
+def test_demo_captions_name_what_the_image_shows(demo_data):
+    """The demo's captions are learnable: the background colour is the image's commonest colour,
+    and the first shape sits in the part of the image its caption names (judged by the box of its
+    colour's pixels, which another shape of that colour can stretch: most, not all, must match;
+    chance would match about one in nine)."""
+    import re
+    from pathlib import Path
+
+    from PIL import Image
+
+    from tasks.demo_data import COLORS
+
+    pattern = re.compile(r"^a (\w+) (\w+) at the ([a-z ]+) on a (\w+) background")
+    placed = []
+    for caption_file in sorted(Path(demo_data).glob("*.txt")):
+        image_file = caption_file.with_suffix(".png")
+        if not image_file.exists():  # JPEG colours are not exact
+            continue
+        color, _, position, background = pattern.match(caption_file.read_text()).groups()
+        pixels = np.asarray(Image.open(image_file).convert("RGB"))
+        colours, counts = np.unique(pixels.reshape(-1, 3), axis=0, return_counts=True)
+        assert tuple(colours[counts.argmax()]) == COLORS[background], caption_file.name
+        ys, xs = np.nonzero((pixels == COLORS[color]).all(-1))
+        if not ys.size:  # covered by a later shape
+            continue
+        y = (ys.min() + ys.max()) / 2 / pixels.shape[0]
+        x = (xs.min() + xs.max()) / 2 / pixels.shape[1]
+        seen = " ".join(w for w in ("top" if y < 1 / 3 else "bottom" if y > 2 / 3 else "",
+                                    "left" if x < 1 / 3 else "right" if x > 2 / 3 else "") if w) or "center"
+        placed.append(seen == position)
+    assert len(placed) >= 10 and sum(placed) >= 0.8 * len(placed), placed
