@@ -46,9 +46,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not Path(source.path).exists():
             write_demo_data(source.path, count=args.count)
     result = _run_pipeline(config)
-    print(f"adapter: {result['adapter']}")
+    print(f"weights: {result['weights']}")
     for sample in result["samples"]:
         print(f"samples: {sample}")
+    print(f"loss curve: {result['loss_curve']}")
     print(f"loss: {result['first_loss']:.4f} at the start, {result['final_loss']:.4f} at the end")
     return 0
 
@@ -166,7 +167,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_tiny_models(args: argparse.Namespace) -> int:
     from tasks.tiny_models import write_tiny_models
 
-    print(write_tiny_models(args.dir))
+    print(write_tiny_models(args.dir, vae_steps=args.vae_steps))
     return 0
 
 
@@ -193,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="make tiny models and demo data, then run configs/quickstart.yaml")
     with_config(demo, required=False)
-    demo.add_argument("--count", type=int, default=200, help="demo images to generate when missing")
+    demo.add_argument("--count", type=int, default=1000, help="demo images to generate when missing")
     demo.set_defaults(func=cmd_demo)
 
     run = commands.add_parser("run", help="run the whole pipeline")
@@ -263,8 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     # its own arguments (--quick, --only, --help) are parsed by the suite: see main()
     commands.add_parser("bench", add_help=False, help="run the benchmark suite (python -m benchmarks)")
 
-    tiny = commands.add_parser("tiny-models", help="write tiny random PixArt-Sigma models in the hub layout")
+    tiny = commands.add_parser("tiny-models", help="write the demo's tiny PixArt-Sigma models in the hub layout")
     tiny.add_argument("dir")
+    tiny.add_argument("--vae-steps", type=int, default=1600,
+                      help="training steps of the tiny VAE (about a minute; 0: random, for checks of the loading path)")
     tiny.set_defaults(func=cmd_tiny_models)
 
     data = commands.add_parser("demo-data", help="write a deterministic generated image+caption dataset")

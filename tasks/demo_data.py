@@ -63,27 +63,34 @@ def _caption(rng: random.Random, background: str, objects: list[tuple[str, str, 
     return text
 
 
+def draw_scene(rng: random.Random, width: int, height: int) -> tuple[Image.Image, str, list[tuple[str, str, str, str]]]:
+    """A background colour with one to four shapes of other colours: the image, the background's
+    name and each shape's (colour, kind, size, position)."""
+    names = list(COLORS)
+    background = rng.choice(names)
+    image = Image.new("RGB", (width, height), COLORS[background])
+    draw = ImageDraw.Draw(image)
+    objects = []
+    for _ in range(rng.randint(1, 4)):
+        color = rng.choice([n for n in names if n != background])
+        shape = rng.choice(SHAPES)
+        side = rng.randint(min(width, height) // 6, min(width, height) // 2)
+        x0, y0 = rng.randint(0, width - side), rng.randint(0, height - side)
+        box = (x0, y0, x0 + side, y0 + side)
+        _draw_shape(draw, shape, box, COLORS[color])
+        objects.append((color, shape, "large" if side > min(width, height) // 3 else "small",
+                        _position(box, width, height)))
+    return image, background, objects
+
+
 def write_demo_data(folder: str | Path, count: int = 48, seed: int = 0) -> Path:
     """Write `count` images (PNG and JPEG) with sibling `.txt` captions into `folder`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    names = list(COLORS)
     for index in range(count):
         width, height = SIZES[index % len(SIZES)]
-        background = rng.choice(names)
-        image = Image.new("RGB", (width, height), COLORS[background])
-        draw = ImageDraw.Draw(image)
-        objects = []
-        for _ in range(rng.randint(1, 4)):
-            color = rng.choice([n for n in names if n != background])
-            shape = rng.choice(SHAPES)
-            side = rng.randint(min(width, height) // 6, min(width, height) // 2)
-            x0, y0 = rng.randint(0, width - side), rng.randint(0, height - side)
-            box = (x0, y0, x0 + side, y0 + side)
-            _draw_shape(draw, shape, box, COLORS[color])
-            objects.append((color, shape, "large" if side > min(width, height) // 3 else "small",
-                            _position(box, width, height)))
+        image, background, objects = draw_scene(rng, width, height)
         stem = folder / f"{index:05d}"
         if index % 3 == 2:
             image.save(stem.with_suffix(".jpg"), quality=92)

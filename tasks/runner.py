@@ -70,8 +70,9 @@ def outputs(records: dict[str, Any]) -> dict[str, Any]:
         "latent_cache": records["encode-latents"]["url"],
         "manifest": records["manifest"]["url"],
         "run": run["run"],
-        "adapter": run["url"],
+        "weights": run["url"],  # the adapter, or the transformer of a full fine-tune
         "samples": run["samples"],
+        "loss_curve": layout.run_part(run["run"], "loss_curve"),
         "final_loss": run["final_loss"],
         "first_loss": run["first_loss"],
     }

@@ -1,18 +1,29 @@
-"""Tiny, randomly initialised but real PixArt-Sigma components, saved in the hub layout.
+"""Tiny but real PixArt-Sigma components, saved in the hub layout: a world the demo can learn.
 
 The folder this writes loads with the same `from_pretrained` calls as the real
 PixArt-alpha/PixArt-Sigma-XL-2-*-MS repository, so tests and the demo exercise the production
 loading path: `text_encoder/` (T5EncoderModel), `tokenizer/` (a T5 Unigram fast tokenizer built
 here from a word list), `vae/` (AutoencoderKL, 8x downsampling), `transformer/`
 (PixArtTransformer2DModel with learned sigma) and `scheduler/` (DPM-Solver++, PixArt's betas).
+
+The transformer is random: the demo trains all of it. The VAE is trained here, on pictures like
+the demo data's, because a random decoder turns any latents into noise and nothing the demo
+learns would show in its samples. The text encoder is random but for two position heads, and the
+scheduler predicts v rather than PixArt's epsilon; the comments below say why each is needed.
 """
 
 from __future__ import annotations
 
+import logging
+import random
 import string
+import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 # A fixed vocabulary: the demo captions' words plus single characters, so any text tokenizes.
 WORDS = """a an the of on in with and or at to from by for is are this that image photo picture
@@ -37,8 +48,42 @@ def build_tokenizer():
     return T5Tokenizer(vocab=list(vocab.items()), extra_ids=0, model_max_length=512)
 
 
-def write_tiny_models(folder: str | Path, seed: int = 0) -> Path:
-    """Write the tiny PixArt-Sigma model set to `folder` (idempotent: returns early if complete)."""
+def train_vae(vae, seed: int, steps: int) -> float:
+    """Fit `vae` to random crops of demo pictures (reconstruction plus a small KL term) and return
+    the scaling factor that gives whole pictures' posterior means unit std, as PixArt's latents have."""
+    import numpy as np
+
+    from tasks.demo_data import draw_scene
+
+    def pixels(image) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1).float() / 127.5 - 1
+
+    log.info("training the tiny VAE (%d steps, about a minute on a CPU)", steps)
+    start = time.perf_counter()
+    rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
+    pool = torch.stack([pixels(draw_scene(rng, 256, 256)[0]) for _ in range(256)])
+    with torch.no_grad():  # a small posterior std from the start, so the decoder learns from clean latents
+        vae.quant_conv.bias[vae.config.latent_channels:] = -6.0
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
+    crop, batch = 64, 8  # the VAE is convolutional: crops teach it whole pictures at a sixteenth of the cost
+    for _ in range(steps):
+        x, y = torch.randint(0, pool.shape[-1] - crop + 1, (2,), generator=generator).tolist()
+        images = pool[torch.randint(len(pool), (batch,), generator=generator), :, y : y + crop, x : x + crop]
+        posterior = vae.encode(images).latent_dist
+        loss = F.mse_loss(vae.decode(posterior.sample(generator)).sample, images)
+        loss = loss + 1e-4 * posterior.kl().mean() / images[0].numel()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    log.info("tiny VAE trained in %.0f s: last batch loss %.4f (pixel MSE + KL)",
+             time.perf_counter() - start, loss.item())
+    with torch.no_grad():
+        return 1.0 / vae.encode(pool[:64]).latent_dist.mean.std().item()
+
+
+def write_tiny_models(folder: str | Path, seed: int = 0, vae_steps: int = 1600) -> Path:
+    """Write the tiny PixArt-Sigma model set to `folder` (idempotent: returns early if complete).
+    `vae_steps=0` leaves the VAE untrained: for tests that need only its shapes and loading path."""
     from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtTransformer2DModel
     from transformers import T5Config, T5EncoderModel
 
@@ -55,13 +100,27 @@ def write_tiny_models(folder: str | Path, seed: int = 0) -> Path:
         feed_forward_proj="gated-gelu", relative_attention_num_buckets=8, dropout_rate=0.0,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0,
     )
-    T5EncoderModel(text_config).save_pretrained(folder / "text_encoder")
+    text_encoder = T5EncoderModel(text_config)
+    # A trained T5 attends by position. Random position biases are near zero, so each token would
+    # come out as an average of its caption's words, and "a red circle on a blue background" would
+    # read like "a blue circle on a red background". Two heads look at the next and previous word.
+    attention = text_encoder.encoder.block[0].layer[0].SelfAttention
+    buckets = attention._relative_position_bucket(torch.tensor([1, -1]), num_buckets=text_config.relative_attention_num_buckets,
+                                                  max_distance=text_config.relative_attention_max_distance)
+    with torch.no_grad():
+        attention.relative_attention_bias.weight[buckets, torch.arange(2)] = 8.0
+    text_encoder.save_pretrained(folder / "text_encoder")
 
-    AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, norm_num_groups=8,
+    # No resnets in the encoder's blocks and no mid-block attention, so it trains here in a minute;
+    # one norm group, because a group per channel would normalise a flat colour, the demo's
+    # background, away.
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=0, norm_num_groups=1,
         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 16, 16, 16), sample_size=256, scaling_factor=0.13025,
-    ).save_pretrained(folder / "vae")
+        block_out_channels=(8, 8, 8, 8), mid_block_add_attention=False, sample_size=256,
+    )
+    vae.register_to_config(scaling_factor=train_vae(vae, seed, vae_steps) if vae_steps else 0.13025)
+    vae.save_pretrained(folder / "vae")
 
     PixArtTransformer2DModel(
         num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2,
@@ -69,9 +128,12 @@ def write_tiny_models(folder: str | Path, seed: int = 0) -> Path:
         norm_num_groups=8, use_additional_conditions=False,
     ).save_pretrained(folder / "transformer")
 
+    # v-prediction, not PixArt's epsilon: a background's colour is settled at the noisiest steps,
+    # where x_t is nearly all noise, so an epsilon loss hardly depends on the text there and a
+    # few minutes of training would not learn it (precast trains both, as each model's config says)
     DPMSolverMultistepScheduler(
         beta_schedule="linear", beta_start=0.0001, beta_end=0.02, num_train_timesteps=1000,
-        prediction_type="epsilon", algorithm_type="dpmsolver++", solver_order=2,
+        prediction_type="v_prediction", algorithm_type="dpmsolver++", solver_order=2,
     ).save_pretrained(folder / "scheduler")
 
     # model_index.json last: its presence means the folder is complete

@@ -20,7 +20,8 @@ from tasks.tiny_models import write_tiny_models  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> str:
-    return str(write_tiny_models(tmp_path_factory.mktemp("models") / "tiny-pixart-sigma"))
+    # a random VAE: these tests check the path, not the pictures (test_learning trains one)
+    return str(write_tiny_models(tmp_path_factory.mktemp("models") / "tiny-pixart-sigma", vae_steps=0))
 
 
 @pytest.fixture(scope="session")

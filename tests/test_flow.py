@@ -66,9 +66,9 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     assert state.is_completed(), state.message
     result = state.result()
     store = Store(config.storage)
-    assert set(result) >= {"dataset", "text_cache", "latent_cache", "manifest", "run", "adapter", "samples"}
+    assert set(result) >= {"dataset", "text_cache", "latent_cache", "manifest", "run", "weights", "samples", "loss_curve"}
     base = PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer")
-    PeftModel.from_pretrained(base, store.path(store.key(result["adapter"])))
+    PeftModel.from_pretrained(base, store.path(store.key(result["weights"])))
     states = _task_states(state.state_details.flow_run_id, count=11)
     assert set(states) == {"ingest", "encode-prompts", "text-numerics", "encode-text", "encode-latents", "manifest",
                            "train"}
@@ -124,7 +124,7 @@ def test_cli_run_json_and_single_stages(prefect_server, make_config, tmp_path, c
         assert direct[stage]["committed_at"] == record["committed_at"], stage
     assert main(["run", str(path), "--set", "training.steps=3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert {"dataset", "text_cache", "latent_cache", "manifest", "run", "adapter"} <= set(out)
+    assert {"dataset", "text_cache", "latent_cache", "manifest", "run", "weights"} <= set(out)
     assert out["run"] == record["run"]  # the stages alone built the same run the pipeline finds
 
 
@@ -145,10 +145,10 @@ def test_pipeline_on_s3(prefect_server, make_config, s3_endpoint):
     config = config.model_copy(update={"storage": config.storage.model_copy(
         update={"options": {"endpoint_url": s3_endpoint}})})
     result = pipeline(config=config)
-    assert result["adapter"].startswith("s3://precast-flow/store/runs/")
+    assert result["weights"].startswith("s3://precast-flow/store/runs/")
     store = Store(config.storage)
     assert store.committed(store.key(result["manifest"])) is not None
-    assert store.exists(store.key(result["adapter"]) + "/adapter_model.safetensors")
+    assert store.exists(store.key(result["weights"]) + "/adapter_model.safetensors")
     assert store.fs.find(store.path("prefect/results"))  # Prefect results live beside the artifacts
     assert pipeline(config=config) == result
 

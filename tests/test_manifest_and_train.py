@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import shutil
 
 from types import SimpleNamespace
@@ -379,7 +380,7 @@ def test_noisy_input_and_target_follow_the_models_scheduler(tiny_models, tmp_pat
     folder = tmp_path / "models"
     shutil.copytree(tiny_models, folder)
     config_file = folder / "scheduler" / "scheduler_config.json"
-    config_file.write_text(config_file.read_text().replace('"epsilon"', f'"{prediction}"'))
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "prediction_type": prediction}))
     model = ModelConfig(path=str(folder))
     if prediction == "flow_prediction":
         with pytest.raises(ValueError, match=r"prediction_type 'flow_prediction'\) cannot be trained"):
