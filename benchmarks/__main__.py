@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import end_to_end, gpu, ingest_throughput, latent_encoding, text_encoding, training
+from benchmarks import (
+    encoder_workers, end_to_end, gpu, ingest_throughput, latent_encoding, text_encoding, training,
+)
 
 RESULTS = Path(__file__).parent / "results"
 # name: (module, full workload, quick workload)
@@ -29,6 +31,7 @@ SUITE = {
     "text_encoding": (text_encoding, {}, {"captions": 256, "reference_captions": 64}),
     "latent_encoding": (latent_encoding, {}, {"count": 48, "repeat": 2}),
     "training": (training, {}, {"steps": 20, "count": 32}),
+    "encoder_workers": (encoder_workers, {"count": 512}, {"count": 128}),
     "end_to_end": (end_to_end, {"count": 4000, "steps": 2000, "repeat": 3}, {"count": 2000, "steps": 600, "repeat": 2}),
     "gpu": (gpu, {}, {"captions": 128, "repeat": 3}),
 }

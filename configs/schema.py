@@ -217,13 +217,24 @@ class ExecutionConfig(Section):
     retries: int = Field(2, ge=0, description="Prefect retries of each stage task.")
     retry_delay_seconds: float = Field(10, ge=0, description="Wait between retries.")
     max_parallel_shards: int = Field(
-        2, ge=1, description="Shards encoded at once: tasks in this flow, or child flow runs when placed elsewhere."
+        2, ge=1, description="Shards encoded at once in this process's threads (with one worker), or, when an "
+        "encoding stage is placed elsewhere, its child flow runs (one per group of shards: one per node to use)."
+    )
+    workers: int | None = Field(
+        None, ge=1, description="Encoder worker processes for each encoding stage (a Dask cluster for the stage): each "
+        "is pinned to its own GPU, loads the model once and encodes shard after shard. Default: one per visible GPU; "
+        "on a node without one, 1 (no worker processes: shards run in threads, max_parallel_shards at once).",
+    )
+    cluster: str | None = Field(
+        None, description="Address of a running Dask scheduler (tcp://host:8786) whose workers encode the shards, e.g. "
+        "one `dask worker` per GPU on every node of the encoding pool; replaces the stage's own workers.",
     )
     placement: dict[str, str] = Field(
         default_factory=dict,
         description="Where each stage runs: 'local' (in the pipeline's own flow run, the default) or a deployment "
-        "name such as 'precast-stage/encode-text' (its work pool's workers run it; the encoders get one child flow "
-        "run per shard). Keys: ingest, encode-text, encode-latents, manifest, train.",
+        "name such as 'precast-stage/encode-text' (its work pool's workers run it; an encoder gets "
+        "max_parallel_shards child flow runs, each encoding its group of shards on its node's workers). Keys: "
+        "ingest, encode-text, encode-latents, manifest, train.",
     )
 
     @field_validator("placement")

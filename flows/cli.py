@@ -266,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = commands.add_parser("tiny-models", help="write the demo's tiny PixArt-Sigma models in the hub layout")
     tiny.add_argument("dir")
-    tiny.add_argument("--vae-steps", type=int, default=1600,
-                      help="training steps of the tiny VAE (about a minute; 0: random, for checks of the loading path)")
+    tiny.add_argument("--vae-steps", type=int, default=900,
+                      help="training steps of the tiny VAE (about 25 s; 0: random, for checks of the loading path)")
     tiny.set_defaults(func=cmd_tiny_models)
 
     data = commands.add_parser("demo-data", help="write a deterministic generated image+caption dataset")

@@ -1,18 +1,16 @@
 """Flow-level stage runners: each runs its stage here or on another work pool, and waits.
 
-Here: the stage's Prefect task(s), one per shard for the encoders, bounded by
-`execution.max_parallel_shards`. Elsewhere (`execution.placement`): the stage's deployment via
-`run_deployment`, one child flow run per shard for the encoders, each with an idempotency key so a
-retried parent never starts duplicates; a child that did not complete fails the stage with its
+Here: the stage's Prefect task(s), one per shard for the encoders, in this process's threads or on
+the stage's worker processes (flows/workers.py). Elsewhere (`execution.placement`): the stage's
+deployment via `run_deployment`, for the encoders one child flow run per group of shards
+(`max_parallel_shards` groups), each with an idempotency key so a retried parent never starts
+duplicates; a child that did not complete fails the stage with its
 state message. Either way the outputs are read back from the store, the ground truth, so a stage
 that ran on another node is used exactly like one that ran here.
 """
 
 from __future__ import annotations
 
-import contextvars
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -29,6 +27,7 @@ from flows.stage_tasks import (
     device_slot, encode_latents_task, encode_prompts_task, encode_text_task, ingest_task, manifest_task,
     measure_numerics_task, train_task, training_progress,
 )
+from flows.workers import in_threads, stage_executor
 from storage import layout
 from storage.fingerprint import hash_json
 from storage.shards import shard_id_of
@@ -80,32 +79,6 @@ class Plan:
                                  result_storage=self.results)
 
 
-def bounded_map(task: Task, items: list[Any], limit: int, device: str, *args: Any) -> list[Any]:
-    """Run `task(*args, item)` for each item, at most `limit` at once, each holding the node's GPU
-    slot when `device` is a GPU; raises the first failure.
-
-    One at a time runs in this thread. Parallel threads live only as long as this stage: a thread
-    that ran torch keeps an OpenMP team, and while libgomp manages more threads than there are
-    cores it puts idle workers to sleep after every parallel region, which made every later
-    stage (training) run twice as slow beside long-lived threads."""
-    def one(item: Any) -> Any:
-        with device_slot(device):
-            return task(*args, item)
-
-    return in_threads(one, items, limit)
-
-
-def in_threads(work: Callable[[Any], Any], items: list[Any], limit: int) -> list[Any]:
-    """`work(item)` for each item, at most `limit` at once (one: in this thread), in threads that
-    end with the call; raises the first failure. Each thread gets a copy of this flow's context, so
-    its task runs and child flow runs belong to this flow run."""
-    if limit == 1:
-        return [work(item) for item in items]
-    with ThreadPoolExecutor(max_workers=limit) as pool:
-        futures = [pool.submit(contextvars.copy_context().run, work, item) for item in items]
-        return [future.result() for future in futures]
-
-
 def placed(config: PipelineConfig, stage: str) -> str | None:
     """The deployment that runs `stage`, or None to run it in this flow."""
     target = config.execution.placement.get(stage, "local")
@@ -130,8 +103,12 @@ def run_elsewhere(config: PipelineConfig, deployment: str, stage: str, shards: l
 
 
 def run_shards_elsewhere(config: PipelineConfig, deployment: str, stage: str, urls: list[str]) -> None:
-    """One child flow run per shard, at most `max_parallel_shards` at once; raises the first failure."""
-    in_threads(lambda url: run_elsewhere(config, deployment, stage, [url]), urls, config.execution.max_parallel_shards)
+    """The shards in `max_parallel_shards` groups, one child flow run each, all at once: each child
+    runs on a worker of the pool (a node) and encodes its group in place, on that node's workers,
+    each loading the model once. Raises the first failure."""
+    count = min(len(urls), config.execution.max_parallel_shards)
+    groups = [urls[index::count] for index in range(count)]
+    in_threads(lambda group: run_elsewhere(config, deployment, stage, group), groups, count)
 
 
 def run_ingest(plan: Plan) -> dict[str, Any]:
@@ -157,15 +134,16 @@ def run_encode_text(plan: Plan, dataset: dict[str, Any], shards: list[str] | Non
         run_shards_elsewhere(config, deployment, "encode-text", urls)
         prompts = store.require(prompts_cache_key(fingerprint, config.training.sample_prompts))
         records = [store.require(layout.cache_shard("text", fingerprint, shard_id_of(url))) for url in urls]
+        work = None  # the children's: each reports its own
     else:
         args = (config.storage, config.model, config.text_encoding, fingerprint)
-        with device_slot(config.text_encoding.device):
-            prompts = plan.configured(encode_prompts_task)(*args, config.training.sample_prompts)
-            plan.configured(measure_numerics_task)(*args, every[0] if every else None)
-        records = bounded_map(plan.configured(encode_text_task), urls, config.execution.max_parallel_shards,
-                              config.text_encoding.device, *args)
+        with stage_executor(config.execution, config.text_encoding.device, plan.configured) as run:
+            prompts = run.one(encode_prompts_task, *args, config.training.sample_prompts)
+            run.one(measure_numerics_task, *args, every[0] if every else None)  # before any shard
+            records = run.map(encode_text_task, urls, *args)
+            work = run.work(records)
     create_markdown_artifact(key="text-encoding", markdown=encoding_report(records))
-    return text_cache_record(store, fingerprint, prompts, records)
+    return {**text_cache_record(store, fingerprint, prompts, records), **({"work": work} if work else {})}
 
 
 def run_encode_latents(plan: Plan, dataset: dict[str, Any], shards: list[str] | None = None) -> dict[str, Any]:
@@ -174,11 +152,13 @@ def run_encode_latents(plan: Plan, dataset: dict[str, Any], shards: list[str] | 
     if deployment := placed(config, "encode-latents"):
         run_shards_elsewhere(config, deployment, "encode-latents", urls)
         records = [store.require(layout.cache_shard("latents", fingerprint, shard_id_of(url))) for url in urls]
+        work = None  # the children's: each reports its own
     else:
-        records = bounded_map(plan.configured(encode_latents_task), urls, config.execution.max_parallel_shards,
-                              config.latent_encoding.device, config.storage, config.model, config.latent_encoding,
+        with stage_executor(config.execution, config.latent_encoding.device, plan.configured) as run:
+            records = run.map(encode_latents_task, urls, config.storage, config.model, config.latent_encoding,
                               fingerprint)
-    return latent_cache_record(store, fingerprint, records)
+            work = run.work(records)
+    return {**latent_cache_record(store, fingerprint, records), **({"work": work} if work else {})}
 
 
 def run_manifest(plan: Plan, dataset: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ class Summary:
     def __init__(self):
         self.started = time.time()
         self.rows: list[tuple[str, str, str, str, str]] = []
-        self.records: dict[str, dict[str, Any]] = {}  # each stage's record, by name
+        # each stage's record by name, and "seconds": each stage's wall time (as tasks.runner's)
+        self.records: dict[str, Any] = {"seconds": {}}
 
     def stage(self, name: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Run one stage and record its row (a failing stage records nothing: the flow fails)."""
@@ -30,13 +31,24 @@ class Summary:
         seconds = time.perf_counter() - began
         # "ran" when any output was committed during this pipeline run, else everything was cached
         ran = result["committed_at"] >= self.started
-        self.rows.append((name, "ran" if ran else "cached", result["amount"], f"{seconds:.1f} s", result["url"]))
+        self.rows.append((name, "ran" if ran else "cached", result["amount"], f"{seconds:.1f} s",
+                          work_text(result.get("work")), result["url"]))
         self.records[name] = result
+        self.records["seconds"][name] = seconds
         return result
 
     def markdown(self) -> str:
-        lines = ["# precast pipeline", "", "| stage | status | amount | time | output |",
-                 "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {name} | {status} | {amount} | {seconds} | `{where}` |"
-                  for name, status, amount, seconds, where in self.rows]
+        lines = ["# precast pipeline", "", "| stage | status | amount | time | work | output |",
+                 "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {name} | {status} | {amount} | {seconds} | {work} | `{where}` |"
+                  for name, status, amount, seconds, work, where in self.rows]
         return "\n".join(lines)
+
+
+def work_text(work: dict[str, Any] | None) -> str:
+    """An encoding stage's cost in words: "2 workers, 2 model loads, 16 shards encoded, 0 cached"."""
+    if not work:
+        return ""
+    return (f"{work['workers']} worker{'s' * (work['workers'] != 1)}, {work['model_loads']} model "
+            f"load{'s' * (work['model_loads'] != 1)}, {work['shards_encoded']} shards encoded, "
+            f"{work['shards_cached']} cached")

@@ -113,6 +113,20 @@ def build_vae(model: ModelConfig, dtype: str, device: str):
 load_vae = serialised(functools.lru_cache(maxsize=1)(build_vae))
 
 
+def model_loads() -> dict[str, int]:
+    """Encoder models this process has loaded so far (its loader caches' misses), by stage."""
+    return {"encode-text": load_text_encoder.__wrapped__.cache_info().misses,
+            "encode-latents": load_vae.__wrapped__.cache_info().misses}
+
+
+def encoding_work(records: list[dict[str, Any]], since: float, workers: int, loads: int) -> dict[str, Any]:
+    """What an encoding stage cost: its workers, the models they loaded, and its shards encoded
+    now (committed since `since`) or found already cached."""
+    encoded = sum(1 for record in records if record["committed_at"] >= since)
+    return {"workers": workers, "model_loads": loads, "shards_encoded": encoded,
+            "shards_cached": len(records) - encoded}
+
+
 @serialised
 def load_transformer(model: ModelConfig):
     from diffusers import PixArtTransformer2DModel

@@ -18,7 +18,7 @@ from tasks.encode_latents import encode_latents_shard, latent_cache_record
 from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics, text_cache_record
 from tasks.ingest import ingest
 from tasks.manifest import build_manifest
-from tasks.models import text_encoder_fingerprint, vae_fingerprint
+from tasks.models import encoding_work, model_loads, text_encoder_fingerprint, vae_fingerprint
 from tasks.train import train
 
 
@@ -44,15 +44,26 @@ def run_direct(config: PipelineConfig, until: Stage = "train") -> dict[str, Any]
     urls = [store.url(layout.image_shard(shard["id"])) for shard in done["ingest"]["shards"]]
     text = (config.storage, config.model, config.text_encoding, text_fp)
 
+    def shards(encode) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """`encode(url)` for every shard, here, and the stage's encoding_work, as the flow reports it."""
+        started, before = time.time(), sum(model_loads().values())
+        records = [encode(url) for url in urls]
+        return records, encoding_work(records, started, 1, sum(model_loads().values()) - before)
+
     def encode_text() -> dict[str, Any]:
         prompts = encode_prompts(*text, config.training.sample_prompts)
         measure_numerics(*text, urls[0] if urls else None)  # before any shard, as in the flow
-        return text_cache_record(store, text_fp, prompts, [encode_text_shard(*text, url) for url in urls])
+        records, work = shards(lambda url: encode_text_shard(*text, url))
+        return {**text_cache_record(store, text_fp, prompts, records), "work": work}
+
+    def encode_latents() -> dict[str, Any]:
+        records, work = shards(lambda url: encode_latents_shard(config.storage, config.model, config.latent_encoding,
+                                                                vae_fp, url))
+        return {**latent_cache_record(store, vae_fp, records), "work": work}
 
     if stage("encode-text", encode_text):
         return done
-    if stage("encode-latents", lambda: latent_cache_record(store, vae_fp, [
-            encode_latents_shard(config.storage, config.model, config.latent_encoding, vae_fp, url) for url in urls])):
+    if stage("encode-latents", encode_latents):
         return done
     if stage("manifest", lambda: build_manifest(config.storage, done["ingest"]["id"], text_fp, vae_fp,
                                                 config.training.sample_prompts)):
@@ -75,4 +86,7 @@ def outputs(records: dict[str, Any]) -> dict[str, Any]:
         "loss_curve": layout.run_part(run["run"], "loss_curve"),
         "final_loss": run["final_loss"],
         "first_loss": run["first_loss"],
+        # what each stage cost: its seconds, and an encoder's workers, model loads and shards
+        "stages": {name: {"seconds": round(seconds, 2), **records[name].get("work", {})}
+                   for name, seconds in records["seconds"].items()},
     }

@@ -1,0 +1,193 @@
+"""Encoding shards on long-lived workers: a Dask cluster per encoding stage, through Prefect's
+`DaskTaskRunner`.
+
+Each worker is a process pinned to one device (its own `CUDA_VISIBLE_DEVICES`, as dask-cuda's
+cluster does) that loads the stage's model once (tasks/models.py caches loaders per process) and
+encodes shard after shard. The shard stays the unit of commit, retry and idempotence: each is a
+Prefect task run of this flow run, with the task's retries and cache, and its output is committed
+last, so a shard redone on another worker changes nothing. Engine behaviour this relies on, each
+measured and tested (tests/test_workers.py):
+- Dask keeps a result on the worker that made it, and a killed worker's finished tasks are rerun
+  for their lost results: each future is released as soon as it is done.
+- A task whose worker died `allowed-failures` times raises `KilledWorker`, and its Prefect task run
+  stays RUNNING: it is set Crashed here and the shard is submitted again as a new task run.
+- Without `PREFECT_API_URL` a worker would start a temporary Prefect server of its own: workers
+  get this flow run's API URL.
+- Dask sets `OMP_NUM_THREADS=1` in its workers: on CPUs each worker gets its share of the cores.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+from prefect import Task
+
+from configs.schema import ExecutionConfig
+from flows.stage_tasks import device_slot
+from tasks.models import encoding_work, model_loads, resolve_device
+
+log = logging.getLogger(__name__)
+
+
+def worker_count(execution: ExecutionConfig, device: str) -> int:
+    """`execution.workers`, else one per visible GPU of `device`'s kind, else 1."""
+    if execution.workers:
+        return execution.workers
+    import torch
+
+    return torch.cuda.device_count() if resolve_device(device).type == "cuda" else 1
+
+
+@contextmanager
+def stage_executor(execution: ExecutionConfig, device: str, configure: Callable[[Task], Task]) -> Iterator[Any]:
+    """Where one encoding stage runs its tasks (each `configure`d with the run's retries and result
+    storage): on `execution.cluster`, on a cluster of `worker_count` processes of its own (closed
+    with the stage) when that is more than one, else in this process."""
+    if execution.cluster is None and worker_count(execution, device) == 1:
+        yield InProcess(configure, execution.max_parallel_shards, device)
+        return
+    from prefect_dask import DaskTaskRunner
+
+    if execution.cluster:
+        with DaskTaskRunner(address=execution.cluster) as runner:
+            yield OnWorkers(runner, configure, execution.retries)
+        return
+    with local_cluster(worker_count(execution, device), device) as cluster, \
+            DaskTaskRunner(cluster=cluster) as runner:  # a runner given a cluster does not close it
+        yield OnWorkers(runner, configure, execution.retries)
+
+
+def local_cluster(count: int, device: str):
+    from distributed import Nanny, Scheduler, SpecCluster
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        api = client.api_url
+    gpus = resolve_device(device).type == "cuda"
+    threads = max(1, (os.cpu_count() or 1) // count)
+    env = {"PREFECT_API_URL": str(api).rstrip("/"), "OMP_NUM_THREADS": str(threads)}
+    workers = {index: {"cls": Nanny, "options": {
+        "nthreads": 1, "env": {**env, **({"CUDA_VISIBLE_DEVICES": str(index)} if gpus else {})}}}
+        for index in range(count)}
+    return SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {"dashboard": False}},
+                       silence_logs=logging.WARNING)
+
+
+class InProcess:
+    """A stage's tasks in this process: shards in threads, `limit` at once, each holding the
+    node's GPU slot when `device` is a GPU."""
+
+    def __init__(self, configure: Callable[[Task], Task], limit: int, device: str):
+        self.configure, self.limit, self.device = configure, limit, device
+        self.started, self.loads = time.time(), sum(model_loads().values())
+
+    def one(self, task: Task, *args: Any) -> Any:
+        with device_slot(self.device):
+            return self.configure(task)(*args)
+
+    def map(self, task: Task, items: list[Any], *args: Any) -> list[Any]:
+        return in_threads(lambda item: self.one(task, *args, item), items, self.limit)
+
+    def work(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        return encoding_work(records, self.started, 1, sum(model_loads().values()) - self.loads)
+
+
+def in_threads(work: Callable[[Any], Any], items: list[Any], limit: int) -> list[Any]:
+    """`work(item)` for each item, at most `limit` at once (one: in this thread), in threads that
+    end with the call; raises the first failure. Each thread gets a copy of this flow's context, so
+    its task runs and child flow runs belong to this flow run.
+
+    Parallel threads live only as long as this call: a thread that ran torch keeps an OpenMP team,
+    and while libgomp manages more threads than there are cores it puts idle workers to sleep after
+    every parallel region, which made every later stage (training) run twice as slow beside
+    long-lived threads."""
+    if limit == 1:
+        return [work(item) for item in items]
+    with ThreadPoolExecutor(max_workers=limit) as pool:
+        futures = [pool.submit(contextvars.copy_context().run, work, item) for item in items]
+        return [future.result() for future in futures]
+
+
+class OnWorkers:
+    """A stage's tasks on a Dask cluster's workers, as task runs of this flow run."""
+
+    def __init__(self, runner: Any, configure: Callable[[Task], Task], retries: int):
+        self.runner, self.configure, self.retries = runner, configure, retries
+        self.started, self.loads = time.time(), runner.client.run(model_loads)
+
+    def submit(self, task: Task, *args: Any):
+        names = list(inspect.signature(task.fn).parameters)
+        return self.runner.submit(self.configure(task), parameters=dict(zip(names, args)))
+
+    def one(self, task: Task, *args: Any) -> Any:
+        return self.map(task, [args[-1]], *args[:-1])[0]
+
+    def map(self, task: Task, items: list[Any], *args: Any) -> list[Any]:
+        """Results in `items`' order; raises the first failure (after the task's own retries). An
+        item whose workers kept dying is submitted again as a new task run, up to `retries` times."""
+        from distributed import KilledWorker, as_completed
+
+        futures = {}
+        for index, item in enumerate(items):
+            future = self.submit(task, *args, item)
+            futures[future.wrapped_future.key] = (index, future)
+        results: list[Any] = [None] * len(items)
+        deaths = [0] * len(items)
+        pending = as_completed([future.wrapped_future for _, future in futures.values()],
+                               loop=self.runner.client.loop)
+        for done in pending:
+            index, future = futures.pop(done.key)
+            try:
+                state = done.result()
+            except KilledWorker as error:  # its task run would stay RUNNING: end it
+                crashed(future.task_run_id, f"its Dask worker died: {error}")
+                deaths[index] += 1
+                if deaths[index] > self.retries:  # an item that kills every worker it meets (out of memory?)
+                    raise RuntimeError(f"{items[index]}: the workers running {task.name} on it died "
+                                       f"{deaths[index]} time(s) after Dask's own reruns: {error}") from error
+                log.warning("%s: its worker died running %s; submitted again", items[index], task.name)
+                again = self.submit(task, *args, items[index])
+                futures[again.wrapped_future.key] = (index, again)
+                pending.add(again.wrapped_future)
+                continue
+            finally:
+                done.release()  # a result left on a worker that dies later would make Dask rerun the task
+            results[index] = state.result()  # raises the task's error
+        return results
+
+    def work(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        after = self.runner.client.run(model_loads)
+        loads = sum(count - self.loads.get(worker, {}).get(stage, 0)
+                    for worker, counts in after.items() for stage, count in counts.items())
+        workers = len(self.runner.client.scheduler_info()["workers"])
+        return encoding_work(records, self.started, workers, loads)
+
+
+def crashed(task_run_id: Any, message: str, wait: float = 10.0) -> None:
+    """Set a task run Crashed. A worker reports its task runs to the server as events, so the
+    run may not be there yet: it is waited for, and one that never arrives was never started."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+    from prefect.states import Crashed
+
+    deadline = time.monotonic() + wait
+    with get_client(sync_client=True) as client:
+        while True:
+            try:
+                client.set_task_run_state(task_run_id, Crashed(message=message), force=True)
+                return
+            except PrefectHTTPStatusError as error:
+                if error.response.status_code != 404:
+                    raise
+                if time.monotonic() > deadline:
+                    log.info("task run %s never reached the server: nothing to end", task_run_id)
+                    return
+                time.sleep(0.5)

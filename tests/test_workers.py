@@ -1,0 +1,132 @@
+"""Encoding stages on long-lived Dask workers: each worker loads its model once and encodes many
+shards; a worker that dies loses nothing committed and leaves no task run RUNNING."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import psutil
+import pytest
+import torch
+
+from flows.pipeline import stage
+from storage.store import Store
+from tasks.demo_data import write_demo_data
+
+SHARDS = 16
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory) -> str:
+    return str(write_demo_data(tmp_path_factory.mktemp("data") / "demo", count=SHARDS * 2))
+
+
+def _cache_bytes(store: Store, kind: str) -> dict[str, bytes]:
+    return {key.rsplit("/", 1)[-1]: store.read_bytes(key) for key in store.find(f"cache/{kind}")
+            if key.endswith(".safetensors")}
+
+
+def _encode(config) -> dict[str, dict]:
+    stage(name="ingest", config=config)
+    return {name: stage(name=name, config=config) for name in ("encode-text", "encode-latents")}
+
+
+def test_sixteen_shards_on_two_workers_load_each_model_at_most_twice(prefect_server, make_config, many_shards,
+                                                                      tmp_path):
+    one = make_config(root=str(tmp_path / "one"), source=many_shards, dataset={"shard_size": 2})
+    two = make_config(root=str(tmp_path / "two"), source=many_shards, dataset={"shard_size": 2},
+                      execution={"workers": 2})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker on 2 cores: a CPU convolution's sum order depends on its threads
+    try:
+        _encode(one)
+    finally:
+        torch.set_num_threads(threads)
+    records = _encode(two)
+    for name, kind in (("encode-text", "text"), ("encode-latents", "latents")):
+        work = records[name]["work"]
+        assert work["workers"] == 2 and 1 <= work["model_loads"] <= 2, (name, work)
+        assert work["shards_encoded"] == SHARDS and work["shards_cached"] == 0, (name, work)
+        assert len(records[name]["shards"]) == SHARDS
+        assert _cache_bytes(Store(two.storage), kind) == _cache_bytes(Store(one.storage), kind)  # as one worker wrote
+
+
+def test_a_running_dask_cluster_given_by_address_encodes_the_shards(prefect_server, make_config, many_shards, tmp_path):
+    """`execution.cluster`: the workers a team started (here two processes on this machine),
+    reporting to the same Prefect server."""
+    from distributed import LocalCluster
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        api = str(client.api_url).rstrip("/")
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                      env={"PREFECT_API_URL": api}) as cluster:
+        config = make_config(root=str(tmp_path / "store"), source=many_shards, dataset={"shard_size": 2},
+                             execution={"cluster": cluster.scheduler_address})
+        records = _encode(config)
+    for name in ("encode-text", "encode-latents"):
+        work = records[name]["work"]
+        assert work["workers"] == 2 and 1 <= work["model_loads"] <= 2 and work["shards_encoded"] == SHARDS, work
+
+
+def _task_run_states(flow_run_id, finished: int) -> list[str]:
+    """The state names of a flow run's task runs, once `finished` of them are and none is pending
+    or running (or after 30 s: workers report task runs to the server asynchronously)."""
+    import asyncio
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async def read() -> list[str]:
+        async with get_client() as client:
+            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            return [run.state.name for run in runs]
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        states = asyncio.run(read())
+        if states.count("Completed") + states.count("Cached") >= finished and not {"Pending", "Running"} & set(states):
+            break
+        time.sleep(0.5)
+    return states
+
+
+# Dask's default: it reruns the task itself; 0: KilledWorker at once, and precast submits the shard again
+@pytest.mark.parametrize("allowed_failures", [3, 0])
+def test_a_worker_killed_mid_stage_loses_no_shard(prefect_server, make_config, many_shards, tmp_path,
+                                                  allowed_failures):
+    import dask
+    import distributed  # noqa: F401 - its config defaults, before dask.config.set below (which would drop them)
+
+    config = make_config(root=str(tmp_path / "store"), source=many_shards, dataset={"shard_size": 2},
+                         execution={"workers": 2, "retries": 1})
+    stage(name="ingest", config=config)
+    store = Store(config.storage)
+    killed = []
+
+    def kill_a_worker_after_the_first_shard() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(k.endswith(".done") for k in store.find("cache/latents")):
+            time.sleep(0.05)
+        workers = [p for p in psutil.Process().children(recursive=True)
+                   if any("spawn_main" in part or "forkserver" in part for part in p.cmdline())]
+        if workers:
+            workers[0].kill()
+            killed.append(workers[0].pid)
+
+    killer = threading.Thread(target=kill_a_worker_after_the_first_shard)
+    killer.start()
+    with dask.config.set({"distributed.scheduler.allowed-failures": allowed_failures}):
+        state = stage(name="encode-latents", config=config, return_state=True)
+    killer.join()
+    assert killed, "no worker process was found to kill"
+    record = state.result()
+    assert record["work"]["shards_encoded"] == SHARDS and len(record["shards"]) == SHARDS
+    states = _task_run_states(state.state_details.flow_run_id, SHARDS)
+    # a shard whose worker died after committing it is found in Prefect's cache when it runs again
+    finished = states.count("Completed") + states.count("Cached")
+    assert finished >= SHARDS and set(states) <= {"Completed", "Cached", "Crashed"}, Counter(states)
+    leftovers = [key for key in store.find("cache/latents") if not key.endswith((".safetensors", ".done"))]
+    assert leftovers == []
