@@ -1,12 +1,13 @@
-"""Encoding shards on long-lived workers: a Dask cluster per encoding stage, through Prefect's
-`DaskTaskRunner`.
+"""Where an encoding stage runs its tasks: in this process, or on long-lived workers (a Dask
+cluster per stage, or a running one, through Prefect's `DaskTaskRunner`).
 
 Each worker is a process pinned to one device (its own `CUDA_VISIBLE_DEVICES`, as dask-cuda's
 cluster does) that loads the stage's model once (tasks/models.py caches loaders per process) and
 encodes shard after shard. The shard stays the unit of commit, retry and idempotence: each is a
 Prefect task run of this flow run, with the task's retries and cache, and its output is committed
-last, so a shard redone on another worker changes nothing. Engine behaviour this relies on, each
-measured and tested (tests/test_workers.py):
+last, so a shard redone on another worker changes nothing. The stage's other tasks (the text
+encoder's prompts and precision check) run on a worker too: the flow's process loads no model.
+Engine behaviour this relies on, measured here (tests/test_workers.py tests the first three):
 - Dask keeps a result on the worker that made it, and a killed worker's finished tasks are rerun
   for their lost results: each future is released as soon as it is done.
 - A task whose worker died `allowed-failures` times raises `KilledWorker`, and its Prefect task run
