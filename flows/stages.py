@@ -134,7 +134,7 @@ def run_encode_text(plan: Plan, dataset: dict[str, Any], shards: list[str] | Non
         run_shards_elsewhere(config, deployment, "encode-text", urls)
         prompts = store.require(prompts_cache_key(fingerprint, config.training.sample_prompts))
         records = [store.require(layout.cache_shard("text", fingerprint, shard_id_of(url))) for url in urls]
-        work = None  # the children's: each reports its own
+        work = None  # each child reports its own
     else:
         args = (config.storage, config.model, config.text_encoding, fingerprint)
         with stage_executor(config.execution, config.text_encoding.device, plan.configured) as run:
@@ -143,7 +143,7 @@ def run_encode_text(plan: Plan, dataset: dict[str, Any], shards: list[str] | Non
             records = run.map(encode_text_task, urls, *args)
             work = run.work(records)
     create_markdown_artifact(key="text-encoding", markdown=encoding_report(records))
-    return {**text_cache_record(store, fingerprint, prompts, records), **({"work": work} if work else {})}
+    return {**text_cache_record(store, fingerprint, prompts, records), "work": work}
 
 
 def run_encode_latents(plan: Plan, dataset: dict[str, Any], shards: list[str] | None = None) -> dict[str, Any]:
@@ -152,13 +152,13 @@ def run_encode_latents(plan: Plan, dataset: dict[str, Any], shards: list[str] | 
     if deployment := placed(config, "encode-latents"):
         run_shards_elsewhere(config, deployment, "encode-latents", urls)
         records = [store.require(layout.cache_shard("latents", fingerprint, shard_id_of(url))) for url in urls]
-        work = None  # the children's: each reports its own
+        work = None  # each child reports its own
     else:
         with stage_executor(config.execution, config.latent_encoding.device, plan.configured) as run:
             records = run.map(encode_latents_task, urls, config.storage, config.model, config.latent_encoding,
                               fingerprint)
             work = run.work(records)
-    return {**latent_cache_record(store, fingerprint, records), **({"work": work} if work else {})}
+    return {**latent_cache_record(store, fingerprint, records), "work": work}
 
 
 def run_manifest(plan: Plan, dataset: dict[str, Any]) -> dict[str, Any]:

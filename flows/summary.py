@@ -14,7 +14,7 @@ from prefect import get_run_logger
 class Summary:
     def __init__(self):
         self.started = time.time()
-        self.rows: list[tuple[str, str, str, str, str]] = []
+        self.rows: list[tuple[str, str, str, str, str, str]] = []
         # each stage's record by name, and "seconds": each stage's wall time (as tasks.runner's)
         self.records: dict[str, Any] = {"seconds": {}}
 

@@ -44,16 +44,22 @@ def run_direct(config: PipelineConfig, until: Stage = "train") -> dict[str, Any]
     urls = [store.url(layout.image_shard(shard["id"])) for shard in done["ingest"]["shards"]]
     text = (config.storage, config.model, config.text_encoding, text_fp)
 
-    def shards(encode) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """`encode(url)` for every shard, here, and the stage's encoding_work, as the flow reports it."""
+    def shards(encode, prepare=lambda: None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """`prepare()`, then `encode(url)` for every shard, here; the records and the stage's
+        encoding_work, counted from before `prepare` as the flow counts it."""
         started, before = time.time(), sum(model_loads().values())
+        prepare()
         records = [encode(url) for url in urls]
         return records, encoding_work(records, started, 1, sum(model_loads().values()) - before)
 
     def encode_text() -> dict[str, Any]:
-        prompts = encode_prompts(*text, config.training.sample_prompts)
-        measure_numerics(*text, urls[0] if urls else None)  # before any shard, as in the flow
-        records, work = shards(lambda url: encode_text_shard(*text, url))
+        prompts = {}
+
+        def prepare() -> None:  # the prompts, then the precision check before any shard, as in the flow
+            prompts.update(encode_prompts(*text, config.training.sample_prompts))
+            measure_numerics(*text, urls[0] if urls else None)
+
+        records, work = shards(lambda url: encode_text_shard(*text, url), prepare)
         return {**text_cache_record(store, text_fp, prompts, records), "work": work}
 
     def encode_latents() -> dict[str, Any]:
@@ -87,6 +93,6 @@ def outputs(records: dict[str, Any]) -> dict[str, Any]:
         "final_loss": run["final_loss"],
         "first_loss": run["first_loss"],
         # what each stage cost: its seconds, and an encoder's workers, model loads and shards
-        "stages": {name: {"seconds": round(seconds, 2), **records[name].get("work", {})}
+        "stages": {name: {"seconds": round(seconds, 2), **(records[name].get("work") or {})}
                    for name, seconds in records["seconds"].items()},
     }
