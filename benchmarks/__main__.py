@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import (
-    encoder_workers, end_to_end, gpu, ingest_throughput, latent_encoding, text_encoding, training,
+    encoder_workers, end_to_end, gpu, ingest_throughput, latent_encoding, s3_ingest, text_encoding, training,
 )
 
 RESULTS = Path(__file__).parent / "results"
 # name: (module, full workload, quick workload)
 SUITE = {
     "ingest": (ingest_throughput, {"count": 600}, {"count": 600}),
+    "s3_ingest": (s3_ingest, {"count": 400}, {"count": 200}),
     "text_encoding": (text_encoding, {}, {"captions": 256, "reference_captions": 64}),
     "latent_encoding": (latent_encoding, {}, {"count": 48, "repeat": 2}),
     "training": (training, {}, {"steps": 20, "count": 32}),

@@ -73,6 +73,10 @@ class DatasetConfig(Section):
     max_pixels: int = Field(
         89_478_485, ge=1, description="Images with more pixels than this are quarantined (decompression bombs)."
     )
+    read_concurrency: int = Field(
+        32, ge=1, description="Source objects read (and images checked) at once: enough requests in flight to hide "
+        "an object store's per-request latency (~20 ms on S3); a local disk needs few.",
+    )
 
 
 class ModelConfig(Section):

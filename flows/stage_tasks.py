@@ -17,11 +17,11 @@ from contextlib import contextmanager
 
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
-from prefect.cache_policies import INPUTS, TASK_SOURCE, CacheKeyFnPolicy
+from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
 
 from tasks.encode_latents import encode_latents_shard
 from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics
-from tasks.ingest import ingest, sources_signature
+from tasks.ingest import ingest
 from tasks.manifest import build_manifest
 from tasks.models import resolve_device
 from tasks.train import train
@@ -32,9 +32,8 @@ from tasks.train import train
 STAGE_CACHE = INPUTS + TASK_SOURCE
 JSON = {"persist_result": True, "result_serializer": "json"}
 
-# ingest's key is the source listing (names, sizes, modification stamps): new files re-run it
-SOURCES = CacheKeyFnPolicy(cache_key_fn=lambda _, p: "ingest-" + sources_signature(p["storage"], p["dataset"]))
-ingest_task = task(name="ingest", cache_policy=SOURCES + TASK_SOURCE, **JSON)(ingest)
+# ingest is its own cache: it lists the sources and reads only what its last record does not hold
+ingest_task = task(name="ingest", cache_policy=NO_CACHE, **JSON)(ingest)
 encode_prompts_task = task(name="encode-prompts", cache_policy=STAGE_CACHE, **JSON)(encode_prompts)
 measure_numerics_task = task(name="text-numerics", cache_policy=STAGE_CACHE, **JSON)(measure_numerics)
 encode_text_task = task(name="encode-text", cache_policy=STAGE_CACHE, **JSON)(encode_text_shard)

@@ -3,21 +3,25 @@
 Here: the stage's Prefect task(s), one per shard for the encoders, in this process's threads or on
 the stage's worker processes (flows/workers.py). Elsewhere (`execution.placement`): the stage's
 deployment via `run_deployment`, for the encoders one child flow run per group of shards
-(`max_parallel_shards` groups), each with an idempotency key so a retried parent never starts
-duplicates; a child that did not complete fails the stage with its
-state message. Either way the outputs are read back from the store, the ground truth, so a stage
-that ran on another node is used exactly like one that ran here.
+(`max_parallel_shards` groups, or one that sends them all to `execution.cluster`), each with an
+idempotency key so a retried parent never starts duplicates; a child that did not complete fails
+the stage with its state message. Either way the outputs are read back from the store, the ground
+truth, so a stage that ran on another node is used exactly like one that ran here; an encoder's
+work (workers, model loads, shards) comes back as its children's `<stage>-work` artifacts.
 """
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from prefect import Task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import FlowRunContext
 from prefect.deployments import run_deployment
 from prefect.filesystems import RemoteFileSystem
@@ -85,8 +89,8 @@ def placed(config: PipelineConfig, stage: str) -> str | None:
     return None if target == "local" else target
 
 
-def run_elsewhere(config: PipelineConfig, deployment: str, stage: str, shards: list[str] | None = None) -> None:
-    """Run `stage` (for `shards`) as a child flow run of `deployment` and wait for it."""
+def run_elsewhere(config: PipelineConfig, deployment: str, stage: str, shards: list[str] | None = None) -> Any:
+    """Run `stage` (for `shards`) as a child flow run of `deployment`, wait for it and return it."""
     parent = FlowRunContext.get()
     part = "all" if shards is None else "prepare" if not shards else hash_json(shards, chars=12)
     # the child runs everything in place: it must not place stages again
@@ -100,15 +104,42 @@ def run_elsewhere(config: PipelineConfig, deployment: str, stage: str, shards: l
         state = child.state.type.value if child.state else "unknown"
         raise RuntimeError(f"stage {stage} on {deployment} (flow run {child.name}) ended {state}: "
                            f"{child.state.message if child.state else ''}")
+    return child
 
 
-def run_shards_elsewhere(config: PipelineConfig, deployment: str, stage: str, urls: list[str]) -> None:
+def run_shards_elsewhere(config: PipelineConfig, deployment: str, stage: str, urls: list[str],
+                         earlier: tuple[Any, ...] = ()) -> dict[str, Any]:
     """The shards in `max_parallel_shards` groups, one child flow run each, all at once: each child
     runs on a worker of the pool (a node) and encodes its group in place, on that node's workers,
-    each loading the model once. Raises the first failure."""
-    count = min(len(urls), config.execution.max_parallel_shards)
+    each loading the model once. With `execution.cluster` one child sends every shard to the
+    cluster, whose workers span the nodes. Raises the first failure; returns the stage's work: the
+    children's workers, and their model loads and shards plus those of the `earlier` children."""
+    count = 1 if config.execution.cluster else min(len(urls), config.execution.max_parallel_shards)
     groups = [urls[index::count] for index in range(count)]
-    in_threads(lambda group: run_elsewhere(config, deployment, stage, group), groups, count)
+    children = in_threads(lambda group: run_elsewhere(config, deployment, stage, group), groups, count)
+    work, before = children_work(stage, children), children_work(stage, earlier)
+    return {**work, **{name: work[name] + before[name] for name in ("model_loads", "shards_encoded", "shards_cached")}}
+
+
+def publish_work(stage: str, work: dict[str, Any]) -> None:
+    """An encoding stage's work as a table artifact of its flow run: a parent whose stage ran in
+    child flow runs on other nodes reads its children's (`children_work`)."""
+    create_table_artifact(key=f"{stage}-work", table=[work], description=f"{stage}: workers, model loads, shards")
+
+
+def children_work(stage: str, children: Sequence[Any]) -> dict[str, int]:
+    """The work of `stage` in these child flow runs, summed."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    found = ArtifactFilter(key=ArtifactFilterKey(any_=[f"{stage}-work"]),
+                           flow_run_id=ArtifactFilterFlowRunId(any_=[child.id for child in children]))
+    tables = []
+    if children:
+        with get_client(sync_client=True) as client:
+            tables = [json.loads(artifact.data)[0] for artifact in client.read_artifacts(artifact_filter=found)]
+    return {name: sum(table[name] for table in tables)
+            for name in ("workers", "model_loads", "shards_encoded", "shards_cached")}
 
 
 def run_ingest(plan: Plan) -> dict[str, Any]:
@@ -130,11 +161,10 @@ def run_encode_text(plan: Plan, dataset: dict[str, Any], shards: list[str] | Non
     every = shard_urls(plan, dataset)
     urls = every if shards is None else shards
     if deployment := placed(config, "encode-text"):
-        run_elsewhere(config, deployment, "encode-text", [])  # before the shards fan out
-        run_shards_elsewhere(config, deployment, "encode-text", urls)
+        prepare = run_elsewhere(config, deployment, "encode-text", [])  # before the shards fan out
+        work = run_shards_elsewhere(config, deployment, "encode-text", urls, (prepare,))
         prompts = store.require(prompts_cache_key(fingerprint, config.training.sample_prompts))
         records = [store.require(layout.cache_shard("text", fingerprint, shard_id_of(url))) for url in urls]
-        work = None  # each child reports its own
     else:
         args = (config.storage, config.model, config.text_encoding, fingerprint)
         with stage_executor(config.execution, config.text_encoding.device, plan.configured) as run:
@@ -142,6 +172,7 @@ def run_encode_text(plan: Plan, dataset: dict[str, Any], shards: list[str] | Non
             run.one(measure_numerics_task, *args, every[0] if every else None)  # before any shard
             records = run.map(encode_text_task, urls, *args)
             work = run.work(records)
+        publish_work("encode-text", work)
     create_markdown_artifact(key="text-encoding", markdown=encoding_report(records))
     return {**text_cache_record(store, fingerprint, prompts, records), "work": work}
 
@@ -150,14 +181,14 @@ def run_encode_latents(plan: Plan, dataset: dict[str, Any], shards: list[str] | 
     config, store, fingerprint = plan.config, plan.store, plan.vae_fp
     urls = shard_urls(plan, dataset) if shards is None else shards
     if deployment := placed(config, "encode-latents"):
-        run_shards_elsewhere(config, deployment, "encode-latents", urls)
+        work = run_shards_elsewhere(config, deployment, "encode-latents", urls)
         records = [store.require(layout.cache_shard("latents", fingerprint, shard_id_of(url))) for url in urls]
-        work = None  # each child reports its own
     else:
         with stage_executor(config.execution, config.latent_encoding.device, plan.configured) as run:
             records = run.map(encode_latents_task, urls, config.storage, config.model, config.latent_encoding,
                               fingerprint)
             work = run.work(records)
+        publish_work("encode-latents", work)
     return {**latent_cache_record(store, fingerprint, records), "work": work}
 
 

@@ -2,13 +2,15 @@
 # A local precast stack for development and tests: a Prefect server (SQLite, or PostgreSQL when
 # DATABASE_URL is set), an S3-compatible endpoint (moto), the two work pools of prefect.yaml, a
 # per-node GPU concurrency limit, and one process worker per pool, each in its own empty working
-# directory (they share nothing but the S3 root).
+# directory (they share nothing but the S3 root). With DASK_WORKERS=N, also a Dask scheduler and N
+# `dask worker` processes ("nodes" of encoders, each in its own folder) for `execution.cluster`.
 #
 #   bash infra/local-stack.sh up      # prints the environment to use; state under $STACK_DIR
 #   bash infra/local-stack.sh down
 #
 # Settings (environment): STACK_DIR (default .stack), PREFECT_PORT (4200), S3_PORT (5555),
-# S3_BUCKET (precast), DATABASE_URL (postgresql+asyncpg://… ; default SQLite in STACK_DIR).
+# S3_BUCKET (precast), DATABASE_URL (postgresql+asyncpg://… ; default SQLite in STACK_DIR),
+# DASK_WORKERS (0), DASK_PORT (8786).
 # S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (moto accepts any).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -17,6 +19,8 @@ STACK_DIR=$(mkdir -p "${STACK_DIR:-.stack}" && cd "${STACK_DIR:-.stack}" && pwd)
 PREFECT_PORT=${PREFECT_PORT:-4200}
 S3_PORT=${S3_PORT:-5555}
 S3_BUCKET=${S3_BUCKET:-precast}
+DASK_WORKERS=${DASK_WORKERS:-0}
+DASK_PORT=${DASK_PORT:-8786}
 BIN=${PRECAST_BIN:-$ROOT/.venv/bin}
 POOLS=(precast-encode precast-train)
 
@@ -63,11 +67,25 @@ up() {
       exec "$BIN/prefect" worker start --pool "$pool" --type process --limit 4) >"$STACK_DIR/worker-$pool.log" 2>&1 &
     echo $! >"$STACK_DIR/worker-$pool.pid"
   done
+  if [ "$DASK_WORKERS" -gt 0 ]; then
+    "$BIN/dask" scheduler --host 127.0.0.1 --port "$DASK_PORT" --no-dashboard >"$STACK_DIR/dask-scheduler.log" 2>&1 &
+    echo $! >"$STACK_DIR/dask-scheduler.pid"
+    for index in $(seq 1 "$DASK_WORKERS"); do  # workers report their task runs to this server
+      mkdir -p "$STACK_DIR/dask-worker-$index"
+      (cd "$STACK_DIR/dask-worker-$index" && PRECAST_CACHE="$STACK_DIR/dask-worker-$index/cache" \
+        exec "$BIN/dask" worker "tcp://127.0.0.1:$DASK_PORT" --name "node-$index" --nthreads 1 --no-dashboard) \
+        >"$STACK_DIR/dask-worker-$index.log" 2>&1 &
+      echo $! >"$STACK_DIR/dask-worker-$index.pid"
+    done
+    "$BIN/python" -c "import distributed,sys; c=distributed.Client(sys.argv[1], timeout=60); c.wait_for_workers(int(sys.argv[2]), timeout=60); c.close()" \
+      "tcp://127.0.0.1:$DASK_PORT" "$DASK_WORKERS"
+  fi
   cat <<EOF
 export PREFECT_API_URL=$PREFECT_API_URL
 export AWS_ACCESS_KEY_ID=$AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY=<as set>
 # store root for configs: s3://$S3_BUCKET/…  with  storage.options: {endpoint_url: http://127.0.0.1:$S3_PORT}
 EOF
+  if [ "$DASK_WORKERS" -gt 0 ]; then echo "# encoders on the Dask workers: execution.cluster: tcp://127.0.0.1:$DASK_PORT"; fi
 }
 
 down() {

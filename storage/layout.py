@@ -8,6 +8,7 @@ path. `COMMITTED` lists the kinds that are only valid with a commit record besid
     shards/images/<shard_id>.parquet
     datasets/<dataset_id>.json, datasets/<dataset_id>.report.json
     refs/datasets/<config hash>.json                          the latest dataset of a dataset config
+    refs/datasets/<config hash>.sources.parquet               what that ingest read, for the next one
     cache/text/<fp>/<shard_id>.safetensors, prompts/<hash>.safetensors, numerics.json
     cache/latents/<fp>/<shard_id>.safetensors
     manifests/<manifest_id>.json, manifests/<manifest_id>.parquet
@@ -51,6 +52,11 @@ def dataset_report(dataset_id: str) -> str:
 
 def dataset_ref(config_hash: str) -> str:
     return f"refs/datasets/{config_hash}.json"
+
+
+def sources_record(config_hash: str) -> str:
+    """What the latest ingest of a dataset config read: each unit's listed objects and outcomes."""
+    return f"refs/datasets/{config_hash}.sources.parquet"
 
 
 # --- caches: kind "text" (T5 embeddings) or "latents" (VAE posteriors), under the encoder's fingerprint ---

@@ -20,6 +20,7 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -163,6 +164,13 @@ class Store:
         if record is None:
             raise ArtifactMissing(f"{self.url(key)} is not committed; run the stage that produces it first")
         return record
+
+    def require_all(self, keys: list[str], concurrency: int = 32) -> list[dict[str, Any]]:
+        """`require` of many keys, `concurrency` requests at once (each costs a round trip)."""
+        if len(keys) <= 1 or concurrency == 1:
+            return [self.require(key) for key in keys]
+        with ThreadPoolExecutor(min(concurrency, len(keys))) as pool:
+            return list(pool.map(self.require, keys))
 
     def read_verified(self, key: str, sha256: str | None = None) -> bytes:
         """The bytes of a committed artifact, checked against `sha256` (default: its commit record's)

@@ -7,6 +7,14 @@ shards holding only them. Images already in a shard are not decoded again. A dat
 its shards (and, for a shard only partly current, which of its samples). A bad input never fails
 the stage: it is quarantined with a reason code; an unreachable source fails it, naming the source.
 
+Each source is listed once and read as units (tasks/sources.py), `read_concurrency` at once, each
+image hashed and checked in the reading thread (Pillow decodes without holding the GIL). The
+units and what each became are recorded beside the dataset ref; the next ingest of the same
+sources and rules takes every unit whose objects are listed unchanged (path, size, ETag or mtime)
+from that record instead of reading it, so a nightly run reads only new or rewritten objects.
+Outcomes are merged in listing order, so duplicates, quarantine and shards are what one
+sequential pass would give.
+
 Images are untrusted bytes: only the formats the README lists are parsed (Pillow would otherwise
 try every plugin it has, TGA among them, which has no magic number: noise behind a plausible
 header decodes), a file larger than any `max_pixels` image can honestly be is refused undecoded,
@@ -20,12 +28,17 @@ import io
 import json
 import logging
 import tempfile
+import uuid
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from configs.schema import DatasetConfig, StorageConfig
@@ -34,7 +47,7 @@ from storage.fingerprint import hash_json, sha256_bytes
 from storage.shards import pack_image_shard, read_image_shard, shard_id_of
 from storage.store import Store, fsspec_options
 from tasks.encode_latents import nearest_ratio
-from tasks.sources import Candidate, Rejected, printable, read_source
+from tasks.sources import Candidate, Rejected, Unit, list_source, printable, source_units
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +71,52 @@ class Sample:
 
 
 @dataclass
+class Outcome:
+    """What one candidate became: a sample (its image spilled when it was new), or quarantined."""
+
+    source: str
+    format: str
+    sample_id: str | None = None
+    captions: list[str] | None = None
+    width: int = 0
+    height: int = 0
+    reason: str | None = None
+    message: str | None = None
+    spilled: bool = False
+
+
+@dataclass
 class Scan:
     spill: Path  # new images wait here, not in memory, until their shard is written
     samples: dict[str, Sample] = field(default_factory=dict)
     quarantined: list[dict[str, str]] = field(default_factory=list)
     formats: Counter = field(default_factory=Counter)
+    units: list[tuple[str, list[Outcome]]] = field(default_factory=list)  # keyed units, for the next ingest
+    units_read: int = 0  # units whose objects were read now
+    units_reused: int = 0  # units taken from the last ingest's record, unread
+    bytes_read: int = 0  # listed bytes of the objects read
 
-    def reject(self, candidate: Candidate, problem: Rejected) -> None:
-        message = printable(problem.message)
-        log.warning("quarantined %s: %s (%s)", candidate.source, problem.reason, message)
-        self.quarantined.append({"source": candidate.source, "format": candidate.format,
-                                 "reason": problem.reason, "message": message})
+    def add(self, unit: Unit, outcomes: list[Outcome], read: bool) -> None:
+        """A unit's outcomes, in order: exact duplicates are kept once with their captions merged."""
+        if unit.key:
+            self.units.append((unit.key, outcomes))
+        if unit.key or unit.size:  # not a metadata row that was refused before any read
+            self.units_read += read
+            self.units_reused += not read
+        self.bytes_read += unit.size if read else 0
+        for outcome in outcomes:
+            self.formats[outcome.format] += 1
+            if outcome.reason is not None:
+                log.warning("quarantined %s: %s (%s)", outcome.source, outcome.reason, outcome.message)
+                self.quarantined.append({"source": outcome.source, "format": outcome.format,
+                                         "reason": outcome.reason, "message": outcome.message})
+            elif outcome.sample_id in self.samples:
+                known = self.samples[outcome.sample_id]
+                known.captions = sorted(set(known.captions) | set(outcome.captions))
+            else:
+                image_file = self.spill / outcome.sample_id if outcome.spilled else None
+                self.samples[outcome.sample_id] = Sample(outcome.sample_id, image_file, outcome.width, outcome.height,
+                                                         outcome.captions, outcome.source, outcome.format)
 
 
 def max_image_bytes(config: DatasetConfig) -> int:
@@ -150,42 +198,72 @@ def source_options(path: str, storage: StorageConfig) -> dict[str, Any]:
     return fsspec_options(storage) if "://" in path and not path.startswith("file://") else {}
 
 
+def examine(candidate: Candidate, dataset: DatasetConfig, images: dict[str, tuple[int, int, str]],
+            spill: Path) -> Outcome:
+    """One candidate checked: hashed, its geometry checked, and a new image decoded, normalised
+    and spilled under its sample id. Never raises: one bad file never fails the stage."""
+    outcome = Outcome(printable(candidate.source), candidate.format)
+    try:
+        if candidate.problem is not None:
+            raise candidate.problem
+        if not candidate.image:
+            raise Rejected("empty_file", "zero bytes")
+        outcome.sample_id = sha256_bytes(candidate.image)
+        if outcome.sample_id in images:  # validated when it was first ingested; only the rules may have changed
+            outcome.width, outcome.height, _ = images[outcome.sample_id]
+            check_geometry(outcome.width, outcome.height, dataset)
+        else:
+            image, outcome.width, outcome.height = normalise_image(candidate.image, dataset)
+            partial = spill / f"{outcome.sample_id}.{uuid.uuid4().hex}"  # a duplicate may spill at once
+            partial.write_bytes(image)
+            partial.replace(spill / outcome.sample_id)
+            outcome.spilled = True
+        # variants are a set (training picks one at random): sorted, so line order or which
+        # duplicate came first never changes a sample's identity
+        outcome.captions = sorted(set(candidate.captions))
+    except Rejected as problem:
+        outcome.reason, outcome.message = problem.reason, printable(problem.message)
+    except Exception as error:  # one bad file never fails the stage
+        outcome.reason, outcome.message = "error", printable(f"{type(error).__name__}: {error}")
+    if outcome.reason is not None:
+        outcome.sample_id = outcome.captions = None
+        outcome.spilled = False
+    return outcome
+
+
+def in_order(pool: ThreadPoolExecutor, work: Callable[[Unit], tuple[list[Outcome], bool]], units: Iterable[Unit],
+             window: int) -> Iterator[tuple[Unit, list[Outcome], bool]]:
+    """`work(unit)` for each unit on the pool, at most `window` in flight, results in the units' order."""
+    pending: list[tuple[Unit, Any]] = []
+    for unit in units:
+        pending.append((unit, pool.submit(work, unit)))
+        if len(pending) >= window:
+            done, future = pending.pop(0)
+            yield done, *future.result()
+    for done, future in pending:
+        yield done, *future.result()
+
+
 def scan_sources(
-    storage: StorageConfig, dataset: DatasetConfig, images: dict[str, tuple[int, int, str]], spill: Path
+    storage: StorageConfig, dataset: DatasetConfig, images: dict[str, tuple[int, int, str]],
+    known: dict[str, list[Outcome]], spill: Path,
 ) -> Scan:
+    """Every source listed once and its units read `read_concurrency` at once, except those whose
+    outcomes `known` holds (recorded by an earlier ingest, its objects unchanged)."""
     scan = Scan(spill)
-    for source in dataset.sources:
-        for candidate in read_source(source, source_options(source.path, storage), max_image_bytes(dataset)):
-            scan.formats[candidate.format] += 1
-            candidate.source = printable(candidate.source)
-            try:
-                if candidate.problem is not None:
-                    raise candidate.problem
-                if not candidate.image:
-                    raise Rejected("empty_file", "zero bytes")
-                sample_id = sha256_bytes(candidate.image)
-                if sample_id in scan.samples:  # exact duplicate: kept once, captions merged
-                    known = scan.samples[sample_id]
-                    known.captions = sorted(set(known.captions) | set(candidate.captions))
-                    continue
-                if sample_id in images:  # validated when it was first ingested; only the rules may have changed
-                    width, height, _ = images[sample_id]
-                    check_geometry(width, height, dataset)
-                    image_file = None
-                else:
-                    image, width, height = normalise_image(candidate.image, dataset)
-                    image_file = scan.spill / sample_id
-                    image_file.write_bytes(image)
-            except Rejected as problem:
-                scan.reject(candidate, problem)
-                continue
-            except Exception as error:  # one bad file never fails the stage
-                scan.reject(candidate, Rejected("error", f"{type(error).__name__}: {error}"))
-                continue
-            # variants are a set (training picks one at random): sorted, so line order or which
-            # duplicate came first never changes a sample's identity
-            scan.samples[sample_id] = Sample(sample_id, image_file, width, height, sorted(set(candidate.captions)),
-                                             candidate.source, candidate.format)
+    limit = max_image_bytes(dataset)
+
+    def work(unit: Unit) -> tuple[list[Outcome], bool]:
+        if unit.key and unit.key in known:
+            return known[unit.key], False
+        return [examine(candidate, dataset, images, spill) for candidate in unit.read()], True
+
+    with ThreadPoolExecutor(dataset.read_concurrency, thread_name_prefix="ingest-read") as pool:
+        for source in dataset.sources:
+            listing = list_source(source, source_options(source.path, storage))
+            units = source_units(listing, source, limit)
+            for unit, outcomes, read in in_order(pool, work, units, 4 * dataset.read_concurrency):
+                scan.add(unit, outcomes, read)
     return scan
 
 
@@ -213,22 +291,25 @@ def ingest_report(scan: Scan) -> dict[str, Any]:
 
 
 def ingest(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
-    """Ingest every source; returns the dataset's record (`dataset_record`) and what was new."""
+    """Ingest every source; returns the dataset's record (`dataset_record`), what was new, and what
+    was read (`work`)."""
     store = Store(storage)
-    records, images = read_index(store)
+    known, records, images, previous = read_sources_record(store, dataset)
+    if previous is None:  # no earlier ingest of these sources: every shard of the store counts
+        records, images = read_index(store)
     with tempfile.TemporaryDirectory(prefix="precast-ingest-") as spill:
-        scan = scan_sources(storage, dataset, images, Path(spill))
+        scan = scan_sources(storage, dataset, images, known, Path(spill))
         if not scan.samples:
             raise RuntimeError(f"no usable samples in {[s.path for s in dataset.sources]}: "
                                f"{len(scan.quarantined)} quarantined")
         new, members = write_new_shards(store, dataset, scan, records, images)
 
     shards = []
-    for shard_id in sorted(members):
+    commits = store.require_all([layout.image_shard(shard_id) for shard_id in sorted(members)], dataset.read_concurrency)
+    for shard_id, commit in zip(sorted(members), commits):
         current = sorted(members[shard_id])
         # null means "the whole shard"; a list names the current samples of a partly superseded shard
-        whole = len(current) == store.require(layout.image_shard(shard_id))["samples"]
-        shards.append({"id": shard_id, "samples": None if whole else current})
+        shards.append({"id": shard_id, "samples": None if len(current) == commit["samples"] else current})
     dataset_id = hash_json(shards)
     record = {"id": dataset_id, "shards": shards, "samples": len(scan.samples),
               "sources": [s.path for s in dataset.sources]}
@@ -236,18 +317,65 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
         store.commit_json(layout.dataset(dataset_id), record, samples=len(scan.samples))
     report = {"dataset": dataset_id, **ingest_report(scan), "quarantine": scan.quarantined}
     write_if_changed(store, layout.dataset_report(dataset_id), report)
-    write_if_changed(store, dataset_ref(dataset), {"dataset": dataset_id})
-    return {**dataset_record(store, dataset_id), "new_shards": -(-len(new) // dataset.shard_size),
-            "new_samples": len(new)}
+    write_if_changed(store, layout.dataset_ref(config_hash(dataset)), {"dataset": dataset_id})
+    record_bytes = sources_record(scan, members)
+    if record_bytes != previous:
+        store.write_bytes(layout.sources_record(config_hash(dataset)), record_bytes)
+    work = {"bytes_read": scan.bytes_read, "units_read": scan.units_read, "units_reused": scan.units_reused}
+    return {**dataset_record(store, dataset_id, dataset.read_concurrency),
+            "new_shards": -(-len(new) // dataset.shard_size), "new_samples": len(new), "work": work}
 
 
-def dataset_record(store: Store, dataset_id: str) -> dict[str, Any]:
+RECORD_COLUMNS = {"kind": pa.string(), "key": pa.string(), "source": pa.string(), "format": pa.string(),
+                  "sample_id": pa.string(), "captions": pa.list_(pa.string()), "width": pa.int32(),
+                  "height": pa.int32(), "reason": pa.string(), "message": pa.string(), "shard": pa.string()}
+
+
+def sources_record(scan: Scan, members: dict[str, list[str]]) -> bytes:
+    """The units this ingest read or reused with their outcomes ("unit" rows; a unit that gave no
+    candidate is one row without a source), and where each sample's bytes are ("member" rows)."""
+    rows = []
+    for key, outcomes in scan.units:
+        rows += [{"kind": "unit", "key": key, **vars(o)} for o in outcomes] or [{"kind": "unit", "key": key}]
+    shard_of = {sample_id: shard_id for shard_id, ids in members.items() for sample_id in ids}
+    rows += [{"kind": "member", "sample_id": s.sample_id, "captions": s.captions, "width": s.width,
+              "height": s.height, "shard": shard_of[s.sample_id]} for s in scan.samples.values()]
+    table = pa.Table.from_pylist([{name: row.get(name) for name in RECORD_COLUMNS} for row in rows],
+                                 schema=pa.schema(RECORD_COLUMNS))
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="zstd")
+    return buffer.getvalue()
+
+
+def read_sources_record(store: Store, dataset: DatasetConfig) -> tuple[dict[str, list[Outcome]], dict, dict, bytes | None]:
+    """The last ingest's record of these sources and rules: unit key → outcomes, and (like
+    `read_index`, for its samples) (sample id, captions) → shard id and sample id → (width,
+    height, shard id); plus its bytes. Nothing when there is none."""
+    key = layout.sources_record(config_hash(dataset))
+    if not store.exists(key):
+        return {}, {}, {}, None
+    data = store.read_bytes(key)
+    known: dict[str, list[Outcome]] = {}
+    records, images = {}, {}
+    for row in pq.read_table(io.BytesIO(data)).to_pylist():
+        if row["kind"] == "member":
+            records[(row["sample_id"], tuple(row["captions"]))] = row["shard"]
+            images[row["sample_id"]] = (row["width"], row["height"], row["shard"])
+            continue
+        outcomes = known.setdefault(row["key"], [])
+        if row["source"] is not None:
+            outcomes.append(Outcome(**{name: row[name] for name in RECORD_COLUMNS if name not in ("kind", "key", "shard")}))
+    return known, records, images, data
+
+
+def dataset_record(store: Store, dataset_id: str, concurrency: int = 32) -> dict[str, Any]:
     """What ingest returns for a committed dataset version, also when it ran elsewhere: the record
     (id, shards, samples, sources) with its URL, report, quarantined count, and the fields every
     stage's record has: `url`, `amount` and `committed_at` (its newest output's commit time)."""
     key = layout.dataset(dataset_id)
     record = {**json.loads(store.read_verified(key)), "url": store.url(key)}
-    commits = [store.require(key)] + [store.require(layout.image_shard(s["id"])) for s in record["shards"]]
+    commits = [store.require(key)] + store.require_all([layout.image_shard(s["id"]) for s in record["shards"]],
+                                                       concurrency)
     report = store.read_json(layout.dataset_report(dataset_id))
     return {**record, "report": store.url(layout.dataset_report(dataset_id)), "quarantined": report["quarantined"],
             "amount": f"{record['samples']} samples in {len(record['shards'])} shards",
@@ -300,15 +428,15 @@ def write_if_changed(store: Store, key: str, obj: Any) -> None:
         store.write_json(key, obj)
 
 
-def dataset_ref(dataset: DatasetConfig) -> str:
-    """Key of the pointer to the latest dataset ingested from these sources and rules."""
-    return layout.dataset_ref(hash_json(dataset.model_dump()))
+def config_hash(dataset: DatasetConfig) -> str:
+    """What names these sources and ingest rules (how many are read at once is no part of it)."""
+    return hash_json(dataset.model_dump(exclude={"read_concurrency"}))
 
 
 def latest_dataset(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
     """The dataset record last ingested for this config (what `precast stage` starts from)."""
     store = Store(storage)
-    ref = dataset_ref(dataset)
+    ref = layout.dataset_ref(config_hash(dataset))
     if not store.exists(ref):
         raise FileNotFoundError(f"no dataset ingested yet for these sources in {store.root_url}; run ingest first")
     return dataset_record(store, store.read_json(ref)["dataset"])
@@ -334,17 +462,3 @@ def report_markdown(report: dict[str, Any]) -> str:
         table("Quarantined inputs", "| source | reason | message |",
               [(q["source"], q["reason"], q["message"]) for q in report["quarantine"][:200]])
     return "\n".join(lines)
-
-
-def sources_signature(storage: StorageConfig, dataset: DatasetConfig) -> str:
-    """Hash of every source file's name, size and modification stamp, plus the ingest rules."""
-    import fsspec
-
-    listing = []
-    for source in dataset.sources:
-        fs, root = fsspec.core.url_to_fs(source.path, **source_options(source.path, storage))
-        files = fs.find(root, detail=True) if fs.exists(root) else {}
-        for name, info in sorted(files.items()):
-            stamp = info.get("mtime") or info.get("ETag") or info.get("LastModified")
-            listing.append((name, info.get("size"), str(stamp)))
-    return hash_json({"storage": storage.model_dump(), "dataset": dataset.model_dump(), "files": listing})

@@ -1,8 +1,13 @@
 """Dataset source readers: folders, jsonl/csv metadata, parquet exports, webdataset tars.
 
-Each reader streams `Candidate`s — one image with its caption variants, or the reason it cannot be
-one — from any fsspec URL, one item at a time (never a whole-dataset copy). Validation of the
-image itself happens in ingest; readers only find the bytes and the captions.
+A source is listed once (names, sizes and ETags or modification times from the listing itself)
+and cut into `Unit`s: what one read takes in — an image and its caption file, a metadata row's
+image, one parquet file or one tar. A unit's `key` names the objects it reads with their listed
+size and stamp, so an ingest that recorded the key can take the unit's results from its record
+instead of reading it again. Reading a unit streams `Candidate`s — one image with its caption
+variants, or the reason it cannot be one — one item at a time (never a whole-dataset copy); ingest
+reads many units at once. Validation of the image itself happens in ingest; readers only find the
+bytes and the captions.
 
 Inputs are untrusted, so no read is unbounded: an image is read to at most `max_image_bytes` + 1
 bytes (enough for ingest to call it `too_large`), a caption file to MAX_CAPTION_BYTES + 1
@@ -25,7 +30,7 @@ import json
 import posixpath
 import re
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,25 +135,71 @@ def parse_json(text: str | bytes, what: str) -> Any:
         raise Rejected("bad_metadata", f"{what} is not JSON: {error}") from error
 
 
-def open_source(source: SourceConfig, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
+@dataclass(frozen=True)
+class Unit:
+    """One read: `key` names the objects it reads as listed ("" when it reads nothing, or reads an
+    object the listing does not hold: never taken from a record), `size` their listed bytes."""
+
+    key: str
+    size: int
+    read: Callable[[], Iterator[Candidate]]
+
+
+@dataclass
+class Listing:
+    """A source listed once: its filesystem, root, format, and every object under the root (or the
+    root file and what lies beside it) with its size and stamp (ETag, else modification time)."""
+
+    fs: fsspec.AbstractFileSystem
+    root: str
+    objects: dict[str, tuple[int, str]]
+    format: str = "folder"
+
+    def key(self, *paths: str) -> str:
+        """The key of a unit reading `paths`: each with its listed size and stamp."""
+        if not all(path in self.objects for path in paths):
+            return ""
+        return json.dumps([[path, *self.objects[path]] for path in paths])
+
+    def size(self, *paths: str) -> int:
+        return sum(self.objects.get(path, (0, ""))[0] for path in paths)
+
+
+def stamp(info: dict[str, Any]) -> str:
+    """What changes when an object is rewritten: its ETag on object stores, else its mtime."""
+    return str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
+
+
+def list_source(source: SourceConfig, options: dict[str, Any]) -> Listing:
+    """One listing of the source (a single file's folder, for metadata files whose images lie
+    beside them); an unreachable source fails the stage, naming it."""
     try:
         fs, root = fsspec.core.url_to_fs(source.path, **options)
-        if not fs.exists(root):
-            raise FileNotFoundError(root)
+        root = root.rstrip("/")
+        info = fs.info(root)
+        folder = root if info["type"] == "directory" else posixpath.dirname(root)
+        listed = fs.find(folder, detail=True) if info["type"] == "directory" or root.endswith((".jsonl", ".csv")) \
+            else {root: info}
     except Exception as error:  # an unreachable source fails the stage, naming it
         raise RuntimeError(f"dataset source {source.path!r} cannot be read: {error}") from error
-    return fs, root.rstrip("/")
+    objects = {path: (int(entry.get("size") or 0), stamp(entry)) for path, entry in sorted(listed.items())
+               if entry.get("type", "file") != "directory"}
+    listing = Listing(fs, root, objects)
+    listing.format = source.format if source.format != "auto" else detect_format(listing, info["type"] == "directory")
+    return listing
 
 
-def detect_format(fs: fsspec.AbstractFileSystem, root: str) -> str:
+def detect_format(listing: Listing, is_folder: bool) -> str:
     """`auto`: by the file's extension, or by what a folder holds."""
-    if not fs.isdir(root):
+    root = listing.root
+    if not is_folder:
         ext = root.rsplit(".", 1)[-1].lower()
         formats = {"jsonl": "jsonl", "csv": "csv", "parquet": "parquet", "tar": "webdataset"}
         if ext not in formats:
             raise RuntimeError(f"dataset source {root!r}: cannot tell its format from the extension .{ext}")
         return formats[ext]
-    names = {posixpath.basename(p) for p in fs.ls(root, detail=False)}
+    names = {path[len(root) + 1:] for path in listing.objects}
+    names = {name for name in names if "/" not in name}  # what the folder itself holds
     if "metadata.jsonl" in names:
         return "jsonl"
     if "metadata.csv" in names:
@@ -160,37 +211,41 @@ def detect_format(fs: fsspec.AbstractFileSystem, root: str) -> str:
     return "folder"
 
 
-def read_source(source: SourceConfig, options: dict[str, Any], max_image_bytes: int) -> Iterator[Candidate]:
-    """Candidates of one source; no image is read past `max_image_bytes` + 1 bytes."""
-    fs, root = open_source(source, options)
-    fmt = source.format if source.format != "auto" else detect_format(fs, root)
-    readers = {"folder": read_folder, "jsonl": read_metadata, "csv": read_metadata, "parquet": read_parquet,
-               "webdataset": read_webdataset}
-    yield from readers[fmt](fs, root, source, fmt, max_image_bytes)
+def source_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
+    """The units of a listed source, in the order their candidates count (first of duplicates)."""
+    readers = {"folder": folder_units, "jsonl": metadata_units, "csv": metadata_units, "parquet": parquet_units,
+               "webdataset": webdataset_units}
+    yield from readers[listing.format](listing, source, max_image_bytes)
 
 
-def source_files(fs: fsspec.AbstractFileSystem, root: str, suffix: str = "") -> list[str]:
-    files = [root] if not fs.isdir(root) else sorted(fs.find(root))
-    return [f for f in files if f.endswith(suffix)]
+def source_files(listing: Listing, suffix: str = "") -> list[str]:
+    return [path for path in listing.objects if path.endswith(suffix) and
+            (path == listing.root or path.startswith(listing.root + "/"))]
 
 
-def read_folder(fs, root: str, source: SourceConfig, fmt: str, max_image_bytes: int) -> Iterator[Candidate]:
-    files = source_files(fs, root)
+def folder_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
+    fs, fmt = listing.fs, listing.format
+    files = source_files(listing)
     present = set(files)
     for file in files:
         stem, dot, ext = file.rpartition(".")
         if not dot or ext.lower() not in IMAGE_EXTENSIONS:
             continue
-        candidate = Candidate(fs.unstrip_protocol(file), fmt)
         caption_file = next((f"{stem}.{e}" for e in CAPTION_EXTENSIONS if f"{stem}.{e}" in present), None)
-        try:
-            if caption_file is None:
-                raise Rejected("missing_caption", f"no {posixpath.basename(stem)}.txt or .caption beside the image")
-            candidate.captions = caption_variants(read_file(fs, caption_file, MAX_CAPTION_BYTES, "missing_caption"))
-            candidate.image = read_file(fs, file, max_image_bytes, "missing_image")
-        except Rejected as problem:
-            candidate.problem = problem
-        yield candidate
+        read = [file] if caption_file is None else [file, caption_file]
+
+        def candidates(file: str = file, caption_file: str | None = caption_file) -> Iterator[Candidate]:
+            candidate = Candidate(fs.unstrip_protocol(file), fmt)
+            try:
+                if caption_file is None:
+                    raise Rejected("missing_caption", f"no {posixpath.basename(stem)}.txt or .caption beside the image")
+                candidate.captions = caption_variants(read_file(fs, caption_file, MAX_CAPTION_BYTES, "missing_caption"))
+                candidate.image = read_file(fs, file, max_image_bytes, "missing_image")
+            except Rejected as problem:
+                candidate.problem = problem
+            yield candidate
+
+        yield Unit(listing.key(*read), listing.size(*read), candidates)
 
 
 def csv_rows(text: str) -> Iterator[tuple[int, dict | Rejected]]:
@@ -206,13 +261,16 @@ def csv_rows(text: str) -> Iterator[tuple[int, dict | Rejected]]:
             yield number, Rejected("bad_metadata", f"row cannot be read: {error}")
 
 
-def read_metadata(fs, root: str, source: SourceConfig, fmt: str, max_image_bytes: int) -> Iterator[Candidate]:
+def metadata_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
     """HF imagefolder style: metadata.jsonl / metadata.csv with `file_name` and a caption column;
-    image paths are relative to the metadata file."""
-    meta = root if not fs.isdir(root) else f"{root}/metadata.{fmt}"
+    image paths are relative to the metadata file. The metadata file is read here (a row's unit is
+    its image, keyed with its captions); a row that cannot be a sample is a unit that reads nothing."""
+    fs, fmt = listing.fs, listing.format
+    meta = listing.root if listing.root.endswith(f".{fmt}") else f"{listing.root}/metadata.{fmt}"
     base = posixpath.dirname(meta)
     # surrogateescape keeps a row with bad bytes readable so only that row is quarantined
     text = fs.cat_file(meta).decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
+    yield Unit("", listing.size(meta), lambda: iter(()))  # what reading the metadata cost
     if fmt == "jsonl":  # JSON Lines ends lines at \n only: JSON strings may hold U+2028 or \x85
         records = ((n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip())
     else:
@@ -233,34 +291,50 @@ def read_metadata(fs, root: str, source: SourceConfig, fmt: str, max_image_bytes
                 raise Rejected("unsafe_path", f"{name!r} holds a NUL byte")
             candidate.source = fs.unstrip_protocol(f"{base}/{name}")
             candidate.captions = caption_variants(record.get(source.caption_column))
-            candidate.image = read_file(fs, f"{base}/{name}", max_image_bytes, "missing_image")
         except Rejected as problem:
             candidate.problem = problem
-        yield candidate
+            yield Unit("", 0, lambda candidate=candidate: iter([candidate]))
+            continue
+        image = f"{base}/{name}"
+        key = listing.key(image)
+
+        def candidates(candidate: Candidate = candidate, image: str = image) -> Iterator[Candidate]:
+            try:
+                candidate.image = read_file(fs, image, max_image_bytes, "missing_image")
+            except Rejected as problem:
+                candidate.problem = problem
+            yield candidate
+
+        yield Unit(key and json.dumps([key, candidate.captions]), listing.size(image), candidates)
 
 
-def read_parquet(fs, root: str, source: SourceConfig, fmt: str, max_image_bytes: int) -> Iterator[Candidate]:
+def parquet_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
+    for file in source_files(listing, ".parquet"):
+        yield Unit(listing.key(file), listing.size(file),
+                   lambda file=file: read_parquet(listing.fs, file, source, listing.format))
+
+
+def read_parquet(fs, file: str, source: SourceConfig, fmt: str) -> Iterator[Candidate]:
     """Parquet exports: image bytes (or a struct with `bytes`, as HF datasets writes) and caption(s).
     A batch's cells are in memory already, so ingest checks their size."""
-    for file in source_files(fs, root, ".parquet"):
-        with fs.open(file, "rb") as handle:
-            parquet = pq.ParquetFile(handle)
-            missing = {source.image_column, source.caption_column} - set(parquet.schema_arrow.names)
-            if missing:
-                raise RuntimeError(f"dataset source {fs.unstrip_protocol(file)}: no column {sorted(missing)}")
-            row = 0
-            for batch in parquet.iter_batches(batch_size=64, columns=[source.image_column, source.caption_column]):
-                for image, caption in zip(*(batch.column(i).to_pylist() for i in range(2))):
-                    candidate = Candidate(f"{fs.unstrip_protocol(file)}#{row}", fmt)
-                    row += 1
-                    try:
-                        candidate.captions = caption_variants(caption)
-                        candidate.image = image.get("bytes") if isinstance(image, dict) else image
-                        if candidate.image is None:
-                            raise Rejected("missing_image", "no image bytes in the row")
-                    except Rejected as problem:
-                        candidate.problem = problem
-                    yield candidate
+    with fs.open(file, "rb") as handle:
+        parquet = pq.ParquetFile(handle)
+        missing = {source.image_column, source.caption_column} - set(parquet.schema_arrow.names)
+        if missing:
+            raise RuntimeError(f"dataset source {fs.unstrip_protocol(file)}: no column {sorted(missing)}")
+        row = 0
+        for batch in parquet.iter_batches(batch_size=64, columns=[source.image_column, source.caption_column]):
+            for image, caption in zip(*(batch.column(i).to_pylist() for i in range(2))):
+                candidate = Candidate(f"{fs.unstrip_protocol(file)}#{row}", fmt)
+                row += 1
+                try:
+                    candidate.captions = caption_variants(caption)
+                    candidate.image = image.get("bytes") if isinstance(image, dict) else image
+                    if candidate.image is None:
+                        raise Rejected("missing_image", "no image bytes in the row")
+                except Rejected as problem:
+                    candidate.problem = problem
+                yield candidate
 
 
 def _member_problem(member: tarfile.TarInfo) -> Rejected | None:
@@ -288,37 +362,42 @@ def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, limit: int =
     return data
 
 
-def read_webdataset(fs, root: str, source: SourceConfig, fmt: str, max_image_bytes: int) -> Iterator[Candidate]:
+def webdataset_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
+    for file in source_files(listing, ".tar"):
+        yield Unit(listing.key(file), listing.size(file),
+                   lambda file=file: read_webdataset(listing.fs, file, source, listing.format, max_image_bytes))
+
+
+def read_webdataset(fs, file: str, source: SourceConfig, fmt: str, max_image_bytes: int) -> Iterator[Candidate]:
     """webdataset tars: adjacent members sharing a key (`x.jpg` + `x.txt` or `x.json`), streamed."""
     limits = {**dict.fromkeys(IMAGE_EXTENSIONS, max_image_bytes), "txt": MAX_CAPTION_BYTES, "json": MAX_CAPTION_BYTES}
-    for file in source_files(fs, root, ".tar"):
-        url = fs.unstrip_protocol(file)
-        key, parts, last = None, {}, None
-        try:
-            with fs.open(file, "rb") as handle, tarfile.open(fileobj=handle, mode="r|*") as archive:
-                for member in archive:
-                    if (problem := _member_problem(member)) is not None:
-                        yield Candidate(f"{url}::{member.name}", fmt, problem=problem)
-                        _read_member(archive, member)
-                    elif member.isfile():
-                        directory, base = posixpath.split(member.name)
-                        stem, _, ext = base.partition(".")
-                        member_key = f"{directory}/{stem}" if directory else stem
-                        if member_key != key:
-                            if key is not None:
-                                yield from _tar_sample(url, key, parts, source, fmt)
-                            key, parts = member_key, {}
-                        ext = ext.lower()
-                        parts[ext] = _read_member(archive, member, limits.get(ext, -1))  # unused parts: none
-                    last = member.name
-                # a tar ends in zero blocks; tarfile also stops, silently, at a header it cannot read
-                if any(archive.fileobj.read(tarfile.RECORDSIZE)):
-                    raise tarfile.ReadError("a damaged header, or data after the end")
-        except (tarfile.TarError, EOFError) as error:
-            where = f"after {last}" if last else "from the start"
-            yield Candidate(url, fmt, problem=Rejected("bad_archive", f"unreadable {where}: {error}"))
-        if key is not None:
-            yield from _tar_sample(url, key, parts, source, fmt)
+    url = fs.unstrip_protocol(file)
+    key, parts, last = None, {}, None
+    try:
+        with fs.open(file, "rb") as handle, tarfile.open(fileobj=handle, mode="r|*") as archive:
+            for member in archive:
+                if (problem := _member_problem(member)) is not None:
+                    yield Candidate(f"{url}::{member.name}", fmt, problem=problem)
+                    _read_member(archive, member)
+                elif member.isfile():
+                    directory, base = posixpath.split(member.name)
+                    stem, _, ext = base.partition(".")
+                    member_key = f"{directory}/{stem}" if directory else stem
+                    if member_key != key:
+                        if key is not None:
+                            yield from _tar_sample(url, key, parts, source, fmt)
+                        key, parts = member_key, {}
+                    ext = ext.lower()
+                    parts[ext] = _read_member(archive, member, limits.get(ext, -1))  # unused parts: none
+                last = member.name
+            # a tar ends in zero blocks; tarfile also stops, silently, at a header it cannot read
+            if any(archive.fileobj.read(tarfile.RECORDSIZE)):
+                raise tarfile.ReadError("a damaged header, or data after the end")
+    except (tarfile.TarError, EOFError) as error:
+        where = f"after {last}" if last else "from the start"
+        yield Candidate(url, fmt, problem=Rejected("bad_archive", f"unreadable {where}: {error}"))
+    if key is not None:
+        yield from _tar_sample(url, key, parts, source, fmt)
 
 
 def _tar_sample(url: str, key: str, parts: dict[str, bytes], source: SourceConfig, fmt: str) -> Iterator[Candidate]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -34,9 +35,10 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_models):
     directory = tmp_path_factory.mktemp("stack")
-    prefect_port, s3_port = _free_port(), _free_port()
+    prefect_port, s3_port, dask_port = _free_port(), _free_port(), _free_port()
     env = {**os.environ, **SECRETS, "STACK_DIR": str(directory), "PREFECT_PORT": str(prefect_port),
            "S3_PORT": str(s3_port), "S3_BUCKET": "precast", "PRECAST_HOME": str(ROOT),
+           "DASK_WORKERS": "2", "DASK_PORT": str(dask_port),  # two encoder "nodes" for execution.cluster
            "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api", "PREFECT_HOME": str(directory / "prefect-home")}
     env.pop("PRECAST_CACHE", None)
     subprocess.run(["bash", "infra/local-stack.sh", "up"], cwd=ROOT, env=env, check=True, capture_output=True,
@@ -48,7 +50,8 @@ def stack(tmp_path_factory, tiny_models):
         data = write_demo_data(directory / "upload", count=12)
         s3fs.S3FileSystem(endpoint_url=endpoint, key=SECRETS["AWS_ACCESS_KEY_ID"],
                           secret=SECRETS["AWS_SECRET_ACCESS_KEY"]).put(str(data), "precast/data", recursive=True)
-        stack = {"env": env, "endpoint": endpoint, "dir": directory, "models": tiny_models}
+        stack = {"env": env, "endpoint": endpoint, "dir": directory, "models": tiny_models,
+                 "cluster": f"tcp://127.0.0.1:{dask_port}"}
         deployed = _precast(stack, "deploy", _config_file(stack, _config(stack)))
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         yield stack
@@ -121,9 +124,21 @@ def _store(stack) -> Store:
     return Store(PipelineConfig.model_validate(_config(stack)).storage)
 
 
-def test_pipeline_deployment_spreads_stages_over_pools(stack):
+def _encoded(store: Store) -> dict[str, float]:
+    """Commit time of every encoded shard and prompt set."""
+    return {key: store.read_json(store.key(store.fs.unstrip_protocol(key)))["committed_at"]
+            for key in store.fs.find(store.path("cache")) if key.endswith(".done")}
+
+
+@pytest.fixture(scope="module")
+def first_run(stack) -> dict[str, float]:
+    """The pipeline deployment run once on the stack; what it encoded."""
     done = _run(stack, "precast-pipeline/pipeline", _config(stack))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return _encoded(_store(stack))
+
+
+def test_pipeline_deployment_spreads_stages_over_pools(stack, first_run):
 
     runs = _api(stack, lambda client: client.read_flow_runs(limit=100))
     pools = {run.name: run.work_pool_name for run in runs if run.state and run.state.is_completed()}
@@ -143,6 +158,30 @@ def test_pipeline_deployment_spreads_stages_over_pools(stack):
         assert leftovers == [], leftovers
 
 
+def test_placed_encoders_spread_over_two_nodes_each_loading_its_model_once(stack):
+    """Placed encoders whose shards go to a Dask cluster of two worker processes ("nodes"): bf16 T5
+    and a new VAE precision (new fingerprints, so everything is encoded), on the S3 root. The
+    pipeline summary reports both workers, at most one model load each, every shard encoded."""
+    config = _config(stack)
+    config["text_encoding"]["dtype"] = "bf16"
+    config["latent_encoding"]["dtype"] = "bf16"
+    config["execution"]["cluster"] = stack["cluster"]
+    done = _run(stack, "precast-pipeline/pipeline", config)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    (summary,) = _api(stack, lambda client: client.read_artifacts(
+        artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pipeline-summary"])),
+        sort=ArtifactSort.CREATED_DESC, limit=1))
+    rows = {line.split("|")[1].strip(): line for line in summary.data.splitlines() if line.startswith("| encode-")}
+    for stage in ("encode-text", "encode-latents"):
+        workers, loads, encoded, cached = map(int, re.search(
+            r"(\d+) workers, (\d+) model loads?, (\d+) shards encoded, (\d+) cached", rows[stage]).groups())
+        assert (workers, encoded, cached) == (2, 2, 0) and 1 <= loads <= 2, rows[stage]
+
+
 def test_a_failing_stage_fails_the_run_with_its_error(stack):
     done = _run(stack, "precast-pipeline/pipeline", _config(stack, init_from="s3://precast/no-such-run"))
     assert done.returncode != 0
@@ -151,22 +190,16 @@ def test_a_failing_stage_fails_the_run_with_its_error(stack):
     assert failed and "init_from: no adapter_model.safetensors at s3://precast/no-such-run" in failed[0].state.message
 
 
-def test_nightly_schedule_and_an_unchanged_night_encodes_nothing(stack):
+def test_nightly_schedule_and_an_unchanged_night_encodes_nothing(stack, first_run):
     deployment = _api(stack, lambda client: client.read_deployment_by_name("precast-pipeline/nightly"))
     (schedule,) = deployment.schedules
     assert schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "UTC" and schedule.active
 
-    nightly = _config(stack, init_from="latest")
-    first = _run(stack, "precast-pipeline/nightly", nightly)
-    assert first.returncode == 0, first.stdout[-3000:]
-    store = _store(stack)
-    encoded = {key: store.read_json(store.key(store.fs.unstrip_protocol(key)))["committed_at"]
-               for key in store.fs.find(store.path("cache")) if key.endswith(".done")}
-    second = _run(stack, "precast-pipeline/nightly", nightly)
-    assert second.returncode == 0, second.stdout[-3000:]
-    again = {key: store.read_json(store.key(store.fs.unstrip_protocol(key)))["committed_at"]
-             for key in store.fs.find(store.path("cache")) if key.endswith(".done")}
-    assert again == encoded  # the second night encoded nothing
+    assert first_run  # the pipeline's run encoded every shard
+    before = _encoded(_store(stack))
+    night = _run(stack, "precast-pipeline/nightly", _config(stack, init_from="latest"))
+    assert night.returncode == 0, night.stdout[-3000:]
+    assert _encoded(_store(stack)) == before  # the night encoded nothing
 
 
 def test_a_users_config_deployed_and_run_by_the_schedulers_nightly_run(stack):

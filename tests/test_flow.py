@@ -91,13 +91,18 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     work = {name: {k: v for k, v in stage.items() if k != "seconds"} for name, stage in result["stages"].items()}
     assert work["encode-text"]["shards_encoded"] == work["encode-latents"]["shards_encoded"] == 3
     assert work["train"] == {} and "| 1 worker, " in summary
+    assert work["ingest"]["units_read"] == 24 and work["ingest"]["units_reused"] == 0
 
     written = _files(store)
     again = pipeline(config=config, return_state=True)
     assert _without_costs(again.result()) == _without_costs(result)
     assert again.result()["stages"]["encode-latents"] | {"seconds": 0} == {
         "seconds": 0, "workers": 1, "model_loads": 0, "shards_encoded": 0, "shards_cached": 3}
+    # ingest is its own cache: it lists the sources and reads nothing; every other task is a cache hit
+    assert again.result()["stages"]["ingest"] | {"seconds": 0} == {
+        "seconds": 0, "bytes_read": 0, "units_read": 0, "units_reused": 24}
     cached = _task_states(again.state_details.flow_run_id, count=11)
+    assert cached.pop("ingest") == ["Completed"]
     assert {name for runs in cached.values() for name in runs} == {"Cached"}
     assert _files(store) == written  # nothing re-encoded, nothing re-written
     summary = _latest_artifact("pipeline-summary")

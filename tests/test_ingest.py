@@ -125,6 +125,101 @@ def test_same_corpus_from_s3_gives_the_same_dataset_id(corpora, make_config, s3_
     assert remote["id"] == local["id"] and remote["quarantined"] == local["quarantined"]
 
 
+def _shards(store: Store) -> dict[str, bytes]:
+    return {key: store.read_bytes(key) for key in store.list("shards/images", ".parquet")}
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_nightly_ingest_reads_only_new_or_rewritten_files(where, demo_data, make_config, tmp_path, request):
+    """Each ingest also runs, on a second store, as a full sequential read (no record of the last
+    ingest, one read at a time): datasets and shards are byte for byte the same. An unchanged night
+    reads nothing; one new image reads only it; a file rewritten in place is read again. On S3 the
+    object GETs are counted at the HTTP level, behind an endpoint that adds 20 ms a request."""
+    from storage.latency import SlowEndpoint
+
+    local = tmp_path / "src"
+    shutil.copytree(demo_data, local)
+    proxy = None
+    if where == "s3":
+        import s3fs
+
+        proxy = SlowEndpoint(request.getfixturevalue("s3_endpoint")).__enter__()
+        request.addfinalizer(lambda: proxy.__exit__(None, None, None))
+        s3 = s3fs.S3FileSystem(endpoint_url=proxy.url)
+        s3.mkdir("precast-nightly")
+
+    def sync(*names: str) -> None:  # the source as the user changes it
+        if proxy is not None:
+            for name in names or [p.name for p in local.iterdir()]:
+                s3.put_file(str(local / name), f"precast-nightly/data/{name}")
+
+    sync()
+    source = "s3://precast-nightly/data" if proxy else str(local)
+    options = {"options": {"endpoint_url": proxy.url}} if proxy else {}
+    nightly = make_config(root=str(tmp_path / "nightly"), source=source, storage=options)
+    full = make_config(root=str(tmp_path / "full"), source=source, storage=options, dataset={"read_concurrency": 1})
+    stores = Store(nightly.storage), Store(full.storage)
+
+    def night() -> dict:
+        if proxy:
+            proxy.reset()
+        done = ingest(nightly.storage, nightly.dataset)
+        reads = sorted(r.path.rsplit("/", 1)[-1] for r in proxy.gets("/precast-nightly/")) if proxy else None
+        for key in stores[1].find("refs"):  # the reference forgets what it read: a full read
+            if key.endswith(".sources.parquet"):
+                stores[1].remove(key)
+        reference = ingest(full.storage, full.dataset)
+        assert reference["id"] == done["id"] and reference["quarantined"] == done["quarantined"]
+        assert _shards(stores[0]) == _shards(stores[1])
+        return {**done["work"], "gets": reads}
+
+    sizes = lambda *names: sum((local / name).stat().st_size for name in names)  # noqa: E731
+    first = night()
+    everything = sorted(p.name for p in local.iterdir())
+    assert first["units_read"] == 24 and first["bytes_read"] == sizes(*everything)
+    assert first["gets"] in (None, everything)
+
+    assert night() == {"bytes_read": 0, "units_read": 0, "units_reused": 24, "gets": [] if proxy else None}
+
+    Image.new("RGB", (120, 100), (10, 200, 10)).save(local / "extra.png")
+    (local / "extra.txt").write_text("a green square")
+    sync("extra.png", "extra.txt")
+    added = night()
+    assert (added["units_read"], added["bytes_read"]) == (1, sizes("extra.png", "extra.txt"))
+    assert added["gets"] in (None, ["extra.png", "extra.txt"])
+
+    (local / "00003.txt").write_text("the same picture, described again\n")  # rewritten in place
+    png = local / "00001.png"
+    pixels = np.asarray(Image.open(png)).copy()
+    pixels[0, 0] = 255 - pixels[0, 0]
+    Image.fromarray(pixels).save(png)
+    sync("00003.txt", "00001.png")
+    rewritten = night()
+    assert rewritten["units_read"] == 2 and rewritten["units_reused"] == 23
+    assert rewritten["gets"] in (None, sorted(["00001.png", "00001.txt", "00003.png", "00003.txt"]))
+    assert night()["units_read"] == 0
+
+
+@pytest.mark.parametrize("fmt", list(WRITERS))
+def test_an_unchanged_source_of_any_format_is_not_read_again(fmt, corpora, make_config, tmp_path):
+    """A tar or parquet file is one listed object; metadata files are read again (they list the
+    images), their images are not. A file written again, even with the same bytes, is read again."""
+    source = tmp_path / fmt
+    shutil.copytree(corpora[fmt], source)
+    config = _config(make_config, source)
+    first = ingest(*_split(config))
+    again = ingest(*_split(config))
+    metadata = sum(p.stat().st_size for p in source.glob("metadata.*"))
+    assert again["id"] == first["id"] and again["quarantined"] == first["quarantined"]
+    assert again["work"]["bytes_read"] == metadata and again["work"]["units_read"] == (1 if metadata else 0)
+    assert again["work"]["units_reused"] == first["work"]["units_read"] - (1 if metadata else 0)
+
+    touched = sorted(p for p in source.rglob("*") if p.is_file() and not p.name.startswith("metadata."))[0]
+    touched.write_bytes(touched.read_bytes())  # a new modification time
+    third = ingest(*_split(config))
+    assert third["id"] == first["id"] and third["work"]["units_read"] == 1 + (1 if metadata else 0)
+
+
 def test_unreachable_source_fails_naming_it(tmp_path, make_config):
     config = make_config(source=str(tmp_path / "missing"))
     with pytest.raises(RuntimeError, match="missing"):
