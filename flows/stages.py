@@ -112,13 +112,12 @@ def run_shards_elsewhere(config: PipelineConfig, deployment: str, stage: str, ur
     """The shards in `max_parallel_shards` groups, one child flow run each, all at once: each child
     runs on a worker of the pool (a node) and encodes its group in place, on that node's workers,
     each loading the model once. With `execution.cluster` one child sends every shard to the
-    cluster, whose workers span the nodes. Raises the first failure; returns the stage's work: the
-    children's workers, and their model loads and shards plus those of the `earlier` children."""
+    cluster, whose workers span the nodes. Raises the first failure; returns the stage's work
+    (`children_work`, with the `earlier` children's loads and shards)."""
     count = 1 if config.execution.cluster else min(len(urls), config.execution.max_parallel_shards)
     groups = [urls[index::count] for index in range(count)]
     children = in_threads(lambda group: run_elsewhere(config, deployment, stage, group), groups, count)
-    work, before = children_work(stage, children), children_work(stage, earlier)
-    return {**work, **{name: work[name] + before[name] for name in ("model_loads", "shards_encoded", "shards_cached")}}
+    return children_work(stage, children, earlier)
 
 
 def publish_work(stage: str, work: dict[str, Any]) -> None:
@@ -127,19 +126,20 @@ def publish_work(stage: str, work: dict[str, Any]) -> None:
     create_table_artifact(key=f"{stage}-work", table=[work], description=f"{stage}: workers, model loads, shards")
 
 
-def children_work(stage: str, children: Sequence[Any]) -> dict[str, int]:
-    """The work of `stage` in these child flow runs, summed."""
+def children_work(stage: str, children: Sequence[Any], earlier: Sequence[Any] = ()) -> dict[str, int]:
+    """The work of `stage` in these child flow runs, summed: the workers of `children`, the model
+    loads and shards of `earlier` ones too."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     found = ArtifactFilter(key=ArtifactFilterKey(any_=[f"{stage}-work"]),
-                           flow_run_id=ArtifactFilterFlowRunId(any_=[child.id for child in children]))
-    tables = []
-    if children:
-        with get_client(sync_client=True) as client:
-            tables = [json.loads(artifact.data)[0] for artifact in client.read_artifacts(artifact_filter=found)]
-    return {name: sum(table[name] for table in tables)
-            for name in ("workers", "model_loads", "shards_encoded", "shards_cached")}
+                           flow_run_id=ArtifactFilterFlowRunId(any_=[run.id for run in [*children, *earlier]]))
+    with get_client(sync_client=True) as client:
+        tables = {artifact.flow_run_id: json.loads(artifact.data)[0]
+                  for artifact in client.read_artifacts(artifact_filter=found)}
+    work = {name: sum(table[name] for table in tables.values())
+            for name in ("model_loads", "shards_encoded", "shards_cached")}
+    return {"workers": sum(tables[run.id]["workers"] for run in children if run.id in tables), **work}
 
 
 def run_ingest(plan: Plan) -> dict[str, Any]:

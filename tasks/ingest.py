@@ -29,7 +29,7 @@ import json
 import logging
 import tempfile
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -234,11 +234,11 @@ def examine(candidate: Candidate, dataset: DatasetConfig, images: dict[str, tupl
 def in_order(pool: ThreadPoolExecutor, work: Callable[[Unit], tuple[list[Outcome], bool]], units: Iterable[Unit],
              window: int) -> Iterator[tuple[Unit, list[Outcome], bool]]:
     """`work(unit)` for each unit on the pool, at most `window` in flight, results in the units' order."""
-    pending: list[tuple[Unit, Any]] = []
+    pending: deque[tuple[Unit, Any]] = deque()
     for unit in units:
         pending.append((unit, pool.submit(work, unit)))
         if len(pending) >= window:
-            done, future = pending.pop(0)
+            done, future = pending.popleft()
             yield done, *future.result()
     for done, future in pending:
         yield done, *future.result()

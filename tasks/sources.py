@@ -153,7 +153,7 @@ class Listing:
     fs: fsspec.AbstractFileSystem
     root: str
     objects: dict[str, tuple[int, str]]
-    format: str = "folder"
+    format: str
 
     def key(self, *paths: str) -> str:
         """The key of a unit reading `paths`: each with its listed size and stamp."""
@@ -171,34 +171,33 @@ def stamp(info: dict[str, Any]) -> str:
 
 
 def list_source(source: SourceConfig, options: dict[str, Any]) -> Listing:
-    """One listing of the source (a single file's folder, for metadata files whose images lie
-    beside them); an unreachable source fails the stage, naming it."""
+    """One listing of the source (a metadata file's folder, for the images beside it); an
+    unreachable source fails the stage, naming it."""
     try:
         fs, root = fsspec.core.url_to_fs(source.path, **options)
         root = root.rstrip("/")
         info = fs.info(root)
-        folder = root if info["type"] == "directory" else posixpath.dirname(root)
-        listed = fs.find(folder, detail=True) if info["type"] == "directory" or root.endswith((".jsonl", ".csv")) \
-            else {root: info}
+        is_folder = info["type"] == "directory"
+        listed = fs.find(root, detail=True) if is_folder else {root: info}
     except Exception as error:  # an unreachable source fails the stage, naming it
         raise RuntimeError(f"dataset source {source.path!r} cannot be read: {error}") from error
+    fmt = source.format if source.format != "auto" else detect_format(root, listed, is_folder)
+    if not is_folder and fmt in ("jsonl", "csv"):
+        listed = fs.find(posixpath.dirname(root), detail=True)
     objects = {path: (int(entry.get("size") or 0), stamp(entry)) for path, entry in sorted(listed.items())
                if entry.get("type", "file") != "directory"}
-    listing = Listing(fs, root, objects)
-    listing.format = source.format if source.format != "auto" else detect_format(listing, info["type"] == "directory")
-    return listing
+    return Listing(fs, root, objects, fmt)
 
 
-def detect_format(listing: Listing, is_folder: bool) -> str:
+def detect_format(root: str, listed: dict[str, Any], is_folder: bool) -> str:
     """`auto`: by the file's extension, or by what a folder holds."""
-    root = listing.root
     if not is_folder:
         ext = root.rsplit(".", 1)[-1].lower()
         formats = {"jsonl": "jsonl", "csv": "csv", "parquet": "parquet", "tar": "webdataset"}
         if ext not in formats:
             raise RuntimeError(f"dataset source {root!r}: cannot tell its format from the extension .{ext}")
         return formats[ext]
-    names = {path[len(root) + 1:] for path in listing.objects}
+    names = {path[len(root) + 1:] for path in listed}
     names = {name for name in names if "/" not in name}  # what the folder itself holds
     if "metadata.jsonl" in names:
         return "jsonl"
