@@ -93,6 +93,21 @@ def _run(stack, deployment: str, config: dict) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=stack["env"], capture_output=True, text=True, timeout=600)
 
 
+def _summary_rows(stack, flow_run_id) -> dict[str, str]:
+    """The `pipeline-summary` artifact of one pipeline flow run: its table rows by stage."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    (summary,) = _api(stack, lambda client: client.read_artifacts(artifact_filter=ArtifactFilter(
+        key=ArtifactFilterKey(any_=["pipeline-summary"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))))
+    return {line.split("|")[1].strip(): line for line in summary.data.splitlines() if line.startswith("| ")}
+
+
+def _encoder_work(row: str) -> tuple[int, ...]:
+    """(workers, model loads, shards encoded, shards cached) of an encoding stage's summary row."""
+    return tuple(map(int, re.search(r"(\d+) workers?, (\d+) model loads?, (\d+) shards encoded, (\d+) cached",
+                                    row).groups()))
+
+
 def _api(stack, query):
     from prefect.client.orchestration import PrefectClient
 
@@ -158,6 +173,56 @@ def test_pipeline_deployment_spreads_stages_over_pools(stack, first_run):
         assert leftovers == [], leftovers
 
 
+def test_the_nightly_deployment_runs_at_two_utc(stack):
+    deployment = _api(stack, lambda client: client.read_deployment_by_name("precast-pipeline/nightly"))
+    (schedule,) = deployment.schedules
+    assert schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "UTC" and schedule.active
+
+
+@pytest.fixture(scope="module")
+def scheduled_night(stack, first_run) -> dict:
+    """A user's config deployed with a nightly schedule 1-2 minutes ahead, then deployed again with
+    another step count; the server's scheduler creates the night's run, which a worker executes while
+    the tests in between run. Returns the run the scheduler created, its time and its cron."""
+    import datetime
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    when = (now + datetime.timedelta(seconds=120)).replace(second=0, microsecond=0)  # 60-120 s from now
+    cron = f"{when.minute} {when.hour} * * *"
+    path = _config_file(stack, _config(stack), "nightly.yaml")
+    found = {}
+
+    def deploy_then_wait_for_the_scheduler(steps: int):
+        done = _precast(stack, "deploy", path, "--nightly", cron, "--set", f"training.steps={steps}")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert done.stdout.count("deployed: ") == 7 and "deployed: precast-pipeline/nightly" in done.stdout
+        found["nightly"] = _api(stack, lambda client: client.read_deployment_by_name("precast-pipeline/nightly"))
+        runs = _wait(lambda: [r for r in _scheduled_runs(stack, found["nightly"].id) if r.expected_start_time == when],
+                     60)
+        assert runs, "the scheduler created no nightly run"
+        time.sleep(8)  # past the scheduler's window for recently updated deployments (5 s)
+        return runs
+
+    found["first"] = deploy_then_wait_for_the_scheduler(3)
+    (found["run"],) = deploy_then_wait_for_the_scheduler(5)  # deploying again updates the deployments and the runs
+    return {**found, "when": when, "cron": cron}
+
+
+def test_deploying_a_users_config_again_updates_every_deployment_and_the_scheduled_run(stack, scheduled_night):
+    """`precast deploy` puts the user's config in every deployment (the UI form's values); deploying
+    again updates them and the runs already scheduled."""
+    first, run, nightly = scheduled_night["first"], scheduled_night["run"], scheduled_night["nightly"]
+    assert first[0].parameters["config"]["training"]["steps"] == 3
+    assert run.id != first[0].id and run.parameters["config"]["training"]["steps"] == 5
+    expected = PipelineConfig.model_validate({**_config(stack), "training": {**_config(stack)["training"], "steps": 5}})
+    pipeline = _api(stack, lambda client: client.read_deployment_by_name("precast-pipeline/pipeline"))
+    assert pipeline.parameters["config"] == expected.model_dump(mode="json")  # the UI form's values
+    assert nightly.parameters["config"]["training"] == {**expected.model_dump(mode="json")["training"],
+                                                        "init_from": "latest"}
+    (schedule,) = nightly.schedules
+    assert schedule.schedule.cron == scheduled_night["cron"] and schedule.active
+
+
 def test_placed_encoders_spread_over_two_nodes_each_loading_its_model_once(stack):
     """Placed encoders whose shards go to a Dask cluster of two worker processes ("nodes"): bf16 T5
     and a new VAE precision (new fingerprints, so everything is encoded), on the S3 root. The
@@ -168,17 +233,9 @@ def test_placed_encoders_spread_over_two_nodes_each_loading_its_model_once(stack
     config["execution"]["cluster"] = stack["cluster"]
     done = _run(stack, "precast-pipeline/pipeline", config)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-    from prefect.client.schemas.sorting import ArtifactSort
-
-    (summary,) = _api(stack, lambda client: client.read_artifacts(
-        artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pipeline-summary"])),
-        sort=ArtifactSort.CREATED_DESC, limit=1))
-    rows = {line.split("|")[1].strip(): line for line in summary.data.splitlines() if line.startswith("| encode-")}
+    rows = _summary_rows(stack, re.search(r"UUID: ([0-9a-f-]{36})", done.stdout).group(1))
     for stage in ("encode-text", "encode-latents"):
-        workers, loads, encoded, cached = map(int, re.search(
-            r"(\d+) workers, (\d+) model loads?, (\d+) shards encoded, (\d+) cached", rows[stage]).groups())
+        workers, loads, encoded, cached = _encoder_work(rows[stage])
         assert (workers, encoded, cached) == (2, 2, 0) and 1 <= loads <= 2, rows[stage]
 
 
@@ -188,63 +245,6 @@ def test_a_failing_stage_fails_the_run_with_its_error(stack):
     runs = _api(stack, lambda client: client.read_flow_runs(limit=100))
     failed = [run for run in runs if run.state and run.state.is_failed() and run.parent_task_run_id is None]
     assert failed and "init_from: no adapter_model.safetensors at s3://precast/no-such-run" in failed[0].state.message
-
-
-def test_nightly_schedule_and_an_unchanged_night_encodes_nothing(stack, first_run):
-    deployment = _api(stack, lambda client: client.read_deployment_by_name("precast-pipeline/nightly"))
-    (schedule,) = deployment.schedules
-    assert schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "UTC" and schedule.active
-
-    assert first_run  # the pipeline's run encoded every shard
-    before = _encoded(_store(stack))
-    night = _run(stack, "precast-pipeline/nightly", _config(stack, init_from="latest"))
-    assert night.returncode == 0, night.stdout[-3000:]
-    assert _encoded(_store(stack)) == before  # the night encoded nothing
-
-
-def test_a_users_config_deployed_and_run_by_the_schedulers_nightly_run(stack):
-    """`precast deploy` puts the user's config in every deployment (the UI form's values); deploying
-    again updates them and the runs already scheduled; the server's own scheduler creates the
-    nightly run and a worker executes it to Completed with those values."""
-    import datetime
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    when = (now + datetime.timedelta(seconds=120)).replace(second=0, microsecond=0)  # 60-120 s from now
-    cron = f"{when.minute} {when.hour} * * *"
-    path = _config_file(stack, _config(stack), "nightly.yaml")
-    nightly = None
-
-    def deploy_then_wait_for_the_scheduler(steps: int):
-        nonlocal nightly
-        done = _precast(stack, "deploy", path, "--nightly", cron, "--set", f"training.steps={steps}")
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert done.stdout.count("deployed: ") == 7 and "deployed: precast-pipeline/nightly" in done.stdout
-        nightly = _api(stack, lambda client: client.read_deployment_by_name("precast-pipeline/nightly"))
-        runs = _wait(lambda: [r for r in _scheduled_runs(stack, nightly.id) if r.expected_start_time == when], 60)
-        assert runs, "the scheduler created no nightly run"
-        time.sleep(8)  # past the scheduler's window for recently updated deployments (5 s)
-        return runs
-
-    first = deploy_then_wait_for_the_scheduler(3)
-    assert first[0].parameters["config"]["training"]["steps"] == 3
-    (run,) = deploy_then_wait_for_the_scheduler(5)  # deploying again updates the deployments and the runs
-    assert run.id != first[0].id and run.parameters["config"]["training"]["steps"] == 5
-    expected = PipelineConfig.model_validate({**_config(stack), "training": {**_config(stack)["training"], "steps": 5}})
-    pipeline = _api(stack, lambda client: client.read_deployment_by_name("precast-pipeline/pipeline"))
-    assert pipeline.parameters["config"] == expected.model_dump(mode="json")  # the UI form's values
-    assert nightly.parameters["config"]["training"] == {**expected.model_dump(mode="json")["training"],
-                                                        "init_from": "latest"}
-    (schedule,) = nightly.schedules
-    assert schedule.schedule.cron == cron and schedule.active
-
-    seconds = (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds() + 300
-    finished = _wait(lambda: [r for r in _scheduled_runs(stack, nightly.id)
-                              if r.id == run.id and r.state.is_final()], seconds)
-    assert finished, f"the scheduled nightly run at {when} did not finish"
-    assert finished[0].state.is_completed(), finished[0].state.message
-    assert finished[0].parameters["config"]["storage"]["root"] == "s3://precast/store"
-    lineage = [key for key in _store(stack).find("runs") if key.endswith("lineage.json")]
-    assert any(_store(stack).read_json(key)["training"]["steps"] == 5 for key in lineage)
 
 
 def test_submit_from_ci_names_the_failed_stage_and_its_error(stack):
@@ -281,3 +281,29 @@ def test_credentials_never_reach_objects_or_logs(stack):
     for secret in SECRETS.values():
         for blob in blobs + logs:
             assert secret.encode() not in blob
+
+
+def test_the_schedulers_nightly_run_completes_and_an_unchanged_night_encodes_nothing(stack, first_run,
+                                                                                     scheduled_night):
+    """The run the server's scheduler created (last test: it ran meanwhile) completes with the
+    deployed values, on the S3 root, training anew from the latest adapter; its encoders find every
+    shard the first run encoded cached and encode none again."""
+    import datetime
+
+    when, run = scheduled_night["when"], scheduled_night["run"]
+    seconds = (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds() + 300
+    finished = _wait(lambda: [r for r in _scheduled_runs(stack, scheduled_night["nightly"].id)
+                              if r.id == run.id and r.state.is_final()], seconds)
+    assert finished, f"the scheduled nightly run at {when} did not finish"
+    assert finished[0].state.is_completed(), finished[0].state.message
+    assert finished[0].parameters["config"]["storage"]["root"] == "s3://precast/store"
+    store = _store(stack)
+    lineage = [key for key in store.find("runs") if key.endswith("lineage.json")]
+    assert any(store.read_json(key)["training"]["steps"] == 5 for key in lineage)
+
+    rows = _summary_rows(stack, run.id)
+    for stage in ("encode-text", "encode-latents"):
+        workers, loads, encoded, cached = _encoder_work(rows[stage])
+        assert (encoded, cached) == (0, 2), rows[stage]
+    encoded = _encoded(store)
+    assert {key: encoded[key] for key in first_run} == first_run  # nothing the first run encoded was encoded again
