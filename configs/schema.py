@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 CONFIG_DIR = Path(__file__).parent
 QUICKSTART = CONFIG_DIR / "quickstart.yaml"
@@ -165,7 +165,9 @@ class TrainingConfig(Section):
         description="Transformer modules that get LoRA layers (attention q/k/v/out and feed-forward).",
     )
     steps: int = Field(1000, ge=1, description="Optimizer steps.")
-    batch_size: int = Field(4, ge=1, description="Samples per step; a batch comes from one aspect-ratio bucket.")
+    batch_size: int = Field(
+        4, ge=1, description="Samples per micro-batch of one process (what fits its device); a micro-batch comes "
+        "from one aspect-ratio bucket.")
     optimizer: Literal["adamw", "adamw8bit"] = Field(
         "adamw", description="adamw (torch) or adamw8bit (bitsandbytes: 8-bit optimizer state, about a quarter of "
         "AdamW's memory for large tensors)."
@@ -181,7 +183,13 @@ class TrainingConfig(Section):
     caption_dropout: float = Field(
         0.1, ge=0, le=1, description="Probability of training on the empty caption (for classifier-free guidance)."
     )
-    gradient_accumulation: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    gradient_accumulation: int = Field(
+        1, ge=1, description="Micro-batches each process adds up per optimizer step (when global_batch is not set).")
+    global_batch: int | None = Field(
+        None, ge=1, description="Samples per optimizer step over every process of every node. Set, each process "
+        "accumulates global_batch / (batch_size × processes × nodes) micro-batches, so a run trains the same "
+        "(same id, same results within float tolerance) on any number of nodes and processes that divides it; "
+        "gradient_accumulation must then stay 1. None: batch_size × gradient_accumulation × processes × nodes.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory).")
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
         "no", description="Autocast precision of the forward pass; fp16 also scales the loss (GradScaler)."
@@ -207,10 +215,47 @@ class TrainingConfig(Section):
     sample_steps: int = Field(20, ge=1, description="Denoising steps per sample image.")
     guidance_scale: float = Field(4.5, ge=1, description="Classifier-free guidance scale of the samples.")
     processes: int = Field(
-        1, ge=1, description="Data-parallel training processes on this node: one per GPU (NCCL), or CPU processes "
-        "(gloo). Each takes every n-th batch; gradients are averaged."
+        1, ge=1, description="Data-parallel training processes per node: one per GPU (NCCL), or CPU processes "
+        "(gloo). Each takes every n-th micro-batch of the global batch; gradients are averaged."
+    )
+    nodes: int = Field(
+        1, ge=1, description="Nodes that train together, each running `processes` processes. Above 1 the train stage "
+        "starts one flow run per node through execution.placement's train deployment; they find each other through "
+        "the store (rank 0 publishes its address) and train as one torch.distributed group."
+    )
+    node_timeout: float = Field(
+        300.0, gt=0, description="Seconds a node may stay silent (no heartbeat, a collective not completing, not "
+        "joining) before the whole run fails naming it; a re-run resumes from the last checkpoint."
     )
     device: str = Field("auto", description="Torch device for training: auto, cpu, cuda, …")
+
+    @model_validator(mode="after")
+    def _global_batch_splits(self) -> TrainingConfig:
+        if self.global_batch is None:
+            return self
+        if self.gradient_accumulation != 1:
+            raise ValueError("set global_batch or gradient_accumulation, not both: global_batch fixes the "
+                             "accumulation of every process")
+        share = self.batch_size * self.world
+        if self.global_batch % share:
+            raise ValueError(f"global_batch {self.global_batch} is not a multiple of batch_size × processes × nodes "
+                             f"= {self.batch_size} × {self.processes} × {self.nodes} = {share}")
+        return self
+
+    @property
+    def world(self) -> int:
+        """Training processes over every node."""
+        return self.processes * self.nodes
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches each process adds up per optimizer step."""
+        return self.global_batch // (self.batch_size * self.world) if self.global_batch else self.gradient_accumulation
+
+    @property
+    def samples_per_step(self) -> int:
+        """The global batch: samples per optimizer step over every process."""
+        return self.batch_size * self.world * self.accumulation
 
 
 Stage = Literal["ingest", "encode-text", "encode-latents", "manifest", "train"]

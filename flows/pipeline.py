@@ -40,9 +40,11 @@ def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
 
 
 @flow(name="precast-stage", log_prints=True)
-def stage(name: Stage, config: PipelineConfig = PipelineConfig(), shards: list[str] | None = None) -> dict[str, Any]:
+def stage(name: Stage, config: PipelineConfig = PipelineConfig(), shards: list[str] | None = None,
+          node: int | None = None, attempt: str | None = None) -> dict[str, Any]:
     """One stage alone, its inputs taken from the store (the latest dataset of these sources);
-    `shards` limits an encoding stage to those image shard URLs."""
+    `shards` limits an encoding stage to those image shard URLs; `node` and `attempt` make a train
+    stage one node of a multi-node run (training.nodes)."""
     plan = Plan(config)
     plan.store.check_reachable()
     if name == "ingest":
@@ -53,4 +55,4 @@ def stage(name: Stage, config: PipelineConfig = PipelineConfig(), shards: list[s
         return run_encode_latents(plan, stored_dataset(plan), shards)
     if name == "manifest":
         return run_manifest(plan, stored_dataset(plan))
-    return run_train(plan, stored_manifest(plan))
+    return run_train(plan, stored_manifest(plan), node, attempt)

@@ -13,7 +13,7 @@ work (workers, model loads, shards) comes back as its children's `<stage>-work` 
 from __future__ import annotations
 
 import json
-
+import uuid
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -89,14 +89,20 @@ def placed(config: PipelineConfig, stage: str) -> str | None:
     return None if target == "local" else target
 
 
-def run_elsewhere(config: PipelineConfig, deployment: str, stage: str, shards: list[str] | None = None) -> Any:
-    """Run `stage` (for `shards`) as a child flow run of `deployment`, wait for it and return it."""
+def run_elsewhere(config: PipelineConfig, deployment: str, stage: str, shards: list[str] | None = None,
+                  node: int | None = None) -> Any:
+    """Run `stage` (for `shards`, or as training node `node`) as a child flow run of `deployment`,
+    wait for it and return it."""
     parent = FlowRunContext.get()
-    part = "all" if shards is None else "prepare" if not shards else hash_json(shards, chars=12)
+    part = (f"node-{node}" if node is not None else "all" if shards is None else "prepare" if not shards
+            else hash_json(shards, chars=12))
     # the child runs everything in place: it must not place stages again
     local = config.model_copy(update={"execution": config.execution.model_copy(update={"placement": {}})})
+    parameters = {"name": stage, "config": local.model_dump(mode="json"), "shards": shards}
+    if node is not None:  # the nodes of one attempt share its id: this parent's flow run
+        parameters.update(node=node, attempt=str(parent.flow_run.id) if parent else uuid.uuid4().hex)
     child = run_deployment(
-        deployment, parameters={"name": stage, "config": local.model_dump(mode="json"), "shards": shards},
+        deployment, parameters=parameters,
         idempotency_key=f"{parent.flow_run.id}:{stage}:{part}" if parent else None, timeout=None,
         flow_run_name=f"{stage}-{part}",
     )
@@ -201,14 +207,23 @@ def run_manifest(plan: Plan, dataset: dict[str, Any]) -> dict[str, Any]:
                                           config.training.sample_prompts)
 
 
-def run_train(plan: Plan, manifest: dict[str, Any]) -> dict[str, Any]:
-    config = plan.config
+def run_train(plan: Plan, manifest: dict[str, Any], node: int | None = None, attempt: str | None = None) -> dict[str, Any]:
+    """Train here, or on the train deployment: one child flow run per node of `training.nodes`, all
+    at once (a node's child gets its `node` index and the `attempt` id the nodes share)."""
+    config, nodes = plan.config, plan.config.training.nodes
     if deployment := placed(config, "train"):
-        run_elsewhere(config, deployment, "train")
+        in_threads(lambda index: run_elsewhere(config, deployment, "train", node=index if nodes > 1 else None),
+                   list(range(nodes)), nodes)
         return stored_run(plan, manifest)
+    if nodes > 1 and node is None:
+        raise ValueError(f"training.nodes is {nodes}: set execution.placement.train to the train deployment "
+                         f"(e.g. precast-stage/train), whose work pool's workers are the nodes")
+    task = plan.configured(train_task)
+    if nodes > 1:  # a retried node alone cannot rejoin its peers: a re-run retries them all, and resumes
+        task = task.with_options(retries=0)
     with device_slot(config.training.device):
-        record = plan.configured(train_task)(config.storage, config.model, config.training, manifest["url"],
-                                             progress=training_progress())
+        record = task(config.storage, config.model, config.training, manifest["url"], progress=training_progress(),
+                      node=node or 0, attempt=attempt)
     create_markdown_artifact(key="training-run", markdown=run_markdown(record))
     return record
 

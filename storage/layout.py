@@ -111,6 +111,11 @@ def run_part(run: str, part: str) -> str:
     return f"{run}/{RUN_PARTS[part]}"
 
 
+def rendezvous(run: str, attempt: str) -> str:
+    """The folder where the nodes of one training attempt meet (tasks/distributed.py)."""
+    return f"{run}/rendezvous/{attempt}"
+
+
 def run_of(path: str) -> str:
     """The run an adapter/transformer path (or the run itself) belongs to."""
     for part in ("adapter", "transformer"):

@@ -1,10 +1,12 @@
 """Training checkpoints: everything needed to resume bit-exactly, in one safetensors object.
 
-A checkpoint holds the trainable weights (and their EMA), the optimizer's tensors, the RNG states
-(the run's data and noise generators, one each per process, and torch's global generator) as
-tensors, and as JSON metadata the optimizer's hyper-parameters and scalars, the LR schedule state and the step (which fixes the data-order
-position: batches are a pure function of seed, epoch and index). It is committed like every other
-artifact, so a run killed mid-write resumes from the previous one. No pickle is involved.
+A checkpoint holds the trainable weights (and their EMA) and the optimizer's tensors, and as JSON
+metadata the optimizer's hyper-parameters and scalars, the LR schedule state and the step. The step
+is all the rest needs: batches are a pure function of seed, epoch and index, and every random draw
+of a micro-batch comes from generators seeded by its index (`tasks.features.draws`), so no
+generator state is saved and a run resumes on any number of processes and nodes. It is committed
+like every other artifact, so a run killed mid-write resumes from the previous one. No pickle is
+involved.
 """
 
 from __future__ import annotations
@@ -29,12 +31,11 @@ def trainable_state(network: torch.nn.Module) -> dict[str, torch.Tensor]:
 @dataclass
 class TrainingState:
     """What a checkpoint saves and restores besides the step: the trainable weights (and their
-    moving average, when kept), the optimiser, the LR schedule and this process's generators."""
+    moving average, when kept), the optimiser and the LR schedule."""
 
     network: torch.nn.Module
     optimizer: torch.optim.Optimizer
     schedule: Any
-    generators: dict[str, torch.Generator]
     ema: dict[str, torch.Tensor] | None = None
 
 
@@ -52,15 +53,13 @@ class Checkpointer:
     def due(self, step: int, steps: int) -> bool:
         return bool(self.every) and step % self.every == 0 and step < steps
 
-    def save(self, step: int, state: TrainingState, rng_states: dict[str, list[torch.Tensor]],
-             metrics: list[dict[str, Any]]) -> None:
-        """Commit the checkpoint of `step` (`rng_states`: per generator name, one state per process
-        in rank order) after the metrics so far (resuming reads them back), then drop all but the
-        newest `keep`."""
+    def save(self, step: int, state: TrainingState, metrics: list[dict[str, Any]]) -> None:
+        """Commit the checkpoint of `step` after the metrics so far (resuming reads them back), then
+        drop all but the newest `keep`."""
         if self.lease is not None:
             self.lease.check()
         write_metrics(self.store, self.run, metrics)
-        self.store.commit(layout.checkpoint(self.run, step), pack_checkpoint(step, state, rng_states), step=step)
+        self.store.commit(layout.checkpoint(self.run, step), pack_checkpoint(step, state), step=step)
         for old in self.steps()[: -self.keep]:
             self.store.remove(layout.checkpoint(self.run, old) + ".done")  # uncommit first: never a record without data
             self.store.remove(layout.checkpoint(self.run, old))
@@ -69,9 +68,8 @@ class Checkpointer:
         keys = self.store.list(layout.run_part(self.run, "checkpoints"), ".safetensors")
         return sorted(layout.checkpoint_step(k) for k in keys if self.store.committed(k) is not None)
 
-    def restore(self, state: TrainingState, rank: int = 0) -> int:
-        """Load the newest committed checkpoint into the live `state` (process `rank`'s generator
-        states); returns its step (0: none)."""
+    def restore(self, state: TrainingState) -> int:
+        """Load the newest committed checkpoint into the live `state`; returns its step (0: none)."""
         steps = self.steps()
         if not steps:
             return 0
@@ -89,15 +87,10 @@ class Checkpointer:
         state.optimizer.load_state_dict({"state": _unflatten(entries + list(meta["scalars"].items())),
                                          "param_groups": meta["param_groups"]})
         state.schedule.load_state_dict(meta["schedule"])
-        for name, generator in state.generators.items():
-            if f"rng/{name}/{rank}" not in tensors:
-                raise ValueError(f"{self.store.url(key)} was written by fewer processes than this run has")
-            generator.set_state(tensors[f"rng/{name}/{rank}"])
-        torch.set_rng_state(tensors["rng/torch"])
         return meta["step"]
 
 
-def pack_checkpoint(step: int, state: TrainingState, rng_states: dict[str, list[torch.Tensor]]) -> bytes:
+def pack_checkpoint(step: int, state: TrainingState) -> bytes:
     tensors = {f"weights/{name}": t.contiguous().cpu() for name, t in trainable_state(state.network).items()}
     tensors.update({f"ema/{name}": t.contiguous().cpu() for name, t in (state.ema or {}).items()})
     optimizer = state.optimizer.state_dict()
@@ -107,9 +100,6 @@ def pack_checkpoint(step: int, state: TrainingState, rng_states: dict[str, list[
             tensors[f"optimizer/{path}"] = value.detach().cpu().clone()
         else:
             scalars[path] = value
-    for name, states in rng_states.items():
-        tensors.update({f"rng/{name}/{rank}": rng for rank, rng in enumerate(states)})
-    tensors["rng/torch"] = torch.get_rng_state()
     meta = {"step": step, "param_groups": optimizer["param_groups"], "scalars": scalars,
             "schedule": state.schedule.state_dict()}
     return save(tensors, metadata={"meta": json.dumps(meta)})

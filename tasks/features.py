@@ -2,13 +2,15 @@
 
 Shards are checked against the manifest's checksums in the read that is used, then read
 memory-mapped, a row at a time. Every random choice is seeded: the batch order by
-`bucket_batches`' seed and epoch; flips, caption variants, dropout and latent noise by the
-generator the trainer passes in (its state is checkpointed with each batch), so a run is
-reproducible and resumes exactly.
+`bucket_batches`' seed and epoch; flips, caption variants, caption dropout and latent draws, then
+noise and timesteps, by generators seeded by the micro-batch's index in that order (`draws`). A
+micro-batch is the same whichever process of however many trains it, so a run is reproducible,
+resumes exactly from its step alone, and trains the same on any number of processes and nodes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import random
 from collections import defaultdict
@@ -103,3 +105,9 @@ def bucket_batches(buckets: dict[str, list[str]], batch_size: int, seed: int) ->
         rng.shuffle(batches)
         yield from batches
         epoch += 1
+
+
+def draws(seed: int, index: int, purpose: str) -> torch.Generator:
+    """The generator of micro-batch `index`'s draws for `purpose` ("data", "noise", "dropout")."""
+    digest = hashlib.sha256(f"{seed}/{index}/{purpose}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)

@@ -29,10 +29,10 @@ from storage.fingerprint import hash_json
 from storage.lease import Lease
 from storage.store import Store, fsspec_options
 from tasks.checkpoints import Checkpointer, TrainingState
-from tasks.distributed import Distributed, free_port
+from tasks.distributed import Distributed, NodeFailed, Rendezvous, free_port
 from tasks.ema import Ema
 from tasks.publisher import RunPublisher, read_metrics
-from tasks.features import CachedFeatures, bucket_batches
+from tasks.features import CachedFeatures, bucket_batches, draws
 from tasks.loss import diffusion_loss
 from tasks.models import (
     load_noise_scheduler, load_transformer, transformer_fingerprint,
@@ -43,12 +43,16 @@ from tasks.validation import Validation
 log = logging.getLogger(__name__)
 
 
-# settings that cannot change the trained weights or samples stay out of the run id
-NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints"}
+# settings that cannot change the trained weights or samples stay out of the run id; how the
+# global batch is split over nodes, processes and accumulation is one of them (the run id holds the
+# global batch itself), so a run is the same run on any number of nodes
+NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints", "nodes", "processes", "node_timeout",
+                 "gradient_accumulation", "global_batch"}
 # in the run id: bump it with any change to training's code that changes what a run produces (the
 # loss, sampling, data order, outputs), so a re-run trains anew instead of returning the old run
-TRAIN_FORMAT = "precast.train/3"
+TRAIN_FORMAT = "precast.train/4"
 LEASE_POLL_SECONDS = 2.0
+JOIN_POLL_SECONDS = 1.0
 # progress(step, steps, loss, validation_loss or None)
 Progress = Callable[[int, int, float, float | None], None]
 
@@ -58,8 +62,8 @@ def run_id_for(manifest_id: str, model: ModelConfig, training: TrainingConfig, i
     # over an unchanged manifest is the same run, and new data continues from the newest run
     init_id = init["sha256"] if init and training.init_from not in ("none", "latest") else None
     return hash_json({"manifest": manifest_id, "transformer": transformer_fingerprint(model),
-                      "training": training.model_dump(exclude=NOT_IN_RUN_ID), "init": init_id,
-                      "format": TRAIN_FORMAT})
+                      "training": {**training.model_dump(exclude=NOT_IN_RUN_ID), "global_batch": training.samples_per_step},
+                      "init": init_id, "format": TRAIN_FORMAT})
 
 
 def initial_adapter(store: Store, model: ModelConfig, training: TrainingConfig) -> dict | None:
@@ -109,15 +113,24 @@ def finished_run(store: Store, run: str) -> dict[str, Any] | None:
 
 def train(
     storage: StorageConfig, model: ModelConfig, training: TrainingConfig, manifest_url: str,
-    progress: Progress | None = None,
+    progress: Progress | None = None, node: int = 0, attempt: str | None = None,
 ) -> dict[str, Any]:
     """Train (or resume, or return the finished run); `progress(step, steps, loss, validation_loss)`
-    after each step (the validation loss is None at steps without one)."""
+    after each step (the validation loss is None at steps without one). With `training.nodes` > 1,
+    every node calls this with its `node` index and the `attempt` id they share (a new one for each
+    attempt: a re-run resumes from the last checkpoint)."""
     store = Store(storage)
     manifest = json.loads(store.read_verified(store.key(manifest_url)))
     run, init = run_for(store, model, training, manifest["id"])
     if (record := finished_run(store, run)) is not None:
         return record
+    if training.nodes > 1 and attempt is None:
+        raise ValueError(f"training.nodes is {training.nodes}: each node's train needs the attempt id they share")
+    if not 0 <= node < training.nodes:
+        raise ValueError(f"node {node} is not one of training.nodes ({training.nodes})")
+    if node > 0:  # node 0 holds the run's lease and publishes where to join; the others join it (and
+        # take its weights, "latest" adapter included: DDP broadcasts rank 0's when it wraps the network)
+        return train_on_node(store, run, Trainer(storage, model, training, manifest, run, init), node, attempt)
     if training.init_from == "latest":  # resolved only now that this run is known to be unfinished
         init = initial_adapter(store, model, training)
     # one trainer per run: another pipeline training it already is waited for, not raced
@@ -131,27 +144,68 @@ def train(
         if (record := finished_run(store, run)) is not None:  # finished while we waited
             return record
         trainer = Trainer(storage, model, training, manifest, run, init)
-        if training.processes == 1:
-            trainer(0, 1, 0, progress, lease)
+        if training.world == 1:
+            trainer(0, 0, "", progress, lease)
             return finished_run(store, run)
-        # data parallel: one process per device (gloo on CPUs, NCCL on GPUs); rank 0 writes the
-        # run and its progress, which this process relays while it waits
-        processes = torch.multiprocessing.spawn(trainer, nprocs=training.processes, join=False,
-                                                args=(training.processes, free_port()))
-        while not processes.join(timeout=2):
-            if lease.lost:
-                for process in processes.processes:
-                    process.terminate()
-                lease.check()
-            if progress is not None and store.exists(layout.run_part(run, "progress")):
-                progress(*store.read_json(layout.run_part(run, "progress")))
-        if progress is not None:
-            progress(training.steps, training.steps, float("nan"), None)
-        if (record := finished_run(store, run)) is None:
-            raise RuntimeError(f"training processes of {store.url(run)} ended without committing the run")
-        return record
+        return train_on_node(store, run, trainer, 0, attempt, progress, lease)
     finally:
         lease.release()
+
+
+def train_on_node(store: Store, run: str, trainer: Trainer, node: int, attempt: str | None,
+                  progress: Progress | None = None, lease: Lease | None = None) -> dict[str, Any]:
+    """This node's `training.processes` data-parallel processes (gloo on CPUs, NCCL on GPUs),
+    watched until the run is committed. Rank 0 (node 0) writes the run and its progress, which this
+    process relays; across nodes each node beats a heartbeat and watches the others', and a node
+    that failed, died or stopped answering ends every node's processes with an error naming it."""
+    training = trainer.training
+    rendezvous = None
+    if training.nodes > 1:
+        rendezvous = Rendezvous(store, layout.rendezvous(run, attempt), node, training.nodes, training.node_timeout)
+        if node == 0:
+            address = rendezvous.publish()
+        elif (address := rendezvous.address(lambda: finished_run(store, run) is not None)) is None:
+            return finished_run(store, run)
+    else:
+        address = f"127.0.0.1:{free_port()}"
+    processes = torch.multiprocessing.spawn(trainer, nprocs=training.processes, join=False, args=(node, address))
+    looked = 0.0
+    try:
+        while not processes.join(timeout=JOIN_POLL_SECONDS):
+            if lease is not None and lease.lost:
+                lease.check()
+            if rendezvous is not None and time.monotonic() - looked > rendezvous.interval:
+                rendezvous.beat()
+                rendezvous.check()
+                looked = time.monotonic()
+            if progress is not None and store.exists(layout.run_part(run, "progress")):
+                progress(*store.read_json(layout.run_part(run, "progress")))
+    except Exception as error:
+        for process in processes.processes:
+            if process.is_alive():
+                process.terminate()
+        if rendezvous is None:
+            raise
+        cause = str(error) if isinstance(error, NodeFailed) else rendezvous.culprits() or _last_line(error)
+        rendezvous.beat(error=cause)  # the other nodes stop at once instead of at their timeout
+        raise NodeFailed(f"training {store.url(run)} on {training.nodes} nodes failed on node {node}: "
+                         f"{cause}") from error
+    if progress is not None:
+        progress(training.steps, training.steps, float("nan"), None)
+    # rank 0 commits the run just after every process left the group: the other nodes wait for it
+    while (record := finished_run(store, run)) is None and rendezvous is not None and node > 0:
+        rendezvous.beat()
+        rendezvous.check()
+        time.sleep(rendezvous.interval)
+    if record is None:
+        raise RuntimeError(f"training processes of {store.url(run)} ended without committing the run")
+    return record
+
+
+def _last_line(error: BaseException) -> str:
+    """The final line of an error from a training process (its traceback comes before it)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 @dataclass
@@ -167,25 +221,24 @@ class Trainer:
     run: str
     init: dict | None
 
-    def __call__(self, rank: int, world: int, port: int, progress: Progress | None = None,
+    def __call__(self, local: int, node: int, address: str, progress: Progress | None = None,
                  lease: Lease | None = None) -> None:
-        """The loop of process `rank` of `world`; `progress` (as `train`'s) on rank 0. Writes
-        stop with LeaseLost once `lease` (held by the process that started training) was taken over."""
+        """The loop of process `local` of node `node` (rank node × processes + local), joining
+        the group at `address`; `progress` (as `train`'s) on rank 0. Writes stop with LeaseLost
+        once `lease` (held by the process that started training) was taken over."""
         training, run = self.training, self.run
         store = Store(self.storage)
-        processes = Distributed.start(rank, world, port, training.device)
+        world, rank = training.world, node * training.processes + local
+        processes = Distributed.start(rank, world, local, address, training.device, training.node_timeout)
         device, leader = processes.device, processes.leader
 
-        # --- data: cached features only; each process takes every world-th batch --------------
+        # --- data: cached features only; each process takes every world-th micro-batch of the
+        # global stream, and each micro-batch's draws are seeded by its index in that stream
         features = CachedFeatures(store, self.manifest)
         validation = Validation(features, training.validation_samples, training.validation_every,
                                 training.batch_size, training.seed)
-        batches = islice(bucket_batches(validation.training_buckets(), training.batch_size, training.seed),
-                         rank, None, world)
-        # two generators: data choices (caption variant, dropout, flip, posterior draw) are made in the
-        # loader thread, noise and timesteps in this one, so each stream is reproducible on its own
-        data_rng = torch.Generator().manual_seed(training.seed + 1_000_003 * rank)
-        noise_rng = torch.Generator().manual_seed(training.seed + 1_000_003 * rank + 1)
+        stream = enumerate(bucket_batches(validation.training_buckets(), training.batch_size, training.seed))
+        batches = islice(stream, rank, None, world)
 
         # --- model: LoRA layers on the frozen transformer, or the whole transformer -----------
         network = trainable_network(self.model, training, self.init).to(device)
@@ -209,25 +262,25 @@ class Trainer:
         # the moving average of the trainable weights is what is saved when it is on
         ema = Ema(network, training.ema_decay) if training.ema_decay else None
 
-        # --- resume: weights, optimiser, schedule, RNG and data position of the latest checkpoint
-        state = TrainingState(network, optimizer, schedule, {"data": data_rng, "noise": noise_rng},
-                              ema and ema.averages)
+        # --- resume: weights, optimiser and schedule of the latest checkpoint; its step fixes the
+        # data position (micro-batches are a pure function of seed and index)
+        state = TrainingState(network, optimizer, schedule, ema and ema.averages)
         checkpointer = Checkpointer(store, run, training.checkpoint_every, training.keep_checkpoints, lease)
-        start = checkpointer.restore(state, rank)
+        start = checkpointer.restore(state)
         metrics = read_metrics(store, run)[:start]
-        for _ in range(start * training.gradient_accumulation):
-            next(batches)  # batches are a pure function of seed and position: skip the ones consumed
+        accumulation = training.accumulation
+        for _ in range(start * accumulation):
+            next(batches)
         if start:
             log.info("resuming %s at step %d", run, start)
 
-        def load(sample_ids: list[str]):
-            """A batch and the data generator's state after it (what a checkpoint must restore)."""
-            return features.batch(sample_ids, data_rng, training.caption_dropout), data_rng.get_state()
+        def load(item: tuple[int, list[str]]):
+            index, sample_ids = item
+            return index, features.batch(sample_ids, draws(training.seed, index, "data"), training.caption_dropout)
 
         # with an accelerator the next batch is read while the model works on this one; on a CPU
         # that gains nothing (both share the same cores)
         loader = prefetched(load, batches, overlap=device.type != "cpu")
-        data_state = data_rng.get_state()
         publisher = RunPublisher(store, run, self.model, training, self.manifest, self.init, features.prompts)
 
         # --- loop -----------------------------------------------------------------------------
@@ -236,14 +289,17 @@ class Trainer:
         for step in range(start + 1, training.steps + 1):
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
-            for _ in range(training.gradient_accumulation):
-                (latents, text, mask), data_state = next(loader)
+            for micro in range(accumulation):
+                index, (latents, text, mask) = next(loader)
+                if micro == 0:
+                    bucket = f"{latents.shape[2]}x{latents.shape[3]}"
+                torch.manual_seed(draws(training.seed, index, "dropout").initial_seed())  # LoRA dropout
                 loss = diffusion_loss(replicas, noise_scheduler, latents.to(device), text.to(device),
-                                      mask.to(device), noise_rng, half)
+                                      mask.to(device), draws(training.seed, index, "noise"), half)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"loss is {loss.item()} at step {step}")
-                scaler.scale(loss / training.gradient_accumulation).backward()
-                step_loss += loss.item() / training.gradient_accumulation
+                scaler.scale(loss / accumulation).backward()
+                step_loss += loss.item() / accumulation
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(trainable, training.max_grad_norm)
             scaler.step(optimizer)
@@ -251,9 +307,9 @@ class Trainer:
             schedule.step()
             if ema is not None:
                 ema.update(network)
-            step_loss = processes.mean(step_loss)  # the logged loss is the mean over every process's batches
+            step_loss = processes.mean(step_loss)  # the logged loss is the mean over every micro-batch of the step
             metrics.append({"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"],
-                            "bucket": f"{latents.shape[2]}x{latents.shape[3]}", "batch": len(latents) * world})
+                            "bucket": bucket, "batch": training.samples_per_step})
             if leader and validation.due(step, training.steps):
                 metrics[-1]["validation_loss"] = validation.loss(network, noise_scheduler, device, half)
             if leader and (step % max(1, training.steps // 20) == 0 or step == training.steps):
@@ -266,10 +322,8 @@ class Trainer:
                                  [step, training.steps, step_loss, metrics[-1].get("validation_loss")])
             if leader:
                 publisher.maybe_sample(network, step)
-            if checkpointer.due(step, training.steps):
-                states = {"data": processes.gather(data_state), "noise": processes.gather(noise_rng.get_state())}
-                if leader:  # every process took part in the gathering above
-                    checkpointer.save(step, state, states, metrics)
+            if leader and checkpointer.due(step, training.steps):
+                checkpointer.save(step, state, metrics)
         elapsed = time.perf_counter() - started
         loader.close()
         processes.close()

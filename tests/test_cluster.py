@@ -17,6 +17,7 @@ import pytest
 
 from configs.schema import PipelineConfig
 from tasks.demo_data import write_demo_data
+from storage import layout
 from storage.store import Store
 
 ROOT = Path(__file__).parent.parent
@@ -72,6 +73,14 @@ def _config(stack, **training) -> dict:
         "execution": {"retries": 0, "placement": placement},
     })
     return config.model_dump(mode="json")
+
+
+def _train_placed(stack, **training) -> dict:
+    """`_config` with only training on another pool: the encoders run in the pipeline's own flow run
+    (cache hits after the first run, without a child process each)."""
+    config = _config(stack, **training)
+    config["execution"]["placement"] = {"train": "precast-stage/train"}
+    return config
 
 
 def _config_file(stack, config: dict, name: str = "my-run.yaml") -> str:
@@ -189,7 +198,7 @@ def scheduled_night(stack, first_run) -> dict:
     now = datetime.datetime.now(datetime.timezone.utc)
     when = (now + datetime.timedelta(seconds=120)).replace(second=0, microsecond=0)  # 60-120 s from now
     cron = f"{when.minute} {when.hour} * * *"
-    path = _config_file(stack, _config(stack), "nightly.yaml")
+    path = _config_file(stack, _train_placed(stack), "nightly.yaml")
     found = {}
 
     def deploy_then_wait_for_the_scheduler(steps: int):
@@ -214,7 +223,7 @@ def test_deploying_a_users_config_again_updates_every_deployment_and_the_schedul
     first, run, nightly = scheduled_night["first"], scheduled_night["run"], scheduled_night["nightly"]
     assert first[0].parameters["config"]["training"]["steps"] == 3
     assert run.id != first[0].id and run.parameters["config"]["training"]["steps"] == 5
-    expected = PipelineConfig.model_validate({**_config(stack), "training": {**_config(stack)["training"], "steps": 5}})
+    expected = PipelineConfig.model_validate(_train_placed(stack, steps=5))
     pipeline = _api(stack, lambda client: client.read_deployment_by_name("precast-pipeline/pipeline"))
     assert pipeline.parameters["config"] == expected.model_dump(mode="json")  # the UI form's values
     assert nightly.parameters["config"]["training"] == {**expected.model_dump(mode="json")["training"],
@@ -223,24 +232,38 @@ def test_deploying_a_users_config_again_updates_every_deployment_and_the_schedul
     assert schedule.schedule.cron == scheduled_night["cron"] and schedule.active
 
 
-def test_placed_encoders_spread_over_two_nodes_each_loading_its_model_once(stack):
+def test_placed_stages_spread_over_two_nodes_encoders_loading_their_model_once(stack):
     """Placed encoders whose shards go to a Dask cluster of two worker processes ("nodes"): bf16 T5
     and a new VAE precision (new fingerprints, so everything is encoded), on the S3 root. The
-    pipeline summary reports both workers, at most one model load each, every shard encoded."""
-    config = _config(stack)
+    pipeline summary reports both workers, at most one model load each, every shard encoded. The
+    same run trains on two nodes (training.nodes): one train flow run per node on the train pool,
+    meeting through the store, training one run written once."""
+    config = _config(stack, nodes=2, global_batch=4)
     config["text_encoding"]["dtype"] = "bf16"
     config["latent_encoding"]["dtype"] = "bf16"
     config["execution"]["cluster"] = stack["cluster"]
     done = _run(stack, "precast-pipeline/pipeline", config)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = _summary_rows(stack, re.search(r"UUID: ([0-9a-f-]{36})", done.stdout).group(1))
+    parent = re.search(r"UUID: ([0-9a-f-]{36})", done.stdout).group(1)
+    rows = _summary_rows(stack, parent)
     for stage in ("encode-text", "encode-latents"):
         workers, loads, encoded, cached = _encoder_work(rows[stage])
         assert (workers, encoded, cached) == (2, 2, 0) and 1 <= loads <= 2, rows[stage]
 
+    runs = _api(stack, lambda client: client.read_flow_runs(limit=200))
+    nodes = {run.name: run for run in runs if run.parameters.get("attempt") == parent}
+    assert sorted(nodes) == ["train-node-0", "train-node-1"]
+    assert all(run.state.is_completed() and run.work_pool_name == "precast-train" for run in nodes.values())
+    store = _store(stack)
+    (folder,) = {key.split("/rendezvous/")[0] for key in store.find("runs") if f"/rendezvous/{parent}/" in key}
+    assert sorted(key.rsplit("/", 1)[1] for key in store.find(f"{folder}/rendezvous/{parent}")) == \
+        ["address.json", "node-0.json", "node-1.json"]
+    assert store.committed(layout.run_part(folder, "lineage"))
+    assert store.read_json(layout.run_part(folder, "lineage"))["training"]["nodes"] == 2
+
 
 def test_a_failing_stage_fails_the_run_with_its_error(stack):
-    done = _run(stack, "precast-pipeline/pipeline", _config(stack, init_from="s3://precast/no-such-run"))
+    done = _run(stack, "precast-pipeline/pipeline", _train_placed(stack, init_from="s3://precast/no-such-run"))
     assert done.returncode != 0
     runs = _api(stack, lambda client: client.read_flow_runs(limit=100))
     failed = [run for run in runs if run.state and run.state.is_failed() and run.parent_task_run_id is None]

@@ -35,11 +35,11 @@ def kill_training_at(config, manifest_url: str, batch: int) -> None:
 
     real, calls = CachedFeatures.batch, []
 
-    def killed(self, *args):
+    def killed(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == batch:
             raise KeyboardInterrupt("killed mid-run")
-        return real(self, *args)
+        return real(self, *args, **kwargs)
 
     with mock.patch.object(CachedFeatures, "batch", killed), pytest.raises(KeyboardInterrupt):
         train(config.storage, config.model, config.training, manifest_url)
@@ -294,9 +294,8 @@ def test_two_process_data_parallel_training_on_cpu(make_config, tiny_models):
                              LoraConfig(r=4, lora_alpha=4, target_modules=config.training.target_modules))
     optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    generators = {"data": torch.Generator(), "noise": torch.Generator()}
-    state = TrainingState(network, optimizer, schedule, generators)
-    assert Checkpointer(store, run, every=2, keep=1).restore(state, rank=1) == 2
+    state = TrainingState(network, optimizer, schedule)
+    assert Checkpointer(store, run, every=2, keep=1).restore(state) == 2
     base = PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer")
     PeftModel.from_pretrained(base, store.path(store.key(record["adapter"])))
 
