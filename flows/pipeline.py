@@ -15,7 +15,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from configs.schema import PipelineConfig, Stage
 from flows.stages import (
-    Plan, run_encode_latents, run_encode_text, run_ingest, run_manifest, run_train, stored_dataset, stored_manifest,
+    Plan, check_nodes_placed, run_encode_latents, run_encode_text, run_ingest, run_manifest, run_train, stored_dataset,
+    stored_manifest,
 )
 from flows.summary import Summary
 from tasks.runner import outputs
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
     plan = Plan(config)  # the store, fingerprints and result storage, each derived once
     plan.store.check_reachable()
+    check_nodes_placed(config)
     summary = Summary()
     dataset = summary.stage("ingest", lambda: run_ingest(plan))
     summary.stage("encode-text", lambda: run_encode_text(plan, dataset))

@@ -207,6 +207,14 @@ def run_manifest(plan: Plan, dataset: dict[str, Any]) -> dict[str, Any]:
                                           config.training.sample_prompts)
 
 
+def check_nodes_placed(config: PipelineConfig) -> None:
+    """Training on several nodes needs the train deployment, whose work pool's workers are the nodes:
+    refused before any stage runs."""
+    if config.training.nodes > 1 and not placed(config, "train"):
+        raise ValueError(f"training.nodes is {config.training.nodes}: set execution.placement.train to the train "
+                         f"deployment (e.g. precast-stage/train), whose work pool's workers are the nodes")
+
+
 def run_train(plan: Plan, manifest: dict[str, Any], node: int | None = None, attempt: str | None = None) -> dict[str, Any]:
     """Train here, or on the train deployment: one child flow run per node of `training.nodes`, all
     at once (a node's child gets its `node` index and the `attempt` id the nodes share)."""
@@ -215,9 +223,8 @@ def run_train(plan: Plan, manifest: dict[str, Any], node: int | None = None, att
         in_threads(lambda index: run_elsewhere(config, deployment, "train", node=index if nodes > 1 else None),
                    list(range(nodes)), nodes)
         return stored_run(plan, manifest)
-    if nodes > 1 and node is None:
-        raise ValueError(f"training.nodes is {nodes}: set execution.placement.train to the train deployment "
-                         f"(e.g. precast-stage/train), whose work pool's workers are the nodes")
+    if node is None:
+        check_nodes_placed(config)
     task = plan.configured(train_task)
     if nodes > 1:  # a retried node alone cannot rejoin its peers: a re-run retries them all, and resumes
         task = task.with_options(retries=0)

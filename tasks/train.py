@@ -125,7 +125,8 @@ def train(
     if (record := finished_run(store, run)) is not None:
         return record
     if training.nodes > 1 and attempt is None:
-        raise ValueError(f"training.nodes is {training.nodes}: each node's train needs the attempt id they share")
+        raise ValueError(f"training.nodes is {training.nodes}: train on several nodes through the pipeline flow with "
+                         f"execution.placement.train, which gives each node its index and the attempt id they share")
     if not 0 <= node < training.nodes:
         raise ValueError(f"node {node} is not one of training.nodes ({training.nodes})")
     if node > 0:  # node 0 holds the run's lease and publishes where to join; the others join it (and

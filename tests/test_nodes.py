@@ -146,3 +146,12 @@ def test_a_node_that_never_joins_fails_the_run_within_the_timeout(cached, tmp_pa
     code, _, err, seconds = _finish(_start(config, _manifest(cached, config), 0, "attempt-1"))
     assert code != 0 and "node 1 never joined" in err, err[-3000:]
     assert seconds < 60
+
+
+def test_several_nodes_without_the_train_deployment_are_refused_before_any_stage(make_config, prefect_server):
+    from flows.pipeline import pipeline
+
+    config = make_config(training={"nodes": 2})
+    with pytest.raises(ValueError, match="training.nodes is 2: set execution.placement.train"):
+        pipeline(config=config)
+    assert [key for key in Store(config.storage).find() if not key.startswith("prefect/")] == []
