@@ -13,7 +13,6 @@ work (workers, model loads, shards) comes back as its children's `<stage>-work` 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -100,7 +99,7 @@ def run_elsewhere(config: PipelineConfig, deployment: str, stage: str, shards: l
     local = config.model_copy(update={"execution": config.execution.model_copy(update={"placement": {}})})
     parameters = {"name": stage, "config": local.model_dump(mode="json"), "shards": shards}
     if node is not None:  # the nodes of one attempt share its id: this parent's flow run
-        parameters.update(node=node, attempt=str(parent.flow_run.id) if parent else uuid.uuid4().hex)
+        parameters.update(node=node, attempt=str(parent.flow_run.id))
     child = run_deployment(
         deployment, parameters=parameters,
         idempotency_key=f"{parent.flow_run.id}:{stage}:{part}" if parent else None, timeout=None,
@@ -223,8 +222,6 @@ def run_train(plan: Plan, manifest: dict[str, Any], node: int | None = None, att
         in_threads(lambda index: run_elsewhere(config, deployment, "train", node=index if nodes > 1 else None),
                    list(range(nodes)), nodes)
         return stored_run(plan, manifest)
-    if node is None:
-        check_nodes_placed(config)
     task = plan.configured(train_task)
     if nodes > 1:  # a retried node alone cannot rejoin its peers: a re-run retries them all, and resumes
         task = task.with_options(retries=0)

@@ -159,7 +159,7 @@ class Rendezvous:
                 continue
             try:
                 record = self.store.read_json(f"{self.folder}/node-{node}.json")
-            except (FileNotFoundError, ValueError):  # not there yet, or caught mid-write
+            except FileNotFoundError:  # not joined yet
                 record = None
             if record is None and node not in self.seen:
                 if now - self.started > silence:
@@ -183,8 +183,11 @@ class Rendezvous:
 
     def culprits(self) -> str:
         """After this node's processes failed (a collective broke): which other nodes failed or
-        died, told by heartbeats that stop advancing within three intervals; '' when all answer."""
+        died, told by heartbeats that stop advancing within three intervals; '' when all answer. It
+        keeps beating while it looks: the other nodes are looking too, and must not take its
+        silence for the failure."""
         deadline = time.monotonic() + 3 * self.interval
         while not (wrong := self._look(2.5 * self.interval)) and time.monotonic() < deadline:
+            self.beat()
             time.sleep(self.interval / 2)
         return "; ".join(wrong[node] for node in sorted(wrong))

@@ -10,6 +10,7 @@ training config and the transformer weights, so the same run is never trained tw
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,7 +27,7 @@ from safetensors.torch import load as load_safetensors
 from configs.schema import ModelConfig, StorageConfig, TrainingConfig
 from storage import layout
 from storage.fingerprint import hash_json
-from storage.lease import Lease
+from storage.lease import Lease, LeaseLost
 from storage.store import Store, fsspec_options
 from tasks.checkpoints import Checkpointer, TrainingState
 from tasks.distributed import Distributed, NodeFailed, Rendezvous, free_port
@@ -173,21 +174,23 @@ def train_on_node(store: Store, run: str, trainer: Trainer, node: int, attempt: 
     looked = 0.0
     try:
         while not processes.join(timeout=JOIN_POLL_SECONDS):
-            if lease is not None and lease.lost:
+            if lease is not None:
                 lease.check()
             if rendezvous is not None and time.monotonic() - looked > rendezvous.interval:
                 rendezvous.beat()
                 rendezvous.check()
                 looked = time.monotonic()
-            if progress is not None and store.exists(layout.run_part(run, "progress")):
-                progress(*store.read_json(layout.run_part(run, "progress")))
+            if progress is not None:
+                with contextlib.suppress(FileNotFoundError):  # rank 0 has not reported yet
+                    progress(*store.read_json(layout.run_part(run, "progress")))
     except Exception as error:
         for process in processes.processes:
             if process.is_alive():
                 process.terminate()
         if rendezvous is None:
             raise
-        cause = str(error) if isinstance(error, NodeFailed) else rendezvous.culprits() or _last_line(error)
+        local = isinstance(error, (NodeFailed, LeaseLost))  # known here: no other node to wait for
+        cause = str(error) if local else rendezvous.culprits() or _last_line(error)
         rendezvous.beat(error=cause)  # the other nodes stop at once instead of at their timeout
         raise NodeFailed(f"training {store.url(run)} on {training.nodes} nodes failed on node {node}: "
                          f"{cause}") from error
