@@ -5,9 +5,11 @@ stabilityai/sdxl-vae and PixArt-alpha/PixArt-Sigma-XL-2-1024-MS), saved and load
 `from_pretrained` like the real ones, then run through precast's own code:
 - text: `encode_captions` (length-sorted, token-budget batches, real tokens only): captions/s;
 - latents: the VAE encoder on 1024x1024 images, batch `--vae-batch`: images/s;
-- training: LoRA (rank 32) on the transformer from cached features (`trainable_network`,
-  `diffusion_loss`, AdamW, gradient checkpointing) and the same step with T5 and the VAE encoding
-  the batch online, each at the largest batch that fits (doubling until out of memory): samples/s.
+- training: LoRA (rank 32, alpha 16) on the transformer from cached features (`trainable_network`,
+  `kept_activations`, `diffusion_loss`, fused AdamW) in each memory mode of `MODES` (no
+  checkpointing, recompute, offload to host, a bf16 or int8 frozen base), and the recompute step
+  with T5 and the VAE encoding the batch online, each at the largest batch that fits (doubling
+  until out of memory): samples/s.
 Each reports peak GPU memory and model FLOP utilisation: FLOPs counted by
 `torch.utils.flop_counter` on one call, against the device's dense bf16 peak. Without CUDA it is
 skipped with a message. `--tiny` runs the same code on small shapes (a check of the code on a CPU).
@@ -115,12 +117,22 @@ def largest_batch(try_batch: Callable[[int], dict[str, float]], limit: int) -> t
     return best
 
 
+# training memory modes: the settings each changes (bf16 autocast in all)
+MODES = {
+    "none": {"gradient_checkpointing": "none"},
+    "recompute": {"gradient_checkpointing": "recompute"},
+    "offload": {"gradient_checkpointing": "offload"},
+    "recompute, bf16 base": {"gradient_checkpointing": "recompute", "base_precision": "bf16"},
+    "offload, int8 base": {"gradient_checkpointing": "offload", "base_precision": "int8"},
+}
+
+
 def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int = 5, max_batch: int = 64) -> dict:
     from tasks.encode_text import encode_captions, run_encoder, tokenize
     from tasks.features import pad_sequences
     from tasks.models import load_noise_scheduler, load_text_encoder, load_vae
     from tasks.loss import diffusion_loss
-    from tasks.train import trainable_network
+    from tasks.train import kept_activations, trainable_network
 
     if not torch.cuda.is_available() and not tiny:
         return {"skipped": "no CUDA device: the real-architecture benchmarks need a GPU"}
@@ -144,28 +156,43 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
         with torch.inference_mode():
             results["latents"] = measure(lambda: vae.encode(images).latent_dist.mean, vae_batch, repeat, device)
 
-        training = TrainingConfig(rank=32, alpha=32, gradient_checkpointing=True, mixed_precision="bf16",
-                                  device=device.type)
-        network = trainable_network(model, training).to(device)
         noise_scheduler = load_noise_scheduler(model)
-        optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=1e-4)
-        generator = torch.Generator().manual_seed(0)
+        generator = torch.Generator(device).manual_seed(0)
         lengths = [len(ids) for ids in tokenize(texts, encoder.tokenizer, text)[0]]
         latent_side = resolution // 8
 
-        def step(latents: torch.Tensor, embeddings: torch.Tensor, mask: torch.Tensor) -> None:
-            loss = diffusion_loss(network, noise_scheduler, latents, embeddings, mask, generator, torch.bfloat16)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        def trainer(mode: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+            """One optimizer step of LoRA training in `mode`, as the trainer takes it."""
+            training = TrainingConfig(rank=32, alpha=16, mixed_precision="bf16", device=device.type, **MODES[mode])
+            network = trainable_network(model, training).to(device)
+            optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=1e-4,
+                                          fused=device.type == "cuda" or None)
 
-        def cached(batch: int) -> dict[str, float]:
+            def step(latents: torch.Tensor, embeddings: torch.Tensor, mask: torch.Tensor) -> None:
+                with kept_activations(training.gradient_checkpointing, device):
+                    loss = diffusion_loss(network, noise_scheduler, latents, embeddings, mask, generator,
+                                          torch.bfloat16)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            return step
+
+        def cached(step, batch: int) -> dict[str, float]:
             # what the cache hands the trainer: posterior latents and real-length embeddings
             latents = torch.randn(batch, 4, latent_side, latent_side, device=device)
             sequences = [torch.randn(lengths[i % len(lengths)], shapes["t5"]["d_model"]) for i in range(batch)]
             embeddings, mask = pad_sequences(sequences)
             embeddings, mask = embeddings.to(device), mask.to(device)
             return measure(lambda: step(latents, embeddings, mask), batch, repeat, device)
+
+        results["training_modes"] = {}
+        for mode in MODES:
+            step = trainer(mode)
+            batch, figures = largest_batch(lambda size: cached(step, size), max_batch)
+            results["training_modes"][mode] = {**figures, "batch": batch}
+            del step
+        step = trainer("recompute")
 
         def online(batch: int) -> dict[str, float]:
             pixels = torch.rand(batch, 3, resolution, resolution, device=device, dtype=torch.bfloat16) * 2 - 1
@@ -180,13 +207,17 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
 
             return measure(encode_and_step, batch, repeat, device)
 
-        for variant, trial in [("training_cached", cached), ("training_online", online)]:
-            batch, figures = largest_batch(trial, max_batch)
-            results[variant] = {**figures, "batch": batch}
+        batch, figures = largest_batch(online, max_batch)
+        results["training_online"] = {**figures, "batch": batch}
+    results["training_cached"] = results["training_modes"]["recompute"]
+
+    def rounded(figures: dict[str, Any]) -> dict[str, Any]:
+        figures = {**figures, "mfu": figures["tflops"] / peak if peak else None}
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}
+
     for key in ["text", "latents", "training_cached", "training_online"]:
-        figures = results[key]
-        figures["mfu"] = figures["tflops"] / peak if peak else None
-        results[key] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}
+        results[key] = rounded(results[key])
+    results["training_modes"] = {mode: rounded(figures) for mode, figures in results["training_modes"].items()}
     return results
 
 
@@ -209,7 +240,9 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
         ("PixArt-Sigma XL/2 LoRA, 1024 px, online", f"{online['per_s']:,.2f} samples/s",
          f"batch {online['batch']}, peak {online['peak_gib']:.1f} GiB{mfu(online)}; cached is "
          f"{cached['per_s'] / online['per_s']:.1f}x", ""),
-    ]
+    ] + [(f"PixArt-Sigma XL/2 LoRA, 1024 px, {mode}", f"{figures['per_s']:,.2f} samples/s",
+          f"largest batch {figures['batch']}, peak {figures['peak_gib']:.1f} GiB{mfu(figures)}", "")
+         for mode, figures in result["training_modes"].items()]
 
 
 def main() -> None:

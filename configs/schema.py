@@ -190,10 +190,36 @@ class TrainingConfig(Section):
         "accumulates global_batch / (batch_size × processes × nodes) micro-batches, so a run trains the same "
         "(same id, same results within float tolerance) on any number of nodes and processes that divides it; "
         "gradient_accumulation must then stay 1. None: batch_size × gradient_accumulation × processes × nodes.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory).")
+    batch_tokens: int | None = Field(
+        None, ge=1, description="Image tokens per micro-batch instead of a sample count: a bucket whose images are t "
+        "tokens each (latent height × width / patch²) gets batch_tokens // t samples (at least 1), so every "
+        "micro-batch carries about the same work and small buckets fill the device. None: batch_size samples.")
+    gradient_checkpointing: Literal["none", "recompute", "offload"] = Field(
+        "none", description="none: keep every activation for backward; recompute: keep only each transformer "
+        "block's input and recompute the block in backward (less memory, ~1/3 more compute); offload: recompute, "
+        "and the kept block inputs wait in pinned host memory (non-blocking copies), so the device holds almost no "
+        "activations. The same weights in every mode. true/false read as recompute/none.")
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
         "no", description="Autocast precision of the forward pass; fp16 also scales the loss (GradScaler)."
     )
+    base_precision: Literal["fp32", "bf16", "fp16", "int8"] = Field(
+        "fp32", description="How the frozen transformer weights are held for LoRA (the LoRA weights, optimizer state "
+        "and loss stay fp32): fp32; bf16 or fp16 (half the memory; needs mixed_precision of the same type); int8 "
+        "(weight-only, torchao: a quarter). method full trains in fp32.")
+    timestep_sampling: Literal["uniform", "logit_normal"] = Field(
+        "uniform", description="How training timesteps are drawn: uniform over the schedule (PixArt), or "
+        "logit-normal (sigmoid of N(logit_mean, logit_std), favouring the middle of the schedule).")
+    logit_mean: float = Field(0.0, description="Mean of the logit-normal timestep distribution.")
+    logit_std: float = Field(1.0, gt=0, description="Standard deviation of the logit-normal timestep distribution.")
+    loss_weighting: Literal["none", "min_snr"] = Field(
+        "none", description="none: every timestep weighs the same (PixArt); min_snr: Min-SNR-γ weighting, "
+        "min(SNR, γ) / SNR for epsilon, / (SNR + 1) for v_prediction, min(SNR, γ) for sample.")
+    min_snr_gamma: float = Field(5.0, gt=0, description="γ of min_snr loss weighting.")
+    log_every: int = Field(
+        10, ge=1, description="Steps between the losses leaving the device (metrics, log, progress): the loop never "
+        "waits for the device in between. Also at validation, checkpoints and the last step.")
+    prefetch: int = Field(2, ge=1, description="Batches read ahead of the device (with an accelerator).")
+    compile: bool = Field(False, description="torch.compile each transformer block (compiles once per bucket shape).")
     checkpoint_every: int = Field(
         500, ge=0, description="Steps between resumable checkpoints (0: none). A re-run resumes from the latest."
     )
@@ -229,10 +255,28 @@ class TrainingConfig(Section):
     )
     device: str = Field("auto", description="Torch device for training: auto, cpu, cuda, …")
 
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_as_bool(cls, value: Any) -> Any:
+        return {True: "recompute", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _precision_fits(self) -> TrainingConfig:
+        if self.base_precision in ("bf16", "fp16") and self.mixed_precision != self.base_precision:
+            raise ValueError(f"base_precision {self.base_precision} needs mixed_precision {self.base_precision} "
+                             f"(it is {self.mixed_precision}): a half-precision base computes under autocast")
+        if self.base_precision != "fp32" and self.method == "full":
+            raise ValueError(f"base_precision {self.base_precision} is for LoRA: method full trains every weight "
+                             f"in fp32")
+        return self
+
     @model_validator(mode="after")
     def _global_batch_splits(self) -> TrainingConfig:
         if self.global_batch is None:
             return self
+        if self.batch_tokens is not None:
+            raise ValueError("set global_batch or batch_tokens, not both: with batch_tokens a micro-batch's sample "
+                             "count depends on its bucket; set gradient_accumulation instead")
         if self.gradient_accumulation != 1:
             raise ValueError("set global_batch or gradient_accumulation, not both: global_batch fixes the "
                              "accumulation of every process")
@@ -253,9 +297,9 @@ class TrainingConfig(Section):
         return self.global_batch // (self.batch_size * self.world) if self.global_batch else self.gradient_accumulation
 
     @property
-    def samples_per_step(self) -> int:
-        """The global batch: samples per optimizer step over every process."""
-        return self.batch_size * self.world * self.accumulation
+    def micro_batches(self) -> int:
+        """Micro-batches per optimizer step over every process."""
+        return self.world * self.accumulation
 
 
 Stage = Literal["ingest", "encode-text", "encode-latents", "manifest", "train"]

@@ -85,13 +85,11 @@ class Distributed:
             return network
         return DistributedDataParallel(network, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
-    def mean(self, value: float) -> float:
-        """The mean of a number over every process (all of them call this)."""
-        if self.world == 1:
-            return value
-        total = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(total)
-        return total.item() / self.world
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over every process, in place (all of them call this)."""
+        if self.world > 1:
+            dist.all_reduce(values)
+        return values
 
     def close(self) -> None:
         if self.world > 1:

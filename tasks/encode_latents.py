@@ -132,8 +132,8 @@ def encode_latents_shard(
 
     # with an accelerator, decoding the next batch overlaps the VAE; on a CPU they would only
     # compete for the same cores
-    overlap = vae.device.type != "cpu"
-    for batch, pixels in zip(batches, prefetched(load_pixels, batches, overlap)):
+    ahead = 0 if vae.device.type == "cpu" else 1
+    for batch, pixels in zip(batches, prefetched(load_pixels, batches, ahead)):
         if latents.flip:
             pixels = torch.cat([pixels, pixels.flip(-1)])
         mean, logvar = encode_pixels(vae, pixels)

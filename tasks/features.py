@@ -92,22 +92,42 @@ def pad_sequences(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     return out, mask
 
 
-def bucket_batches(buckets: dict[str, list[str]], batch_size: int, seed: int) -> Iterator[list[str]]:
-    """Endless batches of sample ids, each from one bucket; epoch e shuffles with seed + e."""
+def batch_sizes(buckets: dict[str, list[str]], batch_size: int, batch_tokens: int | None, patch: int) -> dict[str, int]:
+    """Samples per micro-batch of each bucket (named "<height>x<width>" of its latents): batch_size,
+    or as many images as `batch_tokens` image tokens hold (at least one), a token being a patch of
+    `patch`² latent pixels."""
+    if batch_tokens is None:
+        return {name: batch_size for name in buckets}
+    sizes = {}
+    for name in buckets:
+        height, width = (int(side) for side in name.split("x"))
+        sizes[name] = max(1, batch_tokens // ((height // patch) * (width // patch)))
+    return sizes
+
+
+def bucket_batches(buckets: dict[str, list[str]], sizes: dict[str, int] | int, seed: int) -> Iterator[list[str]]:
+    """Endless batches of sample ids, each from one bucket, of its size in `sizes` (or that many
+    for every bucket); epoch e shuffles with seed + e."""
     epoch = 0
     while True:
         rng = random.Random(seed * 100_003 + epoch)
         batches = []
         for name in sorted(buckets):
-            ids = list(buckets[name])
+            ids, size = list(buckets[name]), sizes if isinstance(sizes, int) else sizes[name]
             rng.shuffle(ids)
-            batches += [ids[i : i + batch_size] for i in range(0, len(ids), batch_size)]
+            batches += [ids[i : i + size] for i in range(0, len(ids), size)]
         rng.shuffle(batches)
         yield from batches
         epoch += 1
 
 
-def draws(seed: int, index: int, purpose: str) -> torch.Generator:
-    """The generator of micro-batch `index`'s draws for `purpose` ("data", "noise", "dropout")."""
+def seed_of(seed: int, index: int, purpose: str) -> int:
+    """The seed of micro-batch `index`'s draws for `purpose` ("data", "noise", "dropout")."""
     digest = hashlib.sha256(f"{seed}/{index}/{purpose}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def draws(seed: int, index: int, purpose: str, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on `device` for micro-batch `index`'s draws for `purpose`: noise and timesteps
+    are drawn where the model runs, with no copy from the host."""
+    return torch.Generator(device).manual_seed(seed_of(seed, index, purpose))

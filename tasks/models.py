@@ -128,10 +128,12 @@ def encoding_work(records: list[dict[str, Any]], since: float, workers: int, loa
 
 
 @serialised
-def load_transformer(model: ModelConfig):
+def load_transformer(model: ModelConfig, dtype: torch.dtype | None = None):
+    """The model's PixArt transformer, its weights in `dtype` (None: as stored, fp32 when loaded)."""
     from diffusers import PixArtTransformer2DModel
 
-    return PixArtTransformer2DModel.from_pretrained(model.path, subfolder="transformer", revision=model.revision)
+    return PixArtTransformer2DModel.from_pretrained(model.path, subfolder="transformer", revision=model.revision,
+                                                    torch_dtype=dtype)
 
 
 TRAINABLE_PREDICTIONS = ("epsilon", "v_prediction", "sample")

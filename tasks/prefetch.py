@@ -1,7 +1,8 @@
-"""Overlap producing the next item with consuming the current one (one background thread)."""
+"""Overlap producing the next items with consuming the current one (one background thread)."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -10,21 +11,25 @@ T = TypeVar("T")
 _END = object()
 
 
-def prefetched(load: Callable[[Any], T], items: Iterable, overlap: bool = True) -> Iterator[T]:
-    """`load(item)` for each item, in order; with `overlap`, the next item is loaded in a
-    background thread while the caller works on the current one. `items` may be endless."""
+def prefetched(load: Callable[[Any], T], items: Iterable, ahead: int = 1) -> Iterator[T]:
+    """`load(item)` for each item, in order; up to `ahead` items are loaded in a background thread
+    while the caller works on the current one (0: loaded when asked for). `items` may be endless."""
     iterator = iter(items)
-    if not overlap:
+    if not ahead:
         yield from map(load, iterator)
         return
     with ThreadPoolExecutor(max_workers=1) as pool:
 
-        def submit():
+        def submit() -> bool:
             item = next(iterator, _END)
-            return None if item is _END else pool.submit(load, item)
+            if item is not _END:
+                upcoming.append(pool.submit(load, item))
+            return item is not _END
 
-        upcoming = submit()
-        while upcoming is not None:
-            current = upcoming.result()
-            upcoming = submit()
+        upcoming: deque = deque()
+        while len(upcoming) < ahead and submit():
+            pass
+        while upcoming:
+            current = upcoming.popleft().result()
+            submit()
             yield current

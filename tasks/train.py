@@ -14,7 +14,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
@@ -33,8 +35,8 @@ from tasks.checkpoints import Checkpointer, TrainingState
 from tasks.distributed import Distributed, NodeFailed, Rendezvous, free_port
 from tasks.ema import Ema
 from tasks.publisher import RunPublisher, read_metrics
-from tasks.features import CachedFeatures, bucket_batches, draws
-from tasks.loss import diffusion_loss
+from tasks.features import CachedFeatures, batch_sizes, bucket_batches, draws, seed_of
+from tasks.loss import Objective, diffusion_loss
 from tasks.models import (
     load_noise_scheduler, load_transformer, transformer_fingerprint,
 )
@@ -46,12 +48,15 @@ log = logging.getLogger(__name__)
 
 # settings that cannot change the trained weights or samples stay out of the run id; how the
 # global batch is split over nodes, processes and accumulation is one of them (the run id holds the
-# global batch itself), so a run is the same run on any number of nodes
+# micro-batches per step), so a run is the same run on any number of nodes; so are the memory and
+# speed settings whose math is the same (checkpointing recomputes exactly; compiled blocks compute
+# the same within float tolerance, as another device does)
 NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints", "nodes", "processes", "node_timeout",
-                 "gradient_accumulation", "global_batch"}
+                 "gradient_accumulation", "global_batch", "gradient_checkpointing", "compile", "prefetch",
+                 "log_every"}
 # in the run id: bump it with any change to training's code that changes what a run produces (the
 # loss, sampling, data order, outputs), so a re-run trains anew instead of returning the old run
-TRAIN_FORMAT = "precast.train/4"
+TRAIN_FORMAT = "precast.train/5"
 LEASE_POLL_SECONDS = 2.0
 JOIN_POLL_SECONDS = 1.0
 # progress(step, steps, loss, validation_loss or None)
@@ -63,7 +68,7 @@ def run_id_for(manifest_id: str, model: ModelConfig, training: TrainingConfig, i
     # over an unchanged manifest is the same run, and new data continues from the newest run
     init_id = init["sha256"] if init and training.init_from not in ("none", "latest") else None
     return hash_json({"manifest": manifest_id, "transformer": transformer_fingerprint(model),
-                      "training": {**training.model_dump(exclude=NOT_IN_RUN_ID), "global_batch": training.samples_per_step},
+                      "training": {**training.model_dump(exclude=NOT_IN_RUN_ID), "micro_batches": training.micro_batches},
                       "init": init_id, "format": TRAIN_FORMAT})
 
 
@@ -236,28 +241,32 @@ class Trainer:
         processes = Distributed.start(rank, world, local, address, training.device, training.node_timeout)
         device, leader = processes.device, processes.leader
 
+        # --- model: LoRA layers on the frozen transformer, or the whole transformer -----------
+        network = trainable_network(self.model, training, self.init).to(device)
+        replicas = processes.wrap(network)
+        noise_scheduler = load_noise_scheduler(self.model)
+        objective = Objective.of(training)
+
         # --- data: cached features only; each process takes every world-th micro-batch of the
         # global stream, and each micro-batch's draws are seeded by its index in that stream
         features = CachedFeatures(store, self.manifest)
         validation = Validation(features, training.validation_samples, training.validation_every,
                                 training.batch_size, training.seed)
-        stream = enumerate(bucket_batches(validation.training_buckets(), training.batch_size, training.seed))
+        buckets = validation.training_buckets()
+        sizes = batch_sizes(buckets, training.batch_size, training.batch_tokens, network.config.patch_size)
+        stream = enumerate(bucket_batches(buckets, sizes, training.seed))
         batches = islice(stream, rank, None, world)
 
-        # --- model: LoRA layers on the frozen transformer, or the whole transformer -----------
-        network = trainable_network(self.model, training, self.init).to(device)
-        replicas = processes.wrap(network)
-        noise_scheduler = load_noise_scheduler(self.model)
-
-        # --- optimiser: AdamW with linear warm-up ---------------------------------------------
+        # --- optimiser: AdamW (fused on accelerators) with linear warm-up ---------------------
         trainable = [p for p in network.parameters() if p.requires_grad]
         if training.optimizer == "adamw8bit":
             import bitsandbytes
 
-            adamw = bitsandbytes.optim.AdamW8bit
+            optimizer = bitsandbytes.optim.AdamW8bit(trainable, lr=training.learning_rate,
+                                                     weight_decay=training.weight_decay)
         else:
-            adamw = torch.optim.AdamW
-        optimizer = adamw(trainable, lr=training.learning_rate, weight_decay=training.weight_decay)
+            optimizer = torch.optim.AdamW(trainable, lr=training.learning_rate, weight_decay=training.weight_decay,
+                                          fused=device.type == "cuda" or None)
         warmup = max(1, training.warmup_steps)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.mixed_precision)
@@ -280,53 +289,77 @@ class Trainer:
 
         def load(item: tuple[int, list[str]]):
             index, sample_ids = item
-            return index, features.batch(sample_ids, draws(training.seed, index, "data"), training.caption_dropout)
+            batch = features.batch(sample_ids, draws(training.seed, index, "data"), training.caption_dropout)
+            if device.type == "cuda":  # pinned, so the copy to the device does not hold the host
+                batch = tuple(tensor.pin_memory() for tensor in batch)
+            return index, batch
 
-        # with an accelerator the next batch is read while the model works on this one; on a CPU
-        # that gains nothing (both share the same cores)
-        loader = prefetched(load, batches, overlap=device.type != "cpu")
+        # with an accelerator the next batches are read while the model works; on a CPU that gains
+        # nothing (both share the same cores)
+        loader = prefetched(load, batches, 0 if device.type == "cpu" else training.prefetch)
         publisher = RunPublisher(store, run, self.model, training, self.manifest, self.init, features.prompts)
 
-        # --- loop -----------------------------------------------------------------------------
+        def flush(steps: list[dict[str, Any]], validation_loss: float | None) -> None:
+            """The steps' losses, gradient norms and sample counts off the device in one read (the
+            loop's only wait for it), averaged over every process, into `metrics` and `progress`;
+            the last step's validation loss (rank 0) with them."""
+            table = torch.stack([torch.stack([s.pop("loss"), s.pop("grad_norm").float(),
+                                              torch.tensor(float(s.pop("samples")), device=device)])
+                                 for s in steps])
+            for row, (loss, norm, samples) in zip(steps, processes.sum(table).tolist()):
+                loss, norm = loss / world, norm / world
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss is {loss} at step {row['step']}")
+                metrics.append({"step": row["step"], "loss": loss, "lr": row["lr"], "bucket": row["bucket"],
+                                "batch": int(samples), "grad_norm": norm if math.isfinite(norm) else None})
+                scored = validation_loss if row is steps[-1] else None
+                if scored is not None:
+                    metrics[-1]["validation_loss"] = scored
+                if leader and (row["step"] % max(1, training.steps // 20) == 0 or row["step"] == training.steps):
+                    log.info("step %d/%d loss %.4f%s", row["step"], training.steps, loss,
+                             "" if scored is None else f" validation {scored:.4f}")
+                if leader and progress is not None:
+                    progress(row["step"], training.steps, loss, scored)
+            if leader and world > 1:
+                store.write_json(layout.run_part(run, "progress"), [metrics[-1]["step"], training.steps,
+                                                                    metrics[-1]["loss"], validation_loss])
+
+        # --- loop: nothing waits for the device but `flush`, every log_every steps -------------
         network.train()
         started = time.perf_counter()
+        unread: list[dict[str, Any]] = []
         for step in range(start + 1, training.steps + 1):
             optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
+            step_loss, samples = torch.zeros((), device=device), 0
             for micro in range(accumulation):
-                index, (latents, text, mask) = next(loader)
+                index, batch = next(loader)
+                latents, text, mask = (tensor.to(device, non_blocking=True) for tensor in batch)
                 if micro == 0:
                     bucket = f"{latents.shape[2]}x{latents.shape[3]}"
-                torch.manual_seed(draws(training.seed, index, "dropout").initial_seed())  # LoRA dropout
-                loss = diffusion_loss(replicas, noise_scheduler, latents.to(device), text.to(device),
-                                      mask.to(device), draws(training.seed, index, "noise"), half)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"loss is {loss.item()} at step {step}")
+                torch.manual_seed(seed_of(training.seed, index, "dropout"))  # LoRA dropout
+                with kept_activations(training.gradient_checkpointing, device):
+                    loss = diffusion_loss(replicas, noise_scheduler, latents, text, mask,
+                                          draws(training.seed, index, "noise", device), half, objective)
                 scaler.scale(loss / accumulation).backward()
-                step_loss += loss.item() / accumulation
+                step_loss += loss.detach() / accumulation
+                samples += len(latents)
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(trainable, training.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, training.max_grad_norm)
             scaler.step(optimizer)
             scaler.update()
             schedule.step()
             if ema is not None:
                 ema.update(network)
-            step_loss = processes.mean(step_loss)  # the logged loss is the mean over every micro-batch of the step
-            metrics.append({"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"],
-                            "bucket": bucket, "batch": training.samples_per_step})
-            if leader and validation.due(step, training.steps):
-                metrics[-1]["validation_loss"] = validation.loss(network, noise_scheduler, device, half)
-            if leader and (step % max(1, training.steps // 20) == 0 or step == training.steps):
-                log.info("step %d/%d loss %.4f%s", step, training.steps, step_loss,
-                         f" validation {metrics[-1]['validation_loss']:.4f}" if "validation_loss" in metrics[-1] else "")
-            if leader and progress is not None:
-                progress(step, training.steps, step_loss, metrics[-1].get("validation_loss"))
-            if leader and world > 1 and step % max(1, training.steps // 100) == 0:
-                store.write_json(layout.run_part(run, "progress"),
-                                 [step, training.steps, step_loss, metrics[-1].get("validation_loss")])
+            unread.append({"step": step, "loss": step_loss, "grad_norm": grad_norm, "samples": samples,
+                           "lr": optimizer.param_groups[0]["lr"], "bucket": bucket})
+            validating, checkpointing = validation.due(step, training.steps), checkpointer.due(step, training.steps)
+            if step % training.log_every == 0 or validating or checkpointing or step == training.steps:
+                flush(unread, validation.loss(network, noise_scheduler, device, half) if leader and validating
+                      else None)
+                unread = []
             if leader:
                 publisher.maybe_sample(network, step)
-            if leader and checkpointer.due(step, training.steps):
+            if leader and checkpointing:
                 checkpointer.save(step, state, metrics)
         elapsed = time.perf_counter() - started
         loader.close()
@@ -342,26 +375,49 @@ class Trainer:
         publisher.publish(network, metrics, start, elapsed)
 
 
+def kept_activations(checkpointing: str, device: torch.device):
+    """Where the tensors backward needs wait during forward: on the device, or with `offload` in
+    host memory (pinned beside an accelerator, copied there and back without holding the host:
+    torch's saved-tensor hooks). With checkpointing these are the blocks' inputs only."""
+    if checkpointing == "offload":
+        return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+    return contextlib.nullcontext()
+
+
 def trainable_network(model: ModelConfig, training: TrainingConfig, init: dict | None = None):
-    """The transformer with LoRA layers (only they train; from `init`'s weights when given), or
-    the whole transformer for `method: full`. Seeded: every process builds the same one."""
+    """The transformer with LoRA layers (only they train, in fp32; from `init`'s weights when
+    given) on the frozen base held in `base_precision`, or the whole transformer for `method:
+    full`; gradient checkpointing and compiled blocks as configured. Seeded: every process builds
+    the same one."""
     torch.manual_seed(training.seed)
-    transformer = load_transformer(model)
-    if training.gradient_checkpointing:
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.base_precision)
+    transformer = load_transformer(model, half)
+    if training.gradient_checkpointing != "none":
         transformer.enable_gradient_checkpointing()
     if training.method == "full":
-        return transformer.requires_grad_(True)
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+        network = transformer.requires_grad_(True)
+    else:
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
-    lora = LoraConfig(r=training.rank, lora_alpha=training.alpha, lora_dropout=training.lora_dropout,
-                      target_modules=training.target_modules, bias="none")
-    network = get_peft_model(transformer.requires_grad_(False), lora)
-    if init is not None:
-        try:
-            set_peft_model_state_dict(network, init["tensors"])
-        except RuntimeError as error:
-            raise ValueError(f"init_from {init['url']} does not fit this LoRA config: {error}") from error
-        log.info("continuing from %s", init["url"])
+        transformer.requires_grad_(False)
+        if training.base_precision == "int8":
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+            quantize_(transformer, Int8WeightOnlyConfig())
+        lora = LoraConfig(r=training.rank, lora_alpha=training.alpha, lora_dropout=training.lora_dropout,
+                          target_modules=training.target_modules, bias="none")
+        with warnings.catch_warnings():  # int8: PEFT warns that merging needs the quantisation recipe; never merged here
+            warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated without")
+            network = get_peft_model(transformer, lora)  # the adapter in fp32 on any base (autocast_adapter_dtype)
+        if init is not None:
+            try:
+                set_peft_model_state_dict(network, init["tensors"])
+            except RuntimeError as error:
+                raise ValueError(f"init_from {init['url']} does not fit this LoRA config: {error}") from error
+            log.info("continuing from %s", init["url"])
+    if training.compile:  # each block once per input shape; the rest of the model stays eager
+        for block in transformer.transformer_blocks:
+            block.compile()
     return network
 
 

@@ -29,6 +29,29 @@ def demo_data(tmp_path_factory) -> str:
     return str(write_demo_data(tmp_path_factory.mktemp("data") / "demo", count=24))
 
 
+SAMPLE_PROMPT = "a red circle on a blue background"
+
+
+@pytest.fixture(scope="session")
+def cached_manifest(tmp_path_factory, tiny_models, demo_data):
+    """A store whose manifest is built (every feature cached, SAMPLE_PROMPT encoded): (its config,
+    the manifest's key). Tests copy the store to a root of their own before training on it."""
+    from storage.store import Store
+    from tasks.manifest import build_manifest
+    from tasks.runner import run_direct
+
+    root = tmp_path_factory.mktemp("cached") / "store"
+    config = PipelineConfig.model_validate({
+        "storage": {"root": str(root)}, "dataset": {"sources": [{"path": demo_data}], "shard_size": 10},
+        "model": {"path": tiny_models}, "text_encoding": {"dtype": "fp32"},
+        "latent_encoding": {"resolution": 256, "storage_dtype": "fp32"},
+        "training": {"sample_prompts": [SAMPLE_PROMPT]}})
+    done = run_direct(config, until="encode-latents")
+    manifest = build_manifest(config.storage, done["ingest"]["id"], done["text_fingerprint"],
+                              done["vae_fingerprint"], [SAMPLE_PROMPT])
+    return config, Store(config.storage).key(manifest["url"])
+
+
 @pytest.fixture
 def make_config(tmp_path, tiny_models, demo_data):
     """A small config on a fresh store under tmp_path; keyword sections override defaults."""

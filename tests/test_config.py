@@ -29,6 +29,22 @@ def test_overrides_are_typed_and_unknown_keys_are_refused():
         load_config(None, ["latent_encoding.resolution=300"])
 
 
+def test_training_modes_that_do_not_fit_together_are_refused_by_name():
+    config = load_config(None, ["training.gradient_checkpointing=true"])  # the former boolean reads as recompute
+    assert config.training.gradient_checkpointing == "recompute"
+    assert load_config(None, ["training.gradient_checkpointing=false"]).training.gradient_checkpointing == "none"
+    refused = {
+        ("training.base_precision=bf16",): "base_precision bf16 needs mixed_precision bf16 \\(it is no\\)",
+        ("training.base_precision=fp16", "training.mixed_precision=bf16"): "base_precision fp16 needs mixed_precision fp16",
+        ("training.base_precision=int8", "training.method=full"): "base_precision int8 is for LoRA",
+        ("training.batch_tokens=1024", "training.global_batch=8"): "set global_batch or batch_tokens, not both",
+        ("training.gradient_checkpointing=sometimes",): "gradient_checkpointing",
+    }
+    for overrides, message in refused.items():
+        with pytest.raises(ValueError, match=message):
+            load_config(None, list(overrides))
+
+
 def test_every_field_has_a_description():
     def walk(model, prefix=""):
         for name, field in model.model_fields.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 import torch
@@ -157,11 +158,20 @@ def test_prefetch_overlaps_loading_and_keeps_order():
         loaded_in.append(threading.current_thread().name)
         return torch.tensor(item)
 
-    assert [int(t) for t in prefetched(load, [3, 1, 2], overlap=True)] == [3, 1, 2]
+    assert [int(t) for t in prefetched(load, [3, 1, 2], ahead=1)] == [3, 1, 2]
     assert all(name != threading.current_thread().name for name in loaded_in)  # loaded in the background
     loaded_in.clear()
-    assert [int(t) for t in prefetched(load, [3, 1], overlap=False)] == [3, 1]
+    assert [int(t) for t in prefetched(load, [3, 1], ahead=0)] == [3, 1]
     assert set(loaded_in) == {threading.current_thread().name}
-    endless = prefetched(load, iter(int, 1))  # an endless source is fine: one item ahead at most
-    assert [int(next(endless)) for _ in range(3)] == [0, 0, 0]
-    endless.close()
+    for ahead in (1, 3):  # an endless source is fine: `ahead` items read ahead at most
+        loaded_in.clear()
+        endless = prefetched(load, iter(int, 1), ahead=ahead)
+        assert [int(next(endless)) for _ in range(3)] == [0, 0, 0]
+        assert len(loaded_in) <= 3 + ahead
+        endless.close()
+    loaded_in.clear()
+    reader = prefetched(load, range(10), ahead=3)
+    assert int(next(reader)) == 0
+    time.sleep(0.2)
+    assert len(loaded_in) == 4  # the item asked for and three ahead of it
+    reader.close()

@@ -138,9 +138,9 @@ def test_interrupted_training_resumes_bit_identically(make_config, tmp_path, mon
     from tasks import prefetch
     from tasks import train as train_module
 
-    if background_loader:  # the accelerator path: batches read one step ahead in a thread
+    if background_loader:  # the accelerator path: batches read two steps ahead in a thread
         monkeypatch.setattr(train_module, "prefetched",
-                            lambda load, items, overlap: prefetch.prefetched(load, items, overlap=True))
+                            lambda load, items, ahead: prefetch.prefetched(load, items, ahead=2))
 
     def run(root, crash_at=None):
         config = make_config(root=str(root), training={"steps": 7, "checkpoint_every": 2, "keep_checkpoints": 2,

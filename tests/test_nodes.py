@@ -19,33 +19,14 @@ from safetensors.torch import load
 
 from storage import layout
 from storage.store import Store
-from tasks.manifest import build_manifest
-from tasks.runner import run_direct
 from tasks.train import train
 
 ROOT = Path(__file__).parent.parent
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cached(tmp_path_factory, tiny_models, demo_data):
-    """A store whose manifest is built (every feature cached), copied for each test's own root."""
-    from configs.schema import PipelineConfig
-
-    root = tmp_path_factory.mktemp("cached") / "store"
-    config = PipelineConfig.model_validate({
-        "storage": {"root": str(root)}, "dataset": {"sources": [{"path": demo_data}], "shard_size": 10},
-        "model": {"path": tiny_models}, "text_encoding": {"dtype": "fp32"},
-        "latent_encoding": {"resolution": 256, "storage_dtype": "fp32"},
-        "training": {"sample_prompts": []}})
-    done = run_direct(config, until="encode-latents")
-    manifest = build_manifest(config.storage, done["ingest"]["id"], done["text_fingerprint"],
-                              done["vae_fingerprint"], [])
-    return config, Store(config.storage).key(manifest["url"])
-
-
-def _config(cached, root: Path, **training):
-    base, _ = cached
+def _config(cached_manifest, root: Path, **training):
+    base, _ = cached_manifest
     if not root.exists():
         shutil.copytree(base.storage.root, root)
     values = {"rank": 4, "alpha": 4, "batch_size": 2, "learning_rate": 1e-3, "sample_prompts": [],
@@ -55,8 +36,8 @@ def _config(cached, root: Path, **training):
                                       "training": {**raw["training"], **values}})
 
 
-def _manifest(cached, config) -> str:
-    return Store(config.storage).url(cached[1])
+def _manifest(cached_manifest, config) -> str:
+    return Store(config.storage).url(cached_manifest[1])
 
 
 def _start(config, manifest: str, node: int, attempt: str) -> subprocess.Popen:
@@ -81,21 +62,21 @@ def _outputs(store: Store, run: str) -> tuple[list[float], dict[str, torch.Tenso
     return [m["loss"] for m in metrics], adapter, [m["validation_loss"] for m in metrics if "validation_loss" in m]
 
 
-def test_two_nodes_of_two_processes_train_what_one_process_trains_with_the_same_global_batch(cached, tmp_path):
+def test_two_nodes_of_two_processes_train_what_one_process_trains_with_the_same_global_batch(cached_manifest, tmp_path):
     """2 nodes × 2 processes (world 4, no accumulation) against 1 process accumulating 4
     micro-batches: the same global batch of 8, so the same run id, the same losses and the same
     adapter within float tolerance. The two nodes resume a run one process started and stopped
     after its step-3 checkpoint; rank 0 alone writes the run (one lineage, one adapter)."""
     from tests.test_manifest_and_train import kill_training_at
 
-    one = _config(cached, tmp_path / "one", steps=6, global_batch=8, checkpoint_every=3)
-    nodes = _config(cached, tmp_path / "nodes", steps=6, global_batch=8, checkpoint_every=3, nodes=2, processes=2)
+    one = _config(cached_manifest, tmp_path / "one", steps=6, global_batch=8, checkpoint_every=3)
+    nodes = _config(cached_manifest, tmp_path / "nodes", steps=6, global_batch=8, checkpoint_every=3, nodes=2, processes=2)
     assert (one.training.accumulation, nodes.training.accumulation) == (4, 1)
-    reference = train(one.storage, one.model, one.training, _manifest(cached, one))
-    stopped = _config(cached, tmp_path / "nodes", steps=6, global_batch=8, checkpoint_every=3)
-    kill_training_at(stopped, _manifest(cached, stopped), 20)  # in step 5, after the step-3 checkpoint
+    reference = train(one.storage, one.model, one.training, _manifest(cached_manifest, one))
+    stopped = _config(cached_manifest, tmp_path / "nodes", steps=6, global_batch=8, checkpoint_every=3)
+    kill_training_at(stopped, _manifest(cached_manifest, stopped), 20)  # in step 5, after the step-3 checkpoint
 
-    started = [_start(nodes, _manifest(cached, nodes), node, "attempt-1") for node in (0, 1)]
+    started = [_start(nodes, _manifest(cached_manifest, nodes), node, "attempt-1") for node in (0, 1)]
     results = [_finish(node) for node in started]
     for code, out, err, _ in results:
         assert code == 0, err[-3000:]
@@ -116,10 +97,10 @@ def test_two_nodes_of_two_processes_train_what_one_process_trains_with_the_same_
     assert sum(key.endswith("adapter_model.safetensors") for key in written) == 1
 
 
-def test_a_killed_node_fails_the_run_naming_it_within_the_timeout_and_a_rerun_resumes(cached, tmp_path):
-    config = _config(cached, tmp_path / "store", steps=16, checkpoint_every=3, nodes=2, node_timeout=8,
+def test_a_killed_node_fails_the_run_naming_it_within_the_timeout_and_a_rerun_resumes(cached_manifest, tmp_path):
+    config = _config(cached_manifest, tmp_path / "store", steps=16, checkpoint_every=3, nodes=2, node_timeout=8,
                      validation_samples=0)
-    manifest, store = _manifest(cached, config), Store(config.storage)
+    manifest, store = _manifest(cached_manifest, config), Store(config.storage)
     first = [_start(config, manifest, node, "attempt-1") for node in (0, 1)]
     deadline = time.monotonic() + 240
     while not [key for key in store.find("runs") if key.endswith(".safetensors.done")]:  # a checkpoint committed
@@ -141,9 +122,9 @@ def test_a_killed_node_fails_the_run_naming_it_within_the_timeout_and_a_rerun_re
     assert len(losses) == 16
 
 
-def test_a_node_that_never_joins_fails_the_run_within_the_timeout(cached, tmp_path):
-    config = _config(cached, tmp_path / "store", steps=3, nodes=2, node_timeout=6)
-    code, _, err, seconds = _finish(_start(config, _manifest(cached, config), 0, "attempt-1"))
+def test_a_node_that_never_joins_fails_the_run_within_the_timeout(cached_manifest, tmp_path):
+    config = _config(cached_manifest, tmp_path / "store", steps=3, nodes=2, node_timeout=6)
+    code, _, err, seconds = _finish(_start(config, _manifest(cached_manifest, config), 0, "attempt-1"))
     assert code != 0 and "node 1 never joined" in err, err[-3000:]
     assert seconds < 60
 
