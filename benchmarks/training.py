@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -181,14 +180,10 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident memory since it started its program: VmHWM, not getrusage's
-    ru_maxrss, which on Linux keeps the high-water mark of the parent's memory a child was forked
-    with across exec."""
-    status = Path("/proc/self/status")
-    if status.exists():
-        line = next(line for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
-        return round(int(line.split()[1]) / 1024, 1)
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    """This process's peak resident memory since it started its program."""
+    from tasks.train import peak_memory_gib
+
+    return round(peak_memory_gib(torch.device("cpu")) * 1024, 1)
 
 
 def main() -> None:

@@ -253,6 +253,16 @@ class TrainingConfig(Section):
         300.0, gt=0, description="Seconds a node may stay silent (no heartbeat, a collective not completing, not "
         "joining) before the whole run fails naming it; a re-run resumes from the last checkpoint."
     )
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="Experiment trackers that get the losses, learning rate, "
+        "gradient norm, samples/s, peak memory, sample grids and the run's config and lineage: tensorboard (event "
+        "files in the run folder on the store), mlflow (to mlflow_tracking_uri), wandb (as WANDB_* say; "
+        "WANDB_MODE=offline needs no network). mlflow and wandb are the package's extras. A tracker that fails "
+        "warns and is dropped; training never fails or waits for one.")
+    tracker_project: str = Field("precast", description="The MLflow experiment and W&B project runs are logged to.")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI (a server, or file:/path for a local store); None: MLflow's own "
+        "default (MLFLOW_TRACKING_URI, else ./mlruns).")
     device: str = Field("auto", description="Torch device for training: auto, cpu, cuda, …")
 
     @field_validator("gradient_checkpointing", mode="before")

@@ -51,6 +51,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"samples: {sample}")
     print(f"loss curve: {result['loss_curve']}")
     print(f"loss: {result['first_loss']:.4f} at the start, {result['final_loss']:.4f} at the end")
+    print(f"the run's page: precast inspect {result['run']}")
     return 0
 
 
@@ -116,8 +117,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from storage.store import Store
     from tasks.ingest import report_markdown
 
-    root, dataset_id = layout.parse_dataset(args.dataset_url)
     options = storage_options(args.option)
+    if f"/{layout.RUNS}/" in args.url:
+        from tasks.run_page import RunPage
+
+        page = RunPage.at(args.url, options)
+        if args.json:
+            print(json.dumps({"run": page.url, "record": page.record, "lineage": page.lineage, "metrics": page.metrics,
+                              "stages": page.stages}))
+        else:
+            print(page.text())
+        return 0
+    root, dataset_id = layout.parse_dataset(args.url)
     store = Store(StorageConfig(root=root, options=options))
     record = store.read_json(layout.dataset(dataset_id))
     report = store.read_json(layout.dataset_report(dataset_id))
@@ -224,11 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override a field of --config (repeatable)")
     submit.set_defaults(func=cmd_submit)
 
-    inspect = commands.add_parser("inspect", help="show a dataset's ingest report")
-    inspect.add_argument("dataset_url", help="<root>/datasets/<dataset_id>.json, as printed by ingest")
+    inspect = commands.add_parser("inspect", help="show a training run's page or a dataset's ingest report")
+    inspect.add_argument("url", help="a run (<root>/runs/<run_id>, as printed by run) or a dataset "
+                                     "(<root>/datasets/<dataset_id>.json, as printed by ingest)")
     inspect.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                          help="fsspec storage option for the root, e.g. endpoint_url=http://… (repeatable)")
-    inspect.add_argument("--json", action="store_true", help="print dataset record and report as one JSON line")
+    inspect.add_argument("--json", action="store_true", help="print the run's records and metrics, or the dataset "
+                                                             "record and report, as one JSON line")
     inspect.set_defaults(func=cmd_inspect)
 
     sample = commands.add_parser("sample", help="generate images with a trained run (PixArtSigmaPipeline)")

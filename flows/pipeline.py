@@ -15,8 +15,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from configs.schema import PipelineConfig, Stage
 from flows.stages import (
-    Plan, check_nodes_placed, run_encode_latents, run_encode_text, run_ingest, run_manifest, run_train, stored_dataset,
-    stored_manifest,
+    Plan, check_nodes_placed, publish_run_page, run_encode_latents, run_encode_text, run_ingest, run_manifest,
+    run_train, stored_dataset, stored_manifest,
 )
 from flows.summary import Summary
 from tasks.runner import outputs
@@ -34,10 +34,11 @@ def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
     summary.stage("encode-text", lambda: run_encode_text(plan, dataset))
     summary.stage("encode-latents", lambda: run_encode_latents(plan, dataset))
     manifest = summary.stage("manifest", lambda: run_manifest(plan, dataset))
-    summary.stage("train", lambda: run_train(plan, manifest))
+    run = summary.stage("train", lambda: run_train(plan, manifest))
     report = summary.markdown()  # what ran, what was cached, and how long each stage took
     create_markdown_artifact(key="pipeline-summary", markdown=report)
     log.info("%s", report)
+    publish_run_page(plan, run, summary.rows if summary.ran("train") else None)
     return outputs(summary.records)
 
 
@@ -57,4 +58,6 @@ def stage(name: Stage, config: PipelineConfig = PipelineConfig(), shards: list[s
         return run_encode_latents(plan, stored_dataset(plan), shards)
     if name == "manifest":
         return run_manifest(plan, stored_dataset(plan))
-    return run_train(plan, stored_manifest(plan), node, attempt)
+    run = run_train(plan, stored_manifest(plan), node, attempt)
+    publish_run_page(plan, run)
+    return run

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 import socket
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from prefect import task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
 
+from flows.progress import reporter
 from tasks.encode_latents import encode_latents_shard
 from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics
 from tasks.ingest import ingest
@@ -44,9 +43,6 @@ train_task = task(name="train", cache_policy=(INPUTS - "progress") + TASK_SOURCE
 TASKS = [ingest_task, encode_prompts_task, measure_numerics_task, encode_text_task, encode_latents_task,
          manifest_task, train_task]
 
-PROGRESS_SECONDS = 5.0
-
-
 def gpu_slot_name() -> str:
     return f"gpu-{socket.gethostname()}"
 
@@ -67,24 +63,16 @@ def device_slot(device: str) -> Iterator[None]:
 
 
 def training_progress() -> Callable[[int, int, float, float | None], None]:
-    """A `progress(step, steps, loss, validation_loss)` callback for `train` that keeps the
-    `training-progress` artifact of the task run it is called in up to date: the share of steps
-    done, and the latest training and validation loss as its description."""
-    artifact = None
-    last_update = 0.0
-    validation = None
+    """A `progress(step, steps, loss, validation_loss)` callback for `train`: the `training`
+    stage's progress (the `training-progress` artifact, a bar or plain lines), with the latest
+    training and validation loss."""
+    report, validation = reporter("training", "steps"), None
 
-    def report(step: int, steps: int, loss: float, validation_loss: float | None = None) -> None:
-        # each update is an API call: a few per minute, not one per percent (fast steps would wait on them)
-        nonlocal artifact, last_update, validation
+    def progress(step: int, steps: int, loss: float, validation_loss: float | None = None) -> None:
+        nonlocal validation
         validation = validation_loss if validation_loss is not None else validation
-        description = f"step {step}/{steps}" + (f", loss {loss:.4f}" if math.isfinite(loss) else "") + \
-            (f", validation loss {validation:.4f}" if validation is not None else "")
-        if artifact is None:
-            artifact = create_progress_artifact(progress=0.0, key="training-progress", description=description)
-            last_update = time.monotonic()
-        if step == steps or time.monotonic() - last_update >= PROGRESS_SECONDS:
-            update_progress_artifact(artifact, progress=100.0 * step / steps, description=description)
-            last_update = time.monotonic()
+        losses = [f"loss {loss:.4f}"] if math.isfinite(loss) else []
+        losses += [f"validation loss {validation:.4f}"] if validation is not None else []
+        report(step, steps, ", ".join(losses) or None)
 
-    return report
+    return progress

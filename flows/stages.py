@@ -30,6 +30,7 @@ from flows.stage_tasks import (
     device_slot, encode_latents_task, encode_prompts_task, encode_text_task, ingest_task, manifest_task,
     measure_numerics_task, train_task, training_progress,
 )
+from flows.progress import StageProgress, reporter
 from flows.workers import in_threads, stage_executor
 from storage import layout
 from storage.fingerprint import hash_json
@@ -40,7 +41,8 @@ from tasks.encode_text import encoding_report, prompts_cache_key, text_cache_rec
 from tasks.ingest import latest_dataset, report_markdown
 from tasks.manifest import manifest_id, manifest_record
 from tasks.models import text_encoder_fingerprint, vae_fingerprint
-from tasks.train import finished_run, run_for, run_markdown
+from tasks.run_page import RunPage
+from tasks.train import finished_run, run_for
 
 
 @dataclass
@@ -152,7 +154,7 @@ def run_ingest(plan: Plan) -> dict[str, Any]:
     if deployment := placed(config, "ingest"):
         run_elsewhere(config, deployment, "ingest")
         return stored_dataset(plan)
-    record = plan.configured(ingest_task)(config.storage, config.dataset)
+    record = plan.configured(ingest_task)(config.storage, config.dataset, progress=reporter("ingest", "files"))
     report = plan.store.read_json(plan.store.key(record["report"]))
     create_markdown_artifact(markdown=report_markdown(report), key="ingest-report",
                              description=f"ingest of dataset {record['id']}")
@@ -175,7 +177,10 @@ def run_encode_text(plan: Plan, dataset: dict[str, Any], shards: list[str] | Non
         with stage_executor(config.execution, config.text_encoding.device, plan.configured) as run:
             prompts = run.one(encode_prompts_task, *args, config.training.sample_prompts)
             run.one(measure_numerics_task, *args, every[0] if every else None)  # before any shard
-            records = run.map(encode_text_task, urls, *args)
+            progress = shard_progress(plan, "encode-text", dataset, shards, urls)
+            records = run.map(encode_text_task, urls, *args,
+                              completed=lambda record: progress.advance(1, record.get("samples", 0)))
+            progress.close()
             work = run.work(records)
         publish_work("encode-text", work)
     create_markdown_artifact(key="text-encoding", markdown=encoding_report(records))
@@ -190,11 +195,19 @@ def run_encode_latents(plan: Plan, dataset: dict[str, Any], shards: list[str] | 
         records = [store.require(layout.cache_shard("latents", fingerprint, shard_id_of(url))) for url in urls]
     else:
         with stage_executor(config.execution, config.latent_encoding.device, plan.configured) as run:
+            progress = shard_progress(plan, "encode-latents", dataset, shards, urls)
             records = run.map(encode_latents_task, urls, config.storage, config.model, config.latent_encoding,
-                              fingerprint)
+                              fingerprint, completed=lambda record: progress.advance(1, record["samples"]))
+            progress.close()
             work = run.work(records)
         publish_work("encode-latents", work)
     return {**latent_cache_record(store, fingerprint, records), "work": work}
+
+
+def shard_progress(plan: Plan, stage: str, dataset: dict[str, Any], shards: list[str] | None,
+                   urls: list[str]) -> StageProgress:
+    """An encoding stage's progress: its shards, and the dataset's images when it encodes them all."""
+    return StageProgress(stage, len(urls), "shards", items=dataset["samples"] if shards is None else None)
 
 
 def run_manifest(plan: Plan, dataset: dict[str, Any]) -> dict[str, Any]:
@@ -228,8 +241,16 @@ def run_train(plan: Plan, manifest: dict[str, Any], node: int | None = None, att
     with device_slot(config.training.device):
         record = task(config.storage, config.model, config.training, manifest["url"], progress=training_progress(),
                       node=node or 0, attempt=attempt)
-    create_markdown_artifact(key="training-run", markdown=run_markdown(record))
     return record
+
+
+def publish_run_page(plan: Plan, record: dict[str, Any], stages: list[dict[str, str]] | None = None) -> None:
+    """The `training-run` artifact: the run page of `record`'s run. `stages`, the summary of the
+    pipeline run that trained it, is kept in the run folder for every later reader of the page."""
+    run = plan.store.key(record["run"])
+    if stages is not None:
+        plan.store.write_json(layout.run_part(run, "stages"), stages)
+    create_markdown_artifact(key="training-run", markdown=RunPage.read(plan.store, run).markdown())
 
 
 def shard_urls(plan: Plan, dataset: dict[str, Any]) -> list[str]:

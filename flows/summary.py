@@ -9,12 +9,13 @@ from typing import Any
 
 from prefect import get_run_logger
 
+from tasks.run_page import stage_table
 
 
 class Summary:
     def __init__(self):
         self.started = time.time()
-        self.rows: list[tuple[str, str, str, str, str, str]] = []
+        self.rows: list[dict[str, str]] = []  # stage, status, amount, seconds, work, output
         # each stage's record by name, and "seconds": each stage's wall time (as tasks.runner's)
         self.records: dict[str, Any] = {"seconds": {}}
 
@@ -31,18 +32,17 @@ class Summary:
         seconds = time.perf_counter() - began
         # "ran" when any output was committed during this pipeline run, else everything was cached
         ran = result["committed_at"] >= self.started
-        self.rows.append((name, "ran" if ran else "cached", result["amount"], f"{seconds:.1f} s",
-                          work_text(result.get("work")), result["url"]))
+        self.rows.append({"stage": name, "status": "ran" if ran else "cached", "amount": result["amount"],
+                          "seconds": f"{seconds:.1f} s", "work": work_text(result.get("work")), "output": result["url"]})
         self.records[name] = result
         self.records["seconds"][name] = seconds
         return result
 
+    def ran(self, name: str) -> bool:
+        return any(row["stage"] == name and row["status"] == "ran" for row in self.rows)
+
     def markdown(self) -> str:
-        lines = ["# precast pipeline", "", "| stage | status | amount | time | work | output |",
-                 "| --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {name} | {status} | {amount} | {seconds} | {work} | `{where}` |"
-                  for name, status, amount, seconds, work, where in self.rows]
-        return "\n".join(lines)
+        return "\n".join(["# precast pipeline", "", *stage_table(self.rows)])
 
 
 def work_text(work: dict[str, Any] | None) -> str:

@@ -94,8 +94,15 @@ class InProcess:
         with device_slot(self.device):
             return self.configure(task)(*args)
 
-    def map(self, task: Task, items: list[Any], *args: Any) -> list[Any]:
-        return in_threads(lambda item: self.one(task, *args, item), items, self.limit)
+    def map(self, task: Task, items: list[Any], *args: Any,
+            completed: Callable[[Any], None] | None = None) -> list[Any]:
+        """Results in `items`' order; `completed(result)` as each completes."""
+        def run(item: Any) -> Any:
+            result = self.one(task, *args, item)
+            if completed is not None:
+                completed(result)
+            return result
+        return in_threads(run, items, self.limit)
 
     def work(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         return encoding_work(records, self.started, 1, sum(model_loads().values()) - self.loads)
@@ -131,9 +138,11 @@ class OnWorkers:
     def one(self, task: Task, *args: Any) -> Any:
         return self.map(task, [args[-1]], *args[:-1])[0]
 
-    def map(self, task: Task, items: list[Any], *args: Any) -> list[Any]:
-        """Results in `items`' order; raises the first failure (after the task's own retries). An
-        item whose workers kept dying is submitted again as a new task run, up to `retries` times."""
+    def map(self, task: Task, items: list[Any], *args: Any,
+            completed: Callable[[Any], None] | None = None) -> list[Any]:
+        """Results in `items`' order, `completed(result)` as each completes; raises the first failure
+        (after the task's own retries). An item whose workers kept dying is submitted again as a
+        new task run, up to `retries` times."""
         from distributed import KilledWorker, as_completed
 
         futures = {}
@@ -162,6 +171,8 @@ class OnWorkers:
             finally:
                 done.release()  # a result left on a worker that dies later would make Dask rerun the task
             results[index] = state.result()  # raises the task's error
+            if completed is not None:
+                completed(results[index])
         return results
 
     def work(self, records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -94,6 +94,8 @@ RUN_PARTS = {
     "metrics": "metrics.jsonl",
     "loss_curve": "loss_curve.png",
     "progress": "progress.json",  # relayed from rank 0 of a multi-process run
+    "stages": "stages.json",  # the pipeline summary of the flow run that trained it (the run page's)
+    "tensorboard": "tensorboard",  # the TensorBoard event files (one per attempt)
     "lease": "lease",  # one trainer at a time
     "samples": "samples",
     "checkpoints": "checkpoints",

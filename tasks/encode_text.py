@@ -149,6 +149,7 @@ def encode_text_shard(
             "numerics": numerics}
     record = store.commit(
         key, pack_ragged(rows, embeddings, meta), shard=shard_id, rows=len(rows), captions=len(texts),
+        samples=len({row.rsplit("/", 1)[0] for row in rows}),
         tokens=sum(len(e) for e in embeddings), truncated=truncated, numerics=numerics,
     )
     log.info("encoded %d captions of shard %s (%d tokens, %d truncated)", len(texts), shard_id,

@@ -246,10 +246,11 @@ def in_order(pool: ThreadPoolExecutor, work: Callable[[Unit], tuple[list[Outcome
 
 def scan_sources(
     storage: StorageConfig, dataset: DatasetConfig, images: dict[str, tuple[int, int, str]],
-    known: dict[str, list[Outcome]], spill: Path,
+    known: dict[str, list[Outcome]], spill: Path, progress: Callable[[int, int], None] | None = None,
 ) -> Scan:
     """Every source listed once and its units read `read_concurrency` at once, except those whose
-    outcomes `known` holds (recorded by an earlier ingest, its objects unchanged)."""
+    outcomes `known` holds (recorded by an earlier ingest, its objects unchanged);
+    `progress(units done, units listed)` after each unit."""
     scan = Scan(spill)
     limit = max_image_bytes(dataset)
 
@@ -258,12 +259,17 @@ def scan_sources(
             return known[unit.key], False
         return [examine(candidate, dataset, images, spill) for candidate in unit.read()], True
 
+    # every source listed before any is read: the total is known from the first unit on
+    listed = [list(source_units(list_source(source, source_options(source.path, storage)), source, limit))
+              for source in dataset.sources]
+    total, done = sum(map(len, listed)), 0
     with ThreadPoolExecutor(dataset.read_concurrency, thread_name_prefix="ingest-read") as pool:
-        for source in dataset.sources:
-            listing = list_source(source, source_options(source.path, storage))
-            units = source_units(listing, source, limit)
+        for units in listed:
             for unit, outcomes, read in in_order(pool, work, units, 4 * dataset.read_concurrency):
                 scan.add(unit, outcomes, read)
+                done += 1
+                if progress is not None:
+                    progress(done, total)
     return scan
 
 
@@ -290,15 +296,16 @@ def ingest_report(scan: Scan) -> dict[str, Any]:
     }
 
 
-def ingest(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:
+def ingest(storage: StorageConfig, dataset: DatasetConfig,
+           progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Ingest every source; returns the dataset's record (`dataset_record`), what was new, and what
-    was read (`work`)."""
+    was read (`work`); `progress(units done, units listed)` as the sources are read."""
     store = Store(storage)
     known, records, images, previous = read_sources_record(store, dataset)
     if previous is None:  # no earlier ingest of these sources: every shard of the store counts
         records, images = read_index(store)
     with tempfile.TemporaryDirectory(prefix="precast-ingest-") as spill:
-        scan = scan_sources(storage, dataset, images, known, Path(spill))
+        scan = scan_sources(storage, dataset, images, known, Path(spill), progress)
         if not scan.samples:
             raise RuntimeError(f"no usable samples in {[s.path for s in dataset.sources]}: "
                                f"{len(scan.quarantined)} quarantined")

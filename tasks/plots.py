@@ -1,48 +1,56 @@
-"""A loss-curve PNG drawn with Pillow alone (no plotting stack on training nodes)."""
+"""A run's training curves, drawn with matplotlib (its headless Agg canvas, no pyplot state): the
+one picture the run folder, the run page, the demo and the README show."""
 
 from __future__ import annotations
 
 import io
 from typing import Any
 
-from PIL import Image, ImageDraw
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-WIDTH, HEIGHT, MARGIN = 720, 360, 48
 
-
-def loss_curve_png(metrics: list[dict[str, Any]]) -> bytes:
-    """Per-step loss (light) and its running mean over ~2% of the run (dark blue), and the
-    held-out validation loss where it was measured (orange), against the step."""
-    image = Image.new("RGB", (WIDTH, HEIGHT), "white")
-    draw = ImageDraw.Draw(image)
+def training_curves(metrics: list[dict[str, Any]]) -> Figure:
+    """Two panels over the step: the training loss per step (light) and its running mean over ~2%
+    of the run, with the held-out validation loss where it was measured; the learning rate below."""
+    steps = [m["step"] for m in metrics]
     losses = [m["loss"] for m in metrics]
     window = max(1, len(losses) // 50)
     smooth = [sum(losses[max(0, i - window + 1) : i + 1]) / len(losses[max(0, i - window + 1) : i + 1])
               for i in range(len(losses))]
-    validation = [(i, m["validation_loss"]) for i, m in enumerate(metrics) if "validation_loss" in m]
-    low, high = min(losses + [v for _, v in validation]), max(losses + [v for _, v in validation])
-    span = (high - low) or 1.0
+    validation = [(m["step"], m["validation_loss"]) for m in metrics if "validation_loss" in m]
 
-    def point(index: int, value: float) -> tuple[float, float]:
-        x = MARGIN + (WIDTH - 2 * MARGIN) * (index / max(1, len(losses) - 1))
-        y = HEIGHT - MARGIN - (HEIGHT - 2 * MARGIN) * ((value - low) / span)
-        return x, y
-
-    draw.rectangle((MARGIN, MARGIN, WIDTH - MARGIN, HEIGHT - MARGIN), outline=(160, 160, 160))
-    if len(losses) > 1:
-        draw.line([point(i, v) for i, v in enumerate(losses)], fill=(170, 200, 235), width=1)
-        draw.line([point(i, v) for i, v in enumerate(smooth)], fill=(20, 70, 160), width=2)
-    if len(validation) > 1:
-        draw.line([point(i, v) for i, v in validation], fill=(230, 120, 20), width=2)
-    for i, v in validation:
-        x, y = point(i, v)
-        draw.ellipse((x - 3, y - 3, x + 3, y + 3), fill=(230, 120, 20))
-    title = f"loss  (steps {metrics[0]['step']}-{metrics[-1]['step']})"
+    figure = Figure(figsize=(8, 5), dpi=100, layout="constrained")
+    loss_axes, rate_axes = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+    loss_axes.plot(steps, losses, color="#a9c6eb", linewidth=0.8, label="training loss")
+    if window > 1:
+        loss_axes.plot(steps, smooth, color="#14469f", linewidth=1.8, label=f"training loss, mean of {window} steps")
     if validation:
-        title += f"   validation (orange): {validation[-1][1]:.4f} at step {metrics[validation[-1][0]]['step']}"
-    draw.text((MARGIN, 14), title, fill="black")
-    draw.text((4, MARGIN - 6), f"{high:.3f}", fill="black")
-    draw.text((4, HEIGHT - MARGIN - 6), f"{low:.3f}", fill="black")
+        loss_axes.plot(*zip(*validation), "o-", color="#e6781e", markersize=4, linewidth=1.5,
+                       label="validation loss (held-out samples)")
+    loss_axes.set_ylabel("loss")
+    loss_axes.grid(alpha=0.3)
+    loss_axes.legend(loc="upper right")
+    title = f"training, steps {steps[0]}–{steps[-1]}"
+    if validation:
+        title += f": validation loss {validation[-1][1]:.4f} at step {validation[-1][0]}"
+    loss_axes.set_title(title)
+    rate_axes.plot(steps, [m["lr"] for m in metrics], color="#3a7d44", linewidth=1.2)
+    rate_axes.set_ylabel("learning rate")
+    rate_axes.set_xlabel("step")
+    rate_axes.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    rate_axes.grid(alpha=0.3)
+    rate_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return figure
+
+
+def png(figure: Figure) -> bytes:
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
+    FigureCanvasAgg(figure).print_png(buffer)
     return buffer.getvalue()
+
+
+def loss_curve_png(metrics: list[dict[str, Any]]) -> bytes:
+    """`training_curves` as PNG bytes (the run folder's loss_curve.png)."""
+    return png(training_curves(metrics))

@@ -1,6 +1,6 @@
-"""What a training run shows and leaves: sample grids while it trains, then (rank 0 only) the
-trained weights, final samples, metrics, loss curve, config and lineage, the lineage committed
-last as the run's commit record."""
+"""What a training run shows and leaves (rank 0): its records and sample grids to the experiment
+trackers and the store while it trains, then the trained weights, final samples, metrics, loss
+curve, config and lineage, the lineage committed last as the run's commit record."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from storage.shards import RaggedShard
 from storage.store import Store
 from tasks.plots import loss_curve_png
 from tasks.sampling import sample_grid
+from tasks.trackers import Trackers
 
 
 class RunPublisher:
@@ -30,6 +31,24 @@ class RunPublisher:
         self.manifest, self.init, self.prompts = manifest, init, prompts
         # PEFT adapter, or the whole transformer in diffusers format
         self.output = "adapter" if training.method == "lora" else "transformer"
+        self.trackers = Trackers(store, run, training, self.lineage())
+
+    def lineage(self) -> dict[str, Any]:
+        """What made the run: manifest, model, training config, initial adapter, text settings, code."""
+        return {
+            "manifest": self.manifest["id"], "model": self.model.model_dump(), "training": self.training.model_dump(),
+            "init_from": self.init and {"url": self.init["url"], "sha256": self.init["sha256"]},
+            "text": {k: self.prompts.meta[k] for k in ("caption_preprocessing", "max_length")},
+            "fingerprints": {k: self.manifest[k] for k in ("text_fingerprint", "vae_fingerprint") if k in self.manifest},
+            "versions": package_versions(), "code": code_version(), "python": platform.python_version(),
+        }
+
+    def record(self, step: int, values: dict[str, float]) -> None:
+        """A step's figures to the trackers (they return at once)."""
+        self.trackers.scalars(step, values)
+
+    def checkpointed(self) -> None:
+        self.trackers.sync()
 
     def maybe_sample(self, network: torch.nn.Module, step: int) -> None:
         """Render the sample prompts every `sample_every` steps (the last step is `publish`'s)."""
@@ -49,6 +68,7 @@ class RunPublisher:
         buffer = io.BytesIO()
         grid.save(buffer, format="PNG")
         self.store.write_bytes(layout.sample(self.run, step), buffer.getvalue())
+        self.trackers.image(step, "samples", buffer.getvalue())
 
     def publish(self, network: torch.nn.Module, metrics: list[dict[str, Any]], start: int,
                 elapsed: float) -> dict[str, Any]:
@@ -67,12 +87,8 @@ class RunPublisher:
         store.write_bytes(layout.run_part(run, "loss_curve"), loss_curve_png(metrics))
         config = yaml.safe_dump(training.model_dump(), sort_keys=False).encode()
         store.write_bytes(layout.run_part(run, "config"), config)
-        lineage = {
-            "manifest": self.manifest["id"], "model": model.model_dump(), "training": training.model_dump(),
-            "init_from": self.init and {"url": self.init["url"], "sha256": self.init["sha256"]},
-            "text": {k: self.prompts.meta[k] for k in ("caption_preprocessing", "max_length")},
-            "versions": package_versions(), "code": code_version(), "python": platform.python_version(),
-        }
+        self.trackers.close()  # their files are in the run folder before the run commits
+        lineage = self.lineage()
         window = max(1, min(10, len(metrics) // 4))  # mean loss over the first and last few steps
         return store.commit_json(
             layout.run_part(run, "lineage"), lineage, run=store.url(run), samples=samples, model=model.model_dump(),

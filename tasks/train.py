@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 # the same within float tolerance, as another device does)
 NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints", "nodes", "processes", "node_timeout",
                  "gradient_accumulation", "global_batch", "gradient_checkpointing", "compile", "prefetch",
-                 "log_every"}
+                 "log_every", "trackers", "tracker_project", "mlflow_tracking_uri"}
 # in the run id: bump it with any change to training's code that changes what a run produces (the
 # loss, sampling, data order, outputs), so a re-run trains anew instead of returning the old run
 TRAIN_FORMAT = "precast.train/5"
@@ -297,12 +298,15 @@ class Trainer:
         # with an accelerator the next batches are read while the model works; on a CPU that gains
         # nothing (both share the same cores)
         loader = prefetched(load, batches, 0 if device.type == "cpu" else training.prefetch)
-        publisher = RunPublisher(store, run, self.model, training, self.manifest, self.init, features.prompts)
+        publisher = RunPublisher(store, run, self.model, training, self.manifest, self.init, features.prompts) \
+            if leader else None
+        flushed = time.perf_counter()  # when the last figures left the device
 
         def flush(steps: list[dict[str, Any]], validation_loss: float | None) -> None:
             """The steps' losses, gradient norms and sample counts off the device in one read (the
-            loop's only wait for it), averaged over every process, into `metrics` and `progress`;
-            the last step's validation loss (rank 0) with them."""
+            loop's only wait for it), averaged over every process, into `metrics`, `progress` and the
+            trackers; the last step's validation loss (rank 0) with them."""
+            nonlocal flushed
             table = torch.stack([torch.stack([s.pop("loss"), s.pop("grad_norm").float(),
                                               torch.tensor(float(s.pop("samples")), device=device)])
                                  for s in steps])
@@ -320,6 +324,15 @@ class Trainer:
                              "" if scored is None else f" validation {scored:.4f}")
                 if leader and progress is not None:
                     progress(row["step"], training.steps, loss, scored)
+                if leader:
+                    publisher.record(row["step"], {"loss/train": loss, "learning_rate": row["lr"], **(
+                        {"grad_norm": norm} if math.isfinite(norm) else {}), **(
+                        {"loss/validation": scored} if scored is not None else {})})
+            if leader:
+                now, samples = time.perf_counter(), sum(m["batch"] for m in metrics[-len(steps):])
+                publisher.record(metrics[-1]["step"], {"samples_per_s": samples / max(now - flushed, 1e-9),
+                                                       "peak_memory_gib": peak_memory_gib(device)})
+                flushed = now
             if leader and world > 1:
                 store.write_json(layout.run_part(run, "progress"), [metrics[-1]["step"], training.steps,
                                                                     metrics[-1]["loss"], validation_loss])
@@ -361,6 +374,7 @@ class Trainer:
                 publisher.maybe_sample(network, step)
             if leader and checkpointing:
                 checkpointer.save(step, state, metrics)
+                publisher.checkpointed()
         elapsed = time.perf_counter() - started
         loader.close()
         processes.close()
@@ -373,6 +387,21 @@ class Trainer:
         if ema is not None:  # the averaged weights are the run's result (and render its final samples)
             ema.copy_to(network)
         publisher.publish(network, metrics, start, elapsed)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """The most memory training has held: the accelerator's allocations, or this process's peak
+    resident memory on a CPU (VmHWM: getrusage's ru_maxrss keeps, across exec, the high-water mark
+    of the parent memory a child was forked with)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    status = Path("/proc/self/status")
+    if status.exists():
+        line = next(line for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
+        return int(line.split()[1]) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def kept_activations(checkpointing: str, device: torch.device):
@@ -420,15 +449,3 @@ def trainable_network(model: ModelConfig, training: TrainingConfig, init: dict |
             block.compile()
     return network
 
-
-def run_markdown(record: dict[str, Any]) -> str:
-    resumed = f" (resumed at step {record['resumed_from']})" if record["resumed_from"] else ""
-    lines = [f"# Training run{resumed}", "", f"- steps: {record['steps']}",
-             f"- loss: {record['first_loss']:.4f} at the start, {record['final_loss']:.4f} at the end",
-             f"- weights: `{record['url']}`",
-             f"- validation loss: {record['validation_loss']:.4f}" if record["validation_loss"] is not None
-             else "- validation loss: none (training.validation_samples is 0)",
-             f"- loss curve: `{layout.run_part(record['run'], 'loss_curve')}`",
-             f"- metrics: `{layout.run_part(record['run'], 'metrics')}`"]
-    lines += [f"- samples: `{url}`" for url in record["samples"]]
-    return "\n".join(lines)

@@ -64,7 +64,7 @@ def _files(store: Store) -> set[str]:
     return {path for path in store.fs.find(store.root_path) if "/prefect/" not in path}
 
 
-def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, tiny_models, caplog):
+def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, tiny_models, caplog, capsys):
     caplog.set_level(logging.INFO, logger="flows.pipeline")
     config = make_config()
     state = pipeline(config=config, return_state=True)
@@ -81,7 +81,11 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
 
     assert "## Quarantined by reason" in _latest_artifact("ingest-report")
     assert "| captions | tokens | truncated |" in _latest_artifact("text-encoding")
-    assert "# Training run" in _latest_artifact("training-run")
+    page = _latest_artifact("training-run")  # the run page: pictures inline, how to load, lineage, stage costs
+    assert page.startswith(f"# Training run `{result['run'].rsplit('/', 1)[1]}`")
+    assert "![sample grid](data:image/" in page and "![training curves: loss, validation loss, learning rate](data:" in page
+    assert f"`{result['weights']}`" in page and "PeftModel.from_pretrained(base, \"adapter\")" in page
+    assert "| manifest |" in page and "| ingest | ran | 24 samples in 3 shards |" in page
     assert float(_latest_artifact("training-progress")) == 100.0
 
     summary = _latest_artifact("pipeline-summary")
@@ -92,6 +96,18 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     assert work["encode-text"]["shards_encoded"] == work["encode-latents"]["shards_encoded"] == 3
     assert work["train"] == {} and "| 1 worker, " in summary
     assert work["ingest"]["units_read"] == 24 and work["ingest"]["units_reused"] == 0
+
+    from flows.cli import main  # the same page in the terminal
+
+    capsys.readouterr()
+    assert main(["inspect", result["run"]]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"training run {result['run']}") and "loss by step:" in text
+    assert f"weights: {result['weights']}" in text and "  encode-latents  ran" in text
+    assert main(["inspect", result["weights"], "--json"]) == 0  # the weights' URL finds their run
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["run"] == result["run"] and [s["stage"] for s in shown["stages"]][-1] == "train"
+    assert len(shown["metrics"]) == 6
 
     written = _files(store)
     again = pipeline(config=config, return_state=True)

@@ -44,9 +44,10 @@ def _required(name: str, extras: frozenset[str] = frozenset(), seen: set[str] | 
 
 
 def test_the_environment_is_the_locked_set():
-    """Every distribution precast (with its test tools) needs is locked, at the version installed."""
+    """Every distribution precast (with its optional trackers and test tools) needs is locked, at
+    the version installed."""
     locked = _locked("requirements.lock", "requirements-test.lock")
-    needed = _required("precast", frozenset({"test"})) - {"precast"}
+    needed = _required("precast", frozenset({"test", "mlflow", "wandb"})) - {"precast"}
     assert needed - set(locked) == set(), "needed but not locked: run infra/lock.sh"
     wrong = {name: (str(Version(metadata.version(name)).public), str(locked[name])) for name in needed
              if Version(Version(metadata.version(name)).public) != locked[name]}
@@ -57,8 +58,9 @@ def test_the_locks_satisfy_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     runtime, test = _locked("requirements.lock"), _locked("requirements-test.lock")
     assert set(runtime) & set(test) == set()  # the test tools never move a runtime pin
-    for text, pins in [(t, runtime) for t in project["dependencies"]] + \
-                      [(t, test | runtime) for t in project["optional-dependencies"]["test"]]:
+    extras = project["optional-dependencies"]
+    for text, pins in [(t, runtime) for t in project["dependencies"] + extras["mlflow"] + extras["wandb"]] + \
+                      [(t, test | runtime) for t in extras["test"]]:
         requirement = Requirement(text)
         version = pins.get(canonicalize_name(requirement.name))
         assert version is not None and requirement.specifier.contains(version, prereleases=True), (text, version)

@@ -193,7 +193,16 @@ def test_samples_during_training_loss_curve_and_precast_sample(make_config, tmp_
     assert [url.rsplit("/", 1)[1] for url in record["samples"]] == ["step-000002.png", "step-000004.png"]
     store = Store(config.storage)
     curve = Image.open(io.BytesIO(store.read_bytes(store.key(record["run"]) + "/loss_curve.png")))
-    assert curve.size == (720, 360)
+    assert curve.size == (800, 500)
+    # a plot a reader can read: labelled axes, integer step ticks, train and validation in a legend
+    from tasks.plots import training_curves
+    from tasks.publisher import read_metrics
+
+    loss_axes, rate_axes = training_curves(read_metrics(store, store.key(record["run"]))).axes
+    assert (loss_axes.get_ylabel(), rate_axes.get_ylabel(), rate_axes.get_xlabel()) == ("loss", "learning rate", "step")
+    legend = [text.get_text() for text in loss_axes.get_legend().get_texts()]
+    assert legend == ["training loss", "validation loss (held-out samples)"]
+    assert all(float(tick).is_integer() for tick in rate_axes.get_xticks())
 
     out = tmp_path / "out" / "sample.png"
     assert main(["sample", record["run"], "--prompt", prompts[0], "--prompt", prompts[1], "--out", str(out),

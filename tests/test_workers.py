@@ -10,6 +10,7 @@ from collections import Counter
 import psutil
 import pytest
 import torch
+from prefect.artifacts import Artifact
 
 from flows.pipeline import stage
 from storage.store import Store
@@ -46,6 +47,8 @@ def test_sixteen_shards_on_two_workers_load_each_model_at_most_twice(prefect_ser
         torch.set_num_threads(threads)
     records = _encode(two)
     for name, kind in (("encode-text", "text"), ("encode-latents", "latents")):
+        # progress counted at the flow as each worker's shard completed
+        assert Artifact.get(f"{name}-progress").description.startswith(f"{name}: {SHARDS}/{SHARDS} shards, ")
         work = records[name]["work"]
         assert work["workers"] == 2 and 1 <= work["model_loads"] <= 2, (name, work)
         assert work["shards_encoded"] == SHARDS and work["shards_cached"] == 0, (name, work)

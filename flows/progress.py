@@ -1,0 +1,110 @@
+"""A long stage's progress where its user looks: a Prefect progress artifact of the flow run
+(`<stage>-progress`, updated every few seconds while the stage runs, whichever workers do the work),
+a bar on a terminal, and on anything else (a worker's log, CI) a plain line at every tenth of the
+way. Each says what is done of what, how fast, and when it should end."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+log = logging.getLogger(__name__)
+ARTIFACT_SECONDS = 2.0  # each artifact update is an API call: a few a minute, whatever the pace
+
+
+class StageProgress:
+    """Progress of `stage` over `total` units of work (shards, files, steps) and, when given, the
+    items they hold (`items` of them in all: images, samples). `advance` may be called from any
+    thread; the ETA follows the pace of the units."""
+
+    def __init__(self, stage: str, total: int, unit: str, items: int | None = None, item_unit: str = "images"):
+        self.stage, self.total, self.unit = stage, max(total, 0), unit
+        self.items, self.item_unit = items, item_unit
+        self.done = self.items_done = 0
+        self.started = time.monotonic()
+        self.lock = threading.Lock()
+        self.artifact = None
+        self.tenths = 0  # plain lines printed so far
+        self.extra = ""
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, desc=stage, unit=f" {unit}", file=sys.stderr, dynamic_ncols=True)
+        try:
+            self.artifact = create_progress_artifact(progress=0.0, key=f"{stage}-progress", description=self.line())
+        except Exception as error:  # no flow run (the direct runner), or the API is away: terminal only
+            log.debug("no progress artifact for %s: %s", stage, error)
+        self.updated = time.monotonic()
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self.started
+        text = f"{self.stage}: {self.done:,}/{self.total:,} {self.unit}"
+        if self.items is not None or self.items_done:
+            text += f", {self.items_done:,}" + (f"/{self.items:,}" if self.items is not None else "") + \
+                f" {self.item_unit} ({self.items_done / max(elapsed, 1e-9):,.1f}/s)"
+        else:
+            text += f" ({self.done / max(elapsed, 1e-9):,.1f}/s)"
+        if 0 < self.done < self.total:
+            text += f", ETA {_duration(elapsed * (self.total - self.done) / self.done)}"
+        elif self.total and self.done >= self.total:
+            text += f", done in {_duration(elapsed)}"
+        return text + (f", {self.extra}" if self.extra else "")
+
+    def advance(self, count: int = 1, items: int = 0, extra: str | None = None) -> None:
+        """`count` more units done (holding `items` items); `extra` replaces the line's tail."""
+        with self.lock:
+            self.done = min(self.total, self.done + count)
+            self.items_done += items
+            if extra is not None:
+                self.extra = extra
+            finished = self.done >= self.total
+            if self.bar is not None:
+                self.bar.n = self.done
+                self.bar.set_postfix_str(self.line().split(", ", 1)[-1] if self.items or self.extra else "",
+                                         refresh=False)
+                self.bar.refresh()
+            elif self.total and (finished or 10 * self.done // self.total > self.tenths):
+                self.tenths = 10 * self.done // self.total
+                log.info("%s", self.line())
+            if self.artifact is not None and (finished or time.monotonic() - self.updated >= ARTIFACT_SECONDS):
+                try:
+                    update_progress_artifact(self.artifact, progress=100.0 * self.done / max(self.total, 1),
+                                             description=self.line())
+                except Exception as error:  # progress is a view: the stage goes on without it
+                    log.debug("progress artifact of %s not updated: %s", self.stage, error)
+                self.updated = time.monotonic()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def reporter(stage: str, unit: str) -> Callable[..., None]:
+    """A `progress(done, total, extra=None)` callback for a stage function (the stage modules never
+    import Prefect): its StageProgress is made at the first call, when the total is known."""
+    made: list[StageProgress] = []
+
+    def report(done: int, total: int, extra: str | None = None) -> None:
+        if not made:
+            made.append(StageProgress(stage, total, unit))
+        progress = made[0]
+        progress.advance(done - progress.done, extra=extra)
+        if done >= total:
+            progress.close()
+
+    return report
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"

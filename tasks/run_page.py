@@ -1,0 +1,163 @@
+"""A finished run on one page: its sample grid, training curves, weights and how to load them, its
+lineage, and what each pipeline stage that made it cost. Markdown with the pictures inline for the
+Prefect artifact (the UI renders data URIs), text for the terminal (`precast inspect RUN_URL`); the
+same sections, read from the run folder alone, so any machine that reaches the store shows it."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+
+from configs.schema import StorageConfig
+from storage import layout
+from storage.store import Store
+from tasks.plots import loss_curve_png
+from tasks.publisher import read_metrics
+
+PAGE_IMAGE_WIDTH = 1024  # the sample grid as the page shows it (the file keeps every pixel)
+
+
+def parse_run(url: str) -> tuple[str, str]:
+    """(store root URL, run key) of a run URL or its adapter/transformer URL."""
+    root, marker, rest = url.rstrip("/").rpartition(f"/{layout.RUNS}/")
+    if not marker or not rest:
+        raise ValueError(f"{url}: expected <root>/runs/<run_id>")
+    return root, layout.run_of(f"{layout.RUNS}/{rest}")
+
+
+@dataclass
+class RunPage:
+    url: str
+    record: dict[str, Any]  # the lineage's commit record: steps, losses, samples, weights
+    lineage: dict[str, Any]  # what trained it: manifest, model, training config, text, code, versions
+    metrics: list[dict[str, Any]]
+    stages: list[dict[str, Any]] | None  # the pipeline summary of the run that trained it
+    samples: bytes | None  # the final sample grid
+    curves: bytes
+
+    @classmethod
+    def read(cls, store: Store, run: str) -> RunPage:
+        record = store.committed(layout.run_part(run, "lineage"))
+        if record is None:
+            raise FileNotFoundError(f"{store.url(run)} is not a finished run (no committed lineage.json)")
+        lineage = json.loads(store.read_verified(layout.run_part(run, "lineage")))
+        metrics = read_metrics(store, run)
+        stages = store.read_json(layout.run_part(run, "stages")) if store.exists(layout.run_part(run, "stages")) \
+            else None
+        samples = store.read_bytes(store.key(record["samples"][-1])) if record["samples"] else None
+        return cls(store.url(run), record, lineage, metrics, stages, samples, loss_curve_png(metrics))
+
+    @classmethod
+    def at(cls, url: str, options: dict | None = None) -> RunPage:
+        root, run = parse_run(url)
+        return cls.read(Store(StorageConfig(root=root, options=options or {})), run)
+
+    def _weights(self) -> tuple[str, str]:
+        """Where the trained weights are, and Python that renders with them."""
+        record, model = self.record, self.record["model"]["path"]
+        if record["adapter"]:
+            code = (f"from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel\n"
+                    f"from peft import PeftModel\n\n"
+                    f"# the adapter folder copied locally (it holds adapter_config.json and adapter_model.safetensors)\n"
+                    f"base = PixArtTransformer2DModel.from_pretrained({model!r}, subfolder=\"transformer\")\n"
+                    f"transformer = PeftModel.from_pretrained(base, \"adapter\").merge_and_unload()\n"
+                    f"pipeline = PixArtSigmaPipeline.from_pretrained({model!r}, transformer=transformer)")
+            return record["adapter"], code
+        code = (f"from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel\n\n"
+                f"transformer = PixArtTransformer2DModel.from_pretrained(\"transformer\")  # the folder, copied locally\n"
+                f"pipeline = PixArtSigmaPipeline.from_pretrained({model!r}, transformer=transformer)")
+        return record["transformer"], code
+
+    def _facts(self) -> list[tuple[str, str]]:
+        record = self.record
+        resumed = f" (resumed at step {record['resumed_from']})" if record["resumed_from"] else ""
+        samples = sum(m.get("batch", 0) for m in self.metrics)
+        speed = f", {samples / record['seconds']:,.1f} samples/s" if samples and record["seconds"] else ""
+        validation = record["validation_loss"]
+        return [
+            ("steps", f"{record['steps']}{resumed} in {record['seconds']:,.0f} s{speed}"),
+            ("loss", f"{record['first_loss']:.4f} at the start, {record['final_loss']:.4f} at the end"),
+            ("validation loss", f"{validation:.4f}" if validation is not None else "none (validation_samples is 0)"),
+            ("model", record["model"]["path"] + (f" @ {record['model']['revision']}" if record["model"]["revision"]
+                                                  else "")),
+            ("manifest", self.lineage["manifest"]),
+        ]
+
+    def _lineage(self) -> list[tuple[str, str]]:
+        lineage = self.lineage
+        training = lineage["training"]
+        keys = ("method", "rank", "alpha", "steps", "batch_size", "batch_tokens", "learning_rate", "mixed_precision",
+                "base_precision", "gradient_checkpointing", "timestep_sampling", "loss_weighting", "seed")
+        init = lineage.get("init_from")
+        return [("training", ", ".join(f"{key} {training[key]}" for key in keys if training.get(key) is not None)),
+                ("continued from", f"{init['url']} (sha256 {init['sha256'][:12]})" if init else "none"),
+                ("text", ", ".join(f"{k} {v}" for k, v in lineage["text"].items())),
+                ("code", lineage["code"]),
+                ("versions", ", ".join(f"{k} {v}" for k, v in lineage["versions"].items()))]
+
+    def markdown(self) -> str:
+        """The Prefect artifact: pictures inline as data URIs."""
+        weights, code = self._weights()
+        lines = [f"# Training run `{self.url.rsplit('/', 1)[1]}`", "", f"`{self.url}`", ""]
+        if self.samples is not None:
+            lines += [f"![sample grid]({_data_uri(self.samples, PAGE_IMAGE_WIDTH)})", "",
+                      "Prompts: " + "; ".join(f"“{p}”" for p in self.lineage["training"]["sample_prompts"]), ""]
+        lines += [f"![training curves: loss, validation loss, learning rate]({_data_uri(self.curves)})", ""]
+        lines += ["| | |", "| --- | --- |"] + [f"| {name} | {value} |" for name, value in self._facts()]
+        lines += ["", "## Weights", "", f"`{weights}`", "", "```python", code, "```", "",
+                  f"Or `precast sample {self.url} --prompt \"…\"`; `precast export {self.url}` writes the LoRA in "
+                  f"ComfyUI's layout.", ""]
+        lines += ["## Lineage", "", "| | |", "| --- | --- |"] + [f"| {n} | {v} |" for n, v in self._lineage()]
+        lines += ["", "## Stages", ""] + (stage_table(self.stages) if self.stages else
+                                          ["Not recorded: trained outside the pipeline flow."])
+        return "\n".join(lines)
+
+    def text(self) -> str:
+        """The same page for a terminal: the pictures by URL, the curve as a table of steps."""
+        weights, code = self._weights()
+        record = self.record
+        out = [f"training run {self.url}"]
+        out += [f"  {name}: {value}" for name, value in self._facts()]
+        if record["samples"]:
+            out.append(f"  sample grid: {record['samples'][-1]}")
+        out.append(f"  training curves: {self.url}/{layout.RUN_PARTS['loss_curve']}")
+        out += ["", "loss by step:", "  step        loss  validation        lr"]
+        for row in _milestones(self.metrics):
+            validation = f"{row['validation_loss']:.4f}" if "validation_loss" in row else ""
+            out.append(f"  {row['step']:>4}  {row['loss']:>10.4f}  {validation:>10}  {row['lr']:>8.2e}")
+        out += ["", f"weights: {weights}", *("  " + line for line in code.splitlines()), "", "lineage:"]
+        out += [f"  {name}: {value}" for name, value in self._lineage()]
+        out += ["", "stages:"]
+        out += [f"  {s['stage']:<15} {s['status']:<7} {s['seconds']:>8}  {s['amount']}" + (f"; {s['work']}" if s["work"]
+                                                                                          else "")
+                for s in self.stages] if self.stages else ["  not recorded: trained outside the pipeline flow"]
+        return "\n".join(out)
+
+
+def _milestones(metrics: list[dict[str, Any]], count: int = 10) -> list[dict[str, Any]]:
+    """About `count` evenly spaced steps, the last and every validated one included."""
+    every = max(1, len(metrics) // count)
+    return [m for i, m in enumerate(metrics) if i % every == every - 1 or i == len(metrics) - 1 or "validation_loss" in m]
+
+
+def stage_table(stages: list[dict[str, Any]]) -> list[str]:
+    return (["| stage | status | amount | time | work | output |", "| --- | --- | --- | --- | --- | --- |"]
+            + [f"| {s['stage']} | {s['status']} | {s['amount']} | {s['seconds']} | {s['work']} | `{s['output']}` |"
+               for s in stages])
+
+
+def _data_uri(data: bytes, width: int | None = None) -> str:
+    """An image as a data URI; wider than `width`, scaled down and sent as JPEG."""
+    if width is not None:
+        image = Image.open(io.BytesIO(data))
+        if image.width > width:
+            image = image.convert("RGB").resize((width, round(image.height * width / image.width)))
+            buffer = io.BytesIO()
+            image.save(buffer, format="JPEG", quality=88)
+            return f"data:image/jpeg;base64,{base64.b64encode(buffer.getvalue()).decode()}"
+    return f"data:image/png;base64,{base64.b64encode(data).decode()}"
