@@ -5,15 +5,19 @@ way. Each says what is done of what, how fast, and when it should end."""
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 log = logging.getLogger(__name__)
+if log.level == logging.NOTSET:  # a worker's flow run logs libraries from WARNING on: progress still shows
+    log.setLevel(logging.INFO)
 ARTIFACT_SECONDS = 2.0  # each artifact update is an API call: a few a minute, whatever the pace
 
 
@@ -99,6 +103,54 @@ def reporter(stage: str, unit: str) -> Callable[..., None]:
             progress.close()
 
     return report
+
+
+@contextmanager
+def followed(stage: str, total: int) -> Iterator[StageProgress]:
+    """The progress of an encoding stage whose `total` shards run in child flow runs of this one
+    (placed on other nodes' pools): every few seconds the children's own `<stage>-progress`
+    artifacts, summed into this flow run's, so the pipeline run shows the whole stage moving."""
+    from prefect.context import FlowRunContext
+
+    progress = StageProgress(stage, total, "shards")
+    parent = FlowRunContext.get().flow_run.id
+    stop = threading.Event()
+
+    def follow() -> None:
+        while not stop.wait(ARTIFACT_SECONDS):
+            try:
+                progress.advance(children_done(parent, stage) - progress.done)
+            except Exception as error:  # a view: the stage goes on without it
+                log.debug("progress of %s's children not read: %s", stage, error)
+
+    # in this flow run's context, so its plain lines reach this run's logs
+    watcher = threading.Thread(target=contextvars.copy_context().run, args=(follow,), daemon=True)
+    watcher.start()
+    try:
+        yield progress
+        progress.advance(total - progress.done)
+    finally:
+        stop.set()
+        watcher.join()
+        progress.close()
+
+
+def children_done(parent, stage: str) -> int:
+    """Shards of `stage` done in the child flow runs of flow run `parent`, read from each child's
+    progress artifact (its fraction of the shards the child was given)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey, FlowRunFilter, FlowRunFilterParentFlowRunId,
+    )
+
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent])))
+        shards = {run.id: len(run.parameters.get("shards") or []) for run in children
+                  if run.parameters.get("name") == stage}
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[f"{stage}-progress"]), flow_run_id=ArtifactFilterFlowRunId(any_=list(shards))))
+    return sum(round(float(artifact.data) * shards[artifact.flow_run_id] / 100) for artifact in found)
 
 
 def _duration(seconds: float) -> str:

@@ -30,7 +30,7 @@ from flows.stage_tasks import (
     device_slot, encode_latents_task, encode_prompts_task, encode_text_task, ingest_task, manifest_task,
     measure_numerics_task, train_task, training_progress,
 )
-from flows.progress import StageProgress, reporter
+from flows.progress import StageProgress, followed, reporter
 from flows.workers import in_threads, stage_executor
 from storage import layout
 from storage.fingerprint import hash_json
@@ -123,7 +123,8 @@ def run_shards_elsewhere(config: PipelineConfig, deployment: str, stage: str, ur
     (`children_work`, with the `earlier` children's loads and shards)."""
     count = 1 if config.execution.cluster else min(len(urls), config.execution.max_parallel_shards)
     groups = [urls[index::count] for index in range(count)]
-    children = in_threads(lambda group: run_elsewhere(config, deployment, stage, group), groups, count)
+    with followed(stage, len(urls)):
+        children = in_threads(lambda group: run_elsewhere(config, deployment, stage, group), groups, count)
     return children_work(stage, children, earlier)
 
 

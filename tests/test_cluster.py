@@ -170,6 +170,19 @@ def test_pipeline_deployment_spreads_stages_over_pools(stack, first_run):
     # 2 shards x 2 encoders, and the text encoder's prompts and precision check before its shards
     assert len(encoders) == 5 and "encode-text-prepare" in encoders and set(encoders.values()) == {"precast-encode"}
     assert pools["train-all"] == "precast-train"
+    # each stage's progress is in the run's logs in the UI: the encoders' summed over their children
+    lines = [record.message for record in _api(stack, lambda client: client.read_logs(limit=200))]
+    for line in ("encode-text: 2/2 shards", "encode-latents: 2/2 shards", "training: "):
+        assert any(message.startswith(line) and "done in" in message for message in lines), lines
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.progress import children_done
+
+    child = next(run for run in runs if run.name.startswith("encode-latents-"))
+    parent = _api(stack, lambda client: client.read_task_run(child.parent_task_run_id)).flow_run_id
+    with temporary_settings({PREFECT_API_URL: stack["env"]["PREFECT_API_URL"]}):  # what the pipeline read
+        assert children_done(parent, "encode-latents") == 2 and children_done(parent, "encode-text") == 2
+        assert children_done(child.id, "encode-latents") == 0
 
     store = _store(stack)
     lineage = [key for key in store.fs.find(store.path("runs")) if key.endswith("lineage.json")]
