@@ -41,7 +41,7 @@ def run(count: int = 600) -> dict:
         storage = StorageConfig(root=str(Path(tmp) / "store"))
         dataset = DatasetConfig(sources=[SourceConfig(path=str(data))], shard_size=256)
         plain_loop(data)  # warm the page cache for both sides
-        nearest_ratio(1, 1, 1024)  # diffusers (bucket tables) loads once per worker process, not per ingest
+        nearest_ratio(1, 1, 1024)  # the bucket tables are read once per process, not per ingest
 
         started = time.perf_counter()
         verified = plain_loop(data)

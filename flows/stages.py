@@ -105,7 +105,7 @@ def run_elsewhere(config: PipelineConfig, deployment: str, stage: str, shards: l
     child = run_deployment(
         deployment, parameters=parameters,
         idempotency_key=f"{parent.flow_run.id}:{stage}:{part}" if parent else None, timeout=None,
-        flow_run_name=f"{stage}-{part}",
+        flow_run_name=f"{stage}-{part}", poll_interval=1,  # the next stage starts a second after, not five
     )
     if not child.state or not child.state.is_completed():
         state = child.state.type.value if child.state else "unknown"

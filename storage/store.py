@@ -167,10 +167,18 @@ class Store:
 
     def require_all(self, keys: list[str], concurrency: int = 32) -> list[dict[str, Any]]:
         """`require` of many keys, `concurrency` requests at once (each costs a round trip)."""
+        return self._each(self.require, keys, concurrency)
+
+    def committed_all(self, keys: list[str], concurrency: int = 32) -> list[dict[str, Any] | None]:
+        """`committed` of many keys, `concurrency` requests at once."""
+        return self._each(self.committed, keys, concurrency)
+
+    @staticmethod
+    def _each(read: Callable[[str], T], keys: list[str], concurrency: int) -> list[T]:
         if len(keys) <= 1 or concurrency == 1:
-            return [self.require(key) for key in keys]
+            return [read(key) for key in keys]
         with ThreadPoolExecutor(min(concurrency, len(keys))) as pool:
-            return list(pool.map(self.require, keys))
+            return list(pool.map(read, keys))
 
     def read_verified(self, key: str, sha256: str | None = None) -> bytes:
         """The bytes of a committed artifact, checked against `sha256` (default: its commit record's)

@@ -10,10 +10,14 @@ Output: `cache/latents/<vae_fp>/<shard_id>.safetensors`.
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import io
 import logging
 import random
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,15 +34,22 @@ from tasks.prefetch import prefetched
 log = logging.getLogger(__name__)
 
 
-def bucket_table(resolution: int) -> dict[str, list[float]]:
-    """diffusers' PixArt aspect-ratio table: height/width ratio → [height, width] in pixels."""
-    from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
-        ASPECT_RATIO_256_BIN, ASPECT_RATIO_512_BIN, ASPECT_RATIO_1024_BIN,
-    )
-    from diffusers.pipelines.pixart_alpha.pipeline_pixart_sigma import ASPECT_RATIO_2048_BIN
+BUCKET_TABLES = {256: "pipeline_pixart_alpha", 512: "pipeline_pixart_alpha", 1024: "pipeline_pixart_alpha",
+                 2048: "pipeline_pixart_sigma"}  # the diffusers module that defines each resolution's table
 
-    return {256: ASPECT_RATIO_256_BIN, 512: ASPECT_RATIO_512_BIN, 1024: ASPECT_RATIO_1024_BIN,
-            2048: ASPECT_RATIO_2048_BIN}[resolution]
+
+@functools.cache
+def bucket_table(resolution: int) -> dict[str, list[float]]:
+    """diffusers' PixArt aspect-ratio table (`ASPECT_RATIO_<resolution>_BIN`): height/width ratio →
+    [height, width] in pixels. Read from diffusers' source, not imported: importing its PixArt
+    pipelines loads transformers' models as well, seconds that an ingest report should not pay."""
+    name, module = f"ASPECT_RATIO_{resolution}_BIN", BUCKET_TABLES[resolution]
+    package = Path(importlib.util.find_spec("diffusers").origin).parent
+    source = package / "pipelines" / "pixart_alpha" / f"{module}.py"
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
+            return ast.literal_eval(node.value)
+    raise RuntimeError(f"{source} defines no {name}: this diffusers is not one precast knows")
 
 
 def nearest_ratio(width: int, height: int, resolution: int) -> str:

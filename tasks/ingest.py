@@ -372,6 +372,16 @@ def read_sources_record(store: Store, dataset: DatasetConfig) -> tuple[dict[str,
         outcomes = known.setdefault(row["key"], [])
         if row["source"] is not None:
             outcomes.append(Outcome(**{name: row[name] for name in RECORD_COLUMNS if name not in ("kind", "key", "shard")}))
+    shards = sorted(set(records.values()))
+    commits = store.committed_all([layout.image_shard(shard) for shard in shards], dataset.read_concurrency)
+    if gone := {shard for shard, commit in zip(shards, commits) if commit is None}:
+        # someone deleted shards the record points at: what they held is read from the sources again
+        log.warning("%d image shard(s) of the last ingest are gone (%s): their samples are read again",
+                    len(gone), ", ".join(sorted(gone)[:3]) + (", …" if len(gone) > 3 else ""))
+        lost = {sample_id for sample_id, (_, _, shard) in images.items() if shard in gone}
+        records = {key: shard for key, shard in records.items() if shard not in gone}
+        images = {sample_id: image for sample_id, image in images.items() if image[2] not in gone}
+        known = {key: outcomes for key, outcomes in known.items() if not any(o.sample_id in lost for o in outcomes)}
     return known, records, images, data
 
 

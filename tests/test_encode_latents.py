@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,8 @@ from tasks import encode_latents
 from tasks.encode_latents import bucket_table, crop_box, encode_latents_shard, preprocess
 from tasks.ingest import ingest
 from tasks.models import vae_fingerprint
+
+ROOT = Path(__file__).parent.parent
 
 
 def _encode(config, dataset=None, **settings):
@@ -59,6 +64,21 @@ def test_cached_posterior_equals_a_direct_vae_encode(make_config, tiny_models, p
         with torch.no_grad():  # the flipped twin is the posterior of the mirrored pixels
             flipped = vae.encode(pixels.flip(-1)[None]).latent_dist
         torch.testing.assert_close(cache.get(row["sample_id"], flipped=True)[0], flipped.mean[0], rtol=1e-4, atol=1e-5)
+
+
+def test_the_bucket_tables_are_diffusers_own():
+    """Read from diffusers' source without importing its pipelines: the same tables as the modules
+    PixArt's pipelines use, imported (in a fresh interpreter, which also shows that reading them
+    imports neither diffusers' pipelines nor transformers)."""
+    from diffusers.pipelines.pixart_alpha import pipeline_pixart_alpha, pipeline_pixart_sigma
+
+    for resolution in (256, 512, 1024):
+        assert bucket_table(resolution) == getattr(pipeline_pixart_alpha, f"ASPECT_RATIO_{resolution}_BIN")
+    assert bucket_table(2048) == pipeline_pixart_sigma.ASPECT_RATIO_2048_BIN
+    probe = ("import sys; from tasks.encode_latents import nearest_ratio; nearest_ratio(3, 2, 1024); "
+             "print(sorted(m for m in sys.modules if m.startswith(('diffusers.pipelines', 'transformers.models'))))")
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout
 
 
 def test_every_256_bucket_round_trips(make_config, tmp_path):

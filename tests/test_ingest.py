@@ -111,6 +111,23 @@ def test_reingest_writes_nothing_and_new_data_goes_to_new_shards(tmp_path, make_
     assert changed["samples"] == 25 and changed["new_samples"] == 1 and changed["id"] != edited["id"]
 
 
+def test_a_deleted_shard_is_rebuilt_from_the_sources(tmp_path, make_config, demo_data, caplog):
+    """The last ingest's record points at shards; one deleted by hand (data and commit) makes the
+    next ingest read its samples' files again and write the same shard back, not fail."""
+    config = make_config(source=str(demo_data))
+    store = Store(config.storage)
+    first = ingest(config.storage, config.dataset)
+    gone = f"shards/images/{first['shards'][1]['id']}.parquet"
+    before, size = store.read_bytes(gone), store.require(gone)["samples"]
+    store.remove(gone + ".done")
+    store.remove(gone)
+    again = ingest(config.storage, config.dataset)
+    assert again["id"] == first["id"] and store.read_bytes(gone) == before
+    assert again["work"]["units_read"] == size and again["work"]["units_reused"] == 24 - size
+    assert f"1 image shard(s) of the last ingest are gone ({first['shards'][1]['id']})" in caplog.text
+    assert ingest(config.storage, config.dataset)["work"]["units_read"] == 0
+
+
 def test_same_corpus_from_s3_gives_the_same_dataset_id(corpora, make_config, s3_endpoint, tmp_path):
     import s3fs
 
