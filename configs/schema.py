@@ -75,7 +75,8 @@ class DatasetConfig(Section):
     )
     read_concurrency: int = Field(
         32, ge=1, description="Source objects read (and images checked) at once: enough requests in flight to hide "
-        "an object store's per-request latency (~20 ms on S3); a local disk needs few.",
+        "an object store's per-request latency (~20 ms on S3). A local source uses at most one thread per core: "
+        "there is no latency to hide, and Pillow decodes in parallel threads.",
     )
 
 

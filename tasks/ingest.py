@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import tempfile
 import uuid
 from collections import Counter, deque
@@ -193,9 +194,13 @@ def read_index(store: Store) -> tuple[dict[tuple[str, tuple[str, ...]], str], di
     return records, images
 
 
+def is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
 def source_options(path: str, storage: StorageConfig) -> dict[str, Any]:
     """Remote sources share the store's fsspec options (endpoint, region); local ones need none."""
-    return fsspec_options(storage) if "://" in path and not path.startswith("file://") else {}
+    return fsspec_options(storage) if is_remote(path) else {}
 
 
 def examine(candidate: Candidate, dataset: DatasetConfig, images: dict[str, tuple[int, int, str]],
@@ -263,9 +268,12 @@ def scan_sources(
     listed = [list(source_units(list_source(source, source_options(source.path, storage)), source, limit))
               for source in dataset.sources]
     total, done = sum(map(len, listed)), 0
-    with ThreadPoolExecutor(dataset.read_concurrency, thread_name_prefix="ingest-read") as pool:
-        for units in listed:
-            for unit, outcomes, read in in_order(pool, work, units, 4 * dataset.read_concurrency):
+    for source, units in zip(dataset.sources, listed):
+        # a local disk has no request latency to hide: more threads than cores only contend
+        threads = dataset.read_concurrency if is_remote(source.path) else min(dataset.read_concurrency,
+                                                                              os.cpu_count() or 1)
+        with ThreadPoolExecutor(threads, thread_name_prefix="ingest-read") as pool:
+            for unit, outcomes, read in in_order(pool, work, units, 4 * threads):
                 scan.add(unit, outcomes, read)
                 done += 1
                 if progress is not None:

@@ -60,18 +60,21 @@ class RunPage:
     def _weights(self) -> tuple[str, str]:
         """Where the trained weights are, and Python that renders with them."""
         record, model = self.record, self.record["model"]["path"]
+        url = record["adapter"] or record["transformer"]
+        # a local store's folder loads as it is; a remote one's is copied first
+        local, note = (url.removeprefix("file://"), "") if url.startswith("file://") else \
+            ("adapter" if record["adapter"] else "transformer", "  # the folder, copied locally")
         if record["adapter"]:
             code = (f"from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel\n"
                     f"from peft import PeftModel\n\n"
-                    f"# the adapter folder copied locally (it holds adapter_config.json and adapter_model.safetensors)\n"
                     f"base = PixArtTransformer2DModel.from_pretrained({model!r}, subfolder=\"transformer\")\n"
-                    f"transformer = PeftModel.from_pretrained(base, \"adapter\").merge_and_unload()\n"
+                    f"transformer = PeftModel.from_pretrained(base, {local!r}).merge_and_unload(){note}\n"
                     f"pipeline = PixArtSigmaPipeline.from_pretrained({model!r}, transformer=transformer)")
-            return record["adapter"], code
-        code = (f"from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel\n\n"
-                f"transformer = PixArtTransformer2DModel.from_pretrained(\"transformer\")  # the folder, copied locally\n"
-                f"pipeline = PixArtSigmaPipeline.from_pretrained({model!r}, transformer=transformer)")
-        return record["transformer"], code
+        else:
+            code = (f"from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel\n\n"
+                    f"transformer = PixArtTransformer2DModel.from_pretrained({local!r}){note}\n"
+                    f"pipeline = PixArtSigmaPipeline.from_pretrained({model!r}, transformer=transformer)")
+        return url, code
 
     def _facts(self) -> list[tuple[str, str]]:
         record = self.record
@@ -91,7 +94,8 @@ class RunPage:
     def _lineage(self) -> list[tuple[str, str]]:
         lineage = self.lineage
         training = lineage["training"]
-        keys = ("method", "rank", "alpha", "steps", "batch_size", "batch_tokens", "learning_rate", "mixed_precision",
+        lora = ("rank", "alpha") if training.get("method", "lora") == "lora" else ()  # a full run has no adapter
+        keys = ("method", *lora, "steps", "batch_size", "batch_tokens", "learning_rate", "mixed_precision",
                 "base_precision", "gradient_checkpointing", "timestep_sampling", "loss_weighting", "seed")
         init = lineage.get("init_from")
         return [("training", ", ".join(f"{key} {training[key]}" for key in keys if training.get(key) is not None)),

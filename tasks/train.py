@@ -319,7 +319,8 @@ class Trainer:
                 scored = validation_loss if row is steps[-1] else None
                 if scored is not None:
                     metrics[-1]["validation_loss"] = scored
-                if leader and (row["step"] % max(1, training.steps // 20) == 0 or row["step"] == training.steps):
+                if leader and progress is None and (row["step"] % max(1, training.steps // 20) == 0
+                                                    or row["step"] == training.steps):  # else progress says it
                     log.info("step %d/%d loss %.4f%s", row["step"], training.steps, loss,
                              "" if scored is None else f" validation {scored:.4f}")
                 if leader and progress is not None:
