@@ -63,7 +63,7 @@ def decode_scaling(count: int = 96) -> dict:
     cores = os.cpu_count() or 1
     rates = {}
     pools = {"threads": lambda: ThreadPoolExecutor(cores),
-             "processes": lambda: ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("forkserver"))}
+             "processes": lambda: ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("spawn"))}
     for name, make in pools.items():
         with make() as pool:
             list(pool.map(check, photos[:cores], [dataset] * cores))  # started and warm

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from contextlib import contextmanager
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -41,7 +42,8 @@ class StageProgress:
 
             self.bar = tqdm(total=self.total, desc=stage, unit=f" {unit}", file=sys.stderr, dynamic_ncols=True)
         try:
-            self.artifact = create_progress_artifact(progress=0.0, key=f"{stage}-progress", description=self.line())
+            self.artifact = create_progress_artifact(progress=0.0 if self.total else 100.0, key=f"{stage}-progress",
+                                                     description=self.line())
         except Exception as error:  # no flow run (the direct runner), or the API is away: terminal only
             log.debug("no progress artifact for %s: %s", stage, error)
         self.updated = time.monotonic()
@@ -77,11 +79,8 @@ class StageProgress:
                 self.tenths = 10 * self.done // self.total
                 log.info("%s", self.line())
             if self.artifact is not None and (finished or time.monotonic() - self.updated >= ARTIFACT_SECONDS):
-                try:
-                    update_progress_artifact(self.artifact, progress=100.0 * self.done / max(self.total, 1),
-                                             description=self.line())
-                except Exception as error:  # progress is a view: the stage goes on without it
-                    log.debug("progress artifact of %s not updated: %s", self.stage, error)
+                percent, line = 100.0 * self.done / max(self.total, 1), self.line()
+                viewed(lambda: update_progress_artifact(self.artifact, progress=percent, description=line))
                 self.updated = time.monotonic()
 
     def close(self) -> None:
@@ -106,38 +105,61 @@ def reporter(stage: str, unit: str) -> Callable[..., None]:
 
 
 @contextmanager
-def followed(stage: str, total: int) -> Iterator[StageProgress]:
-    """The progress of an encoding stage whose `total` shards run in child flow runs of this one
-    (placed on other nodes' pools): every few seconds the children's own `<stage>-progress`
-    artifacts, summed into this flow run's, so the pipeline run shows the whole stage moving."""
+def followed(stage: str, shards: int | None = None, label: str | None = None) -> Iterator[None]:
+    """The progress of `stage` run in child flow runs of this one (placed on other pools), in this
+    flow run's own `<label>-progress` artifact (`label`: the stage's by default) every few seconds,
+    so the pipeline run shows every stage moving: an encoder's `shards` summed over its children
+    (each reports a fraction of the shards it was given); any other stage as its furthest child
+    reports it (ingest's one child, training's node 0)."""
     from prefect.context import FlowRunContext
 
-    progress = StageProgress(stage, total, "shards")
-    parent = FlowRunContext.get().flow_run.id
-    stop = threading.Event()
+    parent, label = FlowRunContext.get().flow_run.id, label or stage
+    summed = StageProgress(label, shards, "shards") if shards is not None else None
+    mirror: list = []  # the artifact, made when a child first reports
+
+    def poll() -> None:
+        children = children_progress(parent, stage, label)
+        if summed is not None:
+            summed.advance(sum(round(percent * given / 100) for given, percent, _ in children) - summed.done)
+        elif children:
+            _, percent, description = max(children, key=lambda child: child[1])
+            if not mirror:
+                mirror.append(create_progress_artifact(progress=percent, key=f"{label}-progress",
+                                                       description=description))
+            else:
+                update_progress_artifact(mirror[0], progress=percent, description=description)
 
     def follow() -> None:
         while not stop.wait(ARTIFACT_SECONDS):
-            try:
-                progress.advance(children_done(parent, stage) - progress.done)
-            except Exception as error:  # a view: the stage goes on without it
-                log.debug("progress of %s's children not read: %s", stage, error)
+            viewed(poll)
 
-    # in this flow run's context, so its plain lines reach this run's logs
+    stop = threading.Event()
+    # in this flow run's context: its artifact and plain lines belong to this run
     watcher = threading.Thread(target=contextvars.copy_context().run, args=(follow,), daemon=True)
     watcher.start()
     try:
-        yield progress
-        progress.advance(total - progress.done)
+        yield
     finally:
         stop.set()
         watcher.join()
-        progress.close()
+    if summed is not None:
+        summed.advance(shards - summed.done)
+        summed.close()
+    else:
+        viewed(poll)  # the children's last word: 100 when they finished
 
 
-def children_done(parent, stage: str) -> int:
-    """Shards of `stage` done in the child flow runs of flow run `parent`, read from each child's
-    progress artifact (its fraction of the shards the child was given)."""
+def viewed(update: Callable[[], Any]) -> None:
+    """`update()` of a progress view: the stage goes on without it when the API fails."""
+    try:
+        update()
+    except Exception as error:
+        log.debug("progress not updated: %s", error)
+
+
+def children_progress(parent, stage: str, label: str | None = None) -> list[tuple[int, float, str]]:
+    """For each child flow run of flow run `parent` that runs `stage` and has reported: the shards
+    it was given, its progress (percent) and its description, from its `<label>-progress` artifact."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey, FlowRunFilter, FlowRunFilterParentFlowRunId,
@@ -146,11 +168,12 @@ def children_done(parent, stage: str) -> int:
     with get_client(sync_client=True) as client:
         children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent])))
-        shards = {run.id: len(run.parameters.get("shards") or []) for run in children
-                  if run.parameters.get("name") == stage}
+        given = {run.id: len(run.parameters.get("shards") or []) for run in children
+                 if run.parameters.get("name") == stage}
         found = client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=[f"{stage}-progress"]), flow_run_id=ArtifactFilterFlowRunId(any_=list(shards))))
-    return sum(round(float(artifact.data) * shards[artifact.flow_run_id] / 100) for artifact in found)
+            key=ArtifactFilterKey(any_=[f"{label or stage}-progress"]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=list(given))))
+    return [(given[artifact.flow_run_id], float(artifact.data), artifact.description or "") for artifact in found]
 
 
 def _duration(seconds: float) -> str:

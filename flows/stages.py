@@ -153,7 +153,8 @@ def children_work(stage: str, children: Sequence[Any], earlier: Sequence[Any] = 
 def run_ingest(plan: Plan) -> dict[str, Any]:
     config = plan.config
     if deployment := placed(config, "ingest"):
-        run_elsewhere(config, deployment, "ingest")
+        with followed("ingest"):
+            run_elsewhere(config, deployment, "ingest")
         return stored_dataset(plan)
     record = plan.configured(ingest_task)(config.storage, config.dataset, progress=reporter("ingest", "files"))
     report = plan.store.read_json(plan.store.key(record["report"]))
@@ -233,8 +234,9 @@ def run_train(plan: Plan, manifest: dict[str, Any], node: int | None = None, att
     at once (a node's child gets its `node` index and the `attempt` id the nodes share)."""
     config, nodes = plan.config, plan.config.training.nodes
     if deployment := placed(config, "train"):
-        in_threads(lambda index: run_elsewhere(config, deployment, "train", node=index if nodes > 1 else None),
-                   list(range(nodes)), nodes)
+        with followed("train", label="training"):
+            in_threads(lambda index: run_elsewhere(config, deployment, "train", node=index if nodes > 1 else None),
+                       list(range(nodes)), nodes)
         return stored_run(plan, manifest)
     task = plan.configured(train_task)
     if nodes > 1:  # a retried node alone cannot rejoin its peers: a re-run retries them all, and resumes

@@ -388,6 +388,7 @@ class Trainer:
         if ema is not None:  # the averaged weights are the run's result (and render its final samples)
             ema.copy_to(network)
         publisher.publish(network, metrics, start, elapsed)
+        log.info("trained %s: steps %d-%d in %.1f s", run, start + 1, training.steps, elapsed)
 
 
 def peak_memory_gib(device: torch.device) -> float:

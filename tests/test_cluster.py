@@ -176,13 +176,21 @@ def test_pipeline_deployment_spreads_stages_over_pools(stack, first_run):
         assert any(message.startswith(line) and "done in" in message for message in lines), lines
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.progress import children_done
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    from flows.progress import children_progress
 
     child = next(run for run in runs if run.name.startswith("encode-latents-"))
     parent = _api(stack, lambda client: client.read_task_run(child.parent_task_run_id)).flow_run_id
-    with temporary_settings({PREFECT_API_URL: stack["env"]["PREFECT_API_URL"]}):  # what the pipeline read
-        assert children_done(parent, "encode-latents") == 2 and children_done(parent, "encode-text") == 2
-        assert children_done(child.id, "encode-latents") == 0
+    with temporary_settings({PREFECT_API_URL: stack["env"]["PREFECT_API_URL"]}):  # what the pipeline reads
+        for stage, shards in (("encode-text", [0, 1, 1]), ("encode-latents", [1, 1])):  # each child's, all at 100%
+            children = children_progress(parent, stage)  # (encode-text's first child: the prompts, no shard)
+            assert sorted(given for given, _, _ in children) == shards and {p for _, p, _ in children} == {100}
+        assert children_progress(child.id, "encode-latents") == []
+    progress = _api(stack, lambda client: client.read_artifacts(artifact_filter=ArtifactFilter(
+        key=ArtifactFilterKey(any_=["training-progress"]), flow_run_id=ArtifactFilterFlowRunId(any_=[parent]))))
+    # the placed train stage's progress, followed into the pipeline run's own artifact
+    assert len(progress) == 1 and float(progress[0].data) == 100 and progress[0].description.startswith("training: 4/4")
 
     store = _store(stack)
     lineage = [key for key in store.fs.find(store.path("runs")) if key.endswith("lineage.json")]
