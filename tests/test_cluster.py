@@ -83,6 +83,13 @@ def _train_placed(stack, **training) -> dict:
     return config
 
 
+def _nightly(stack, **training) -> dict:
+    """`_train_placed` with the encoders' shards sent to the stack's Dask workers (execution.cluster)."""
+    config = _train_placed(stack, **training)
+    config["execution"]["cluster"] = stack["cluster"]
+    return config
+
+
 def _config_file(stack, config: dict, name: str = "my-run.yaml") -> str:
     import yaml
 
@@ -211,15 +218,17 @@ def test_the_nightly_deployment_runs_at_two_utc(stack):
 
 @pytest.fixture(scope="module")
 def scheduled_night(stack, first_run) -> dict:
-    """A user's config deployed with a nightly schedule 1-2 minutes ahead, then deployed again with
+    """A user's config deployed with a nightly schedule 2-3 minutes ahead, then deployed again with
     another step count; the server's scheduler creates the night's run, which a worker executes while
     the tests in between run. Returns the run the scheduler created, its time and its cron."""
     import datetime
 
     now = datetime.datetime.now(datetime.timezone.utc)
-    when = (now + datetime.timedelta(seconds=120)).replace(second=0, microsecond=0)  # 60-120 s from now
+    # 120-180 s from now: both deploys and the scheduler's runs fit before it on a loaded machine
+    # (at 60-120 s the night had started before the second deploy); the tests in between take longer
+    when = (now + datetime.timedelta(seconds=180)).replace(second=0, microsecond=0)
     cron = f"{when.minute} {when.hour} * * *"
-    path = _config_file(stack, _train_placed(stack), "nightly.yaml")
+    path = _config_file(stack, _nightly(stack), "nightly.yaml")
     found = {}
 
     def deploy_then_wait_for_the_scheduler(steps: int):
@@ -244,7 +253,7 @@ def test_deploying_a_users_config_again_updates_every_deployment_and_the_schedul
     first, run, nightly = scheduled_night["first"], scheduled_night["run"], scheduled_night["nightly"]
     assert first[0].parameters["config"]["training"]["steps"] == 3
     assert run.id != first[0].id and run.parameters["config"]["training"]["steps"] == 5
-    expected = PipelineConfig.model_validate(_train_placed(stack, steps=5))
+    expected = PipelineConfig.model_validate(_nightly(stack, steps=5))
     pipeline = _api(stack, lambda client: client.read_deployment_by_name("precast-pipeline/pipeline"))
     assert pipeline.parameters["config"] == expected.model_dump(mode="json")  # the UI form's values
     assert nightly.parameters["config"]["training"] == {**expected.model_dump(mode="json")["training"],
@@ -330,8 +339,9 @@ def test_credentials_never_reach_objects_or_logs(stack):
 def test_the_schedulers_nightly_run_completes_and_an_unchanged_night_encodes_nothing(stack, first_run,
                                                                                      scheduled_night):
     """The run the server's scheduler created (last test: it ran meanwhile) completes with the
-    deployed values, on the S3 root, training anew from the latest adapter; its encoders find every
-    shard the first run encoded cached and encode none again."""
+    deployed values, on the S3 root, training anew from the latest adapter; its encoders send their
+    shards to the Dask cluster's two workers, which find every shard the first run encoded cached
+    and encode none again."""
     import datetime
 
     when, run = scheduled_night["when"], scheduled_night["run"]
@@ -348,6 +358,6 @@ def test_the_schedulers_nightly_run_completes_and_an_unchanged_night_encodes_not
     rows = _summary_rows(stack, run.id)
     for stage in ("encode-text", "encode-latents"):
         workers, loads, encoded, cached = _encoder_work(rows[stage])
-        assert (encoded, cached) == (0, 2), rows[stage]
+        assert (workers, loads, encoded, cached) == (2, 0, 0, 2), rows[stage]
     encoded = _encoded(store)
     assert {key: encoded[key] for key in first_run} == first_run  # nothing the first run encoded was encoded again
