@@ -14,7 +14,6 @@ Usage: python -m benchmarks.ingest_throughput [--count 600]
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import json
 import multiprocessing
@@ -28,6 +27,7 @@ import numpy as np
 from PIL import Image
 
 from configs.schema import DatasetConfig, SourceConfig, StorageConfig
+from storage.fingerprint import sha256_bytes
 from tasks.demo_data import write_demo_data
 from tasks.encode_latents import nearest_ratio
 from tasks.ingest import ingest, normalise_image
@@ -46,7 +46,7 @@ def plain_loop(folder: Path, decode: bool = False) -> int:
 
 def check(data: bytes, dataset: DatasetConfig) -> tuple[int, int]:
     """What ingest does to a new image's bytes: hash, decode, orient, check."""
-    hashlib.sha256(data).hexdigest()
+    sha256_bytes(data)
     return normalise_image(data, dataset)[1:]
 
 

@@ -11,8 +11,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 from contextlib import contextmanager
+from typing import Any
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
@@ -115,19 +115,19 @@ def followed(stage: str, shards: int | None = None, label: str | None = None) ->
 
     parent, label = FlowRunContext.get().flow_run.id, label or stage
     summed = StageProgress(label, shards, "shards") if shards is not None else None
-    mirror: list = []  # the artifact, made when a child first reports
+    mirror = None  # the artifact, made when a child first reports
 
     def poll() -> None:
+        nonlocal mirror
         children = children_progress(parent, stage, label)
         if summed is not None:
             summed.advance(sum(round(percent * given / 100) for given, percent, _ in children) - summed.done)
         elif children:
             _, percent, description = max(children, key=lambda child: child[1])
-            if not mirror:
-                mirror.append(create_progress_artifact(progress=percent, key=f"{label}-progress",
-                                                       description=description))
+            if mirror is None:
+                mirror = create_progress_artifact(progress=percent, key=f"{label}-progress", description=description)
             else:
-                update_progress_artifact(mirror[0], progress=percent, description=description)
+                update_progress_artifact(mirror, progress=percent, description=description)
 
     def follow() -> None:
         while not stop.wait(ARTIFACT_SECONDS):

@@ -11,7 +11,6 @@ Output: `cache/latents/<vae_fp>/<shard_id>.safetensors`.
 from __future__ import annotations
 
 import ast
-import functools
 import importlib.util
 import io
 import logging
@@ -34,22 +33,31 @@ from tasks.prefetch import prefetched
 log = logging.getLogger(__name__)
 
 
-BUCKET_TABLES = {256: "pipeline_pixart_alpha", 512: "pipeline_pixart_alpha", 1024: "pipeline_pixart_alpha",
-                 2048: "pipeline_pixart_sigma"}  # the diffusers module that defines each resolution's table
+def read_bucket_tables() -> dict[int, dict[str, list[float]]]:
+    """diffusers' PixArt aspect-ratio tables (`ASPECT_RATIO_<resolution>_BIN`) by resolution:
+    height/width ratio → [height, width] in pixels. Read from diffusers' source, not imported:
+    importing its PixArt pipelines loads transformers' models as well, seconds that an ingest
+    report should not pay."""
+    package = Path(importlib.util.find_spec("diffusers").origin).parent / "pipelines" / "pixart_alpha"
+    tables = {}
+    for module, resolutions in (("pipeline_pixart_alpha", (256, 512, 1024)), ("pipeline_pixart_sigma", (2048,))):
+        names = {f"ASPECT_RATIO_{resolution}_BIN": resolution for resolution in resolutions}
+        for node in ast.parse((package / f"{module}.py").read_text()).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and getattr(node.targets[0], "id", None) in names:
+                tables[names[node.targets[0].id]] = ast.literal_eval(node.value)
+    if missing := {256, 512, 1024, 2048} - set(tables):
+        raise RuntimeError(f"diffusers at {package} defines no bucket table for {sorted(missing)}: "
+                           "this diffusers is not one precast knows")
+    return tables
 
 
-@functools.cache
+# read at import: Python 3.11's ast is not thread-safe, and shard threads look buckets up at once
+BUCKET_TABLES = read_bucket_tables()
+
+
 def bucket_table(resolution: int) -> dict[str, list[float]]:
-    """diffusers' PixArt aspect-ratio table (`ASPECT_RATIO_<resolution>_BIN`): height/width ratio →
-    [height, width] in pixels. Read from diffusers' source, not imported: importing its PixArt
-    pipelines loads transformers' models as well, seconds that an ingest report should not pay."""
-    name, module = f"ASPECT_RATIO_{resolution}_BIN", BUCKET_TABLES[resolution]
-    package = Path(importlib.util.find_spec("diffusers").origin).parent
-    source = package / "pipelines" / "pixart_alpha" / f"{module}.py"
-    for node in ast.parse(source.read_text()).body:
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
-            return ast.literal_eval(node.value)
-    raise RuntimeError(f"{source} defines no {name}: this diffusers is not one precast knows")
+    """diffusers' PixArt aspect-ratio table for `resolution` (see `read_bucket_tables`)."""
+    return BUCKET_TABLES[resolution]
 
 
 def nearest_ratio(width: int, height: int, resolution: int) -> str:
