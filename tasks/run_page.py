@@ -16,7 +16,6 @@ from PIL import Image
 from configs.schema import StorageConfig
 from storage import layout
 from storage.store import Store
-from tasks.plots import loss_curve_png
 from tasks.publisher import read_metrics
 
 PAGE_IMAGE_WIDTH = 1024  # the sample grid as the page shows it (the file keeps every pixel)
@@ -45,12 +44,13 @@ class RunPage:
         record = store.committed(layout.run_part(run, "lineage"))
         if record is None:
             raise FileNotFoundError(f"{store.url(run)} is not a finished run (no committed lineage.json)")
-        lineage = json.loads(store.read_verified(layout.run_part(run, "lineage")))
+        lineage = json.loads(store.read_verified(layout.run_part(run, "lineage"), record["sha256"]))
         metrics = read_metrics(store, run)
         stages = store.read_json(layout.run_part(run, "stages")) if store.exists(layout.run_part(run, "stages")) \
             else None
         samples = store.read_bytes(store.key(record["samples"][-1])) if record["samples"] else None
-        return cls(store.url(run), record, lineage, metrics, stages, samples, loss_curve_png(metrics))
+        curves = store.read_bytes(layout.run_part(run, "loss_curve"))  # drawn when the run was published
+        return cls(store.url(run), record, lineage, metrics, stages, samples, curves)
 
     @classmethod
     def at(cls, url: str, options: dict | None = None) -> RunPage:

@@ -39,7 +39,7 @@ from tasks.publisher import RunPublisher, read_metrics
 from tasks.features import CachedFeatures, batch_sizes, bucket_batches, draws, seed_of
 from tasks.loss import Objective, diffusion_loss
 from tasks.models import (
-    load_noise_scheduler, load_transformer, transformer_fingerprint,
+    DTYPES, load_noise_scheduler, load_transformer, transformer_fingerprint,
 )
 from tasks.prefetch import prefetched
 from tasks.validation import Validation
@@ -263,14 +263,13 @@ class Trainer:
         if training.optimizer == "adamw8bit":
             import bitsandbytes
 
-            optimizer = bitsandbytes.optim.AdamW8bit(trainable, lr=training.learning_rate,
-                                                     weight_decay=training.weight_decay)
+            adamw, options = bitsandbytes.optim.AdamW8bit, {}
         else:
-            optimizer = torch.optim.AdamW(trainable, lr=training.learning_rate, weight_decay=training.weight_decay,
-                                          fused=device.type == "cuda" or None)
+            adamw, options = torch.optim.AdamW, {"fused": device.type == "cuda" or None}
+        optimizer = adamw(trainable, lr=training.learning_rate, weight_decay=training.weight_decay, **options)
         warmup = max(1, training.warmup_steps)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.mixed_precision)
+        half = DTYPES.get(training.mixed_precision)  # None for "no"
         scaler = torch.amp.GradScaler(device.type, enabled=training.mixed_precision == "fp16")
 
         # the moving average of the trainable weights is what is saved when it is on
