@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -135,6 +136,13 @@ class Store:
         except FileNotFoundError as error:
             raise ArtifactMissing(f"{self.url(key)} does not exist") from error
 
+    def get_file(self, key: str, local: str | Path) -> None:
+        """Download the object at `key` to a local file, streamed."""
+        try:
+            self._io("download", self.path(key), self.fs.get_file, self.path(key), str(local))
+        except FileNotFoundError as error:
+            raise ArtifactMissing(f"{self.url(key)} does not exist") from error
+
     def read_json(self, key: str) -> Any:
         return json.loads(self.read_bytes(key))
 
@@ -232,17 +240,7 @@ class Store:
         """Write `data` so that readers see either nothing or all of it."""
         path = self.path(key)
         if self.is_local:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            partial = f"{path}.partial-{uuid.uuid4().hex}"
-            try:
-                with open(partial, "wb") as handle:
-                    handle.write(data)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.replace(partial, path)
-            except BaseException:
-                Path(partial).unlink(missing_ok=True)
-                raise
+            replace_local(path, lambda partial: Path(partial).write_bytes(data))
         else:
             self._io("write", path, self.fs.pipe_file, path, data)
 
@@ -297,8 +295,28 @@ class Store:
         return self.commit(key, json_bytes(obj), **record)
 
     def put_file(self, local: str | Path, key: str) -> None:
-        """Upload a local file atomically (same guarantee as write_bytes)."""
-        self.write_bytes(key, Path(local).read_bytes())
+        """Upload a local file atomically (same guarantee as write_bytes), streamed: an object store
+        shows an upload only once it is complete."""
+        path = self.path(key)
+        if self.is_local:
+            replace_local(path, lambda partial: shutil.copyfile(local, partial))
+        else:
+            self._io("write", path, self.fs.put_file, str(local), path)
+
+
+def replace_local(path: str, fill: Callable[[str], Any]) -> None:
+    """`fill(partial)` writes a file beside `path`, which is synced and then renamed onto `path`:
+    readers see the old file or the whole new one, even after a crash."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    partial = f"{path}.partial-{uuid.uuid4().hex}"
+    try:
+        fill(partial)
+        with open(partial, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
 
 
 def json_bytes(obj: Any) -> bytes:

@@ -30,6 +30,7 @@ import logging
 import os
 import tempfile
 import uuid
+import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -46,9 +47,10 @@ from configs.schema import DatasetConfig, StorageConfig
 from storage import layout
 from storage.fingerprint import hash_json, sha256_bytes
 from storage.shards import pack_image_shard, read_image_shard, shard_id_of
-from storage.store import Store, fsspec_options
+from storage.store import Store, file_sha256, fsspec_options
 from tasks.encode_latents import nearest_ratio
-from tasks.sources import Candidate, Rejected, Unit, list_source, printable, source_units
+from tasks.ledger import Ledger
+from tasks.sources import Candidate, Rejected, Unit, count_units, list_source, printable, source_units
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +60,6 @@ IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 # the largest honest encoding is 16-bit RGBA stored uncompressed, plus its metadata
 MAX_BYTES_PER_PIXEL, METADATA_BYTES = 8, 16 << 20
 CAPTION_WORD_BINS = [5, 10, 20, 50, 100, 200]
-
-
-@dataclass
-class Sample:
-    sample_id: str
-    image_file: Path | None  # the normalised bytes, spilled to local disk; None: already in a shard
-    width: int
-    height: int
-    captions: list[str]
-    source: str
-    format: str
 
 
 @dataclass
@@ -88,36 +79,45 @@ class Outcome:
 
 @dataclass
 class Scan:
-    spill: Path  # new images wait here, not in memory, until their shard is written
-    samples: dict[str, Sample] = field(default_factory=dict)
-    quarantined: list[dict[str, str]] = field(default_factory=list)
+    """What the sources gave: the samples (exact duplicates merged), the quarantine and each keyed
+    unit's outcomes are rows of the ledger; new images wait in `spill`, not in memory, until their
+    shard is written. Here only counters."""
+
+    ledger: Ledger
+    spill: Path
     formats: Counter = field(default_factory=Counter)
-    units: list[tuple[str, list[Outcome]]] = field(default_factory=list)  # keyed units, for the next ingest
     units_read: int = 0  # units whose objects were read now
     units_reused: int = 0  # units taken from the last ingest's record, unread
     bytes_read: int = 0  # listed bytes of the objects read
+    position: int = 0  # outcomes so far: the listing order that decides which duplicate comes first
 
     def add(self, unit: Unit, outcomes: list[Outcome], read: bool) -> None:
         """A unit's outcomes, in order: exact duplicates are kept once with their captions merged."""
+        ledger = self.ledger
         if unit.key:
-            self.units.append((unit.key, outcomes))
+            ledger.run("INSERT INTO units (key, outcomes) VALUES (?, ?)", (unit.key, json.dumps([vars(o) for o in outcomes])))
         if unit.key or unit.size:  # not a metadata row that was refused before any read
             self.units_read += read
             self.units_reused += not read
         self.bytes_read += unit.size if read else 0
         for outcome in outcomes:
             self.formats[outcome.format] += 1
+            self.position += 1
             if outcome.reason is not None:
                 log.warning("quarantined %s: %s (%s)", outcome.source, outcome.reason, outcome.message)
-                self.quarantined.append({"source": outcome.source, "format": outcome.format,
-                                         "reason": outcome.reason, "message": outcome.message})
-            elif outcome.sample_id in self.samples:
-                known = self.samples[outcome.sample_id]
-                known.captions = sorted(set(known.captions) | set(outcome.captions))
+                ledger.run("INSERT INTO quarantined VALUES (?, ?, ?, ?, ?)",
+                           (self.position, outcome.source, outcome.format, outcome.reason, outcome.message))
+            elif (known := ledger.one("SELECT captions FROM samples WHERE sample_id = ?", (outcome.sample_id,))):
+                captions = sorted(set(json.loads(known[0])) | set(outcome.captions))
+                ledger.run("UPDATE samples SET captions = ?, spilled = spilled OR ? WHERE sample_id = ?",
+                           (json.dumps(captions), outcome.spilled, outcome.sample_id))
             else:
-                image_file = self.spill / outcome.sample_id if outcome.spilled else None
-                self.samples[outcome.sample_id] = Sample(outcome.sample_id, image_file, outcome.width, outcome.height,
-                                                         outcome.captions, outcome.source, outcome.format)
+                ledger.run("INSERT INTO samples VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+                           (outcome.sample_id, self.position, json.dumps(outcome.captions), outcome.width,
+                            outcome.height, outcome.source, outcome.format, outcome.spilled))
+
+    def count(self, table: str) -> int:
+        return self.ledger.one(f"SELECT count(*) FROM {table}")[0]
 
 
 def max_image_bytes(config: DatasetConfig) -> int:
@@ -179,19 +179,15 @@ def normalise_image(data: bytes, config: DatasetConfig) -> tuple[bytes, int, int
     return data, image.width, image.height
 
 
-def read_index(store: Store) -> tuple[dict[tuple[str, tuple[str, ...]], str], dict[str, tuple[int, int, str]]]:
-    """Over every committed image shard: (sample id, captions) → shard id, and
-    sample id → (width, height, a shard holding its bytes)."""
-    records, images = {}, {}
+def read_index(store: Store, ledger: Ledger) -> None:
+    """Every committed image shard's samples into the ledger's `stored` table."""
     for key in store.list(layout.IMAGE_SHARDS, ".parquet"):
         if store.committed(key) is None:
             continue
-        shard_id = shard_id_of(key)
-        columns = ["sample_id", "captions", "width", "height"]
-        for row in read_image_shard(store.read_bytes(key), columns=columns).to_pylist():
-            records[(row["sample_id"], tuple(row["captions"]))] = shard_id
-            images[row["sample_id"]] = (row["width"], row["height"], shard_id)
-    return records, images
+        table = read_image_shard(store.read_bytes(key), columns=["sample_id", "captions", "width", "height"])
+        ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?)",
+                        ((row["sample_id"], json.dumps(row["captions"]), row["width"], row["height"], shard_id_of(key))
+                         for row in table.to_pylist()))
 
 
 def is_remote(path: str) -> bool:
@@ -203,8 +199,7 @@ def source_options(path: str, storage: StorageConfig) -> dict[str, Any]:
     return fsspec_options(storage) if is_remote(path) else {}
 
 
-def examine(candidate: Candidate, dataset: DatasetConfig, images: dict[str, tuple[int, int, str]],
-            spill: Path) -> Outcome:
+def examine(candidate: Candidate, dataset: DatasetConfig, ledger: Ledger, spill: Path) -> Outcome:
     """One candidate checked: hashed, its geometry checked, and a new image decoded, normalised
     and spilled under its sample id. Never raises: one bad file never fails the stage."""
     outcome = Outcome(printable(candidate.source), candidate.format)
@@ -214,8 +209,9 @@ def examine(candidate: Candidate, dataset: DatasetConfig, images: dict[str, tupl
         if not candidate.image:
             raise Rejected("empty_file", "zero bytes")
         outcome.sample_id = sha256_bytes(candidate.image)
-        if outcome.sample_id in images:  # validated when it was first ingested; only the rules may have changed
-            outcome.width, outcome.height, _ = images[outcome.sample_id]
+        stored = ledger.one("SELECT width, height FROM stored WHERE sample_id = ? LIMIT 1", (outcome.sample_id,))
+        if stored:  # validated when it was first ingested; only the rules may have changed
+            outcome.width, outcome.height = stored
             check_geometry(outcome.width, outcome.height, dataset)
         else:
             image, outcome.width, outcome.height = normalise_image(candidate.image, dataset)
@@ -249,31 +245,29 @@ def in_order(pool: ThreadPoolExecutor, work: Callable[[Unit], tuple[list[Outcome
         yield done, *future.result()
 
 
-def scan_sources(
-    storage: StorageConfig, dataset: DatasetConfig, images: dict[str, tuple[int, int, str]],
-    known: dict[str, list[Outcome]], spill: Path, progress: Callable[[int, int], None] | None = None,
-) -> Scan:
-    """Every source listed once and its units read `read_concurrency` at once, except those whose
-    outcomes `known` holds (recorded by an earlier ingest, its objects unchanged);
+def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger, spill: Path,
+                 progress: Callable[[int, int], None] | None = None) -> Scan:
+    """Every source listed once and its units read `read_concurrency` at once, except those the
+    ledger's `known` table holds (recorded by an earlier ingest, its objects unchanged);
     `progress(units done, units listed)` after each unit."""
-    scan = Scan(spill)
+    scan = Scan(ledger, spill)
     limit = max_image_bytes(dataset)
 
     def work(unit: Unit) -> tuple[list[Outcome], bool]:
-        if unit.key and unit.key in known:
-            return known[unit.key], False
-        return [examine(candidate, dataset, images, spill) for candidate in unit.read()], True
+        if unit.key and (known := known_outcomes(ledger, unit.key)) is not None:
+            return known, False
+        return [examine(candidate, dataset, ledger, spill) for candidate in unit.read()], True
 
     # every source listed before any is read: the total is known from the first unit on
-    listed = [list(source_units(list_source(source, source_options(source.path, storage)), source, limit))
-              for source in dataset.sources]
-    total, done = sum(map(len, listed)), 0
-    for source, units in zip(dataset.sources, listed):
+    listings = [list_source(source, source_options(source.path, storage), ledger, index)
+                for index, source in enumerate(dataset.sources)]
+    total, done = sum(map(count_units, listings)), 0
+    for source, listing in zip(dataset.sources, listings):
         # a local disk has no request latency to hide: more threads than cores only contend
         threads = dataset.read_concurrency if is_remote(source.path) else min(dataset.read_concurrency,
                                                                               os.cpu_count() or 1)
-        with ThreadPoolExecutor(threads, thread_name_prefix="ingest-read") as pool:
-            for unit, outcomes, read in in_order(pool, work, units, 4 * threads):
+        with ThreadPoolExecutor(threads, thread_name_prefix="ingest-read") as pool, ledger.transaction():
+            for unit, outcomes, read in in_order(pool, work, source_units(listing, source, limit), 4 * threads):
                 scan.add(unit, outcomes, read)
                 done += 1
                 if progress is not None:
@@ -281,25 +275,39 @@ def scan_sources(
     return scan
 
 
+def known_outcomes(ledger: Ledger, key: str) -> list[Outcome] | None:
+    """The outcomes the last ingest recorded for a unit, None if it did not record the unit (they
+    were spilled then, not now: a reused outcome's image is in a shard)."""
+    rows = list(ledger.rows("SELECT source, format, sample_id, captions, width, height, reason, message FROM known "
+                            "WHERE key = ? ORDER BY position", (key,)))
+    if not rows:
+        return None
+    return [Outcome(source, fmt, sample_id, captions and json.loads(captions), width, height, reason, message)
+            for source, fmt, sample_id, captions, width, height, reason, message in rows if source is not None]
+
+
 def ingest_report(scan: Scan) -> dict[str, Any]:
     """Counts by reason, by format, by aspect-ratio bucket, and a caption length histogram."""
-    accepted = Counter(s.format for s in scan.samples.values())
-    rejected = Counter(q["format"] for q in scan.quarantined)
-    words = Counter()
-    for sample in scan.samples.values():
-        for caption in sample.captions:
+    ledger = scan.ledger
+    accepted = dict(ledger.rows("SELECT format, count(*) FROM samples GROUP BY format"))
+    rejected = dict(ledger.rows("SELECT format, count(*) FROM quarantined GROUP BY format"))
+    words, buckets, variants = Counter(), Counter(), 0
+    for width, height, captions in ledger.rows("SELECT width, height, captions FROM samples"):
+        buckets[nearest_ratio(width, height, 1024)] += 1
+        for caption in json.loads(captions):
+            variants += 1
             count = len(caption.split())
             words[next((f"<={b}" for b in CAPTION_WORD_BINS if count <= b), f">{CAPTION_WORD_BINS[-1]}")] += 1
+    samples, quarantined = scan.count("samples"), scan.count("quarantined")
     return {
-        "samples": len(scan.samples),
-        "quarantined": len(scan.quarantined),
+        "samples": samples,
+        "quarantined": quarantined,
         "candidates": sum(scan.formats.values()),
-        "duplicates": sum(scan.formats.values()) - len(scan.samples) - len(scan.quarantined),
-        "caption_variants": sum(len(s.captions) for s in scan.samples.values()),
-        "by_reason": dict(sorted(Counter(q["reason"] for q in scan.quarantined).items())),
-        "by_format": {f: {"accepted": accepted[f], "quarantined": rejected[f]} for f in sorted(scan.formats)},
-        "by_bucket": dict(sorted(Counter(nearest_ratio(s.width, s.height, 1024)
-                                         for s in scan.samples.values()).items(), key=lambda kv: float(kv[0]))),
+        "duplicates": sum(scan.formats.values()) - samples - quarantined,
+        "caption_variants": variants,
+        "by_reason": dict(ledger.rows("SELECT reason, count(*) FROM quarantined GROUP BY reason ORDER BY reason")),
+        "by_format": {f: {"accepted": accepted.get(f, 0), "quarantined": rejected.get(f, 0)} for f in sorted(scan.formats)},
+        "by_bucket": dict(sorted(buckets.items(), key=lambda kv: float(kv[0]))),
         "caption_words": {b: words[b] for b in [f"<={b}" for b in CAPTION_WORD_BINS] + [f">{CAPTION_WORD_BINS[-1]}"]},
     }
 
@@ -309,88 +317,113 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig,
     """Ingest every source; returns the dataset's record (`dataset_record`), what was new, and what
     was read (`work`); `progress(units done, units listed)` as the sources are read."""
     store = Store(storage)
-    known, records, images, previous = read_sources_record(store, dataset)
-    if previous is None:  # no earlier ingest of these sources: every shard of the store counts
-        records, images = read_index(store)
-    with tempfile.TemporaryDirectory(prefix="precast-ingest-") as spill:
-        scan = scan_sources(storage, dataset, images, known, Path(spill), progress)
-        if not scan.samples:
-            raise RuntimeError(f"no usable samples in {[s.path for s in dataset.sources]}: "
-                               f"{len(scan.quarantined)} quarantined")
-        new, members = write_new_shards(store, dataset, scan, records, images)
+    with tempfile.TemporaryDirectory(prefix="precast-ingest-") as folder:
+        spill = Path(folder)
+        ledger = Ledger(spill)
+        try:
+            previous = read_sources_record(store, dataset, ledger)
+            if previous is None:  # no earlier ingest of these sources: every shard of the store counts
+                read_index(store, ledger)
+            scan = scan_sources(storage, dataset, ledger, spill, progress)
+            samples = scan.count("samples")
+            if not samples:
+                raise RuntimeError(f"no usable samples in {[s.path for s in dataset.sources]}: "
+                                   f"{scan.count('quarantined')} quarantined")
+            new, members = write_new_shards(store, dataset, scan)
 
-    shards = []
-    commits = store.require_all([layout.image_shard(shard_id) for shard_id in sorted(members)], dataset.read_concurrency)
-    for shard_id, commit in zip(sorted(members), commits):
-        current = sorted(members[shard_id])
-        # null means "the whole shard"; a list names the current samples of a partly superseded shard
-        shards.append({"id": shard_id, "samples": None if len(current) == commit["samples"] else current})
-    dataset_id = hash_json(shards)
-    record = {"id": dataset_id, "shards": shards, "samples": len(scan.samples),
-              "sources": [s.path for s in dataset.sources]}
-    if store.committed(layout.dataset(dataset_id)) is None:  # an unchanged dataset writes nothing
-        store.commit_json(layout.dataset(dataset_id), record, samples=len(scan.samples))
-    report = {"dataset": dataset_id, **ingest_report(scan), "quarantine": scan.quarantined}
-    write_if_changed(store, layout.dataset_report(dataset_id), report)
-    write_if_changed(store, layout.dataset_ref(config_hash(dataset)), {"dataset": dataset_id})
-    record_bytes = sources_record(scan, members)
-    if record_bytes != previous:
-        store.write_bytes(layout.sources_record(config_hash(dataset)), record_bytes)
+            shards = []
+            commits = store.require_all([layout.image_shard(shard_id) for shard_id in sorted(members)],
+                                        dataset.read_concurrency)
+            for shard_id, commit in zip(sorted(members), commits):
+                # null means "the whole shard"; a list names the current samples of a partly superseded shard
+                whole = members[shard_id] == commit["samples"]
+                shards.append({"id": shard_id, "samples": None if whole else [
+                    sample_id for (sample_id,) in ledger.rows(
+                        "SELECT sample_id FROM samples WHERE shard = ? ORDER BY sample_id", (shard_id,))]})
+            dataset_id = hash_json(shards)
+            record = {"id": dataset_id, "shards": shards, "samples": samples,
+                      "sources": [s.path for s in dataset.sources]}
+            if store.committed(layout.dataset(dataset_id)) is None:  # an unchanged dataset writes nothing
+                store.commit_json(layout.dataset(dataset_id), record, samples=samples)
+            quarantine = [dict(zip(("source", "format", "reason", "message"), row)) for row in ledger.rows(
+                "SELECT source, format, reason, message FROM quarantined ORDER BY position")]
+            report = {"dataset": dataset_id, **ingest_report(scan), "quarantine": quarantine}
+            write_if_changed(store, layout.dataset_report(dataset_id), report)
+            write_if_changed(store, layout.dataset_ref(config_hash(dataset)), {"dataset": dataset_id})
+            record_file = write_sources_record(scan)
+            if file_sha256(record_file) != previous:
+                store.put_file(record_file, layout.sources_record(config_hash(dataset)))
+        finally:
+            ledger.close()
     work = {"bytes_read": scan.bytes_read, "units_read": scan.units_read, "units_reused": scan.units_reused}
     return {**dataset_record(store, dataset_id, dataset.read_concurrency),
-            "new_shards": -(-len(new) // dataset.shard_size), "new_samples": len(new), "work": work}
+            "new_shards": -(-new // dataset.shard_size), "new_samples": new, "work": work}
 
 
+RECORD_PAGE = 10_000  # record rows written and read at a time
 RECORD_COLUMNS = {"kind": pa.string(), "key": pa.string(), "source": pa.string(), "format": pa.string(),
                   "sample_id": pa.string(), "captions": pa.list_(pa.string()), "width": pa.int32(),
                   "height": pa.int32(), "reason": pa.string(), "message": pa.string(), "shard": pa.string()}
 
 
-def sources_record(scan: Scan, members: dict[str, list[str]]) -> bytes:
+def write_sources_record(scan: Scan) -> Path:
     """The units this ingest read or reused with their outcomes ("unit" rows; a unit that gave no
-    candidate is one row without a source), and where each sample's bytes are ("member" rows)."""
-    rows = []
-    for key, outcomes in scan.units:
-        rows += [{"kind": "unit", "key": key, **vars(o)} for o in outcomes] or [{"kind": "unit", "key": key}]
-    shard_of = {sample_id: shard_id for shard_id, ids in members.items() for sample_id in ids}
-    rows += [{"kind": "member", "sample_id": s.sample_id, "captions": s.captions, "width": s.width,
-              "height": s.height, "shard": shard_of[s.sample_id]} for s in scan.samples.values()]
-    table = pa.Table.from_pylist([{name: row.get(name) for name in RECORD_COLUMNS} for row in rows],
-                                 schema=pa.schema(RECORD_COLUMNS))
-    buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd")
-    return buffer.getvalue()
+    candidate is one row without a source), and where each sample's bytes are ("member" rows), as
+    a parquet file in the spill folder, written a page at a time."""
+    ledger, path = scan.ledger, scan.spill / "sources-record.parquet"
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for key, outcomes in ledger.rows("SELECT key, outcomes FROM units ORDER BY position"):
+            yield from ({"kind": "unit", "key": key, **o} for o in json.loads(outcomes)) or [{"kind": "unit", "key": key}]
+        for sample_id, captions, width, height, shard in ledger.rows(
+                "SELECT sample_id, captions, width, height, shard FROM samples ORDER BY position"):
+            yield {"kind": "member", "sample_id": sample_id, "captions": json.loads(captions), "width": width,
+                   "height": height, "shard": shard}
+
+    schema = pa.schema(RECORD_COLUMNS)
+    with pq.ParquetWriter(path, schema, compression="zstd") as writer:
+        records = rows()
+        while page := list(itertools.islice(records, RECORD_PAGE)):
+            writer.write_table(pa.Table.from_pylist([{name: row.get(name) for name in RECORD_COLUMNS}
+                                                     for row in page], schema=schema))
+    return path
 
 
-def read_sources_record(store: Store, dataset: DatasetConfig) -> tuple[dict[str, list[Outcome]], dict, dict, bytes | None]:
-    """The last ingest's record of these sources and rules: unit key → outcomes, and (like
-    `read_index`, for its samples) (sample id, captions) → shard id and sample id → (width,
-    height, shard id); plus its bytes. Nothing when there is none."""
+def read_sources_record(store: Store, dataset: DatasetConfig, ledger: Ledger) -> str | None:
+    """The last ingest's record of these sources and rules into the ledger: what each unit became
+    (`known`) and where each of its samples is (`stored`, as `read_index` gives for every shard).
+    Returns the record's sha256, None when there is none. Units whose samples were in shards
+    deleted since are dropped from both: they are read again."""
     key = layout.sources_record(config_hash(dataset))
     if not store.exists(key):
-        return {}, {}, {}, None
-    data = store.read_bytes(key)
-    known: dict[str, list[Outcome]] = {}
-    records, images = {}, {}
-    for row in pq.read_table(io.BytesIO(data)).to_pylist():
-        if row["kind"] == "member":
-            records[(row["sample_id"], tuple(row["captions"]))] = row["shard"]
-            images[row["sample_id"]] = (row["width"], row["height"], row["shard"])
-            continue
-        outcomes = known.setdefault(row["key"], [])
-        if row["source"] is not None:
-            outcomes.append(Outcome(**{name: row[name] for name in RECORD_COLUMNS if name not in ("kind", "key", "shard")}))
-    shards = sorted(set(records.values()))
+        return None
+    local = ledger.folder / "last-sources-record.parquet"
+    store.get_file(key, local)
+    position = 0
+    for batch in pq.ParquetFile(local).iter_batches(RECORD_PAGE):
+        units, members = [], []
+        for row in batch.to_pylist():
+            captions = row["captions"] if row["captions"] is None else json.dumps(row["captions"])
+            if row["kind"] == "member":
+                members.append((row["sample_id"], captions, row["width"], row["height"], row["shard"]))
+            else:
+                position += 1
+                units.append((row["key"], position, row["source"], row["format"], row["sample_id"], captions,
+                              row["width"], row["height"], row["reason"], row["message"], False))
+        ledger.run_many("INSERT INTO known VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", units)
+        ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?)", members)
+    shards = [shard for (shard,) in ledger.rows("SELECT DISTINCT shard FROM stored ORDER BY shard")]
     commits = store.committed_all([layout.image_shard(shard) for shard in shards], dataset.read_concurrency)
-    if gone := {shard for shard, commit in zip(shards, commits) if commit is None}:
+    if gone := [shard for shard, commit in zip(shards, commits) if commit is None]:
         # someone deleted shards the record points at: what they held is read from the sources again
         log.warning("%d image shard(s) of the last ingest are gone (%s): their samples are read again",
-                    len(gone), ", ".join(sorted(gone)[:3]) + (", …" if len(gone) > 3 else ""))
-        lost = {sample_id for sample_id, (_, _, shard) in images.items() if shard in gone}
-        records = {key: shard for key, shard in records.items() if shard not in gone}
-        images = {sample_id: image for sample_id, image in images.items() if image[2] not in gone}
-        known = {key: outcomes for key, outcomes in known.items() if not any(o.sample_id in lost for o in outcomes)}
-    return known, records, images, data
+                    len(gone), ", ".join(gone[:3]) + (", …" if len(gone) > 3 else ""))
+        with ledger.transaction():
+            for shard in gone:
+                ledger.run("DELETE FROM known WHERE key IN (SELECT known.key FROM known JOIN stored "
+                           "ON known.sample_id = stored.sample_id WHERE stored.shard = ?)", (shard,))
+                ledger.run("DELETE FROM stored WHERE shard = ?", (shard,))
+    return file_sha256(local)
 
 
 def dataset_record(store: Store, dataset_id: str, concurrency: int = 32) -> dict[str, Any]:
@@ -407,45 +440,43 @@ def dataset_record(store: Store, dataset_id: str, concurrency: int = 32) -> dict
             "committed_at": max(c["committed_at"] for c in commits)}
 
 
-def write_new_shards(
-    store: Store, dataset: DatasetConfig, scan: Scan, records: dict, images: dict[str, tuple[int, int, str]]
-) -> tuple[list[Sample], dict[str, list[str]]]:
-    """Commit shards of the samples no shard holds with these captions; returns them and the
-    current members of every shard the dataset uses."""
-    members: dict[str, list[str]] = {}
-    new: list[Sample] = []
-    for sample in scan.samples.values():
-        shard_id = records.get((sample.sample_id, tuple(sample.captions)))
-        if shard_id is None:
-            new.append(sample)
-        else:
-            members.setdefault(shard_id, []).append(sample.sample_id)
-    spill_known_images([s for s in new if s.image_file is None], images, store, scan.spill)
-
-    new.sort(key=lambda s: s.sample_id)
-    for start in range(0, len(new), dataset.shard_size):
-        chunk = new[start : start + dataset.shard_size]
-        shard_id = hash_json([(s.sample_id, s.captions) for s in chunk])
-        rows = [{"sample_id": s.sample_id, "image": s.image_file.read_bytes(), "width": s.width,
-                 "height": s.height, "captions": s.captions, "source": s.source} for s in chunk]
+def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan) -> tuple[int, dict[str, int]]:
+    """Commit shards of the samples no shard holds with these captions, in sample id order; returns
+    how many there were, and how many current samples each shard the dataset uses holds (every
+    sample's shard is set in the ledger)."""
+    ledger = scan.ledger
+    with ledger.transaction():
+        ledger.run("UPDATE samples SET shard = (SELECT shard FROM stored WHERE stored.sample_id = samples.sample_id "
+                   "AND stored.captions = samples.captions)")
+    new = scan.count("samples WHERE shard IS NULL")
+    spill_known_images(store, scan)
+    last = ""
+    while True:
+        chunk = list(ledger.rows("SELECT sample_id, captions, width, height, source FROM samples "
+                                 "WHERE shard IS NULL AND sample_id > ? ORDER BY sample_id LIMIT ?",
+                                 (last, dataset.shard_size)))
+        if not chunk:
+            break
+        last = chunk[-1][0]
+        shard_id = hash_json([(sample_id, json.loads(captions)) for sample_id, captions, *_ in chunk])
+        rows = [{"sample_id": sample_id, "image": (scan.spill / sample_id).read_bytes(), "width": width,
+                 "height": height, "captions": json.loads(captions), "source": source}
+                for sample_id, captions, width, height, source in chunk]
         store.commit(layout.image_shard(shard_id), pack_image_shard(rows), samples=len(chunk))
-        members[shard_id] = [s.sample_id for s in chunk]
-    return new, members
+        ledger.run_many("UPDATE samples SET shard = ? WHERE sample_id = ?", ((shard_id, row[0]) for row in chunk))
+    return new, dict(ledger.rows("SELECT shard, count(*) FROM samples GROUP BY shard"))
 
 
-def spill_known_images(
-    samples: list[Sample], images: dict[str, tuple[int, int, str]], store: Store, spill: Path
-) -> None:
-    """Bytes of already-ingested images whose captions changed, from the shards that hold them."""
-    by_shard: dict[str, list[Sample]] = {}
-    for sample in samples:
-        by_shard.setdefault(images[sample.sample_id][2], []).append(sample)
-    for shard_id, wanted in by_shard.items():
+def spill_known_images(store: Store, scan: Scan) -> None:
+    """Bytes of already-ingested images whose captions changed, from a shard that holds them."""
+    wanted = scan.ledger.rows("SELECT (SELECT shard FROM stored WHERE stored.sample_id = samples.sample_id LIMIT 1) "
+                              "AS holder, sample_id FROM samples WHERE shard IS NULL AND NOT spilled ORDER BY holder")
+    for shard_id, group in itertools.groupby(wanted, key=lambda row: row[0]):
+        ids = {sample_id for _, sample_id in group}
         table = read_image_shard(store.read_bytes(layout.image_shard(shard_id)), columns=["sample_id", "image"])
-        stored = dict(zip(table.column("sample_id").to_pylist(), table.column("image").to_pylist()))
-        for sample in wanted:
-            sample.image_file = spill / sample.sample_id
-            sample.image_file.write_bytes(stored[sample.sample_id])
+        for sample_id, image in zip(table.column("sample_id").to_pylist(), table.column("image").to_pylist()):
+            if sample_id in ids:
+                (scan.spill / sample_id).write_bytes(image)
 
 
 def write_if_changed(store: Store, key: str, obj: Any) -> None:

@@ -23,11 +23,16 @@ that breaks off is `bad_archive`, the samples before the break kept.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import csv
+import hashlib
 import io
 import itertools
 import json
+import os
 import posixpath
+import queue
 import re
 import tarfile
 from collections.abc import Callable, Iterator
@@ -39,6 +44,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from configs.schema import SourceConfig
+from tasks.ledger import Ledger, decode_path, encode_path
 
 IMAGE_EXTENSIONS = {"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"}
 CAPTION_EXTENSIONS = ("txt", "caption")  # in order of preference
@@ -147,22 +153,45 @@ class Unit:
 
 @dataclass
 class Listing:
-    """A source listed once: its filesystem, root, format, and every object under the root (or the
-    root file and what lies beside it) with its size and stamp (ETag, else modification time)."""
+    """A source listed once: its filesystem, root and format; its objects (every object under the
+    root, or the root file and what lies beside it, each with its size and stamp: ETag, else
+    modification time) are rows of the ledger's `objects` table under the source's `index`."""
 
     fs: fsspec.AbstractFileSystem
     root: str
-    objects: dict[str, tuple[int, str]]
     format: str
+    ledger: Ledger
+    index: int
+
+    def entry(self, path: str) -> tuple[int, str] | None:
+        return self.ledger.one("SELECT size, stamp FROM objects WHERE source = ? AND path = ?",
+                               (self.index, encode_path(path)))
 
     def key(self, *paths: str) -> str:
         """The key of a unit reading `paths`: each with its listed size and stamp."""
-        if not all(path in self.objects for path in paths):
+        entries = [self.entry(path) for path in paths]
+        if None in entries:
             return ""
-        return json.dumps([[path, *self.objects[path]] for path in paths])
+        return json.dumps([[path, *entry] for path, entry in zip(paths, entries)])
 
     def size(self, *paths: str) -> int:
-        return sum(self.objects.get(path, (0, ""))[0] for path in paths)
+        return sum((self.entry(path) or (0, ""))[0] for path in paths)
+
+    def files(self, suffix: str = "") -> Iterator[str]:
+        """The objects under the root (or the root file) ending in `suffix`, in path order."""
+        for (data,) in self.ledger.rows("SELECT path FROM objects WHERE source = ? ORDER BY path", (self.index,)):
+            path = decode_path(data)
+            if path.endswith(suffix) and (path == self.root or path.startswith(self.root + "/")):
+                yield path
+
+    def local_copy(self, path: str) -> str:
+        """A local file holding `path` (itself on a local disk), so it can be read more than once."""
+        if isinstance(self.fs, LocalFileSystem):
+            return path
+        copy = self.ledger.folder / f"source-{self.index}.{hashlib.sha256(encode_path(path)).hexdigest()[:16]}"
+        if not copy.exists():
+            self.fs.get_file(path, str(copy))
+        return str(copy)
 
 
 def stamp(info: dict[str, Any]) -> str:
@@ -170,44 +199,127 @@ def stamp(info: dict[str, Any]) -> str:
     return str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
 
 
-def list_source(source: SourceConfig, options: dict[str, Any]) -> Listing:
-    """One listing of the source (a metadata file's folder, for the images beside it); an
-    unreachable source fails the stage, naming it."""
+def list_source(source: SourceConfig, options: dict[str, Any], ledger: Ledger, index: int) -> Listing:
+    """One listing of the source (a metadata file's folder, for the images beside it) into the
+    ledger; an unreachable source fails the stage, naming it."""
     try:
         fs, root = fsspec.core.url_to_fs(source.path, **options)
         root = root.rstrip("/")
         info = fs.info(root)
         is_folder = info["type"] == "directory"
-        listed = fs.find(root, detail=True) if is_folder else {root: info}
+        fmt = source.format if source.format != "auto" or is_folder else format_of(root)
+        if is_folder or fmt in ("jsonl", "csv"):
+            objects = walk_objects(fs, root if is_folder else posixpath.dirname(root))
+        else:
+            objects = iter([(root, int(info.get("size") or 0), stamp(info))])
+        ledger.run_many("INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?)",
+                        ((index, encode_path(path), size, mark) for path, size, mark in objects))
     except Exception as error:  # an unreachable source fails the stage, naming it
         raise RuntimeError(f"dataset source {source.path!r} cannot be read: {error}") from error
-    fmt = source.format if source.format != "auto" else detect_format(root, listed, is_folder)
-    if not is_folder and fmt in ("jsonl", "csv"):
-        listed = fs.find(posixpath.dirname(root), detail=True)
-    objects = {path: (int(entry.get("size") or 0), stamp(entry)) for path, entry in sorted(listed.items())
-               if entry.get("type", "file") != "directory"}
-    return Listing(fs, root, objects, fmt)
+    listing = Listing(fs, root, fmt, ledger, index)
+    if listing.format == "auto":
+        listing.format = folder_format(listing)
+    return listing
 
 
-def detect_format(root: str, listed: dict[str, Any], is_folder: bool) -> str:
-    """`auto`: by the file's extension, or by what a folder holds."""
-    if not is_folder:
-        ext = root.rsplit(".", 1)[-1].lower()
-        formats = {"jsonl": "jsonl", "csv": "csv", "parquet": "parquet", "tar": "webdataset"}
-        if ext not in formats:
-            raise RuntimeError(f"dataset source {root!r}: cannot tell its format from the extension .{ext}")
-        return formats[ext]
-    names = {path[len(root) + 1:] for path in listed}
-    names = {name for name in names if "/" not in name}  # what the folder itself holds
-    if "metadata.jsonl" in names:
+def walk_objects(fs: fsspec.AbstractFileSystem, folder: str) -> Iterator[tuple[str, int, str]]:
+    """(path, size, stamp) of every object under `folder`, streamed (in no particular order): S3 a
+    page of 1,000 at a time, a local disk a directory entry at a time; other filesystems through
+    fsspec's `find`, which holds the whole listing at once."""
+    if isinstance(fs, LocalFileSystem):
+        yield from walk_local(folder)
+    elif type(fs).__name__ == "S3FileSystem":
+        yield from walk_s3(fs, folder)
+    else:
+        for path, entry in fs.find(folder, detail=True).items():
+            if entry.get("type", "file") != "directory":
+                yield path, int(entry.get("size") or 0), stamp(entry)
+
+
+def walk_local(folder: str) -> Iterator[tuple[str, int, str]]:
+    """As fsspec lists a local folder: links and special files are objects (a link's size is its
+    target's), folders that cannot be opened are skipped."""
+    pending = [folder]
+    while pending:
+        directory = pending.pop()
+        try:
+            entries = os.scandir(directory)
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                path = f"{directory}/{entry.name}"
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(path)
+                        continue
+                    own = entry.stat(follow_symlinks=False)
+                    size = own.st_size
+                    if entry.is_symlink():
+                        try:
+                            size = entry.stat(follow_symlinks=True).st_size
+                        except OSError:
+                            size = 0
+                except OSError:
+                    continue
+                yield path, size, str(own.st_mtime)
+
+
+def walk_s3(fs: fsspec.AbstractFileSystem, folder: str) -> Iterator[tuple[str, int, str]]:
+    """One flat listing (no delimiter: a request per 1,000 objects), consumed a page at a time on
+    s3fs's event loop through its own paginated lister, so no full listing is ever held."""
+    bucket, key, _ = fs.split_path(folder)
+    pages: queue.Queue = queue.Queue(maxsize=4)
+
+    async def produce() -> None:
+        page = []
+        async for entry in fs._iterdir(bucket, delimiter="", prefix=f"{key}/" if key else ""):
+            if entry["type"] != "directory" and not entry["name"].endswith("/"):
+                page.append((entry["name"], int(entry.get("size") or 0), stamp(entry)))
+            if len(page) == 1000:
+                await asyncio.to_thread(pages.put, page)
+                page = []
+        await asyncio.to_thread(pages.put, page)
+        await asyncio.to_thread(pages.put, None)
+
+    listing = asyncio.run_coroutine_threadsafe(produce(), fs.loop)
+    try:
+        while True:
+            try:
+                page = pages.get(timeout=0.1)
+            except queue.Empty:
+                if listing.done() and pages.empty():
+                    break
+                continue
+            if page is None:
+                break
+            yield from page
+        listing.result()  # the listing's own error, if it failed
+    finally:
+        listing.cancel()
+        while not listing.done() or not pages.empty():  # a producer blocked on a full queue is let go
+            with contextlib.suppress(queue.Empty):
+                pages.get(timeout=0.01)
+
+
+def format_of(root: str) -> str:
+    """`auto` for a file: by its extension."""
+    ext = root.rsplit(".", 1)[-1].lower()
+    formats = {"jsonl": "jsonl", "csv": "csv", "parquet": "parquet", "tar": "webdataset"}
+    if ext not in formats:
+        raise RuntimeError(f"dataset source {root!r}: cannot tell its format from the extension .{ext}")
+    return formats[ext]
+
+
+def folder_format(listing: Listing) -> str:
+    """`auto` for a folder: by what the folder itself holds."""
+    if listing.entry(f"{listing.root}/metadata.jsonl"):
         return "jsonl"
-    if "metadata.csv" in names:
+    if listing.entry(f"{listing.root}/metadata.csv"):
         return "csv"
-    if any(n.endswith(".parquet") for n in names):
-        return "parquet"
-    if any(n.endswith(".tar") for n in names):
-        return "webdataset"
-    return "folder"
+    found = {name.rsplit(".", 1)[-1] for name in listing.files()
+             if "/" not in name[len(listing.root) + 1:] and name.endswith((".parquet", ".tar"))}
+    return "parquet" if "parquet" in found else "webdataset" if "tar" in found else "folder"
 
 
 def source_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
@@ -217,27 +329,33 @@ def source_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -
     yield from readers[listing.format](listing, source, max_image_bytes)
 
 
-def source_files(listing: Listing, suffix: str = "") -> list[str]:
-    return [path for path in listing.objects if path.endswith(suffix) and
-            (path == listing.root or path.startswith(listing.root + "/"))]
+def count_units(listing: Listing) -> int:
+    """How many units `source_units` yields, without making them (the progress bar's total)."""
+    if listing.format in ("jsonl", "csv"):
+        return 1 + sum(1 for _ in metadata_records(listing, metadata_file(listing)))
+    if listing.format == "folder":
+        return sum(1 for file in listing.files() if is_image_name(file))
+    return sum(1 for _ in listing.files(".parquet" if listing.format == "parquet" else ".tar"))
+
+
+def is_image_name(path: str) -> bool:
+    stem, dot, ext = path.rpartition(".")
+    return bool(dot) and ext.lower() in IMAGE_EXTENSIONS
 
 
 def folder_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
     fs, fmt = listing.fs, listing.format
-    files = source_files(listing)
-    present = set(files)
-    for file in files:
-        stem, dot, ext = file.rpartition(".")
-        if not dot or ext.lower() not in IMAGE_EXTENSIONS:
-            continue
-        caption_file = next((f"{stem}.{e}" for e in CAPTION_EXTENSIONS if f"{stem}.{e}" in present), None)
+    for file in filter(is_image_name, listing.files()):
+        stem = file.rpartition(".")[0]
+        caption_file = next((f"{stem}.{e}" for e in CAPTION_EXTENSIONS if listing.entry(f"{stem}.{e}")), None)
         read = [file] if caption_file is None else [file, caption_file]
 
         def candidates(file: str = file, caption_file: str | None = caption_file) -> Iterator[Candidate]:
             candidate = Candidate(fs.unstrip_protocol(file), fmt)
             try:
                 if caption_file is None:
-                    raise Rejected("missing_caption", f"no {posixpath.basename(stem)}.txt or .caption beside the image")
+                    stem = posixpath.basename(file.rpartition(".")[0])
+                    raise Rejected("missing_caption", f"no {stem}.txt or .caption beside the image")
                 candidate.captions = caption_variants(read_file(fs, caption_file, MAX_CAPTION_BYTES, "missing_caption"))
                 candidate.image = read_file(fs, file, max_image_bytes, "missing_image")
             except Rejected as problem:
@@ -247,17 +365,34 @@ def folder_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -
         yield Unit(listing.key(*read), listing.size(*read), candidates)
 
 
-def csv_rows(text: str) -> Iterator[tuple[int, dict | Rejected]]:
-    """(row number, row or the reason it cannot be read): csv stops at a bad row, so it is read
-    row by row (a field over csv's size limit, often a quote left open, costs only that row)."""
-    reader = csv.DictReader(io.StringIO(text))
-    for number in itertools.count(2):
-        try:
-            yield number, next(reader)
-        except StopIteration:
+def metadata_file(listing: Listing) -> str:
+    fmt = listing.format
+    return listing.root if listing.root.endswith(f".{fmt}") else f"{listing.root}/metadata.{fmt}"
+
+
+def metadata_records(listing: Listing, meta: str) -> Iterator[tuple[int, str | dict | Rejected]]:
+    """(line or row number, the line, row or the reason it cannot be read) of a metadata file,
+    streamed from a local copy (it is read twice: to count and to ingest). Undecodable bytes ride
+    along as surrogates (surrogateescape), so only the row that holds them is quarantined."""
+    with open(listing.local_copy(meta), "rb") as handle:
+        if listing.format == "jsonl":  # JSON Lines ends lines at \n only: JSON strings may hold U+2028 or \x85
+            for number, line in enumerate(handle, start=1):
+                text = line.removesuffix(b"\n").decode("utf-8", errors="surrogateescape")
+                text = text.removeprefix("\ufeff") if number == 1 else text
+                if text.strip():
+                    yield number, text
             return
-        except csv.Error as error:
-            yield number, Rejected("bad_metadata", f"row cannot be read: {error}")
+        text = io.TextIOWrapper(handle, encoding="utf-8-sig", errors="surrogateescape", newline="\n")
+        # csv stops at a bad row, so it is read row by row (a field over csv's size limit, often a
+        # quote left open, costs only that row)
+        reader = csv.DictReader(text)
+        for number in itertools.count(2):
+            try:
+                yield number, next(reader)
+            except StopIteration:
+                return
+            except csv.Error as error:
+                yield number, Rejected("bad_metadata", f"row cannot be read: {error}")
 
 
 def metadata_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
@@ -265,15 +400,10 @@ def metadata_units(listing: Listing, source: SourceConfig, max_image_bytes: int)
     image paths are relative to the metadata file. The metadata file is read here (a row's unit is
     its image, keyed with its captions); a row that cannot be a sample is a unit that reads nothing."""
     fs, fmt = listing.fs, listing.format
-    meta = listing.root if listing.root.endswith(f".{fmt}") else f"{listing.root}/metadata.{fmt}"
+    meta = metadata_file(listing)
     base = posixpath.dirname(meta)
-    # surrogateescape keeps a row with bad bytes readable so only that row is quarantined
-    text = fs.cat_file(meta).decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
+    records = metadata_records(listing, meta)
     yield Unit("", listing.size(meta), lambda: iter(()))  # what reading the metadata cost
-    if fmt == "jsonl":  # JSON Lines ends lines at \n only: JSON strings may hold U+2028 or \x85
-        records = ((n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip())
-    else:
-        records = csv_rows(text)
     for line_number, record in records:
         candidate = Candidate(f"{fs.unstrip_protocol(meta)}:{line_number}", fmt)
         try:
@@ -308,7 +438,7 @@ def metadata_units(listing: Listing, source: SourceConfig, max_image_bytes: int)
 
 
 def parquet_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
-    for file in source_files(listing, ".parquet"):
+    for file in listing.files(".parquet"):
         yield Unit(listing.key(file), listing.size(file),
                    lambda file=file: read_parquet(listing.fs, file, source, listing.format))
 
@@ -362,7 +492,7 @@ def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, limit: int =
 
 
 def webdataset_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
-    for file in source_files(listing, ".tar"):
+    for file in listing.files(".tar"):
         yield Unit(listing.key(file), listing.size(file),
                    lambda file=file: read_webdataset(listing.fs, file, source, listing.format, max_image_bytes))
 

@@ -1,0 +1,116 @@
+"""Ingest's working tables, in a SQLite file on local disk beside the spilled images.
+
+An ingest of ten million objects must not hold ten million of anything in memory: the sources'
+listings, the last ingest's record, the samples found so far and what each unit became all live
+here, and are read back in pages. Memory then stays flat however many objects are listed (SQLite's
+page cache is capped; sorting the listing happens in SQLite, on disk).
+
+The file is scratch: it is made for one ingest and deleted with it, so nothing is synced to disk.
+One connection serves every thread under a lock (reading threads ask only which images are
+already stored; the main thread does all writing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+-- every listed object of every source, in code point order of its path (a BLOB: a local name's
+-- undecodable bytes are kept as surrogates, which UTF-8 text cannot hold)
+CREATE TABLE objects (source INTEGER, path BLOB, size INTEGER, stamp TEXT, PRIMARY KEY (source, path)) WITHOUT ROWID;
+-- the last ingest's record: what each unit became, in order ...
+CREATE TABLE known (key TEXT, position INTEGER, source TEXT, format TEXT, sample_id TEXT, captions TEXT,
+                    width INTEGER, height INTEGER, reason TEXT, message TEXT, spilled INTEGER);
+CREATE INDEX known_key ON known (key, position);
+CREATE INDEX known_sample ON known (sample_id);
+-- ... and the samples shards hold: (sample id, captions) -> shard, with the image's size
+CREATE TABLE stored (sample_id TEXT, captions TEXT, width INTEGER, height INTEGER, shard TEXT,
+                     PRIMARY KEY (sample_id, captions)) WITHOUT ROWID;
+CREATE INDEX stored_shard ON stored (shard);
+-- what this ingest found: each unit's outcomes (for the next record), the samples, the quarantine
+CREATE TABLE units (position INTEGER PRIMARY KEY, key TEXT, outcomes TEXT);
+CREATE TABLE samples (sample_id TEXT PRIMARY KEY, position INTEGER, captions TEXT, width INTEGER, height INTEGER,
+                      source TEXT, format TEXT, spilled INTEGER, shard TEXT);
+CREATE INDEX samples_position ON samples (position);
+CREATE TABLE quarantined (position INTEGER PRIMARY KEY, source TEXT, format TEXT, reason TEXT, message TEXT);
+"""
+PAGE = 1000  # rows read back at a time
+CACHE_KIB = 64 << 10  # SQLite's page cache: what the tables may hold in memory
+
+
+def encode_path(path: str) -> bytes:
+    """A path as stored: UTF-8 with lone surrogates kept (bytes order = code point order)."""
+    return path.encode("utf-8", "surrogatepass")
+
+
+def decode_path(data: bytes) -> str:
+    return data.decode("utf-8", "surrogatepass")
+
+
+class Ledger:
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.db = sqlite3.connect(folder / "ledger.sqlite", check_same_thread=False, isolation_level=None)
+        self.lock = threading.Lock()
+        with self.lock:
+            for pragma in ("journal_mode=OFF", "synchronous=OFF", f"cache_size=-{CACHE_KIB}", "temp_store=FILE"):
+                self.db.execute(f"PRAGMA {pragma}")
+            self.db.executescript(SCHEMA)
+
+    def run(self, sql: str, params: Iterable[Any] = ()) -> None:
+        with self.lock:
+            self.db.execute(sql, tuple(params))
+
+    def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
+        """`sql` for every row, in one transaction a page at a time (rows may be a generator)."""
+        page: list[tuple] = []
+        for row in rows:
+            page.append(tuple(row))
+            if len(page) == PAGE:
+                self._insert(sql, page)
+                page = []
+        self._insert(sql, page)
+
+    def _insert(self, sql: str, page: list[tuple]) -> None:
+        with self.transaction():
+            with self.lock:
+                self.db.executemany(sql, page)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Statements run inside it are one transaction (many small ones cost a commit each); a
+        transaction inside another is part of it."""
+        with self.lock:
+            outer = self.db.in_transaction
+            if not outer:
+                self.db.execute("BEGIN")
+        try:
+            yield
+        finally:
+            if not outer:
+                with self.lock:
+                    self.db.execute("COMMIT")
+
+    def one(self, sql: str, params: Iterable[Any] = ()) -> tuple | None:
+        with self.lock:
+            return self.db.execute(sql, tuple(params)).fetchone()
+
+    def rows(self, sql: str, params: Iterable[Any] = ()) -> Iterator[tuple]:
+        """The rows of a query, fetched a page at a time; the caller may write between pages."""
+        with self.lock:
+            cursor = self.db.execute(sql, tuple(params))
+        while True:
+            with self.lock:
+                page = cursor.fetchmany(PAGE)
+            if not page:
+                return
+            yield from page
+
+    def close(self) -> None:
+        with self.lock:
+            self.db.close()
