@@ -33,7 +33,7 @@ import uuid
 import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,7 @@ from storage.fingerprint import hash_json, sha256_bytes
 from storage.shards import pack_image_shard, read_image_shard, shard_id_of
 from storage.store import Store, file_sha256, fsspec_options
 from tasks.encode_latents import nearest_ratio
-from tasks.ledger import Ledger
+from tasks.ledger import PAGE, Ledger
 from tasks.sources import Candidate, Rejected, Unit, count_units, list_source, printable, source_units
 
 log = logging.getLogger(__name__)
@@ -90,12 +90,15 @@ class Scan:
     units_reused: int = 0  # units taken from the last ingest's record, unread
     bytes_read: int = 0  # listed bytes of the objects read
     position: int = 0  # outcomes so far: the listing order that decides which duplicate comes first
+    # added since the last flush: keyed units' outcomes, quarantined and accepted candidates
+    keyed: list[tuple] = field(default_factory=list)
+    refused: list[tuple] = field(default_factory=list)
+    accepted: list[tuple] = field(default_factory=list)
 
     def add(self, unit: Unit, outcomes: list[Outcome], read: bool) -> None:
-        """A unit's outcomes, in order: exact duplicates are kept once with their captions merged."""
-        ledger = self.ledger
+        """A unit's outcomes, in order (written to the ledger a page at a time)."""
         if unit.key:
-            ledger.run("INSERT INTO units (key, outcomes) VALUES (?, ?)", (unit.key, json.dumps([vars(o) for o in outcomes])))
+            self.keyed.append((unit.key, json.dumps([vars(o) for o in outcomes])))
         if unit.key or unit.size:  # not a metadata row that was refused before any read
             self.units_read += read
             self.units_reused += not read
@@ -105,16 +108,31 @@ class Scan:
             self.position += 1
             if outcome.reason is not None:
                 log.warning("quarantined %s: %s (%s)", outcome.source, outcome.reason, outcome.message)
-                ledger.run("INSERT INTO quarantined VALUES (?, ?, ?, ?, ?)",
-                           (self.position, outcome.source, outcome.format, outcome.reason, outcome.message))
-            elif (known := ledger.one("SELECT captions FROM samples WHERE sample_id = ?", (outcome.sample_id,))):
-                captions = sorted(set(json.loads(known[0])) | set(outcome.captions))
-                ledger.run("UPDATE samples SET captions = ?, spilled = spilled OR ? WHERE sample_id = ?",
-                           (json.dumps(captions), outcome.spilled, outcome.sample_id))
+                self.refused.append((self.position, outcome.source, outcome.format, outcome.reason, outcome.message))
             else:
-                ledger.run("INSERT INTO samples VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL)",
-                           (outcome.sample_id, self.position, json.dumps(outcome.captions), outcome.width,
-                            outcome.height, outcome.source, outcome.format, outcome.spilled))
+                self.accepted.append((outcome.sample_id, self.position, json.dumps(outcome.captions), outcome.width,
+                                      outcome.height, outcome.source, outcome.format, outcome.spilled))
+        if len(self.keyed) + len(self.accepted) + len(self.refused) >= PAGE:
+            self.flush()
+
+    def flush(self) -> None:
+        """What was added since the last flush, into the ledger: a sample seen before (an exact
+        duplicate) keeps its first source and gains the later one's captions."""
+        ledger = self.ledger
+        with ledger.transaction():
+            ledger.run_many("INSERT INTO units (key, outcomes) VALUES (?, ?)", self.keyed)
+            ledger.run_many("INSERT INTO quarantined VALUES (?, ?, ?, ?, ?)", self.refused)
+            ledger.run_many("INSERT INTO accepted VALUES (?, ?, ?, ?, ?, ?, ?, ?)", self.accepted)
+            ledger.run("INSERT OR IGNORE INTO samples SELECT *, NULL FROM accepted ORDER BY position")
+            for sample_id, captions, spilled in ledger.all(
+                    "SELECT sample_id, accepted.captions, accepted.spilled FROM accepted JOIN samples USING (sample_id) "
+                    "WHERE samples.position != accepted.position ORDER BY accepted.position"):
+                known = ledger.one("SELECT captions FROM samples WHERE sample_id = ?", (sample_id,))[0]
+                merged = sorted(set(json.loads(known)) | set(json.loads(captions)))
+                ledger.run("UPDATE samples SET captions = ?, spilled = spilled OR ? WHERE sample_id = ?",
+                           (json.dumps(merged), spilled, sample_id))
+            ledger.run("DELETE FROM accepted")
+        self.keyed.clear(), self.refused.clear(), self.accepted.clear()
 
     def count(self, table: str) -> int:
         return self.ledger.one(f"SELECT count(*) FROM {table}")[0]
@@ -232,17 +250,22 @@ def examine(candidate: Candidate, dataset: DatasetConfig, ledger: Ledger, spill:
     return outcome
 
 
-def in_order(pool: ThreadPoolExecutor, work: Callable[[Unit], tuple[list[Outcome], bool]], units: Iterable[Unit],
-             window: int) -> Iterator[tuple[Unit, list[Outcome], bool]]:
-    """`work(unit)` for each unit on the pool, at most `window` in flight, results in the units' order."""
-    pending: deque[tuple[Unit, Any]] = deque()
+def in_order(pool: ThreadPoolExecutor, work: Callable[[Unit], list[Outcome]], units: Iterable[Unit],
+             known: Callable[[Unit], list[Outcome] | None], window: int) -> Iterator[tuple[Unit, list[Outcome], bool]]:
+    """Each unit's outcomes in the units' order, with whether it was read: `known(unit)` when it
+    has them, else `work(unit)` on the pool, at most `window` in flight."""
+    pending: deque[tuple[Unit, Future, bool]] = deque()
     for unit in units:
-        pending.append((unit, pool.submit(work, unit)))
+        if (outcomes := known(unit)) is None:
+            pending.append((unit, pool.submit(work, unit), True))
+        else:
+            pending.append((unit, done := Future(), False))
+            done.set_result(outcomes)
         if len(pending) >= window:
-            done, future = pending.popleft()
-            yield done, *future.result()
-    for done, future in pending:
-        yield done, *future.result()
+            unit, future, read = pending.popleft()
+            yield unit, future.result(), read
+    for unit, future, read in pending:
+        yield unit, future.result(), read
 
 
 def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger, spill: Path,
@@ -253,10 +276,13 @@ def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger,
     scan = Scan(ledger, spill)
     limit = max_image_bytes(dataset)
 
-    def work(unit: Unit) -> tuple[list[Outcome], bool]:
-        if unit.key and (known := known_outcomes(ledger, unit.key)) is not None:
-            return known, False
-        return [examine(candidate, dataset, ledger, spill) for candidate in unit.read()], True
+    def work(unit: Unit) -> list[Outcome]:
+        return [examine(candidate, dataset, ledger, spill) for candidate in unit.read()]
+
+    recorded = ledger.one("SELECT 1 FROM known LIMIT 1") is not None
+
+    def known(unit: Unit) -> list[Outcome] | None:
+        return known_outcomes(ledger, unit.key) if unit.key and recorded else None
 
     # every source listed before any is read: the total is known from the first unit on
     listings = [list_source(source, source_options(source.path, storage), ledger, index)
@@ -267,19 +293,21 @@ def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger,
         threads = dataset.read_concurrency if is_remote(source.path) else min(dataset.read_concurrency,
                                                                               os.cpu_count() or 1)
         with ThreadPoolExecutor(threads, thread_name_prefix="ingest-read") as pool, ledger.transaction():
-            for unit, outcomes, read in in_order(pool, work, source_units(listing, source, limit), 4 * threads):
+            units = source_units(listing, source, limit)
+            for unit, outcomes, read in in_order(pool, work, units, known, 4 * threads):
                 scan.add(unit, outcomes, read)
                 done += 1
                 if progress is not None:
                     progress(done, total)
+    scan.flush()
     return scan
 
 
 def known_outcomes(ledger: Ledger, key: str) -> list[Outcome] | None:
     """The outcomes the last ingest recorded for a unit, None if it did not record the unit (they
     were spilled then, not now: a reused outcome's image is in a shard)."""
-    rows = list(ledger.rows("SELECT source, format, sample_id, captions, width, height, reason, message FROM known "
-                            "WHERE key = ? ORDER BY position", (key,)))
+    rows = ledger.all("SELECT source, format, sample_id, captions, width, height, reason, message FROM known "
+                      "WHERE key = ? ORDER BY position", (key,))
     if not rows:
         return None
     return [Outcome(source, fmt, sample_id, captions and json.loads(captions), width, height, reason, message)

@@ -22,7 +22,10 @@ from typing import Any
 SCHEMA = """
 -- every listed object of every source, in code point order of its path (a BLOB: a local name's
 -- undecodable bytes are kept as surrogates, which UTF-8 text cannot hold)
-CREATE TABLE objects (source INTEGER, path BLOB, size INTEGER, stamp TEXT, PRIMARY KEY (source, path)) WITHOUT ROWID;
+-- and the path split at its last dot (stem, extension), to find a caption file beside its image
+CREATE TABLE objects (source INTEGER, path BLOB, size INTEGER, stamp TEXT, stem BLOB, ext TEXT,
+                      PRIMARY KEY (source, path)) WITHOUT ROWID;
+CREATE INDEX objects_stem ON objects (source, stem, ext);
 -- the last ingest's record: what each unit became, in order ...
 CREATE TABLE known (key TEXT, position INTEGER, source TEXT, format TEXT, sample_id TEXT, captions TEXT,
                     width INTEGER, height INTEGER, reason TEXT, message TEXT, spilled INTEGER);
@@ -37,10 +40,12 @@ CREATE TABLE units (position INTEGER PRIMARY KEY, key TEXT, outcomes TEXT);
 CREATE TABLE samples (sample_id TEXT PRIMARY KEY, position INTEGER, captions TEXT, width INTEGER, height INTEGER,
                       source TEXT, format TEXT, spilled INTEGER, shard TEXT);
 CREATE INDEX samples_position ON samples (position);
+CREATE TABLE accepted (sample_id TEXT, position INTEGER, captions TEXT, width INTEGER, height INTEGER, source TEXT,
+                       format TEXT, spilled INTEGER);  -- candidates on their way into `samples`
 CREATE TABLE quarantined (position INTEGER PRIMARY KEY, source TEXT, format TEXT, reason TEXT, message TEXT);
 """
 PAGE = 1000  # rows read back at a time
-CACHE_KIB = 64 << 10  # SQLite's page cache: what the tables may hold in memory
+CACHE_KIB = 32 << 10  # SQLite's page cache: what the tables may hold in memory
 
 
 def encode_path(path: str) -> bytes:
@@ -62,9 +67,10 @@ class Ledger:
                 self.db.execute(f"PRAGMA {pragma}")
             self.db.executescript(SCHEMA)
 
-    def run(self, sql: str, params: Iterable[Any] = ()) -> None:
+    def run(self, sql: str, params: tuple = ()) -> int:
+        """Runs a statement; returns how many rows it changed."""
         with self.lock:
-            self.db.execute(sql, tuple(params))
+            return self.db.execute(sql, params).rowcount
 
     def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
         """`sql` for every row, in one transaction a page at a time (rows may be a generator)."""
@@ -96,14 +102,19 @@ class Ledger:
                 with self.lock:
                     self.db.execute("COMMIT")
 
-    def one(self, sql: str, params: Iterable[Any] = ()) -> tuple | None:
+    def one(self, sql: str, params: tuple = ()) -> tuple | None:
         with self.lock:
-            return self.db.execute(sql, tuple(params)).fetchone()
+            return self.db.execute(sql, params).fetchone()
 
-    def rows(self, sql: str, params: Iterable[Any] = ()) -> Iterator[tuple]:
+    def all(self, sql: str, params: tuple = ()) -> list[tuple]:
+        """The rows of a query known to be short."""
+        with self.lock:
+            return self.db.execute(sql, params).fetchall()
+
+    def rows(self, sql: str, params: tuple = ()) -> Iterator[tuple]:
         """The rows of a query, fetched a page at a time; the caller may write between pages."""
         with self.lock:
-            cursor = self.db.execute(sql, tuple(params))
+            cursor = self.db.execute(sql, params)
         while True:
             with self.lock:
                 page = cursor.fetchmany(PAGE)

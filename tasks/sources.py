@@ -37,7 +37,7 @@ import re
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import fsspec
 import pyarrow.parquet as pq
@@ -151,6 +151,20 @@ class Unit:
     read: Callable[[], Iterator[Candidate]]
 
 
+class Listed(NamedTuple):
+    path: str
+    size: int
+    stamp: str
+
+
+def unit_of(*objects: Listed | None) -> tuple[str, int]:
+    """The key and size of a unit reading `objects`: the key names each with its listed size and
+    stamp ("" when one is not listed: never taken from a record), the size is their listed bytes."""
+    listed = [entry for entry in objects if entry is not None]
+    return "" if len(listed) < len(objects) else json.dumps([list(entry) for entry in listed]), sum(
+        entry.size for entry in listed)
+
+
 @dataclass
 class Listing:
     """A source listed once: its filesystem, root and format; its objects (every object under the
@@ -163,26 +177,34 @@ class Listing:
     ledger: Ledger
     index: int
 
-    def entry(self, path: str) -> tuple[int, str] | None:
-        return self.ledger.one("SELECT size, stamp FROM objects WHERE source = ? AND path = ?",
-                               (self.index, encode_path(path)))
+    def entry(self, path: str) -> Listed | None:
+        """The listed object at `path`, None if the listing does not hold it."""
+        found = self.ledger.one("SELECT size, stamp FROM objects WHERE source = ? AND path = ?",
+                                (self.index, encode_path(path)))
+        return found and Listed(path, *found)
 
-    def key(self, *paths: str) -> str:
-        """The key of a unit reading `paths`: each with its listed size and stamp."""
-        entries = [self.entry(path) for path in paths]
-        if None in entries:
-            return ""
-        return json.dumps([[path, *entry] for path, entry in zip(paths, entries)])
-
-    def size(self, *paths: str) -> int:
-        return sum((self.entry(path) or (0, ""))[0] for path in paths)
-
-    def files(self, suffix: str = "") -> Iterator[str]:
+    def files(self, suffix: str = "") -> Iterator[Listed]:
         """The objects under the root (or the root file) ending in `suffix`, in path order."""
-        for (data,) in self.ledger.rows("SELECT path FROM objects WHERE source = ? ORDER BY path", (self.index,)):
+        for data, size, mark in self.ledger.rows("SELECT path, size, stamp FROM objects WHERE source = ? "
+                                                 "ORDER BY path", (self.index,)):
             path = decode_path(data)
             if path.endswith(suffix) and (path == self.root or path.startswith(self.root + "/")):
-                yield path
+                yield Listed(path, size, mark)
+
+    def files_beside(self, *extensions: str) -> Iterator[tuple[Listed, list[Listed | None]]]:
+        """Every object under the root in path order, with the object beside it (same path up to
+        the last dot) of each extension, or None: one query, where a lookup per object would cost
+        a round trip to SQLite each."""
+        joins = "".join(f" LEFT JOIN objects e{n} INDEXED BY objects_stem ON e{n}.source = o.source AND e{n}.stem = o.stem AND e{n}.ext = ?"
+                        for n in range(len(extensions)))
+        columns = "".join(f", e{n}.path, e{n}.size, e{n}.stamp" for n in range(len(extensions)))
+        query = f"SELECT o.path, o.size, o.stamp{columns} FROM objects o{joins} WHERE o.source = ? ORDER BY o.path"
+        for row in self.ledger.rows(query, (*extensions, self.index)):
+            path = decode_path(row[0])
+            if path.startswith(self.root + "/"):
+                beside = [None if row[at] is None else Listed(decode_path(row[at]), *row[at + 1:at + 3])
+                          for at in range(3, len(row), 3)]
+                yield Listed(path, *row[1:3]), beside
 
     def local_copy(self, path: str) -> str:
         """A local file holding `path` (itself on a local disk), so it can be read more than once."""
@@ -212,8 +234,9 @@ def list_source(source: SourceConfig, options: dict[str, Any], ledger: Ledger, i
             objects = walk_objects(fs, root if is_folder else posixpath.dirname(root))
         else:
             objects = iter([(root, int(info.get("size") or 0), stamp(info))])
-        ledger.run_many("INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?)",
-                        ((index, encode_path(path), size, mark) for path, size, mark in objects))
+        ledger.run_many("INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?)",
+                        ((index, encode_path(path), size, mark, encode_path(path.rpartition(".")[0]),
+                          path.rpartition(".")[2]) for path, size, mark in objects))
     except Exception as error:  # an unreachable source fails the stage, naming it
         raise RuntimeError(f"dataset source {source.path!r} cannot be read: {error}") from error
     listing = Listing(fs, root, fmt, ledger, index)
@@ -317,7 +340,7 @@ def folder_format(listing: Listing) -> str:
         return "jsonl"
     if listing.entry(f"{listing.root}/metadata.csv"):
         return "csv"
-    found = {name.rsplit(".", 1)[-1] for name in listing.files()
+    found = {name.rsplit(".", 1)[-1] for name, *_ in listing.files()
              if "/" not in name[len(listing.root) + 1:] and name.endswith((".parquet", ".tar"))}
     return "parquet" if "parquet" in found else "webdataset" if "tar" in found else "folder"
 
@@ -334,7 +357,7 @@ def count_units(listing: Listing) -> int:
     if listing.format in ("jsonl", "csv"):
         return 1 + sum(1 for _ in metadata_records(listing, metadata_file(listing)))
     if listing.format == "folder":
-        return sum(1 for file in listing.files() if is_image_name(file))
+        return sum(1 for file in listing.files() if is_image_name(file.path))
     return sum(1 for _ in listing.files(".parquet" if listing.format == "parquet" else ".tar"))
 
 
@@ -345,10 +368,11 @@ def is_image_name(path: str) -> bool:
 
 def folder_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
     fs, fmt = listing.fs, listing.format
-    for file in filter(is_image_name, listing.files()):
-        stem = file.rpartition(".")[0]
-        caption_file = next((f"{stem}.{e}" for e in CAPTION_EXTENSIONS if listing.entry(f"{stem}.{e}")), None)
-        read = [file] if caption_file is None else [file, caption_file]
+    for image, captions in listing.files_beside(*CAPTION_EXTENSIONS):
+        if not is_image_name(file := image.path):
+            continue
+        caption = next(filter(None, captions), None)  # in order of preference
+        caption_file = caption and caption.path
 
         def candidates(file: str = file, caption_file: str | None = caption_file) -> Iterator[Candidate]:
             candidate = Candidate(fs.unstrip_protocol(file), fmt)
@@ -362,7 +386,7 @@ def folder_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -
                 candidate.problem = problem
             yield candidate
 
-        yield Unit(listing.key(*read), listing.size(*read), candidates)
+        yield Unit(*unit_of(image, caption) if caption else unit_of(image), candidates)
 
 
 def metadata_file(listing: Listing) -> str:
@@ -403,7 +427,7 @@ def metadata_units(listing: Listing, source: SourceConfig, max_image_bytes: int)
     meta = metadata_file(listing)
     base = posixpath.dirname(meta)
     records = metadata_records(listing, meta)
-    yield Unit("", listing.size(meta), lambda: iter(()))  # what reading the metadata cost
+    yield Unit("", unit_of(listing.entry(meta))[1], lambda: iter(()))  # what reading the metadata cost
     for line_number, record in records:
         candidate = Candidate(f"{fs.unstrip_protocol(meta)}:{line_number}", fmt)
         try:
@@ -425,7 +449,7 @@ def metadata_units(listing: Listing, source: SourceConfig, max_image_bytes: int)
             yield Unit("", 0, lambda candidate=candidate: iter([candidate]))
             continue
         image = f"{base}/{name}"
-        key = listing.key(image)
+        key, size = unit_of(listing.entry(image))
 
         def candidates(candidate: Candidate = candidate, image: str = image) -> Iterator[Candidate]:
             try:
@@ -434,13 +458,13 @@ def metadata_units(listing: Listing, source: SourceConfig, max_image_bytes: int)
                 candidate.problem = problem
             yield candidate
 
-        yield Unit(key and json.dumps([key, candidate.captions]), listing.size(image), candidates)
+        yield Unit(key and json.dumps([key, candidate.captions]), size, candidates)
 
 
 def parquet_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
-    for file in listing.files(".parquet"):
-        yield Unit(listing.key(file), listing.size(file),
-                   lambda file=file: read_parquet(listing.fs, file, source, listing.format))
+    for listed in listing.files(".parquet"):
+        yield Unit(*unit_of(listed),
+                   lambda file=listed.path: read_parquet(listing.fs, file, source, listing.format))
 
 
 def read_parquet(fs, file: str, source: SourceConfig, fmt: str) -> Iterator[Candidate]:
@@ -492,9 +516,9 @@ def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, limit: int =
 
 
 def webdataset_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
-    for file in listing.files(".tar"):
-        yield Unit(listing.key(file), listing.size(file),
-                   lambda file=file: read_webdataset(listing.fs, file, source, listing.format, max_image_bytes))
+    for listed in listing.files(".tar"):
+        yield Unit(*unit_of(listed),
+                   lambda file=listed.path: read_webdataset(listing.fs, file, source, listing.format, max_image_bytes))
 
 
 def read_webdataset(fs, file: str, source: SourceConfig, fmt: str, max_image_bytes: int) -> Iterator[Candidate]:
