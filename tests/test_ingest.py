@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -215,6 +216,28 @@ def test_a_nightly_ingest_reads_only_new_or_rewritten_files(where, demo_data, ma
     assert rewritten["units_read"] == 2 and rewritten["units_reused"] == 23
     assert rewritten["gets"] in (None, sorted(["00001.png", "00001.txt", "00003.png", "00003.txt"]))
     assert night()["units_read"] == 0
+
+
+def test_an_s3_listing_of_several_pages_is_streamed_whole(s3_endpoint, demo_data, make_config):
+    """S3 lists 1,000 objects a request: the listing streamed page by page holds exactly what
+    s3fs's own `find` returns, and images listed on the last page, beside their captions, become
+    the same samples as from a local copy."""
+    import s3fs
+
+    from tasks.sources import walk_s3
+
+    s3 = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
+    s3.mkdir("precast-pages")
+    s3.pipe({f"precast-pages/data/0-notes/{n:05d}.json": b"{}" for n in range(1100)})  # listed before the images
+    s3.put(f"{demo_data}/", "precast-pages/data/", recursive=True)
+    listed = sorted(walk_s3(s3, "precast-pages/data"))
+    reference = s3.find("precast-pages/data", detail=True)
+    assert [path for path, _, _ in listed] == sorted(reference) and len(listed) == 1100 + 48
+    assert all(size == reference[path]["size"] and stamp == reference[path]["ETag"] for path, size, stamp in listed)
+
+    remote = make_config(source="s3://precast-pages/data", storage={"options": {"endpoint_url": s3_endpoint}})
+    local = make_config(root=str(Path(remote.storage.root).parent / "local-store"), source=demo_data)
+    assert ingest(remote.storage, remote.dataset)["id"] == ingest(local.storage, local.dataset)["id"]
 
 
 @pytest.mark.parametrize("fmt", list(WRITERS))
