@@ -13,7 +13,9 @@ units and what each became are recorded beside the dataset ref; the next ingest 
 sources and rules takes every unit whose objects are listed unchanged (path, size, ETag or mtime)
 from that record instead of reading it, so a nightly run reads only new or rewritten objects.
 Outcomes are merged in listing order, so duplicates, quarantine and shards are what one
-sequential pass would give.
+sequential pass would give. Everything the stage keeps while it runs (listings, the last record,
+samples, outcomes) is a table of its ledger (tasks/ledger.py) on local disk, so memory does not
+grow with the number of objects.
 
 Images are untrusted bytes: only the formats the README lists are parsed (Pillow would otherwise
 try every plugin it has, TGA among them, which has no magic number: noise behind a plausible

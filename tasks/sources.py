@@ -1,7 +1,8 @@
 """Dataset source readers: folders, jsonl/csv metadata, parquet exports, webdataset tars.
 
-A source is listed once (names, sizes and ETags or modification times from the listing itself)
-and cut into `Unit`s: what one read takes in — an image and its caption file, a metadata row's
+A source is listed once (names, sizes and ETags or modification times from the listing itself),
+streamed into the ingest's ledger (tasks/ledger.py, on disk: a listing of millions of objects is
+never held in memory), and cut into `Unit`s in path order: what one read takes in — an image and its caption file, a metadata row's
 image, one parquet file or one tar. A unit's `key` names the objects it reads with their listed
 size and stamp, so an ingest that recorded the key can take the unit's results from its record
 instead of reading it again. Reading a unit streams `Candidate`s — one image with its caption
