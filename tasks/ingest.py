@@ -134,7 +134,8 @@ class Scan:
                 ledger.run("UPDATE samples SET captions = ?, spilled = spilled OR ? WHERE sample_id = ?",
                            (json.dumps(merged), spilled, sample_id))
             ledger.run("DELETE FROM accepted")
-        self.keyed.clear(), self.refused.clear(), self.accepted.clear()
+        for added in (self.keyed, self.refused, self.accepted):
+            added.clear()
 
     def count(self, table: str) -> int:
         return self.ledger.one(f"SELECT count(*) FROM {table}")[0]
@@ -478,7 +479,7 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan) -> tuple[
     with ledger.transaction():
         ledger.run("UPDATE samples SET shard = (SELECT shard FROM stored WHERE stored.sample_id = samples.sample_id "
                    "AND stored.captions = samples.captions)")
-    new = scan.count("samples WHERE shard IS NULL")
+    new = ledger.one("SELECT count(*) FROM samples WHERE shard IS NULL")[0]
     spill_known_images(store, scan)
     last = ""
     while True:
