@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import (
-    encoder_workers, end_to_end, gpu, ingest_memory, ingest_throughput, latent_encoding, s3_ingest, text_encoding,
-    training, training_modes,
+    encoder_workers, end_to_end, gpu, ingest_memory, ingest_throughput, ingest_workers, latent_encoding, s3_ingest,
+    text_encoding, training, training_modes,
 )
 
 RESULTS = Path(__file__).parent / "results"
@@ -31,6 +31,7 @@ SUITE = {
     "ingest": (ingest_throughput, {"count": 600}, {"count": 600}),
     "s3_ingest": (s3_ingest, {"count": 400}, {"count": 200}),
     "ingest_memory": (ingest_memory, {"sizes": (20_000, 80_000)}, {"sizes": (5_000, 20_000)}),
+    "ingest_workers": (ingest_workers, {"count": 400}, {"count": 200, "partition_size": 25}),
     "text_encoding": (text_encoding, {}, {"captions": 256, "reference_captions": 64}),
     "latent_encoding": (latent_encoding, {}, {"count": 48, "repeat": 2}),
     "training": (training, {}, {"steps": 20, "count": 32}),

@@ -50,8 +50,8 @@ def check(data: bytes, dataset: DatasetConfig) -> tuple[int, int]:
     return normalise_image(data, dataset)[1:]
 
 
-def decode_scaling(count: int = 96) -> dict:
-    """Images/s of `check` on photo-sized JPEGs: serially, in threads and in processes (one per core)."""
+def photo_jpegs(count: int) -> list[bytes]:
+    """Photo-sized JPEGs (1024x768, about 250 KB): smooth noise, so they compress like photos."""
     rng = np.random.default_rng(0)
     photos = []
     for _ in range(count):
@@ -59,6 +59,12 @@ def decode_scaling(count: int = 96) -> dict:
         buffer = io.BytesIO()
         pixels.save(buffer, "JPEG", quality=90)
         photos.append(buffer.getvalue())
+    return photos
+
+
+def decode_scaling(count: int = 96) -> dict:
+    """Images/s of `check` on photo-sized JPEGs: serially, in threads and in processes (one per core)."""
+    photos = photo_jpegs(count)
     dataset = DatasetConfig(sources=[SourceConfig(path=".")])
     cores = os.cpu_count() or 1
     rates = {}

@@ -76,7 +76,12 @@ class DatasetConfig(Section):
     read_concurrency: int = Field(
         32, ge=1, description="Source objects read (and images checked) at once: enough requests in flight to hide "
         "an object store's per-request latency (~20 ms on S3). A local source uses at most one thread per core: "
-        "there is no latency to hide, and Pillow decodes in parallel threads.",
+        "there is no latency to hide, and Pillow decodes in parallel threads. On workers: per worker.",
+    )
+    partition_size: int = Field(
+        1000, ge=1, description="When ingest runs on workers (execution.workers > 1 or execution.cluster): units (an "
+        "image with its caption file or metadata row, or a whole parquet or tar file) a worker reads and examines in "
+        "one task, up to 256 MiB of them. Outputs do not depend on it.",
     )
 
 

@@ -20,7 +20,7 @@ from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
 from flows.progress import reporter
 from tasks.encode_latents import encode_latents_shard
 from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics
-from tasks.ingest import ingest
+from tasks.ingest import examine_partition, ingest
 from tasks.manifest import build_manifest
 from tasks.models import resolve_device
 from tasks.train import train
@@ -33,6 +33,8 @@ JSON = {"persist_result": True, "result_serializer": "json"}
 
 # ingest is its own cache: it lists the sources and reads only what its last record does not hold
 ingest_task = task(name="ingest", cache_policy=NO_CACHE, **JSON)(ingest)
+# the store is its cache: a staged partition is deleted once merged, so a cached key could name nothing
+ingest_partition_task = task(name="ingest-partition", cache_policy=NO_CACHE, **JSON)(examine_partition)
 encode_prompts_task = task(name="encode-prompts", cache_policy=STAGE_CACHE, **JSON)(encode_prompts)
 measure_numerics_task = task(name="text-numerics", cache_policy=STAGE_CACHE, **JSON)(measure_numerics)
 encode_text_task = task(name="encode-text", cache_policy=STAGE_CACHE, **JSON)(encode_text_shard)
@@ -40,8 +42,8 @@ encode_latents_task = task(name="encode-latents", cache_policy=STAGE_CACHE, **JS
 manifest_task = task(name="manifest", cache_policy=STAGE_CACHE, **JSON)(build_manifest)
 # the progress callback reports, it changes no result
 train_task = task(name="train", cache_policy=(INPUTS - "progress") + TASK_SOURCE, **JSON)(train)
-TASKS = [ingest_task, encode_prompts_task, measure_numerics_task, encode_text_task, encode_latents_task,
-         manifest_task, train_task]
+TASKS = [ingest_task, ingest_partition_task, encode_prompts_task, measure_numerics_task, encode_text_task,
+         encode_latents_task, manifest_task, train_task]
 
 def gpu_slot_name() -> str:
     return f"gpu-{socket.gethostname()}"

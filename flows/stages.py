@@ -12,9 +12,10 @@ work (workers, model loads, shards) comes back as its children's `<stage>-work` 
 
 from __future__ import annotations
 
+import contextvars
 import json
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
@@ -27,18 +28,18 @@ from prefect.filesystems import RemoteFileSystem
 
 from configs.schema import PipelineConfig
 from flows.stage_tasks import (
-    device_slot, encode_latents_task, encode_prompts_task, encode_text_task, ingest_task, manifest_task,
-    measure_numerics_task, train_task, training_progress,
+    device_slot, encode_latents_task, encode_prompts_task, encode_text_task, ingest_partition_task, ingest_task,
+    manifest_task, measure_numerics_task, train_task, training_progress,
 )
 from flows.progress import StageProgress, followed, reporter
-from flows.workers import in_threads, stage_executor
+from flows.workers import OnWorkers, in_threads, stage_executor
 from storage import layout
 from storage.fingerprint import hash_json
 from storage.shards import shard_id_of
 from storage.store import Store
 from tasks.encode_latents import latent_cache_record
 from tasks.encode_text import encoding_report, prompts_cache_key, text_cache_record
-from tasks.ingest import latest_dataset, report_markdown
+from tasks.ingest import Partitions, latest_dataset, report_markdown
 from tasks.manifest import manifest_id, manifest_record
 from tasks.models import text_encoder_fingerprint, vae_fingerprint
 from tasks.run_page import RunPage
@@ -156,7 +157,20 @@ def run_ingest(plan: Plan) -> dict[str, Any]:
         with followed("ingest"):
             run_elsewhere(config, deployment, "ingest")
         return stored_dataset(plan)
-    record = plan.configured(ingest_task)(config.storage, config.dataset, progress=reporter("ingest", "files"))
+    with stage_executor(config.execution, "cpu", plan.configured) as run:
+        partitions, workers = None, 1
+        if isinstance(run, OnWorkers):  # ingest lists and merges; workers read and decode
+            # a partition is a task run of this flow run, beside ingest's: sent from within ingest's
+            # own context, it would carry ingest's parameters (this very callable) to the worker
+            flow_context = contextvars.copy_context()
+            examine = partial(run.one, ingest_partition_task, config.storage, config.dataset)
+            workers = len(run.workers())
+            partitions = Partitions(lambda *args: flow_context.copy().run(examine, *args),
+                                    slots=sum(worker["nthreads"] for worker in run.workers().values()),
+                                    size=config.dataset.partition_size)
+        record = plan.configured(ingest_task)(config.storage, config.dataset, progress=reporter("ingest", "files"),
+                                              partitions=partitions)
+    record["work"]["workers"] = workers
     report = plan.store.read_json(plan.store.key(record["report"]))
     create_markdown_artifact(markdown=report_markdown(report), key="ingest-report",
                              description=f"ingest of dataset {record['id']}")

@@ -47,12 +47,13 @@ class Summary:
 
 def work_text(work: dict[str, Any] | None) -> str:
     """A stage's cost in words: "2 workers, 2 model loads, 16 shards encoded, 0 cached" (an encoder),
-    "1.2 MB read: 1 unit read, 399 taken from the last ingest" (ingest)."""
+    "1.2 MB read: 1 unit read, 399 taken from the last ingest" (ingest; "… read on 4 workers: …" on workers)."""
     if not work:
         return ""
     if "bytes_read" in work:
-        return (f"{work['bytes_read'] / 1e6:,.1f} MB read: {work['units_read']} unit{'s' * (work['units_read'] != 1)} "
-                f"read, {work['units_reused']} taken from the last ingest")
+        where = f" on {work['workers']} workers" if work.get("workers", 1) > 1 else ""
+        return (f"{work['bytes_read'] / 1e6:,.1f} MB read{where}: {work['units_read']} "
+                f"unit{'s' * (work['units_read'] != 1)} read, {work['units_reused']} taken from the last ingest")
     return (f"{work['workers']} worker{'s' * (work['workers'] != 1)}, {work['model_loads']} model "
             f"load{'s' * (work['model_loads'] != 1)}, {work['shards_encoded']} shards encoded, "
             f"{work['shards_cached']} cached")

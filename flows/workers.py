@@ -175,12 +175,15 @@ class OnWorkers:
                 completed(results[index])
         return results
 
+    def workers(self) -> dict[str, Any]:
+        """The cluster's workers now, by address (each with its `nthreads`)."""
+        return self.runner.client.scheduler_info()["workers"]
+
     def work(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         after = self.runner.client.run(model_loads)
         loads = sum(count - self.loads.get(worker, {}).get(stage, 0)
                     for worker, counts in after.items() for stage, count in counts.items())
-        workers = len(self.runner.client.scheduler_info()["workers"])
-        return encoding_work(records, self.started, workers, loads)
+        return encoding_work(records, self.started, len(self.workers()), loads)
 
 
 def crashed(task_run_id: Any, message: str, wait: float = 10.0) -> None:

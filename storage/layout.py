@@ -9,6 +9,7 @@ path. `COMMITTED` lists the kinds that are only valid with a commit record besid
     datasets/<dataset_id>.json, datasets/<dataset_id>.report.json
     refs/datasets/<config hash>.json                          the latest dataset of a dataset config
     refs/datasets/<config hash>.sources.parquet               what that ingest read, for the next one
+    staging/ingest/<partition id>.parquet                     a worker's examined partition, until merged
     cache/text/<fp>/<shard_id>.safetensors, prompts/<hash>.safetensors, numerics.json
     cache/latents/<fp>/<shard_id>.safetensors
     manifests/<manifest_id>.json, manifests/<manifest_id>.parquet
@@ -57,6 +58,12 @@ def dataset_ref(config_hash: str) -> str:
 def sources_record(config_hash: str) -> str:
     """What the latest ingest of a dataset config read: each unit's listed objects and outcomes."""
     return f"refs/datasets/{config_hash}.sources.parquet"
+
+
+def ingest_partition(partition_id: str) -> str:
+    """Outcomes and new images of a partition of a source examined on a worker, until the ingest
+    that sent it merges them (then deleted)."""
+    return f"staging/ingest/{partition_id}.parquet"
 
 
 # --- caches: kind "text" (T5 embeddings) or "latents" (VAE posteriors), under the encoder's fingerprint ---

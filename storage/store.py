@@ -278,8 +278,15 @@ class Store:
     def commit(self, key: str, data: bytes, **record: Any) -> dict[str, Any]:
         """Write an artifact and then its commit record; returns the record (with url, sha256, size)."""
         self.write_bytes(key, data)
-        full = {"url": self.url(key), "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
-                "committed_at": round(time.time(), 3), **record}
+        return self._record(key, hashlib.sha256(data).hexdigest(), len(data), record)
+
+    def commit_file(self, local: str | Path, key: str, **record: Any) -> dict[str, Any]:
+        """`commit` of a local file's bytes, uploaded streamed (`put_file`)."""
+        self.put_file(local, key)
+        return self._record(key, file_sha256(local), os.path.getsize(local), record)
+
+    def _record(self, key: str, sha256: str, size: int, record: dict[str, Any]) -> dict[str, Any]:
+        full = {"url": self.url(key), "sha256": sha256, "size": size, "committed_at": round(time.time(), 3), **record}
         self.write_json(key + COMMIT_SUFFIX, full)
         return full
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -49,10 +50,10 @@ from configs.schema import DatasetConfig, StorageConfig
 from storage import layout
 from storage.fingerprint import hash_json, sha256_bytes
 from storage.shards import pack_image_shard, read_image_shard, shard_id_of
-from storage.store import Store, file_sha256, fsspec_options
+from storage.store import COMMIT_SUFFIX, Store, file_sha256, fsspec_options
 from tasks.encode_latents import nearest_ratio
 from tasks.ledger import PAGE, Ledger
-from tasks.sources import Candidate, Rejected, Unit, count_units, list_source, printable, source_units
+from tasks.sources import Candidate, Rejected, Unit, count_units, list_source, printable, read_unit, source_units
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +221,11 @@ def source_options(path: str, storage: StorageConfig) -> dict[str, Any]:
     return fsspec_options(storage) if is_remote(path) else {}
 
 
-def examine(candidate: Candidate, dataset: DatasetConfig, ledger: Ledger, spill: Path) -> Outcome:
-    """One candidate checked: hashed, its geometry checked, and a new image decoded, normalised
-    and spilled under its sample id. Never raises: one bad file never fails the stage."""
+def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str], tuple[int, int] | None],
+            keep: Callable[[str, bytes], None]) -> Outcome:
+    """One candidate checked: hashed, its geometry checked, and a new image (one `stored` does not
+    give the size of) decoded, normalised and handed to `keep` under its sample id. Never raises:
+    one bad file never fails the stage."""
     outcome = Outcome(printable(candidate.source), candidate.format)
     try:
         if candidate.problem is not None:
@@ -230,15 +233,12 @@ def examine(candidate: Candidate, dataset: DatasetConfig, ledger: Ledger, spill:
         if not candidate.image:
             raise Rejected("empty_file", "zero bytes")
         outcome.sample_id = sha256_bytes(candidate.image)
-        stored = ledger.one("SELECT width, height FROM stored WHERE sample_id = ? LIMIT 1", (outcome.sample_id,))
-        if stored:  # validated when it was first ingested; only the rules may have changed
-            outcome.width, outcome.height = stored
+        if (size := stored(outcome.sample_id)) is not None:  # validated when first ingested; only the rules may have changed
+            outcome.width, outcome.height = size
             check_geometry(outcome.width, outcome.height, dataset)
         else:
             image, outcome.width, outcome.height = normalise_image(candidate.image, dataset)
-            partial = spill / f"{outcome.sample_id}.{uuid.uuid4().hex}"  # a duplicate may spill at once
-            partial.write_bytes(image)
-            partial.replace(spill / outcome.sample_id)
+            keep(outcome.sample_id, image)
             outcome.spilled = True
         # variants are a set (training picks one at random): sorted, so line order or which
         # duplicate came first never changes a sample's identity
@@ -253,34 +253,95 @@ def examine(candidate: Candidate, dataset: DatasetConfig, ledger: Ledger, spill:
     return outcome
 
 
-def in_order(pool: ThreadPoolExecutor, work: Callable[[Unit], list[Outcome]], units: Iterable[Unit],
-             known: Callable[[Unit], list[Outcome] | None], window: int) -> Iterator[tuple[Unit, list[Outcome], bool]]:
+def spill_image(spill: Path, sample_id: str, image: bytes) -> None:
+    """A new image into the spill folder, where its shard is written from (two duplicates may
+    spill at once)."""
+    partial = spill / f"{sample_id}.{uuid.uuid4().hex}"
+    partial.write_bytes(image)
+    partial.replace(spill / sample_id)
+
+
+def in_order(read: Callable[[list[Unit]], Future], units: Iterable[Unit], known: Callable[[Unit], Any],
+             window: int, full: Callable[[list[Unit]], bool] = bool) -> Iterator[tuple[Unit, Any, bool]]:
     """Each unit's outcomes in the units' order, with whether it was read: `known(unit)` when it
-    has them, else `work(unit)` on the pool, at most `window` in flight."""
-    pending: deque[tuple[Unit, Future, bool]] = deque()
+    has them, else from `read(batch)`, a Future of the outcomes of a batch of units in a row (sent
+    once `full(batch)`: by default, a unit per batch); at most `window` batches (a known unit is
+    one) in flight or waiting to be taken, so memory holds a bounded number of outcomes."""
+    pending: deque[tuple[Unit, list[Future], int, bool]] = deque()  # unit, its batch's future once sent, place in it
+    gathered: list[Unit] = []
+    sent: list[Future] = []
+    batches = 0
+
+    def send() -> None:
+        nonlocal gathered, sent
+        sent.append(read(gathered))
+        gathered, sent = [], []
+
+    def first() -> tuple[Unit, Any, bool]:
+        nonlocal batches
+        unit, future, place, was_read = pending.popleft()
+        if not future:  # its batch is still gathering
+            send()
+        if not pending or pending[0][1] is not future:  # the last of its batch
+            batches -= 1
+        return unit, future[0].result()[place], was_read
+
     for unit in units:
         if (outcomes := known(unit)) is None:
-            pending.append((unit, pool.submit(work, unit), True))
+            batches += not gathered
+            pending.append((unit, sent, len(gathered), True))
+            gathered.append(unit)
+            if full(gathered):
+                send()
         else:
-            pending.append((unit, done := Future(), False))
-            done.set_result(outcomes)
-        if len(pending) >= window:
-            unit, future, read = pending.popleft()
-            yield unit, future.result(), read
-    for unit, future, read in pending:
-        yield unit, future.result(), read
+            done = Future()
+            done.set_result([outcomes])
+            batches += 1
+            pending.append((unit, [done], 0, False))
+        while batches >= window:
+            yield first()
+    while pending:
+        yield first()
+
+
+PARTITION_BYTES = 256 << 20  # a partition's listed bytes: what a worker stages for the ingest to fetch (a tar
+                             # or parquet file larger than this is a partition of its own)
+
+
+@dataclass(frozen=True)
+class Partitions:
+    """Ingest on workers: `run(source index, format, [[key, plan], ...])` has a worker examine a
+    partition of a source's units (`examine_partition`) and returns its staged key; `slots`
+    partitions are examined at once, each of up to `size` units and PARTITION_BYTES."""
+
+    run: Callable[[int, str, list[list]], str]
+    slots: int
+    size: int
+
+    def full(self, units: list[Unit]) -> bool:
+        return len(units) >= self.size or sum(unit.size for unit in units) >= PARTITION_BYTES
+
+
+def reading_threads(path: str, dataset: DatasetConfig) -> int:
+    """Reads in flight for a source: a local disk has no request latency to hide, so more threads
+    than cores would only contend."""
+    return dataset.read_concurrency if is_remote(path) else min(dataset.read_concurrency, os.cpu_count() or 1)
 
 
 def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger, spill: Path,
-                 progress: Callable[[int, int], None] | None = None) -> Scan:
-    """Every source listed once and its units read `read_concurrency` at once, except those the
-    ledger's `known` table holds (recorded by an earlier ingest, its objects unchanged);
-    `progress(units done, units listed)` after each unit."""
+                 progress: Callable[[int, int], None] | None = None, partitions: Partitions | None = None) -> Scan:
+    """Every source listed once and its units read `read_concurrency` at once (or, with
+    `partitions`, a partition at a time on workers), except those the ledger's `known` table holds
+    (recorded by an earlier ingest, its objects unchanged); `progress(units done, units listed)`
+    after each unit."""
     scan = Scan(ledger, spill)
     limit = max_image_bytes(dataset)
 
-    def work(unit: Unit) -> list[Outcome]:
-        return [examine(candidate, dataset, ledger, spill) for candidate in unit.read()]
+    def stored(sample_id: str) -> tuple[int, int] | None:
+        return ledger.one("SELECT width, height FROM stored WHERE sample_id = ? LIMIT 1", (sample_id,))
+
+    def keep(sample_id: str, image: bytes) -> None:
+        spill_image(spill, sample_id, image)
 
     recorded = ledger.one("SELECT 1 FROM known LIMIT 1") is not None
 
@@ -291,19 +352,106 @@ def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger,
     listings = [list_source(source, source_options(source.path, storage), ledger, index)
                 for index, source in enumerate(dataset.sources)]
     total, done = sum(map(count_units, listings)), 0
-    for source, listing in zip(dataset.sources, listings):
-        # a local disk has no request latency to hide: more threads than cores only contend
-        threads = dataset.read_concurrency if is_remote(source.path) else min(dataset.read_concurrency,
-                                                                              os.cpu_count() or 1)
+    for index, (source, listing) in enumerate(zip(dataset.sources, listings)):
+        def here(unit: Unit) -> list[Outcome]:
+            return [examine(candidate, dataset, stored, keep)
+                    for candidate in read_unit(listing.fs, listing.format, source, unit.plan, limit)]
+
+        def on_workers(units: list[Unit]) -> list[list[Outcome]]:
+            """Keyed units on a worker; one that names an object not listed (it reads nothing, or
+            a missing file) here: a staged partition is reused only for the same listed objects."""
+            keyed = [[unit.key, unit.plan] for unit in units if unit.key]
+            staged = iter(unstage(Store(storage), partitions.run(index, listing.format, keyed), len(keyed), spill)
+                          if keyed else ())
+            return [next(staged) if unit.key else here(unit) for unit in units]
+
+        threads = partitions.slots if partitions else reading_threads(source.path, dataset)
         with ThreadPoolExecutor(threads, thread_name_prefix="ingest-read") as pool, ledger.transaction():
-            units = source_units(listing, source, limit)
-            for unit, outcomes, read in in_order(pool, work, units, known, 4 * threads):
-                scan.add(unit, outcomes, read)
-                done += 1
-                if progress is not None:
-                    progress(done, total)
+            if partitions:
+                read = lambda units: pool.submit(on_workers, units)  # noqa: E731
+                window, full = 2 * partitions.slots, partitions.full
+            else:
+                read = lambda units: pool.submit(lambda: [here(unit) for unit in units])  # noqa: E731
+                window, full = 4 * threads, bool
+            try:
+                for unit, outcomes, was_read in in_order(read, source_units(listing, source), known, window, full):
+                    scan.add(unit, outcomes, was_read)
+                    done += 1
+                    if progress is not None:
+                        progress(done, total)
+            except BaseException:  # the stage fails: what waits to be read is not read
+                pool.shutdown(cancel_futures=True)
+                raise
     scan.flush()
     return scan
+
+
+STAGED_PAGE = 64  # staged rows written and read at a time: each may hold an image
+STAGED_COLUMNS = {"unit": pa.int32(), "source": pa.string(), "format": pa.string(), "sample_id": pa.string(),
+                  "captions": pa.list_(pa.string()), "width": pa.int32(), "height": pa.int32(),
+                  "reason": pa.string(), "message": pa.string(), "spilled": pa.bool_(), "image": pa.binary()}
+
+
+def examine_partition(storage: StorageConfig, dataset: DatasetConfig, index: int, fmt: str, units: list[list]) -> str:
+    """A partition of source `index`'s units (`[key, plan]`, listed by the ingest that sent them)
+    read and examined here, on a worker: each unit's outcomes, and the normalised bytes of each
+    image it accepted, are committed to the store, one row per outcome (a unit that gave no
+    candidate: one row without a source), for that ingest to merge (`unstage`). Returns the staged
+    key. The key names the partition's listed objects and the ingest's rules, so a partition staged
+    already (a retry, or a run that died before merging it) is not read again.
+
+    A worker has no index of the store's shards at hand: it normalises every image it reads, also
+    one a shard holds already (the same bytes again: normalising is deterministic)."""
+    store = Store(storage)
+    key = layout.ingest_partition(hash_json([config_hash(dataset), index, fmt, units]))
+    if store.committed(key) is not None:
+        return key
+    source = dataset.sources[index]
+    fs, _ = fsspec.core.url_to_fs(source.path, **source_options(source.path, storage))
+    limit, threads = max_image_bytes(dataset), reading_threads(source.path, dataset)
+
+    def work(unit: Unit) -> list[dict[str, Any]]:
+        images: dict[str, bytes] = {}
+        outcomes = [examine(candidate, dataset, lambda _: None, images.__setitem__)
+                    for candidate in read_unit(fs, fmt, source, unit.plan, limit)]
+        return [{**vars(o), "image": images.get(o.sample_id)} for o in outcomes] or [{}]
+
+    schema = pa.schema(STAGED_COLUMNS)
+    with tempfile.TemporaryDirectory(prefix="precast-partition-") as folder, \
+            ThreadPoolExecutor(threads, thread_name_prefix="ingest-read") as pool:
+        local = Path(folder) / "partition.parquet"
+        with pq.ParquetWriter(local, schema, compression="none") as writer:  # images are compressed already
+            page: list[dict[str, Any]] = []
+            read = lambda units: pool.submit(lambda: [work(unit) for unit in units])  # noqa: E731
+            examined = in_order(read, (Unit(key, 0, plan) for key, plan in units), lambda _: None, 4 * threads)
+            for position, (_, rows, _) in enumerate(examined):
+                page += [{**{name: row.get(name) for name in STAGED_COLUMNS}, "unit": position} for row in rows]
+                if len(page) >= STAGED_PAGE:
+                    writer.write_table(pa.Table.from_pylist(page, schema=schema))
+                    page = []
+            writer.write_table(pa.Table.from_pylist(page, schema=schema))
+        store.commit_file(local, key, units=len(units))
+    return key
+
+
+def unstage(store: Store, key: str, count: int, spill: Path) -> list[list[Outcome]]:
+    """The outcomes of a staged partition's `count` units, its images spilled as a read here
+    spills them (checked against its commit record first); the staged partition is then deleted."""
+    local = Path(store.local_path(key, cache_dir=spill))
+    outcomes: list[list[Outcome]] = [[] for _ in range(count)]
+    for batch in pq.ParquetFile(local).iter_batches(STAGED_PAGE):
+        for row in batch.to_pylist():
+            unit, image = row.pop("unit"), row.pop("image")
+            if row["source"] is None:
+                continue
+            if image is not None:
+                spill_image(spill, row["sample_id"], image)
+            outcomes[unit].append(Outcome(**row))
+    if not store.is_local:
+        local.unlink()
+    store.remove(key + COMMIT_SUFFIX)
+    store.remove(key)
+    return outcomes
 
 
 def known_outcomes(ledger: Ledger, key: str) -> list[Outcome] | None:
@@ -343,10 +491,11 @@ def ingest_report(scan: Scan) -> dict[str, Any]:
     }
 
 
-def ingest(storage: StorageConfig, dataset: DatasetConfig,
-           progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+def ingest(storage: StorageConfig, dataset: DatasetConfig, progress: Callable[[int, int], None] | None = None,
+           partitions: Partitions | None = None) -> dict[str, Any]:
     """Ingest every source; returns the dataset's record (`dataset_record`), what was new, and what
-    was read (`work`); `progress(units done, units listed)` as the sources are read."""
+    was read (`work`); `progress(units done, units listed)` as the sources are read. With
+    `partitions` the sources' units are read and examined on workers, a partition each."""
     store = Store(storage)
     with tempfile.TemporaryDirectory(prefix="precast-ingest-") as folder:
         spill = Path(folder)
@@ -355,7 +504,7 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig,
             previous = read_sources_record(store, dataset, ledger)
             if previous is None:  # no earlier ingest of these sources: every shard of the store counts
                 read_index(store, ledger)
-            scan = scan_sources(storage, dataset, ledger, spill, progress)
+            scan = scan_sources(storage, dataset, ledger, spill, progress, partitions)
             samples = scan.count("samples")
             if not samples:
                 raise RuntimeError(f"no usable samples in {[s.path for s in dataset.sources]}: "
@@ -516,8 +665,8 @@ def write_if_changed(store: Store, key: str, obj: Any) -> None:
 
 
 def config_hash(dataset: DatasetConfig) -> str:
-    """What names these sources and ingest rules (how many are read at once is no part of it)."""
-    return hash_json(dataset.model_dump(exclude={"read_concurrency"}))
+    """What names these sources and ingest rules (how many are read at once, and where, is no part of it)."""
+    return hash_json(dataset.model_dump(exclude={"read_concurrency", "partition_size"}))
 
 
 def latest_dataset(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import posixpath
 import queue
 import re
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -142,14 +142,14 @@ def parse_json(text: str | bytes, what: str) -> Any:
         raise Rejected("bad_metadata", f"{what} is not JSON: {error}") from error
 
 
-@dataclass(frozen=True)
-class Unit:
+class Unit(NamedTuple):
     """One read: `key` names the objects it reads as listed ("" when it reads nothing, or reads an
-    object the listing does not hold: never taken from a record), `size` their listed bytes."""
+    object the listing does not hold: never taken from a record), `size` their listed bytes, `plan`
+    what to read (JSON: a unit can be read on another worker, by `read_unit`)."""
 
     key: str
     size: int
-    read: Callable[[], Iterator[Candidate]]
+    plan: list
 
 
 class Listed(NamedTuple):
@@ -346,11 +346,11 @@ def folder_format(listing: Listing) -> str:
     return "parquet" if "parquet" in found else "webdataset" if "tar" in found else "folder"
 
 
-def source_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
+def source_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
     """The units of a listed source, in the order their candidates count (first of duplicates)."""
     readers = {"folder": folder_units, "jsonl": metadata_units, "csv": metadata_units, "parquet": parquet_units,
                "webdataset": webdataset_units}
-    yield from readers[listing.format](listing, source, max_image_bytes)
+    yield from readers[listing.format](listing, source)
 
 
 def count_units(listing: Listing) -> int:
@@ -367,27 +367,12 @@ def is_image_name(path: str) -> bool:
     return bool(dot) and ext.lower() in IMAGE_EXTENSIONS
 
 
-def folder_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
-    fs, fmt = listing.fs, listing.format
+def folder_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
     for image, captions in listing.files_beside(*CAPTION_EXTENSIONS):
-        if not is_image_name(file := image.path):
-            continue
-        caption = next(filter(None, captions), None)  # in order of preference
-        caption_file = caption and caption.path
-
-        def candidates(file: str = file, caption_file: str | None = caption_file) -> Iterator[Candidate]:
-            candidate = Candidate(fs.unstrip_protocol(file), fmt)
-            try:
-                if caption_file is None:
-                    stem = posixpath.basename(file.rpartition(".")[0])
-                    raise Rejected("missing_caption", f"no {stem}.txt or .caption beside the image")
-                candidate.captions = caption_variants(read_file(fs, caption_file, MAX_CAPTION_BYTES, "missing_caption"))
-                candidate.image = read_file(fs, file, max_image_bytes, "missing_image")
-            except Rejected as problem:
-                candidate.problem = problem
-            yield candidate
-
-        yield Unit(*unit_of(image, caption) if caption else unit_of(image), candidates)
+        if is_image_name(image.path):
+            caption = next(filter(None, captions), None)  # in order of preference
+            yield Unit(*unit_of(image, caption) if caption else unit_of(image),
+                       ["file", image.path, caption and caption.path])
 
 
 def metadata_file(listing: Listing) -> str:
@@ -420,7 +405,7 @@ def metadata_records(listing: Listing, meta: str) -> Iterator[tuple[int, str | d
                 yield number, Rejected("bad_metadata", f"row cannot be read: {error}")
 
 
-def metadata_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
+def metadata_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
     """HF imagefolder style: metadata.jsonl / metadata.csv with `file_name` and a caption column;
     image paths are relative to the metadata file. The metadata file is read here (a row's unit is
     its image, keyed with its captions); a row that cannot be a sample is a unit that reads nothing."""
@@ -428,9 +413,9 @@ def metadata_units(listing: Listing, source: SourceConfig, max_image_bytes: int)
     meta = metadata_file(listing)
     base = posixpath.dirname(meta)
     records = metadata_records(listing, meta)
-    yield Unit("", unit_of(listing.entry(meta))[1], lambda: iter(()))  # what reading the metadata cost
+    yield Unit("", unit_of(listing.entry(meta))[1], ["none"])  # what reading the metadata cost
     for line_number, record in records:
-        candidate = Candidate(f"{fs.unstrip_protocol(meta)}:{line_number}", fmt)
+        where = f"{fs.unstrip_protocol(meta)}:{line_number}"
         try:
             if isinstance(record, Rejected):
                 raise record
@@ -443,29 +428,62 @@ def metadata_units(listing: Listing, source: SourceConfig, max_image_bytes: int)
                 raise Rejected("unsafe_path", f"{name!r} points outside the metadata folder")
             if "\x00" in name:
                 raise Rejected("unsafe_path", f"{name!r} holds a NUL byte")
-            candidate.source = fs.unstrip_protocol(f"{base}/{name}")
-            candidate.captions = caption_variants(record.get(source.caption_column))
+            where = fs.unstrip_protocol(f"{base}/{name}")
+            captions = caption_variants(record.get(source.caption_column))
+        except Rejected as problem:
+            yield Unit("", 0, ["refused", where, problem.reason, problem.message])
+            continue
+        key, size = unit_of(listing.entry(f"{base}/{name}"))
+        yield Unit(key and json.dumps([key, captions]), size, ["image", f"{base}/{name}", where, captions])
+
+
+def parquet_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
+    for listed in listing.files(".parquet"):
+        yield Unit(*unit_of(listed), ["parquet", listed.path])
+
+
+def webdataset_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
+    for listed in listing.files(".tar"):
+        yield Unit(*unit_of(listed), ["tar", listed.path])
+
+
+def read_unit(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, plan: list,
+              max_image_bytes: int) -> Iterator[Candidate]:
+    """The candidates of a unit's `plan`, read from `fs` (what `source_units` planned on the
+    listing's filesystem, here or on another worker)."""
+    kind, *args = plan
+    if kind == "file":
+        yield read_captioned_file(fs, fmt, *args, max_image_bytes)
+    elif kind == "image":
+        path, where, captions = args
+        candidate = Candidate(where, fmt, captions=captions)
+        try:
+            candidate.image = read_file(fs, path, max_image_bytes, "missing_image")
         except Rejected as problem:
             candidate.problem = problem
-            yield Unit("", 0, lambda candidate=candidate: iter([candidate]))
-            continue
-        image = f"{base}/{name}"
-        key, size = unit_of(listing.entry(image))
-
-        def candidates(candidate: Candidate = candidate, image: str = image) -> Iterator[Candidate]:
-            try:
-                candidate.image = read_file(fs, image, max_image_bytes, "missing_image")
-            except Rejected as problem:
-                candidate.problem = problem
-            yield candidate
-
-        yield Unit(key and json.dumps([key, candidate.captions]), size, candidates)
+        yield candidate
+    elif kind == "refused":
+        where, reason, message = args
+        yield Candidate(where, fmt, problem=Rejected(reason, message))
+    elif kind == "parquet":
+        yield from read_parquet(fs, args[0], source, fmt)
+    elif kind == "tar":
+        yield from read_webdataset(fs, args[0], source, fmt, max_image_bytes)
 
 
-def parquet_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
-    for listed in listing.files(".parquet"):
-        yield Unit(*unit_of(listed),
-                   lambda file=listed.path: read_parquet(listing.fs, file, source, listing.format))
+def read_captioned_file(fs: fsspec.AbstractFileSystem, fmt: str, file: str, caption_file: str | None,
+                        max_image_bytes: int) -> Candidate:
+    """An image file of a folder and the caption file beside it."""
+    candidate = Candidate(fs.unstrip_protocol(file), fmt)
+    try:
+        if caption_file is None:
+            stem = posixpath.basename(file.rpartition(".")[0])
+            raise Rejected("missing_caption", f"no {stem}.txt or .caption beside the image")
+        candidate.captions = caption_variants(read_file(fs, caption_file, MAX_CAPTION_BYTES, "missing_caption"))
+        candidate.image = read_file(fs, file, max_image_bytes, "missing_image")
+    except Rejected as problem:
+        candidate.problem = problem
+    return candidate
 
 
 def read_parquet(fs, file: str, source: SourceConfig, fmt: str) -> Iterator[Candidate]:
@@ -514,12 +532,6 @@ def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, limit: int =
     while stream.read(CHUNK):
         pass
     return data
-
-
-def webdataset_units(listing: Listing, source: SourceConfig, max_image_bytes: int) -> Iterator[Unit]:
-    for listed in listing.files(".tar"):
-        yield Unit(*unit_of(listed),
-                   lambda file=listed.path: read_webdataset(listing.fs, file, source, listing.format, max_image_bytes))
 
 
 def read_webdataset(fs, file: str, source: SourceConfig, fmt: str, max_image_bytes: int) -> Iterator[Candidate]:

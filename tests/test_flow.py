@@ -120,7 +120,7 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
         "seconds": 0, "workers": 1, "model_loads": 0, "shards_encoded": 0, "shards_cached": 3}
     # ingest is its own cache: it lists the sources and reads nothing; every other task is a cache hit
     assert again.result()["stages"]["ingest"] | {"seconds": 0} == {
-        "seconds": 0, "bytes_read": 0, "units_read": 0, "units_reused": 24}
+        "seconds": 0, "workers": 1, "bytes_read": 0, "units_read": 0, "units_reused": 24}
     cached = _task_states(again.state_details.flow_run_id, count=11)
     assert cached.pop("ingest") == ["Completed"]
     assert {name for runs in cached.values() for name in runs} == {"Cached"}
@@ -280,7 +280,7 @@ def test_stage_modules_are_prefect_free_and_each_task_is_its_stage_function():
     from tasks import encode_latents, encode_text, ingest, manifest, train
 
     stages = {encode_latents.encode_latents_shard, encode_text.encode_prompts, encode_text.measure_numerics,
-              encode_text.encode_text_shard, ingest.ingest, manifest.build_manifest, train.train}
+              encode_text.encode_text_shard, ingest.ingest, ingest.examine_partition, manifest.build_manifest, train.train}
     assert {task.fn for task in TASKS} == stages
     probe = ("import sys, tasks.runner, tasks.sampling, storage.verify, tasks.tiny_models, tasks.demo_data; "
              "print(sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')))")

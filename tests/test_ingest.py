@@ -312,3 +312,41 @@ def test_demo_captions_name_what_the_image_shows(demo_data):
                                     "left" if x < 1 / 3 else "right" if x > 2 / 3 else "") if w) or "center"
         placed.append(seen == position)
     assert len(placed) >= 10 and sum(placed) >= 0.8 * len(placed), placed
+
+
+def test_partitions_on_s3_give_the_same_dataset_and_survive_the_coordinator_dying(demo_data, make_config,
+                                                                                  s3_endpoint, tmp_path):
+    """Ingest in partitions (`examine_partition`, as a worker runs it) with source and store on S3:
+    the same dataset as one process reading everything. When the ingest dies after a partition was
+    staged but before it was merged, the next ingest takes that partition from the store, reading
+    only the other units' objects, and leaves no staged partition behind."""
+    import s3fs
+
+    from storage.latency import SlowEndpoint
+    from tasks.ingest import Partitions, examine_partition
+
+    s3 = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
+    s3.mkdir("precast-partitions")
+    s3.put(f"{demo_data}/", "precast-partitions/data/", recursive=True)
+    reference = ingest(*_split(make_config(root=str(tmp_path / "reference"), source=demo_data)))
+    with SlowEndpoint(s3_endpoint, 0) as proxy:
+        config = make_config(root="s3://precast-partitions/store", source="s3://precast-partitions/data",
+                             storage={"options": {"endpoint_url": proxy.url}}, dataset={"partition_size": 4})
+        store, sent = Store(config.storage), []
+
+        def dying(*args):
+            sent.append(examine_partition(config.storage, config.dataset, *args))
+            if len(sent) == 3:
+                raise RuntimeError("the coordinator dies")
+            return sent[-1]
+
+        with pytest.raises(RuntimeError, match="the coordinator dies"):
+            ingest(config.storage, config.dataset, partitions=Partitions(dying, slots=2, size=4))
+        staged = [key for key in store.find("staging") if key.endswith(".parquet")]
+        assert sent[2] in staged and all(store.committed(key) for key in staged)
+        proxy.reset()
+        alive = Partitions(lambda *args: examine_partition(config.storage, config.dataset, *args), slots=2, size=4)
+        done = ingest(config.storage, config.dataset, partitions=alive)
+        assert done["id"] == reference["id"] and done["quarantined"] == reference["quarantined"]
+        assert len(proxy.gets("/precast-partitions/data/")) == 48 - 8 * len(staged)  # an image and its caption a unit
+        assert store.find("staging") == []

@@ -29,8 +29,13 @@ def _cache_bytes(store: Store, kind: str) -> dict[str, bytes]:
             if key.endswith(".safetensors")}
 
 
+def _in_process(config):
+    """`config` with no workers: a test of the encoders ingests without starting a cluster."""
+    return config.model_copy(update={"execution": config.execution.model_copy(update={"workers": None})})
+
+
 def _encode(config) -> dict[str, dict]:
-    stage(name="ingest", config=config)
+    stage(name="ingest", config=config if config.execution.cluster else _in_process(config))
     return {name: stage(name=name, config=config) for name in ("encode-text", "encode-latents")}
 
 
@@ -105,7 +110,7 @@ def test_a_worker_killed_mid_stage_loses_no_shard(prefect_server, make_config, m
 
     config = make_config(root=str(tmp_path / "store"), source=many_shards, dataset={"shard_size": 2},
                          execution={"workers": 2, "retries": 1})
-    stage(name="ingest", config=config)
+    stage(name="ingest", config=_in_process(config))
     store = Store(config.storage)
     killed = []
 
@@ -133,3 +138,35 @@ def test_a_worker_killed_mid_stage_loses_no_shard(prefect_server, make_config, m
     assert finished >= SHARDS and set(states) <= {"Completed", "Cached", "Crashed"}, Counter(states)
     leftovers = [key for key in store.find("cache/latents") if not key.endswith((".safetensors", ".done"))]
     assert leftovers == []
+
+
+def test_ingest_on_two_workers_equals_ingest_in_this_process(prefect_server, make_config, demo_data, tmp_path):
+    """Every source format at once (the same hostile corpus in each, so duplicates span sources and
+    partitions) in partitions of four units on two worker processes: the same dataset, report and
+    shards, byte for byte, as one process reading them all; a nightly run sends no partition."""
+    from tests.corpus import MAX_PIXELS, WRITERS
+
+    sources = [{"path": str(write(tmp_path / "corpora" / fmt))} for fmt, write in WRITERS.items()]
+    sources.append({"path": str(demo_data)})
+    dataset = {"sources": sources, "max_pixels": MAX_PIXELS, "partition_size": 4}
+    here = make_config(root=str(tmp_path / "here"), dataset=dataset)
+    workers = make_config(root=str(tmp_path / "workers"), dataset=dataset, execution={"workers": 2})
+    expected = stage(name="ingest", config=here)
+    state = stage(name="ingest", config=workers, return_state=True)
+    record = state.result()
+    stores = Store(here.storage), Store(workers.storage)
+    assert record["id"] == expected["id"] and record["work"]["workers"] == 2
+    assert record["work"]["bytes_read"] == expected["work"]["bytes_read"] > 0
+    report = [store.read_json(store.key(r["report"])) for store, r in zip(stores, (expected, record))]
+    assert report[1] == report[0] and report[1]["quarantined"] > 0 and report[1]["duplicates"] > 0
+    shards = [{key: store.read_bytes(key) for key in store.list("shards/images", ".parquet")} for store in stores]
+    assert shards[1] == shards[0]
+    assert stores[1].find("staging") == []  # every staged partition merged and deleted
+    states = _task_run_states(state.state_details.flow_run_id, 2)
+    partitions = states.count("Completed") - 1  # the ingest task itself
+    assert partitions >= 2 and set(states) == {"Completed"}, Counter(states)
+
+    again = stage(name="ingest", config=workers, return_state=True)
+    metadata = sum(path.stat().st_size for path in (tmp_path / "corpora").rglob("metadata.*"))
+    assert again.result()["id"] == record["id"] and again.result()["work"]["bytes_read"] == metadata
+    assert _task_run_states(again.state_details.flow_run_id, 1) == ["Completed"]  # ingest alone: no partition
