@@ -37,10 +37,15 @@ def shard_id_of(url: str) -> str:
     return url.rsplit("/", 1)[-1].removesuffix(".parquet")
 
 
+# images are JPEG, PNG or WebP bytes, compressed already: zstd gained nothing on 250 KB JPEGs and
+# cost 1.3 ms an image, most of what writing a shard costs (docs/benchmarks.md)
+IMAGE_SHARD_COMPRESSION = {name: "none" if name == "image" else "zstd" for name in IMAGE_SHARD_SCHEMA.names}
+
+
 def pack_image_shard(rows: list[dict[str, Any]]) -> bytes:
     table = pa.Table.from_pylist(rows, schema=IMAGE_SHARD_SCHEMA)
     buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd")
+    pq.write_table(table, buffer, compression=IMAGE_SHARD_COMPRESSION)
     return buffer.getvalue()
 
 
