@@ -164,9 +164,9 @@ def run_ingest(plan: Plan) -> dict[str, Any]:
             # own context, it would carry ingest's parameters (this very callable) to the worker
             flow_context = contextvars.copy_context()
             examine = partial(run.one, ingest_partition_task, config.storage, config.dataset)
-            workers = len(run.workers())
-            partitions = Partitions(lambda *args: flow_context.copy().run(examine, *args),
-                                    slots=sum(worker["nthreads"] for worker in run.workers().values()),
+            threads = [worker["nthreads"] for worker in run.workers().values()]
+            workers = len(threads)
+            partitions = Partitions(lambda *args: flow_context.copy().run(examine, *args), slots=sum(threads),
                                     size=config.dataset.partition_size)
         record = plan.configured(ingest_task)(config.storage, config.dataset, progress=reporter("ingest", "files"),
                                               partitions=partitions)

@@ -30,18 +30,22 @@ import io
 import json
 import logging
 import os
+import socket
 import tempfile
+import threading
 import uuid
 import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import fsspec
 import numpy as np
+import PIL
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -50,7 +54,7 @@ from configs.schema import DatasetConfig, StorageConfig
 from storage import layout
 from storage.fingerprint import hash_json, sha256_bytes
 from storage.shards import pack_image_shard, read_image_shard, shard_id_of
-from storage.store import COMMIT_SUFFIX, Store, file_sha256, fsspec_options
+from storage.store import COMMIT_SUFFIX, ArtifactMissing, Damaged, Store, file_sha256, fsspec_options
 from tasks.encode_latents import nearest_ratio
 from tasks.ledger import PAGE, Ledger
 from tasks.sources import Candidate, Rejected, Unit, count_units, list_source, printable, read_unit, source_units
@@ -261,44 +265,58 @@ def spill_image(spill: Path, sample_id: str, image: bytes) -> None:
     partial.replace(spill / sample_id)
 
 
+@dataclass
+class Batch:
+    """Units read together: the unread units of up to `span` units of the listing in a row."""
+
+    units: list[Unit] = field(default_factory=list)
+    future: Future | None = None  # once sent
+    left: int = 0  # its units not yet taken
+
+
 def in_order(read: Callable[[list[Unit]], Future], units: Iterable[Unit], known: Callable[[Unit], Any],
-             window: int, full: Callable[[list[Unit]], bool] = bool) -> Iterator[tuple[Unit, Any, bool]]:
+             window: int, full: Callable[[list[Unit]], bool] = bool, span: int = 1) -> Iterator[tuple[Unit, Any, bool]]:
     """Each unit's outcomes in the units' order, with whether it was read: `known(unit)` when it
-    has them, else from `read(batch)`, a Future of the outcomes of a batch of units in a row (sent
-    once `full(batch)`: by default, a unit per batch); at most `window` batches (a known unit is
-    one) in flight or waiting to be taken, so memory holds a bounded number of outcomes."""
-    pending: deque[tuple[Unit, list[Future], int, bool]] = deque()  # unit, its batch's future once sent, place in it
-    gathered: list[Unit] = []
-    sent: list[Future] = []
-    batches = 0
+    has them, else from `read(batch)`, a Future of the outcomes of a batch of units. A batch is
+    sent once `full(batch)` (by default: a unit per batch) or once it covers `span` units of the
+    listing, known ones included (so sparse new units, as on a nightly run, still fill `window`
+    batches). At most `window` batches are in flight and `window * span` units wait to be taken,
+    so memory holds a bounded number of outcomes."""
+    pending: deque[tuple[Unit, Batch | None, Any, bool]] = deque()  # unit, its batch (None: known), place or outcomes
+    batch: Batch | None = None
+    opened = in_flight = 0
 
     def send() -> None:
-        nonlocal gathered, sent
-        sent.append(read(gathered))
-        gathered, sent = [], []
+        nonlocal batch
+        batch.future = read(batch.units)
+        batch = None
 
     def first() -> tuple[Unit, Any, bool]:
-        nonlocal batches
-        unit, future, place, was_read = pending.popleft()
-        if not future:  # its batch is still gathering
+        nonlocal in_flight
+        unit, owner, place, was_read = pending.popleft()
+        if owner is None:
+            return unit, place, was_read
+        if owner.future is None:  # the batch still gathering
             send()
-        if not pending or pending[0][1] is not future:  # the last of its batch
-            batches -= 1
-        return unit, future[0].result()[place], was_read
+        owner.left -= 1
+        in_flight -= owner.left == 0
+        return unit, owner.future.result()[place], was_read
 
-    for unit in units:
+    for position, unit in enumerate(units):
         if (outcomes := known(unit)) is None:
-            batches += not gathered
-            pending.append((unit, sent, len(gathered), True))
-            gathered.append(unit)
-            if full(gathered):
+            if batch is None:
+                batch, opened = Batch(), position
+                in_flight += 1
+            pending.append((unit, batch, len(batch.units), True))
+            batch.units.append(unit)
+            batch.left += 1
+            if full(batch.units):
                 send()
         else:
-            done = Future()
-            done.set_result([outcomes])
-            batches += 1
-            pending.append((unit, [done], 0, False))
-        while batches >= window:
+            pending.append((unit, None, outcomes, False))
+        if batch is not None and position + 1 - opened >= span:
+            send()
+        while in_flight >= window or len(pending) >= window * span:
             yield first()
     while pending:
         yield first()
@@ -344,6 +362,7 @@ def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger,
         spill_image(spill, sample_id, image)
 
     recorded = ledger.one("SELECT 1 FROM known LIMIT 1") is not None
+    failed = threading.Event()
 
     def known(unit: Unit) -> list[Outcome] | None:
         return known_outcomes(ledger, unit.key) if unit.key and recorded else None
@@ -361,31 +380,49 @@ def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger,
             """Keyed units on a worker; one that names an object not listed (it reads nothing, or
             a missing file) here: a staged partition is reused only for the same listed objects."""
             keyed = [[unit.key, unit.plan] for unit in units if unit.key]
-            staged = iter(unstage(Store(storage), partitions.run(index, listing.format, keyed), len(keyed), spill)
-                          if keyed else ())
+            staged = iter(merged(keyed) if keyed else ())
             return [next(staged) if unit.key else here(unit) for unit in units]
+
+        def merged(keyed: list[list]) -> list[list[Outcome]]:
+            store = Store(storage)
+            for attempt in range(2):
+                key = partitions.run(index, listing.format, keyed)
+                if failed.is_set():  # left staged for the next run to take
+                    return []
+                try:
+                    return unstage(store, key, len(keyed), spill)
+                except (ArtifactMissing, Damaged) as error:
+                    # another ingest of these sources merged it first, or a write of it was cut short
+                    log.warning("staged partition %s: %s; examined again", key, error)
+                    store.remove(key + COMMIT_SUFFIX)
+                    if attempt:
+                        raise
+            raise AssertionError("unreachable")
 
         threads = partitions.slots if partitions else reading_threads(source.path, dataset)
         with ThreadPoolExecutor(threads, thread_name_prefix="ingest-read") as pool, ledger.transaction():
             if partitions:
                 read = lambda units: pool.submit(on_workers, units)  # noqa: E731
-                window, full = 2 * partitions.slots, partitions.full
+                window, full, span = 2 * partitions.slots, partitions.full, partitions.size
             else:
                 read = lambda units: pool.submit(lambda: [here(unit) for unit in units])  # noqa: E731
-                window, full = 4 * threads, bool
+                window, full, span = 4 * threads, bool, 1
+            units = in_order(read, source_units(listing, source), known, window, full, span)
             try:
-                for unit, outcomes, was_read in in_order(read, source_units(listing, source), known, window, full):
+                for unit, outcomes, was_read in units:
                     scan.add(unit, outcomes, was_read)
                     done += 1
                     if progress is not None:
                         progress(done, total)
             except BaseException:  # the stage fails: what waits to be read is not read
+                failed.set()
                 pool.shutdown(cancel_futures=True)
                 raise
     scan.flush()
     return scan
 
 
+STAGED_VERSION = 1  # with Pillow's version, part of a staged partition's key: what decodes and normalises
 STAGED_PAGE = 64  # staged rows written and read at a time: each may hold an image
 STAGED_COLUMNS = {"unit": pa.int32(), "source": pa.string(), "format": pa.string(), "sample_id": pa.string(),
                   "captions": pa.list_(pa.string()), "width": pa.int32(), "height": pa.int32(),
@@ -403,29 +440,36 @@ def examine_partition(storage: StorageConfig, dataset: DatasetConfig, index: int
     A worker has no index of the store's shards at hand: it normalises every image it reads, also
     one a shard holds already (the same bytes again: normalising is deterministic)."""
     store = Store(storage)
-    key = layout.ingest_partition(hash_json([config_hash(dataset), index, fmt, units]))
+    key = layout.ingest_partition(hash_json([STAGED_VERSION, PIL.__version__, config_hash(dataset), index, fmt, units]))
     if store.committed(key) is not None:
         return key
     source = dataset.sources[index]
-    fs, _ = fsspec.core.url_to_fs(source.path, **source_options(source.path, storage))
+    fs, root = fsspec.core.url_to_fs(source.path, **source_options(source.path, storage))
+    if not fs.exists(root):  # not a sample's problem: this worker does not see the source (a local path?)
+        raise RuntimeError(f"dataset source {source.path!r} cannot be read on worker {socket.gethostname()}")
     limit, threads = max_image_bytes(dataset), reading_threads(source.path, dataset)
-
-    def work(unit: Unit) -> list[dict[str, Any]]:
-        images: dict[str, bytes] = {}
-        outcomes = [examine(candidate, dataset, lambda _: None, images.__setitem__)
-                    for candidate in read_unit(fs, fmt, source, unit.plan, limit)]
-        return [{**vars(o), "image": images.get(o.sample_id)} for o in outcomes] or [{}]
-
     schema = pa.schema(STAGED_COLUMNS)
     with tempfile.TemporaryDirectory(prefix="precast-partition-") as folder, \
             ThreadPoolExecutor(threads, thread_name_prefix="ingest-read") as pool:
-        local = Path(folder) / "partition.parquet"
+        spill = Path(folder)
+
+        def work(unit: Unit) -> list[Outcome]:  # new images wait on local disk, not in memory
+            return [examine(candidate, dataset, lambda _: None, partial(spill_image, spill))
+                    for candidate in read_unit(fs, fmt, source, unit.plan, limit)]
+
+        def row(position: int, outcome: Outcome | None) -> dict[str, Any]:
+            if outcome is None:  # a unit that gave no candidate
+                return {"unit": position}
+            image = (spill / outcome.sample_id).read_bytes() if outcome.spilled else None
+            return {**vars(outcome), "unit": position, "image": image}
+
+        local = spill / "partition.parquet"
         with pq.ParquetWriter(local, schema, compression="none") as writer:  # images are compressed already
             page: list[dict[str, Any]] = []
-            read = lambda units: pool.submit(lambda: [work(unit) for unit in units])  # noqa: E731
+            read = lambda batch: pool.submit(lambda: [work(unit) for unit in batch])  # noqa: E731
             examined = in_order(read, (Unit(key, 0, plan) for key, plan in units), lambda _: None, 4 * threads)
-            for position, (_, rows, _) in enumerate(examined):
-                page += [{**{name: row.get(name) for name in STAGED_COLUMNS}, "unit": position} for row in rows]
+            for position, (_, outcomes, _) in enumerate(examined):
+                page += [row(position, outcome) for outcome in outcomes or [None]]
                 if len(page) >= STAGED_PAGE:
                     writer.write_table(pa.Table.from_pylist(page, schema=schema))
                     page = []

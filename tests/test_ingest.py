@@ -350,3 +350,44 @@ def test_partitions_on_s3_give_the_same_dataset_and_survive_the_coordinator_dyin
         assert done["id"] == reference["id"] and done["quarantined"] == reference["quarantined"]
         assert len(proxy.gets("/precast-partitions/data/")) == 48 - 8 * len(staged)  # an image and its caption a unit
         assert store.find("staging") == []
+    # a worker that does not see the source fails the partition naming it, rather than
+    # quarantining every image as missing
+    unseen = make_config(source=str(tmp_path / "only-on-the-coordinator"))
+    with pytest.raises(RuntimeError, match="only-on-the-coordinator.* cannot be read on worker"):
+        examine_partition(unseen.storage, unseen.dataset, 0, "folder", [["key", ["file", "a.png", "a.txt"]]])
+
+
+@pytest.mark.parametrize("pattern", ["every other unit new", "one new unit in a hundred", "all new"])
+def test_reads_in_flight_stay_bounded_and_in_order(pattern):
+    """However new units are spread among known ones (a nightly run), outcomes come back in the
+    listing's order, partitions are sent before the listing runs far ahead of what was taken, and
+    new units scattered sparsely still fill several partitions at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tasks.ingest import in_order
+    from tasks.sources import Unit
+
+    new = {"every other unit new": lambda n: n % 2 == 0, "one new unit in a hundred": lambda n: n % 100 == 0,
+           "all new": lambda n: True}[pattern]
+    pulled, batches = [0], []
+
+    def units():
+        for n in range(2000):
+            pulled[0] += 1
+            yield Unit(str(n), 1, ["none"])
+
+    window, span = 3, 10
+    with ThreadPoolExecutor(window) as pool:
+        def read(batch):
+            batches.append(len(batch))
+            return pool.submit(lambda: [f"read {unit.key}" for unit in batch])
+
+        taken = []
+        for unit, outcome, was_read in in_order(read, units(), lambda u: None if new(int(u.key)) else f"known {u.key}",
+                                                 window, lambda batch: len(batch) >= 4, span):
+            assert pulled[0] - len(taken) <= window * span  # the listing is never far ahead
+            taken.append((outcome, was_read))
+    assert taken == [(f"read {n}" if new(n) else f"known {n}", new(n)) for n in range(2000)]
+    assert sum(batches) == sum(map(new, range(2000))) and max(batches) <= 4
+    if pattern == "one new unit in a hundred":
+        assert len(batches) == 20  # one a batch: sent when its span ends, never waiting for three more

@@ -179,3 +179,20 @@ def test_only_the_layout_spells_store_keys():
                  for number, line in enumerate(path.read_text().splitlines(), 1)
                  if spelled.search(line) and not line.lstrip().startswith("#")]
     assert offenders == []
+
+
+def test_an_image_shard_compresses_every_column_but_the_compressed_images():
+    """Image bytes (JPEG, PNG, WebP) are stored as they are; ids, sizes, captions and sources are
+    zstd, nested captions included (pyarrow names a list column's codec by its leaf path)."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    from storage.shards import IMAGE_SHARD_SCHEMA, pack_image_shard
+
+    row = {"sample_id": "a" * 64, "image": b"\xff\xd8" * 50, "width": 64, "height": 64,
+           "captions": ["a red circle"] * 3, "source": "data/0.png"}
+    group = pq.ParquetFile(io.BytesIO(pack_image_shard([row]))).metadata.row_group(0)
+    codecs = {group.column(n).path_in_schema.split(".")[0]: group.column(n).compression
+              for n in range(group.num_columns)}
+    assert codecs == {name: "UNCOMPRESSED" if name == "image" else "ZSTD" for name in IMAGE_SHARD_SCHEMA.names}
