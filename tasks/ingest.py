@@ -352,14 +352,11 @@ def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger,
     `partitions`, a partition at a time on workers), except those the ledger's `known` table holds
     (recorded by an earlier ingest, its objects unchanged); `progress(units done, units listed)`
     after each unit."""
-    scan = Scan(ledger, spill)
-    limit = max_image_bytes(dataset)
+    scan, store = Scan(ledger, spill), Store(storage)
+    limit, keep = max_image_bytes(dataset), partial(spill_image, spill)
 
     def stored(sample_id: str) -> tuple[int, int] | None:
         return ledger.one("SELECT width, height FROM stored WHERE sample_id = ? LIMIT 1", (sample_id,))
-
-    def keep(sample_id: str, image: bytes) -> None:
-        spill_image(spill, sample_id, image)
 
     recorded = ledger.one("SELECT 1 FROM known LIMIT 1") is not None
     failed = threading.Event()
@@ -384,20 +381,18 @@ def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger,
             return [next(staged) if unit.key else here(unit) for unit in units]
 
         def merged(keyed: list[list]) -> list[list[Outcome]]:
-            store = Store(storage)
-            for attempt in range(2):
+            for again in (False, True):
                 key = partitions.run(index, listing.format, keyed)
                 if failed.is_set():  # left staged for the next run to take
                     return []
                 try:
                     return unstage(store, key, len(keyed), spill)
                 except (ArtifactMissing, Damaged) as error:
+                    if again:
+                        raise
                     # another ingest of these sources merged it first, or a write of it was cut short
                     log.warning("staged partition %s: %s; examined again", key, error)
                     store.remove(key + COMMIT_SUFFIX)
-                    if attempt:
-                        raise
-            raise AssertionError("unreachable")
 
         threads = partitions.slots if partitions else reading_threads(source.path, dataset)
         with ThreadPoolExecutor(threads, thread_name_prefix="ingest-read") as pool, ledger.transaction():
