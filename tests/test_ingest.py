@@ -391,3 +391,24 @@ def test_reads_in_flight_stay_bounded_and_in_order(pattern):
     assert sum(batches) == sum(map(new, range(2000))) and max(batches) <= 4
     if pattern == "one new unit in a hundred":
         assert len(batches) == 20  # one a batch: sent when its span ends, never waiting for three more
+
+
+def test_a_staged_partition_another_ingest_merged_first_is_examined_again(demo_data, make_config, tmp_path):
+    """Two ingests of the same sources name the same staged partitions: when the other one has
+    merged and deleted a partition before this one fetches it, it is examined again, not lost."""
+    from tasks.ingest import Partitions, examine_partition
+
+    reference = ingest(*_split(make_config(root=str(tmp_path / "reference"), source=demo_data)))
+    config = make_config(source=demo_data, dataset={"partition_size": 5})
+    store, taken = Store(config.storage), []
+
+    def raced(*args):
+        key = examine_partition(config.storage, config.dataset, *args)
+        if key not in taken:  # the other ingest gets there first
+            taken.append(key)
+            store.remove(key + ".done")
+            store.remove(key)
+        return key
+
+    done = ingest(config.storage, config.dataset, partitions=Partitions(raced, slots=2, size=5))
+    assert done["id"] == reference["id"] and len(taken) == 5 and store.find("staging") == []
