@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import (
-    encoder_workers, end_to_end, gpu, ingest_memory, ingest_throughput, ingest_workers, latent_encoding, s3_ingest,
+    demo_world, encoder_workers, end_to_end, gpu, ingest_memory, ingest_throughput, ingest_workers, latent_encoding, s3_ingest,
     text_encoding, training, training_modes,
 )
 
 RESULTS = Path(__file__).parent / "results"
-# name: (module, full workload, quick workload)
+# name: (module, full workload, quick workload; None: not run with --quick)
 SUITE = {
     "ingest": (ingest_throughput, {"count": 600}, {"count": 600}),
     "s3_ingest": (s3_ingest, {"count": 400}, {"count": 200}),
@@ -39,6 +39,7 @@ SUITE = {
     "encoder_workers": (encoder_workers, {"count": 512}, {"count": 128}),
     "end_to_end": (end_to_end, {"count": 4000, "steps": 2000, "repeat": 3}, {"count": 2000, "steps": 600, "repeat": 2}),
     "gpu": (gpu, {}, {"captions": 128, "repeat": 3}),
+    "demo_world": (demo_world, {}, None),  # seven demo trainings, about 20 minutes
 }
 
 
@@ -79,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     results, seconds = {}, {}
     for name in names:
         module, full, quick = SUITE[name]
+        if args.quick and quick is None:
+            print(f"[{name}] skipped with --quick: run it with --only {name}", flush=True)
+            continue
         print(f"[{name}] running", flush=True)
         began = time.perf_counter()
         results[name] = module.run(**(quick if args.quick else full))

@@ -178,7 +178,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_tiny_models(args: argparse.Namespace) -> int:
     from tasks.tiny_models import write_tiny_models
 
-    print(write_tiny_models(args.dir, vae_steps=args.vae_steps))
+    print(write_tiny_models(args.dir, **({} if args.vae_steps is None else {"vae_steps": args.vae_steps})))
     return 0
 
 
@@ -279,8 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = commands.add_parser("tiny-models", help="write the demo's tiny PixArt-Sigma models in the hub layout")
     tiny.add_argument("dir")
-    tiny.add_argument("--vae-steps", type=int, default=900,
-                      help="training steps of the tiny VAE (about 25 s; 0: random, for checks of the loading path)")
+    tiny.add_argument("--vae-steps", type=int, default=None,
+                      help="training steps of the tiny VAE (default 2000, about 40 s; 0: random, for checks of "
+                           "the loading path)")
     tiny.set_defaults(func=cmd_tiny_models)
 
     data = commands.add_parser("demo-data", help="write a deterministic generated image+caption dataset")

@@ -113,10 +113,9 @@ def reference(prefect_server, tiny_models, demo_data, tmp_path_factory):
     return committed_checksums(Store(config.storage)), config_at, base
 
 
-def _verify(root: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "verify", root, "--json"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    return json.loads(done.stdout)
+def _verify(config: PipelineConfig) -> dict:
+    """`precast verify`'s report (tests/test_reliability.py runs the command itself)."""
+    return verify_store(Store(config.storage))
 
 
 @pytest.mark.slow
@@ -128,12 +127,12 @@ def test_killed_anywhere_a_plain_rerun_converges(reference, point):
 
     code, _, log = _finish(_precast(["run", path], kill_at=point))
     assert code == -signal.SIGKILL, f"never reached {point!r}:\n{log[-3000:]}"
-    assert _verify(config.storage.root)["damaged"] == []
+    assert _verify(config)["damaged"] == []
 
     code, _, log = _finish(_precast(["run", path]))
     assert code == 0, log[-3000:]
     assert committed_checksums(Store(config.storage)) == expected
-    report = _verify(config.storage.root)
+    report = _verify(config)
     assert report["ok"] and report["damaged"] == []
 
 
@@ -151,4 +150,4 @@ def test_two_pipelines_started_at_once_agree(reference):
     assert first_result | {"stages": None} == second_result | {"stages": None}
     assert sum(": steps 1-6 in " in log for _, _, log in results) == 1  # trained once: the other waited for it
     assert committed_checksums(Store(config.storage)) == expected
-    assert _verify(config.storage.root)["ok"]
+    assert _verify(config)["ok"]
