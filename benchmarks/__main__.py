@@ -1,4 +1,4 @@
-"""Every benchmark in one run: `python -m benchmarks [--quick] [--only NAME,...]` (or `precast bench`).
+"""Every benchmark in one run: `python -m benchmarks [--quick] [--only NAME,...]`.
 
 Runs the benchmarks below one after another in this process (each measures its own baselines in
 the same run, so a noisy machine hurts both sides of every ratio alike), then writes

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIG_DIR = Path(__file__).parent
 QUICKSTART = CONFIG_DIR / "quickstart.yaml"
@@ -65,8 +65,7 @@ class SourceConfig(Section):
 
 class DatasetConfig(Section):
     sources: list[SourceConfig] = Field(
-        default_factory=lambda: [SourceConfig(path="precast-demo/data")],
-        description="Where the training images and captions come from.",
+        ..., min_length=1, description="Where the training images and captions come from (at least one source).",
     )
     shard_size: int = Field(256, ge=1, description="Samples per image shard (one encoding task per shard).")
     min_side: int = Field(64, ge=1, description="Images whose shorter side is below this are quarantined.")
@@ -87,7 +86,7 @@ class DatasetConfig(Section):
 
 class ModelConfig(Section):
     path: str = Field(
-        "precast-demo/models/tiny-pixart-sigma",
+        ...,
         description="Hub id or local folder in the PixArt-Sigma hub layout "
         "(text_encoder/, tokenizer/, vae/, transformer/, scheduler/).",
     )
@@ -360,11 +359,11 @@ class ExecutionConfig(Section):
 
 class PipelineConfig(Section):
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Where artifacts live.")
-    dataset: DatasetConfig = Field(default_factory=DatasetConfig, description="Sources and ingest rules.")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="The PixArt model folder or hub id.")
+    dataset: DatasetConfig = Field(..., description="Sources and ingest rules.")
+    model: ModelConfig = Field(..., description="The model folder or hub id.")
     text_encoding: TextEncodingConfig = Field(default_factory=TextEncodingConfig, description="T5 caching.")
     latent_encoding: LatentEncodingConfig = Field(default_factory=LatentEncodingConfig, description="VAE caching.")
-    training: TrainingConfig = Field(default_factory=TrainingConfig, description="LoRA training.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="Training: a LoRA adapter or a full fine-tune.")
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig, description="Retries and parallelism.")
 
     @field_validator("training")
@@ -375,13 +374,13 @@ class PipelineConfig(Section):
         return training
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PipelineConfig:
-    """Read a YAML config (the quickstart when `path` is None) and apply `dotted.key=value` overrides.
+def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
+    """Read a YAML config and apply `dotted.key=value` overrides.
 
     Values in overrides are parsed as YAML, so `--set training.steps=10` gives an int and
     `--set training.sample_prompts=[a,b]` a list.
     """
-    source = Path(path) if path else QUICKSTART
+    source = Path(path)
     raw = yaml.safe_load(source.read_text()) or {}
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: top level must be a mapping of sections")
@@ -396,4 +395,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pi
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {part} is not a section")
         node[leaf] = yaml.safe_load(value)
-    return PipelineConfig.model_validate(raw)
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as error:  # one line per field, named as in the file: model.path: Field required
+        fields = "; ".join(f"{'.'.join(map(str, problem['loc']))}: {problem['msg']}" for problem in error.errors())
+        raise ValueError(f"{source}: {fields}") from None

@@ -36,11 +36,11 @@ def _print_result(result: dict, as_json: bool) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from configs.schema import load_config
+    from configs.schema import QUICKSTART, load_config
     from tasks.demo_data import write_demo_data
     from tasks.tiny_models import write_tiny_models
 
-    config = load_config(None, args.set)
+    config = load_config(QUICKSTART, args.set)
     write_tiny_models(config.model.path)
     for source in config.dataset.sources:
         if not Path(source.path).exists():
@@ -274,9 +274,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fsspec storage option for the root (repeatable)")
     verify.set_defaults(func=cmd_verify)
 
-    # its own arguments (--quick, --only, --help) are parsed by the suite: see main()
-    commands.add_parser("bench", add_help=False, help="run the benchmark suite (python -m benchmarks)")
-
     tiny = commands.add_parser("tiny-models", help="write the demo's tiny PixArt-Sigma models in the hub layout")
     tiny.add_argument("dir")
     tiny.add_argument("--vae-steps", type=int, default=None,
@@ -295,10 +292,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _quiet_prefect()
-    if argv[:1] == ["bench"]:
-        from benchmarks.__main__ import main as run_benchmarks
-
-        return run_benchmarks(argv[1:])
     args = build_parser().parse_args(argv)
     if args.verbose:  # workers and training processes started from here read it too
         os.environ["PRECAST_VERBOSE"] = "1"

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 @flow(name="precast-pipeline", log_prints=True)
-def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
+def pipeline(config: PipelineConfig) -> dict[str, Any]:
     plan = Plan(config)  # the store, fingerprints and result storage, each derived once
     plan.store.check_reachable()
     check_nodes_placed(config)
@@ -43,7 +43,7 @@ def pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
 
 
 @flow(name="precast-stage", log_prints=True)
-def stage(name: Stage, config: PipelineConfig = PipelineConfig(), shards: list[str] | None = None,
+def stage(name: Stage, config: PipelineConfig, shards: list[str] | None = None,
           node: int | None = None, attempt: str | None = None) -> dict[str, Any]:
     """One stage alone, its inputs taken from the store (the latest dataset of these sources);
     `shards` limits an encoding stage to those image shard URLs; `node` and `attempt` make a train

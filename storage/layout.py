@@ -14,6 +14,7 @@ path. `COMMITTED` lists the kinds that are only valid with a commit record besid
     cache/latents/<fp>/<shard_id>.safetensors
     manifests/<manifest_id>.json, manifests/<manifest_id>.parquet
     runs/<run_id>/lineage.json, config.yaml, metrics.jsonl, loss_curve.png, progress.json, lease,
+                  stages.json, tensorboard/, rendezvous/<attempt>/ (nodes meeting),
                   checkpoints/step-<8 digits>.safetensors, samples/step-<6 digits>.png,
                   adapter/ or transformer/
     prefect/results/                                          Prefect results and cache keys

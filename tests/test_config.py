@@ -8,7 +8,7 @@ import pytest
 import yaml
 from prefect.utilities.callables import parameter_schema
 
-from configs.schema import CONFIG_DIR, PipelineConfig, Section, load_config
+from configs.schema import CONFIG_DIR, QUICKSTART, PipelineConfig, Section, load_config
 from flows.pipeline import pipeline, stage
 
 ROOT = Path(__file__).parent.parent
@@ -20,19 +20,33 @@ def test_every_yaml_config_validates(path):
 
 
 def test_overrides_are_typed_and_unknown_keys_are_refused():
-    config = load_config(None, ["training.steps=7", "training.sample_prompts=[a, b]", "storage.root=s3://b/p"])
+    config = load_config(QUICKSTART, ["training.steps=7", "training.sample_prompts=[a, b]", "storage.root=s3://b/p"])
     assert config.training.steps == 7 and config.training.sample_prompts == ["a", "b"]
     assert config.storage.root == "s3://b/p"
     with pytest.raises(ValueError, match="trainig"):
-        load_config(None, ["trainig.steps=7"])
+        load_config(QUICKSTART, ["trainig.steps=7"])
     with pytest.raises(ValueError, match="resolution"):
-        load_config(None, ["latent_encoding.resolution=300"])
+        load_config(QUICKSTART, ["latent_encoding.resolution=300"])
+
+
+def test_a_config_without_a_model_or_sources_is_refused_naming_the_field(tmp_path):
+    """No demo defaults: a production config that forgets the model or the data must not quietly
+    train the demo's tiny model on the demo's images."""
+    full = yaml.safe_load(QUICKSTART.read_text())
+    for section, field in (("model", "path"), ("dataset", "sources")):
+        config = {**full, section: {key: value for key, value in full[section].items() if key != field}}
+        path = tmp_path / "my-run.yaml"
+        path.write_text(yaml.safe_dump(config))
+        with pytest.raises(ValueError, match=f"my-run.yaml: {section}.{field}: Field required"):
+            load_config(path)
+    with pytest.raises(ValueError, match="dataset.sources: List should have at least 1 item"):
+        load_config(QUICKSTART, ["dataset.sources=[]"])
 
 
 def test_training_modes_that_do_not_fit_together_are_refused_by_name():
-    config = load_config(None, ["training.gradient_checkpointing=true"])  # the former boolean reads as recompute
+    config = load_config(QUICKSTART, ["training.gradient_checkpointing=true"])  # the former boolean reads as recompute
     assert config.training.gradient_checkpointing == "recompute"
-    assert load_config(None, ["training.gradient_checkpointing=false"]).training.gradient_checkpointing == "none"
+    assert load_config(QUICKSTART, ["training.gradient_checkpointing=false"]).training.gradient_checkpointing == "none"
     refused = {
         ("training.base_precision=bf16",): "base_precision bf16 needs mixed_precision bf16 \\(it is no\\)",
         ("training.base_precision=fp16", "training.mixed_precision=bf16"): "base_precision fp16 needs mixed_precision fp16",
@@ -42,7 +56,7 @@ def test_training_modes_that_do_not_fit_together_are_refused_by_name():
     }
     for overrides, message in refused.items():
         with pytest.raises(ValueError, match=message):
-            load_config(None, list(overrides))
+            load_config(QUICKSTART, list(overrides))
 
 
 def test_every_field_has_a_description():
