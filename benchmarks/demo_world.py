@@ -6,7 +6,7 @@ tiny VAE gives back every palette colour, and the demo's training draws the back
 held-out prompt names (and does not without the text). This retrains the demo (`precast demo`'s
 models, data and `configs/quickstart.yaml`) under each perturbation: other training seeds, other
 model seeds, 1 torch thread instead of 2, and every initial weight moved by one representable value
-(`tasks.tiny_models.perturb_last_bits`), and reports for each the VAE's palette round trip and the
+(`tasks.demo.models.perturb_last_bits`), and reports for each the VAE's palette round trip and the
 held-out colour score with and without text. `tests/test_learning.py` asserts the same score for the
 unperturbed demo, at thresholds below the worst case here (docs/design.md has the table).
 """
@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from configs.schema import load_config
-from tasks.demo_data import COLORS, SHAPES, write_demo_data
+from tasks.demo.data import COLORS, SHAPES, write_demo_data
 from tasks.runner import run_direct
 from tasks.sampling import sample_run
-from tasks.tiny_models import palette_round_trip, write_tiny_models
+from tasks.demo.models import palette_round_trip, write_tiny_models
 
 BACKGROUNDS = list(COLORS)
 # never a training caption: those say where each shape is ("at the top left") and name its size

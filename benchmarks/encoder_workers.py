@@ -20,8 +20,8 @@ from typing import Any
 
 from benchmarks.end_to_end import prefect_server
 from configs.schema import QUICKSTART, load_config
-from tasks.demo_data import write_demo_data
-from tasks.tiny_models import write_tiny_models
+from tasks.demo.data import write_demo_data
+from tasks.demo.models import write_tiny_models
 
 STAGES = ("encode-text", "encode-latents")
 

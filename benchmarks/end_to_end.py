@@ -41,8 +41,8 @@ from typing import Any, Iterator
 import yaml
 
 from configs.schema import QUICKSTART, PipelineConfig, load_config
-from tasks.demo_data import write_demo_data
-from tasks.tiny_models import write_tiny_models
+from tasks.demo.data import write_demo_data
+from tasks.demo.models import write_tiny_models
 
 ROOT = Path(__file__).parents[1]
 SHARD_SIZE = 256  # the quickstart's 32 shows sharding on a demo; real datasets use far larger shards

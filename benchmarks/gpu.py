@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from configs.schema import ModelConfig, TextEncodingConfig, TrainingConfig
-from tasks.tiny_models import WORDS, build_tokenizer
+from tasks.demo.models import WORDS, build_tokenizer
 
 # dense bf16 tensor-core peaks (no sparsity), TFLOP/s; the sources are in docs/benchmarks.md
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}

@@ -28,7 +28,7 @@ from PIL import Image
 
 from configs.schema import DatasetConfig, SourceConfig, StorageConfig
 from storage.fingerprint import sha256_bytes
-from tasks.demo_data import write_demo_data
+from tasks.demo.data import write_demo_data
 from tasks.encode_latents import nearest_ratio
 from tasks.ingest import ingest, normalise_image
 from tasks.sources import IMAGE_EXTENSIONS

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from configs.schema import DatasetConfig, LatentEncodingConfig, ModelConfig, SourceConfig, StorageConfig
-from tasks.demo_data import write_demo_data
+from tasks.demo.data import write_demo_data
 from storage import layout
 from storage.store import Store
 from tasks.encode_latents import crop_box, encode_latents_shard, preprocess

@@ -26,7 +26,7 @@ from PIL import Image
 
 from configs.schema import DatasetConfig, SourceConfig, StorageConfig
 from benchmarks.latency import SlowEndpoint
-from tasks.demo_data import write_demo_data
+from tasks.demo.data import write_demo_data
 from tasks.ingest import ingest
 
 DELAYS = (0.0, 0.020)

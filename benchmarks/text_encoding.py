@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from configs.schema import ModelConfig, TextEncodingConfig
-from tasks.tiny_models import WORDS, build_tokenizer
+from tasks.demo.models import WORDS, build_tokenizer
 from storage.shards import pack_ragged
 from tasks.encode_text import encode_captions
 from tasks.models import load_text_encoder

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from configs.schema import PipelineConfig
-from tasks.demo_data import write_demo_data
-from tasks.tiny_models import build_tokenizer
+from tasks.demo.data import write_demo_data
+from tasks.demo.models import build_tokenizer
 
 
 def make_models(folder: Path) -> Path:

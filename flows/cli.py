@@ -37,8 +37,8 @@ def _print_result(result: dict, as_json: bool) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from configs.schema import QUICKSTART, load_config
-    from tasks.demo_data import write_demo_data
-    from tasks.tiny_models import write_tiny_models
+    from tasks.demo.data import write_demo_data
+    from tasks.demo.models import write_tiny_models
 
     config = load_config(QUICKSTART, args.set)
     write_tiny_models(config.model.path)
@@ -176,14 +176,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_models(args: argparse.Namespace) -> int:
-    from tasks.tiny_models import write_tiny_models
+    from tasks.demo.models import write_tiny_models
 
     print(write_tiny_models(args.dir, **({} if args.vae_steps is None else {"vae_steps": args.vae_steps})))
     return 0
 
 
 def cmd_demo_data(args: argparse.Namespace) -> int:
-    from tasks.demo_data import write_demo_data
+    from tasks.demo.data import write_demo_data
 
     print(write_demo_data(args.dir, count=args.count, seed=args.seed))
     return 0
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.verbose:  # workers and training processes started from here read it too
         os.environ["PRECAST_VERBOSE"] = "1"
-    from tasks.noise import quiet_known_noise
+    from tasks.log_filter import quiet_known_noise
 
     quiet_known_noise()  # before any library that makes the noise loads
     # precast's own progress at INFO; other libraries' only from WARNING on, unless --verbose

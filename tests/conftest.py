@@ -14,8 +14,8 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PRECAST_CACHE", tempfile.mkdtemp(prefix="precast-test-cache-"))
 
 from configs.schema import PipelineConfig  # noqa: E402
-from tasks.demo_data import write_demo_data  # noqa: E402
-from tasks.tiny_models import write_tiny_models  # noqa: E402
+from tasks.demo.data import write_demo_data  # noqa: E402
+from tasks.demo.models import write_tiny_models  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from configs.schema import PipelineConfig
-from tasks.demo_data import write_demo_data
+from tasks.demo.data import write_demo_data
 from storage import layout
 from storage.store import Store
 

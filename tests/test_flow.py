@@ -282,7 +282,7 @@ def test_stage_modules_are_prefect_free_and_each_task_is_its_stage_function():
     stages = {encode_latents.encode_latents_shard, encode_text.encode_prompts, encode_text.measure_numerics,
               encode_text.encode_text_shard, ingest.ingest, ingest.examine_partition, manifest.build_manifest, train.train}
     assert {task.fn for task in TASKS} == stages
-    probe = ("import sys, tasks.runner, tasks.sampling, storage.verify, tasks.tiny_models, tasks.demo_data; "
+    probe = ("import sys, tasks.runner, tasks.sampling, storage.verify, tasks.demo.models, tasks.demo.data; "
              "print(sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).parent.parent)

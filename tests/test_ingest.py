@@ -291,7 +291,7 @@ def test_demo_captions_name_what_the_image_shows(demo_data):
 
     from PIL import Image
 
-    from tasks.demo_data import COLORS
+    from tasks.demo.data import COLORS
 
     pattern = re.compile(r"^a (\w+) (\w+) at the ([a-z ]+) on a (\w+) background")
     placed = []

@@ -14,8 +14,8 @@ import pytest
 from diffusers import AutoencoderKL
 
 from benchmarks.demo_world import PROMPTS, colour_scores, train_demo
-from tasks.demo_data import write_demo_data
-from tasks.tiny_models import palette_confusions, palette_round_trip, write_tiny_models
+from tasks.demo.data import write_demo_data
+from tasks.demo.models import palette_confusions, palette_round_trip, write_tiny_models
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from prefect.artifacts import Artifact
 
 from flows.pipeline import stage
 from storage.store import Store
-from tasks.demo_data import write_demo_data
+from tasks.demo.data import write_demo_data
 
 SHARDS = 16
 

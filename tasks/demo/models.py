@@ -60,7 +60,7 @@ def _pixels(image) -> torch.Tensor:
 
 
 def _palette() -> torch.Tensor:
-    from tasks.demo_data import COLORS
+    from tasks.demo.data import COLORS
 
     return torch.tensor(list(COLORS.values()), dtype=torch.float32) / 127.5 - 1
 
@@ -70,7 +70,7 @@ def palette_round_trip(vae, side: int = 256) -> dict[str, tuple[float, str, floa
     each colour's name, the decoded mean colour's distance to that colour, the name of the nearest
     other palette colour and the distance to it (0-255 RGB units). The colour comes back when the
     first distance is the smaller."""
-    from tasks.demo_data import COLORS
+    from tasks.demo.data import COLORS
 
     names, palette = list(COLORS), _palette()
     flat = palette[:, :, None, None].expand(-1, -1, side, side).contiguous()
@@ -99,7 +99,7 @@ def train_vae(vae, seed: int, steps: int) -> float:
     flat colours slowly from scenes alone; 64 px crops (cheap), then 128 px crops for the last 30%,
     so that the statistics of its norms hold at the demo's 256 px and not only at the crop's size;
     a cosine learning-rate decay to settle."""
-    from tasks.demo_data import draw_scene
+    from tasks.demo.data import draw_scene
 
     log.info("training the tiny VAE (%d steps, under a minute on 2 CPU cores)", steps)
     start = time.perf_counter()
