@@ -104,7 +104,7 @@ def test_the_worker_image_steps_install_a_working_precast(tmp_path):
     assert ran == ["deps", "project"]
     env = {**os.environ, "PYTHONPATH": ""}
     check = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import benchmarks, flows.cli, tasks.train; print(flows.cli.__file__)"],
+        [str(venv / "bin" / "python"), "-c", "import benchmarks, flows.cli, tasks.demo.models, tasks.train; print(flows.cli.__file__)"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stderr[-3000:]
     assert Path(check.stdout.strip()).is_relative_to(image)  # the image's own copy, installed
