@@ -20,17 +20,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from configs.schema import load_config
+from configs.schema import QUICKSTART, load_config
 from tasks.demo.data import COLORS, SHAPES, write_demo_data
+from tasks.demo.models import palette_round_trip, write_tiny_models
 from tasks.runner import run_direct
 from tasks.sampling import sample_run
-from tasks.demo.models import palette_round_trip, write_tiny_models
 
 BACKGROUNDS = list(COLORS)
 # never a training caption: those say where each shape is ("at the top left") and name its size
 PROMPTS = [f"a {colour} {shape} on a {background} background"
            for background, colour, shape in zip(BACKGROUNDS, BACKGROUNDS[3:] + BACKGROUNDS[:3], SHAPES * 3)]
-QUICKSTART = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
 # name: (model seed, training seed, torch threads, last-bits perturbation seed or None)
 PERTURBATIONS = {
     "demo (seed 0, 2 threads)": (0, 0, 2, None),
@@ -65,7 +64,7 @@ def colour_scores(run: str, seed: int = 0) -> tuple[int, int]:
 def train_demo(folder: Path, models: Path, data: Path, training_seed: int = 0) -> dict:
     """The quickstart's training on `models` and `data` (a store under `folder`): the pipeline's
     stage records (the run in `["train"]`: its `url`, `first_loss` and `final_loss`)."""
-    config = load_config(str(QUICKSTART), [f"storage.root={folder / 'store'}", f"model.path={models}",
+    config = load_config(QUICKSTART, [f"storage.root={folder / 'store'}", f"model.path={models}",
                                            f"dataset.sources=[{{path: {data}}}]", f"training.seed={training_seed}"])
     return run_direct(config)
 
