@@ -24,7 +24,7 @@ from configs.schema import QUICKSTART, load_config
 from tasks.demo.data import COLORS, SHAPES, write_demo_data
 from tasks.demo.models import palette_round_trip, write_tiny_models
 from tasks.runner import run_direct
-from tasks.sampling import sample_run
+from tasks.runs.sampling import sample_run
 
 BACKGROUNDS = list(COLORS)
 # never a training caption: those say where each shape is ("at the top left") and name its size

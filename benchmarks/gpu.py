@@ -128,10 +128,10 @@ MODES = {
 
 
 def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int = 5, max_batch: int = 64) -> dict:
-    from tasks.encode_text import encode_captions, run_encoder, tokenize
-    from tasks.features import pad_sequences
-    from tasks.models import load_noise_scheduler, load_text_encoder, load_vae
-    from tasks.loss import diffusion_loss
+    from tasks.encode.text import encode_captions, run_encoder, tokenize
+    from storage.shards import pad_sequences
+    from tasks.encode.models import load_noise_scheduler, load_text_encoder, load_vae
+    from tasks.train.loss import diffusion_loss
     from tasks.train import kept_activations, trainable_network
 
     if not torch.cuda.is_available() and not tiny:

@@ -44,7 +44,7 @@ def vm(field: str) -> int:
 
 def measured_ingest(root: str, source: str, queue: multiprocessing.Queue) -> None:
     """In a fresh process: one ingest, and how far its peak resident memory rose above the start."""
-    from tasks.ingest import ingest  # imported before the baseline: libraries are not what is measured
+    from tasks.ingest.stage import ingest  # imported before the baseline: libraries are not what is measured
 
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     start, began = vm("VmRSS"), time.perf_counter()

@@ -29,9 +29,9 @@ from PIL import Image
 from configs.schema import DatasetConfig, SourceConfig, StorageConfig
 from storage.fingerprint import sha256_bytes
 from tasks.demo.data import write_demo_data
-from tasks.encode_latents import nearest_ratio
-from tasks.ingest import ingest, normalise_image
-from tasks.sources import IMAGE_EXTENSIONS
+from tasks.encode.latents import nearest_ratio
+from tasks.ingest.stage import ingest, normalise_image
+from tasks.ingest.sources import IMAGE_EXTENSIONS
 
 
 def plain_loop(folder: Path, decode: bool = False) -> int:

@@ -25,9 +25,9 @@ from configs.schema import DatasetConfig, LatentEncodingConfig, ModelConfig, Sou
 from tasks.demo.data import write_demo_data
 from storage import layout
 from storage.store import Store
-from tasks.encode_latents import crop_box, encode_latents_shard, preprocess
-from tasks.ingest import ingest
-from tasks.models import load_vae, vae_fingerprint
+from tasks.encode.latents import crop_box, encode_latents_shard, preprocess
+from tasks.ingest.stage import ingest
+from tasks.encode.models import load_vae, vae_fingerprint
 
 
 def make_vae(folder: Path, width: int) -> Path:

@@ -27,7 +27,7 @@ from PIL import Image
 from configs.schema import DatasetConfig, SourceConfig, StorageConfig
 from benchmarks.latency import SlowEndpoint
 from tasks.demo.data import write_demo_data
-from tasks.ingest import ingest
+from tasks.ingest.stage import ingest
 
 DELAYS = (0.0, 0.020)
 

@@ -27,8 +27,8 @@ import torch
 from configs.schema import ModelConfig, TextEncodingConfig
 from tasks.demo.models import WORDS, build_tokenizer
 from storage.shards import pack_ragged
-from tasks.encode_text import encode_captions
-from tasks.models import load_text_encoder
+from tasks.encode.text import encode_captions
+from tasks.encode.models import load_text_encoder
 
 
 def make_model(folder: Path, d_model: int, layers: int) -> Path:

@@ -70,7 +70,7 @@ def prepare(workdir: Path, config: PipelineConfig, count: int) -> str:
 
 def run_cached(config: PipelineConfig, manifest_url: str) -> dict:
     from storage.store import Store
-    from tasks.features import CachedFeatures, bucket_batches
+    from tasks.train.data import CachedFeatures, bucket_batches
     from tasks.train import train
 
     record = train(config.storage, config.model, config.training, manifest_url)
@@ -94,11 +94,12 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
     from storage import layout
     from storage.shards import read_image_shard
     from storage.store import Store
-    from tasks.encode_latents import crop_box, preprocess
-    from tasks.encode_text import run_encoder, tokenize
-    from tasks.features import bucket_batches, pad_sequences
-    from tasks.models import load_noise_scheduler, load_text_encoder, load_vae
-    from tasks.loss import diffusion_loss
+    from tasks.encode.latents import crop_box, preprocess
+    from tasks.encode.text import run_encoder, tokenize
+    from storage.shards import pad_sequences
+    from tasks.train.data import bucket_batches
+    from tasks.encode.models import load_noise_scheduler, load_text_encoder, load_vae
+    from tasks.train.loss import diffusion_loss
     from tasks.train import trainable_network
 
     training = config.training

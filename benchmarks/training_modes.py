@@ -48,9 +48,9 @@ def held_bytes(config, manifest_url: str) -> dict[str, float]:
     """Activations kept for backward on the device per sample, and the frozen base's weight bytes,
     from one micro-batch of the manifest's largest bucket."""
     from storage.store import Store
-    from tasks.features import CachedFeatures
-    from tasks.loss import diffusion_loss
-    from tasks.models import load_noise_scheduler
+    from tasks.train.data import CachedFeatures
+    from tasks.train.loss import diffusion_loss
+    from tasks.encode.models import load_noise_scheduler
     from tasks.train import kept_activations, trainable_network
 
     store = Store(config.storage)
@@ -88,7 +88,7 @@ def measure(workdir: Path, manifest_url: str, steps: int, batch: int, mode: str,
     import shutil
 
     from storage.store import Store
-    from tasks.publisher import read_metrics
+    from tasks.train.publisher import read_metrics
     from tasks.train import train
 
     config = mode_config(workdir, steps, batch, mode, budget)
@@ -114,7 +114,7 @@ def token_spread(workdir: Path, manifest_url: str) -> dict:
     from diffusers import PixArtTransformer2DModel
 
     from storage.store import Store
-    from tasks.features import CachedFeatures
+    from tasks.train.data import CachedFeatures
 
     config = config_for(workdir, 1, 1)
     store = Store(config.storage)

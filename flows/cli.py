@@ -115,11 +115,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from configs.schema import StorageConfig
     from storage import layout
     from storage.store import Store
-    from tasks.ingest import report_markdown
+    from tasks.ingest.stage import report_markdown
 
     options = storage_options(args.option)
     if f"/{layout.RUNS}/" in args.url:
-        from tasks.run_page import RunPage
+        from tasks.runs.page import RunPage
 
         page = RunPage.at(args.url, options)
         if args.json:
@@ -153,7 +153,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_sample(args: argparse.Namespace) -> int:
     from configs.schema import ModelConfig
-    from tasks.sampling import sample_run
+    from tasks.runs.sampling import sample_run
 
     options = storage_options(args.option)
     model = ModelConfig(path=args.model) if args.model else None
@@ -166,7 +166,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from tasks.export import export_adapter
+    from tasks.runs.export import export_adapter
 
     data = export_adapter(args.url, args.format, storage_options(args.option))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -18,11 +18,11 @@ from prefect import task
 from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
 
 from flows.progress import reporter
-from tasks.encode_latents import encode_latents_shard
-from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics
-from tasks.ingest import examine_partition, ingest
+from tasks.encode.latents import encode_latents_shard
+from tasks.encode.text import encode_prompts, encode_text_shard, measure_numerics
+from tasks.ingest.stage import examine_partition, ingest
 from tasks.manifest import build_manifest
-from tasks.models import resolve_device
+from tasks.encode.models import resolve_device
 from tasks.train import train
 
 # Arguments are content-addressed ids, URLs and config sections, so INPUTS is the store's own key.

@@ -37,12 +37,12 @@ from storage import layout
 from storage.fingerprint import hash_json
 from storage.shards import shard_id_of
 from storage.store import Store
-from tasks.encode_latents import latent_cache_record
-from tasks.encode_text import encoding_report, prompts_cache_key, text_cache_record
-from tasks.ingest import Partitions, latest_dataset, report_markdown
+from tasks.encode.latents import latent_cache_record
+from tasks.encode.text import encoding_report, prompts_cache_key, text_cache_record
+from tasks.ingest.stage import Partitions, latest_dataset, report_markdown
 from tasks.manifest import manifest_id, manifest_record
-from tasks.models import text_encoder_fingerprint, vae_fingerprint
-from tasks.run_page import RunPage
+from tasks.encode.models import text_encoder_fingerprint, vae_fingerprint
+from tasks.runs.page import RunPage
 from tasks.train import finished_run, run_for
 
 

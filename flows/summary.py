@@ -9,7 +9,7 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from tasks.run_page import stage_table
+from tasks.runs.page import stage_table
 
 
 class Summary:

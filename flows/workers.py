@@ -2,7 +2,7 @@
 cluster per stage, or a running one, through Prefect's `DaskTaskRunner`).
 
 Each worker is a process pinned to one device (its own `CUDA_VISIBLE_DEVICES`, as dask-cuda's
-cluster does) that loads the stage's model once (tasks/models.py caches loaders per process) and
+cluster does) that loads the stage's model once (tasks/encode/models.py caches loaders per process) and
 encodes shard after shard. The shard stays the unit of commit, retry and idempotence: each is a
 Prefect task run of this flow run, with the task's retries and cache, and its output is committed
 last, so a shard redone on another worker changes nothing. The stage's other tasks (the text
@@ -33,7 +33,7 @@ from prefect import Task
 
 from configs.schema import ExecutionConfig
 from flows.stage_tasks import device_slot
-from tasks.models import encoding_work, model_loads, resolve_device
+from tasks.encode.models import encoding_work, model_loads, resolve_device
 
 log = logging.getLogger(__name__)
 

@@ -122,7 +122,7 @@ def run_part(run: str, part: str) -> str:
 
 
 def rendezvous(run: str, attempt: str) -> str:
-    """The folder where the nodes of one training attempt meet (tasks/distributed.py)."""
+    """The folder where the nodes of one training attempt meet (tasks/train/distributed.py)."""
     return f"{run}/rendezvous/{attempt}"
 
 

@@ -136,3 +136,13 @@ class LatentShard:
         if posterior == "mean_logvar":
             return mean, torch.exp(0.5 * self._file.get_slice(f"{prefix}logvar/{bucket}")[index].float())
         return mean, None
+
+def pad_sequences(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad [len_i, D] tensors to the longest: ([B, L, D] float32, [B, L] mask)."""
+    longest = max(len(s) for s in sequences)
+    out = torch.zeros(len(sequences), longest, sequences[0].shape[-1])
+    mask = torch.zeros(len(sequences), longest, dtype=torch.long)
+    for i, sequence in enumerate(sequences):
+        out[i, : len(sequence)] = sequence.float()
+        mask[i, : len(sequence)] = 1
+    return out, mask

@@ -22,7 +22,7 @@ from storage import layout
 from storage.fingerprint import hash_json
 from storage.shards import LatentShard, RaggedShard
 from storage.store import Store
-from tasks.encode_text import prompts_cache_key
+from tasks.encode.text import prompts_cache_key
 
 MANIFEST_SCHEMA = pa.schema(
     [

@@ -14,11 +14,11 @@ from typing import Any
 from configs.schema import PipelineConfig, Stage
 from storage import layout
 from storage.store import Store
-from tasks.encode_latents import encode_latents_shard, latent_cache_record
-from tasks.encode_text import encode_prompts, encode_text_shard, measure_numerics, text_cache_record
-from tasks.ingest import ingest
+from tasks.encode.latents import encode_latents_shard, latent_cache_record
+from tasks.encode.text import encode_prompts, encode_text_shard, measure_numerics, text_cache_record
+from tasks.ingest.stage import ingest
 from tasks.manifest import build_manifest
-from tasks.models import encoding_work, model_loads, text_encoder_fingerprint, vae_fingerprint
+from tasks.encode.models import encoding_work, model_loads, text_encoder_fingerprint, vae_fingerprint
 from tasks.train import train
 
 

@@ -16,10 +16,10 @@ from PIL import Image
 from storage import layout
 from storage.shards import LatentShard, read_image_shard
 from storage.store import Store
-from tasks import encode_latents
-from tasks.encode_latents import bucket_table, crop_box, encode_latents_shard, preprocess
-from tasks.ingest import ingest
-from tasks.models import vae_fingerprint
+from tasks.encode import latents as encode_latents
+from tasks.encode.latents import bucket_table, crop_box, encode_latents_shard, preprocess
+from tasks.ingest.stage import ingest
+from tasks.encode.models import vae_fingerprint
 
 ROOT = Path(__file__).parent.parent
 
@@ -75,7 +75,7 @@ def test_the_bucket_tables_are_diffusers_own():
     for resolution in (256, 512, 1024):
         assert bucket_table(resolution) == getattr(pipeline_pixart_alpha, f"ASPECT_RATIO_{resolution}_BIN")
     assert bucket_table(2048) == pipeline_pixart_sigma.ASPECT_RATIO_2048_BIN
-    probe = ("import sys; from tasks.encode_latents import nearest_ratio; nearest_ratio(3, 2, 1024); "
+    probe = ("import sys; from tasks.encode.latents import nearest_ratio; nearest_ratio(3, 2, 1024); "
              "print(sorted(m for m in sys.modules if m.startswith(('diffusers.pipelines', 'transformers.models'))))")
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]", loaded.stdout

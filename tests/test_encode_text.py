@@ -12,9 +12,9 @@ from transformers import AutoTokenizer, T5EncoderModel
 from storage import layout
 from storage.shards import RaggedShard, read_image_shard
 from storage.store import Store
-from tasks.encode_text import encode_captions, encode_prompts, encode_text_shard, measure_numerics
-from tasks.ingest import ingest
-from tasks.models import text_encoder_fingerprint
+from tasks.encode.text import encode_captions, encode_prompts, encode_text_shard, measure_numerics
+from tasks.ingest.stage import ingest
+from tasks.encode.models import text_encoder_fingerprint
 
 
 @pytest.fixture
@@ -163,7 +163,7 @@ def test_existing_shard_is_skipped_without_loading_t5(ingested, monkeypatch):
     def refuse(*_):
         raise AssertionError("T5 must not load for a shard that is already encoded")
 
-    monkeypatch.setattr("tasks.encode_text.load_text_encoder", refuse)
+    monkeypatch.setattr("tasks.encode.text.load_text_encoder", refuse)
     again, _, _ = _encode_first_shard(config, dataset, offload="model", batch_tokens=64)
     assert again == first
 
@@ -238,7 +238,7 @@ def test_bf16_cache_stays_close_to_fp32(ingested):
 def test_text_cache_reads_padded_batches_from_local_and_remote_shards(make_config, s3_endpoint, tmp_path):
     import s3fs
 
-    from tasks.features import TextCache
+    from tasks.train.data import TextCache
 
     s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir("precast-text")
     local = make_config()
@@ -270,7 +270,7 @@ def test_model_loads_never_overlap_and_the_reference_stays_off_the_accelerator(m
 
     from diffusers import AutoencoderKL
 
-    from tasks import models
+    from tasks.encode import models
 
     config = make_config()
     active, peak, guard, errors = 0, 0, threading.Lock(), []

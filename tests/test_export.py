@@ -67,7 +67,7 @@ def test_export_refuses_a_run_without_an_adapter_and_an_unknown_format(trained, 
     _, run = trained
     with pytest.raises(SystemExit):
         main(["export", run["run"], "--format", "kohya", "--out", str(tmp_path / "x")])
-    from tasks.export import export_adapter
+    from tasks.runs.export import export_adapter
 
     with pytest.raises(FileNotFoundError, match="has no LoRA adapter"):
         export_adapter(str(tmp_path / "runs" / "nothing"), "comfyui")

@@ -232,7 +232,7 @@ def test_parallel_shards_of_a_fingerprint_carry_one_precision_record(prefect_ser
     """The configuration users run: shards in parallel, a non-fp32 dtype, on fresh stores (each with
     no model loaded yet): every shard embeds the fingerprint's one committed precision record."""
     from storage.shards import RaggedShard
-    from tasks.models import load_text_encoder
+    from tasks.encode.models import load_text_encoder
 
     for attempt in range(3):
         config = make_config(root=str(tmp_path / f"store-{attempt}"), text_encoding={"dtype": dtype},
@@ -277,12 +277,14 @@ def test_stage_modules_are_prefect_free_and_each_task_is_its_stage_function():
     import sys
 
     from flows.stage_tasks import TASKS
-    from tasks import encode_latents, encode_text, ingest, manifest, train
+    from tasks import manifest, train
+    from tasks.encode import latents as encode_latents, text as encode_text
+    from tasks.ingest import stage as ingest
 
     stages = {encode_latents.encode_latents_shard, encode_text.encode_prompts, encode_text.measure_numerics,
               encode_text.encode_text_shard, ingest.ingest, ingest.examine_partition, manifest.build_manifest, train.train}
     assert {task.fn for task in TASKS} == stages
-    probe = ("import sys, tasks.runner, tasks.sampling, storage.verify, tasks.demo.models, tasks.demo.data; "
+    probe = ("import sys, tasks.runner, tasks.runs.sampling, storage.verify, tasks.demo.models, tasks.demo.data; "
              "print(sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).parent.parent)

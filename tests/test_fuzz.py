@@ -30,7 +30,7 @@ from PIL import Image
 
 from storage.shards import read_image_shard
 from storage.store import Store
-from tasks.ingest import ingest
+from tasks.ingest.stage import ingest
 from tests.corpus import MAX_PIXELS, _encode
 
 SEED = 8_06  # issue 8, point 6

@@ -31,7 +31,7 @@ def kill_training_at(config, manifest_url: str, batch: int) -> None:
     """Run training until it asks for its `batch`-th batch, then kill it there (a simulated SIGINT)."""
     from unittest import mock
 
-    from tasks.features import CachedFeatures
+    from tasks.train.data import CachedFeatures
 
     real, calls = CachedFeatures.batch, []
 
@@ -109,7 +109,7 @@ def test_train_renders_samples_through_the_pixart_pipeline(make_config):
 
 
 def test_training_reader_draws_seeded_latents_from_one_bucket(make_config):
-    from tasks.features import CachedFeatures, bucket_batches
+    from tasks.train.data import CachedFeatures, bucket_batches
 
     config = make_config()
     dataset, text_fp, vae_fp = _cache_everything(config)
@@ -195,8 +195,8 @@ def test_samples_during_training_loss_curve_and_precast_sample(make_config, tmp_
     curve = Image.open(io.BytesIO(store.read_bytes(store.key(record["run"]) + "/loss_curve.png")))
     assert curve.size == (800, 500)
     # a plot a reader can read: labelled axes, integer step ticks, train and validation in a legend
-    from tasks.plots import training_curves
-    from tasks.publisher import read_metrics
+    from tasks.runs.plots import training_curves
+    from tasks.train.publisher import read_metrics
 
     loss_axes, rate_axes = training_curves(read_metrics(store, store.key(record["run"]))).axes
     assert (loss_axes.get_ylabel(), rate_axes.get_ylabel(), rate_axes.get_xlabel()) == ("loss", "learning rate", "step")
@@ -281,7 +281,7 @@ def test_ema_weights_are_the_saved_result(make_config):
 
 def test_two_process_data_parallel_training_on_cpu(make_config, tiny_models):
     """torch DDP over gloo: two processes, each its own batches, rank 0 writes the run."""
-    from tasks.checkpoints import Checkpointer, TrainingState
+    from tasks.train.checkpointer import Checkpointer, TrainingState
 
     config = make_config(training={"steps": 3, "processes": 2, "checkpoint_every": 2, "keep_checkpoints": 1,
                                    "sample_prompts": []})
@@ -382,8 +382,8 @@ def test_noisy_input_and_target_follow_the_models_scheduler(tiny_models, tmp_pat
     from diffusers import DPMSolverMultistepScheduler
 
     from configs.schema import ModelConfig
-    from tasks.models import load_noise_scheduler
-    from tasks.loss import diffusion_loss
+    from tasks.encode.models import load_noise_scheduler
+    from tasks.train.loss import diffusion_loss
 
     folder = tmp_path / "models"
     shutil.copytree(tiny_models, folder)
@@ -424,8 +424,8 @@ def test_validation_loss_on_held_out_samples_with_fixed_draws(make_config, monke
     import json
     from unittest import mock
 
-    from tasks.features import CachedFeatures
-    from tasks.validation import Validation
+    from tasks.train.data import CachedFeatures
+    from tasks.train.validation import Validation
 
     config = make_config(training={"steps": 6, "validation_samples": 5, "validation_every": 4,
                                    "caption_dropout": 0.2, "sample_prompts": []})
@@ -453,7 +453,7 @@ def test_validation_loss_on_held_out_samples_with_fixed_draws(make_config, monke
     assert [r[3] is not None for r in reports] == [m["step"] in scored for m in metrics]
     # fixed draws: the same weights score the same, a different seed's draws score otherwise
     network = PixArtTransformer2DModel.from_pretrained(config.model.path, subfolder="transformer")
-    from tasks.models import load_noise_scheduler
+    from tasks.encode.models import load_noise_scheduler
 
     scheduler = load_noise_scheduler(config.model)
     first = validation.loss(network, scheduler, torch.device("cpu"), None)

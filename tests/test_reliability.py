@@ -10,11 +10,11 @@ import pytest
 from flows.cli import main
 from storage import layout
 from storage.store import Damaged, Store
-from tasks.encode_latents import encode_latents_shard
-from tasks.encode_text import encode_text_shard
-from tasks.ingest import ingest
+from tasks.encode.latents import encode_latents_shard
+from tasks.encode.text import encode_text_shard
+from tasks.ingest.stage import ingest
 from tasks.manifest import build_manifest
-from tasks.models import text_encoder_fingerprint, vae_fingerprint
+from tasks.encode.models import text_encoder_fingerprint, vae_fingerprint
 from tasks.train import train
 from tests.test_manifest_and_train import _cache_everything, kill_training_at
 

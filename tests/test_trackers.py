@@ -128,7 +128,7 @@ def test_a_failing_or_hanging_tracker_costs_the_run_nothing(cached_manifest, tmp
     import shutil
     import threading
 
-    from tasks import trackers
+    from tasks.train import trackers
 
     def run(name: str, kinds: list[str]):
         root = tmp_path / name
@@ -156,7 +156,7 @@ def test_a_failing_or_hanging_tracker_costs_the_run_nothing(cached_manifest, tmp
     monkeypatch.setattr(trackers.TensorBoard, "scalars", broken)
     monkeypatch.setitem(trackers.KINDS, "wandb", Hanging)
     monkeypatch.setattr(trackers, "WAIT_ON_CLOSE_SECONDS", 1.0)
-    caplog.set_level(logging.WARNING, logger="tasks.trackers")
+    caplog.set_level(logging.WARNING, logger="tasks.train.trackers")
     tracked = run("tracked", ["tensorboard", "wandb"])
     released.set()
     assert tracked == plain  # metrics.jsonl and adapter bytes

@@ -80,8 +80,8 @@ def test_offload_keeps_the_checkpointed_activations_in_host_memory(cached_manife
     """What backward keeps on the device: every activation (none), the blocks' inputs
     (recompute), nothing with offload (the saved-tensor hooks take every tensor to host memory and
     bring it back in backward); the gradients are the same in every mode."""
-    from tasks.loss import diffusion_loss
-    from tasks.models import load_noise_scheduler
+    from tasks.train.loss import diffusion_loss
+    from tasks.encode.models import load_noise_scheduler
     from tasks.train import kept_activations, trainable_network
 
     base, _ = cached_manifest
@@ -152,7 +152,7 @@ def test_token_budget_batches_size_each_bucket_by_its_image_tokens(cached_manife
     bit, as another run."""
     from diffusers import PixArtTransformer2DModel
 
-    from tasks.features import CachedFeatures, batch_sizes
+    from tasks.train.data import CachedFeatures, batch_sizes
 
     base, manifest_key = cached_manifest
     transformer = PixArtTransformer2DModel.from_pretrained(base.model.path, subfolder="transformer")
@@ -189,8 +189,8 @@ def test_min_snr_weights_and_logit_normal_timesteps_are_diffusers_training_recip
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
 
     from configs.schema import ModelConfig
-    from tasks.loss import Objective, diffusion_loss
-    from tasks.models import load_noise_scheduler
+    from tasks.train.loss import Objective, diffusion_loss
+    from tasks.encode.models import load_noise_scheduler
 
     folder = tmp_path / "models"
     shutil.copytree(tiny_models, folder)
@@ -260,7 +260,7 @@ def test_the_loop_reads_the_device_only_every_log_every_steps(cached_manifest, t
     def counted(real):
         def read(self, *args, **kwargs):
             caller = sys._getframe(1).f_code
-            if caller.co_filename.endswith(("tasks/train.py", "tasks/loss.py")):
+            if caller.co_filename.endswith(("tasks/train/__init__.py", "tasks/train/loss.py")):
                 reads.append(f"{caller.co_name}:{sys._getframe(1).f_lineno}")
             return real(self, *args, **kwargs)
         return read

@@ -32,17 +32,17 @@ from storage import layout
 from storage.fingerprint import hash_json
 from storage.lease import Lease, LeaseLost
 from storage.store import Store, fsspec_options
-from tasks.checkpoints import Checkpointer, TrainingState
-from tasks.distributed import Distributed, NodeFailed, Rendezvous, free_port
-from tasks.ema import Ema
-from tasks.publisher import RunPublisher, read_metrics
-from tasks.features import CachedFeatures, batch_sizes, bucket_batches, draws, seed_of
-from tasks.loss import Objective, diffusion_loss
-from tasks.models import (
+from tasks.train.checkpointer import Checkpointer, TrainingState
+from tasks.train.distributed import Distributed, NodeFailed, Rendezvous, free_port
+from tasks.train.ema import Ema
+from tasks.train.publisher import RunPublisher, read_metrics
+from tasks.train.data import CachedFeatures, batch_sizes, bucket_batches, draws, seed_of
+from tasks.train.loss import Objective, diffusion_loss
+from tasks.encode.models import (
     DTYPES, load_noise_scheduler, load_transformer, transformer_fingerprint,
 )
 from tasks.prefetch import prefetched
-from tasks.validation import Validation
+from tasks.train.validation import Validation
 
 log = logging.getLogger(__name__)
 

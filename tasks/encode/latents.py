@@ -27,7 +27,7 @@ from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig
 from storage import layout
 from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id_of
 from storage.store import Store
-from tasks.models import DTYPES, LATENT_FORMAT, build_vae, load_vae
+from tasks.encode.models import DTYPES, LATENT_FORMAT, build_vae, load_vae
 from tasks.prefetch import prefetched
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ import hashlib
 
 import torch
 
-from tasks.features import CachedFeatures
-from tasks.loss import diffusion_loss
+from tasks.train.data import CachedFeatures
+from tasks.train.loss import diffusion_loss
 
 
 class Validation:

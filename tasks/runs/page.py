@@ -16,7 +16,7 @@ from PIL import Image
 from configs.schema import StorageConfig
 from storage import layout
 from storage.store import Store
-from tasks.publisher import read_metrics
+from tasks.train.publisher import read_metrics
 
 PAGE_IMAGE_WIDTH = 1024  # the sample grid as the page shows it (the file keeps every pixel)
 

@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 
-from storage.shards import LatentShard, RaggedShard
+from storage.shards import LatentShard, RaggedShard, pad_sequences
 from storage.store import Store
 
 
@@ -80,16 +80,6 @@ class CachedFeatures:
         embeddings, mask = pad_sequences(texts)
         return torch.stack(latents), embeddings, mask
 
-
-def pad_sequences(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad [len_i, D] tensors to the longest: ([B, L, D] float32, [B, L] mask)."""
-    longest = max(len(s) for s in sequences)
-    out = torch.zeros(len(sequences), longest, sequences[0].shape[-1])
-    mask = torch.zeros(len(sequences), longest, dtype=torch.long)
-    for i, sequence in enumerate(sequences):
-        out[i, : len(sequence)] = sequence.float()
-        mask[i, : len(sequence)] = 1
-    return out, mask
 
 
 def batch_sizes(buckets: dict[str, list[str]], batch_size: int, batch_tokens: int | None, patch: int) -> dict[str, int]:

@@ -19,9 +19,9 @@ from configs.schema import ModelConfig, TrainingConfig
 from storage import layout
 from storage.shards import RaggedShard
 from storage.store import Store
-from tasks.plots import loss_curve_png
-from tasks.sampling import sample_grid
-from tasks.trackers import Trackers
+from tasks.runs.plots import loss_curve_png
+from tasks.runs.sampling import sample_grid
+from tasks.train.trackers import Trackers
 
 
 class RunPublisher:

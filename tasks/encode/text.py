@@ -19,7 +19,7 @@ from storage import layout
 from storage.fingerprint import hash_json
 from storage.shards import pack_ragged, read_image_shard, shard_id_of
 from storage.store import Store, json_bytes
-from tasks.models import (
+from tasks.encode.models import (
     TEXT_ACTIVATIONS, TEXT_FORMAT, TextEncoder, build_text_encoder, load_text_encoder, preprocess_captions,
     reference_placement,
 )

@@ -7,14 +7,14 @@ shards holding only them. Images already in a shard are not decoded again. A dat
 its shards (and, for a shard only partly current, which of its samples). A bad input never fails
 the stage: it is quarantined with a reason code; an unreachable source fails it, naming the source.
 
-Each source is listed once and read as units (tasks/sources.py), `read_concurrency` at once, each
+Each source is listed once and read as units (tasks/ingest/sources.py), `read_concurrency` at once, each
 image hashed and checked in the reading thread (Pillow decodes without holding the GIL). The
 units and what each became are recorded beside the dataset ref; the next ingest of the same
 sources and rules takes every unit whose objects are listed unchanged (path, size, ETag or mtime)
 from that record instead of reading it, so a nightly run reads only new or rewritten objects.
 Outcomes are merged in listing order, so duplicates, quarantine and shards are what one
 sequential pass would give. Everything the stage keeps while it runs (listings, the last record,
-samples, outcomes) is a table of its ledger (tasks/ledger.py) on local disk, so memory does not
+samples, outcomes) is a table of its ledger (tasks/ingest/ledger.py) on local disk, so memory does not
 grow with the number of objects.
 
 Images are untrusted bytes: only the formats the README lists are parsed (Pillow would otherwise
@@ -55,9 +55,9 @@ from storage import layout
 from storage.fingerprint import hash_json, sha256_bytes
 from storage.shards import pack_image_shard, read_image_shard, shard_id_of
 from storage.store import COMMIT_SUFFIX, ArtifactMissing, Damaged, Store, file_sha256, fsspec_options
-from tasks.encode_latents import nearest_ratio
-from tasks.ledger import PAGE, Ledger
-from tasks.sources import Candidate, Rejected, Unit, count_units, list_source, printable, read_unit, source_units
+from tasks.encode.latents import nearest_ratio
+from tasks.ingest.ledger import PAGE, Ledger
+from tasks.ingest.sources import Candidate, Rejected, Unit, count_units, list_source, printable, read_unit, source_units
 
 log = logging.getLogger(__name__)
 

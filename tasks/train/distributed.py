@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from storage.store import Store
-from tasks.models import resolve_device
+from tasks.encode.models import resolve_device
 
 
 def free_port() -> int:

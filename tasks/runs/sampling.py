@@ -14,8 +14,8 @@ from PIL import Image
 
 from configs.schema import ModelConfig
 from storage import layout
-from tasks.features import pad_sequences
-from tasks.models import load_vae
+from storage.shards import pad_sequences
+from tasks.encode.models import load_vae
 
 
 def side_by_side(images: list[Image.Image]) -> Image.Image:
@@ -72,7 +72,7 @@ def sample_run(
     from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel
     from peft import PeftModel
 
-    from tasks.models import load_transformer, resolve_device
+    from tasks.encode.models import load_transformer, resolve_device
 
     fs, path = fsspec.core.url_to_fs(url.rstrip("/"), **(options or {}))
     run = layout.run_of(path)

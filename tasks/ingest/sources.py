@@ -1,7 +1,7 @@
 """Dataset source readers: folders, jsonl/csv metadata, parquet exports, webdataset tars.
 
 A source is listed once (names, sizes and ETags or modification times from the listing itself),
-streamed into the ingest's ledger (tasks/ledger.py, on disk: a listing of millions of objects is
+streamed into the ingest's ledger (tasks/ingest/ledger.py, on disk: a listing of millions of objects is
 never held in memory), and cut into `Unit`s in path order: what one read takes in — an image and its caption file, a metadata row's
 image, one parquet file or one tar. A unit's `key` names the objects it reads with their listed
 size and stamp, so an ingest that recorded the key can take the unit's results from its record
@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from configs.schema import SourceConfig
-from tasks.ledger import Ledger, decode_path, encode_path
+from tasks.ingest.ledger import Ledger, decode_path, encode_path
 
 IMAGE_EXTENSIONS = {"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"}
 CAPTION_EXTENSIONS = ("txt", "caption")  # in order of preference

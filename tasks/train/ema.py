@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tasks.checkpoints import trainable_state
+from tasks.train.checkpointer import trainable_state
 
 
 class Ema:

@@ -3,7 +3,7 @@
 A checkpoint holds the trainable weights (and their EMA) and the optimizer's tensors, and as JSON
 metadata the optimizer's hyper-parameters and scalars, the LR schedule state and the step. The step
 is all the rest needs: batches are a pure function of seed, epoch and index, and every random draw
-of a micro-batch comes from generators seeded by its index (`tasks.features.draws`), so no
+of a micro-batch comes from generators seeded by its index (`tasks.train.data.draws`), so no
 generator state is saved and a run resumes on any number of processes and nodes. It is committed
 like every other artifact, so a run killed mid-write resumes from the previous one. No pickle is
 involved.
@@ -21,7 +21,7 @@ from safetensors.torch import load, save
 from storage import layout
 from storage.lease import Lease
 from storage.store import Store
-from tasks.publisher import write_metrics
+from tasks.train.publisher import write_metrics
 
 
 def trainable_state(network: torch.nn.Module) -> dict[str, torch.Tensor]:
