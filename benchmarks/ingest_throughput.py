@@ -30,8 +30,9 @@ from configs.schema import DatasetConfig, SourceConfig, StorageConfig
 from storage.fingerprint import sha256_bytes
 from tasks.demo.data import write_demo_data
 from tasks.encode.latents import nearest_ratio
-from tasks.ingest.stage import ingest, normalise_image
-from tasks.ingest.sources import IMAGE_EXTENSIONS
+from tasks.ingest.formats import IMAGE_EXTENSIONS
+from tasks.ingest.stage import ingest
+from tasks.ingest.untrusted import normalise_image
 
 
 def plain_loop(folder: Path, decode: bool = False) -> int:

@@ -3,7 +3,7 @@ against reading and decoding everything in one process.
 
 `--count` photo-sized JPEGs (1024x768, ~250 KB) with captions in a local folder, ingested twice on
 fresh stores: in this process (threads, one per core), and with partitions of `--partition-size`
-units examined by two Dask worker processes (`tasks.ingest.stage.examine_partition`, submitted on a
+units examined by two Dask worker processes (`tasks.ingest.staging.examine_partition`, submitted on a
 plain Dask client: the Prefect task around it adds a task run per partition, nothing per image).
 Both give the same dataset id. On this 2-core machine the workers share the cores with the
 coordinator, so wall time is not the figure; the coordinator's own CPU per image is: it bounds how
@@ -25,7 +25,8 @@ from benchmarks.ingest_throughput import photo_jpegs
 from configs.schema import DatasetConfig, SourceConfig, StorageConfig
 from storage.store import Store
 from tasks.encode.latents import nearest_ratio
-from tasks.ingest.stage import Partitions, examine_partition, ingest
+from tasks.ingest.stage import ingest
+from tasks.ingest.staging import Partitions, examine_partition
 
 
 def worker_cpu() -> float:

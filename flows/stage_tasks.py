@@ -20,7 +20,8 @@ from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
 from flows.progress import reporter
 from tasks.encode.latents import encode_latents_shard
 from tasks.encode.text import encode_prompts, encode_text_shard, measure_numerics
-from tasks.ingest.stage import examine_partition, ingest
+from tasks.ingest.stage import ingest
+from tasks.ingest.staging import examine_partition
 from tasks.manifest import build_manifest
 from tasks.encode.models import resolve_device
 from tasks.train import train

@@ -224,7 +224,7 @@ def test_an_s3_listing_of_several_pages_is_streamed_whole(s3_endpoint, demo_data
     the same samples as from a local copy."""
     import s3fs
 
-    from tasks.ingest.sources import walk_s3
+    from tasks.ingest.listing import walk_s3
 
     s3 = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
     s3.mkdir("precast-pages")
@@ -323,7 +323,7 @@ def test_partitions_on_s3_give_the_same_dataset_and_survive_the_coordinator_dyin
     import s3fs
 
     from benchmarks.latency import SlowEndpoint
-    from tasks.ingest.stage import Partitions, examine_partition
+    from tasks.ingest.staging import Partitions, examine_partition
 
     s3 = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
     s3.mkdir("precast-partitions")
@@ -364,8 +364,8 @@ def test_reads_in_flight_stay_bounded_and_in_order(pattern):
     new units scattered sparsely still fill several partitions at once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tasks.ingest.stage import in_order
-    from tasks.ingest.sources import Unit
+    from tasks.ingest.formats import Unit
+    from tasks.ingest.scheduler import in_order
 
     new = {"every other unit new": lambda n: n % 2 == 0, "one new unit in a hundred": lambda n: n % 100 == 0,
            "all new": lambda n: True}[pattern]
@@ -396,7 +396,7 @@ def test_reads_in_flight_stay_bounded_and_in_order(pattern):
 def test_a_staged_partition_another_ingest_merged_first_is_examined_again(demo_data, make_config, tmp_path):
     """Two ingests of the same sources name the same staged partitions: when the other one has
     merged and deleted a partition before this one fetches it, it is examined again, not lost."""
-    from tasks.ingest.stage import Partitions, examine_partition
+    from tasks.ingest.staging import Partitions, examine_partition
 
     reference = ingest(*_split(make_config(root=str(tmp_path / "reference"), source=demo_data)))
     config = make_config(source=demo_data, dataset={"partition_size": 5})

@@ -1,0 +1,294 @@
+"""Per-format readers of a listed source: folders, jsonl/csv metadata, parquet exports, webdataset tars.
+
+A listed source (tasks/ingest/listing.py) is cut into `Unit`s in path order: what one read takes in
+— an image and its caption file, a metadata row's image, one parquet file or one tar. A unit's
+`key` names the objects it reads with their listed size and stamp, so an ingest that recorded the
+key can take the unit's results from its record instead of reading it again. Reading a unit
+streams `Candidate`s — one image with its caption variants, or the reason it cannot be one — one
+item at a time (never a whole-dataset copy); ingest reads many units at once. Readers only find
+the bytes and the captions, by the rules of tasks/ingest/untrusted.py (bounded reads, caption
+sanitation, safe tar members); the image itself is checked when a candidate is examined
+(tasks/ingest/examine.py). An archive that breaks off is `bad_archive`, the samples before the
+break kept.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+import posixpath
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import fsspec
+import pyarrow.parquet as pq
+
+from configs.schema import SourceConfig
+from tasks.ingest.listing import Listed, Listing
+from tasks.ingest.untrusted import (MAX_CAPTION_BYTES, Rejected, caption_variants, member_problem, parse_json,
+                                    read_file)
+
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"})
+CAPTION_EXTENSIONS = ("txt", "caption")  # in order of preference
+CHUNK = 1 << 20
+
+
+@dataclass
+class Candidate:
+    """One image with its caption variants, or the reason (`problem`) it cannot be a sample."""
+
+    source: str  # where it came from, e.g. s3://b/x.tar::00012.jpg or meta.jsonl:7
+    format: str
+    image: bytes | None = None
+    captions: list[str] | None = None
+    problem: Rejected | None = None
+
+
+class Unit(NamedTuple):
+    """One read: `key` names the objects it reads as listed ("" when it reads nothing, or reads an
+    object the listing does not hold: never taken from a record), `size` their listed bytes, `plan`
+    what to read (JSON: a unit can be read on another worker, by `read_unit`)."""
+
+    key: str
+    size: int
+    plan: list
+
+
+def unit_of(*objects: Listed | None) -> tuple[str, int]:
+    """The key and size of a unit reading `objects`: the key names each with its listed size and
+    stamp ("" when one is not listed: never taken from a record), the size is their listed bytes."""
+    listed = [entry for entry in objects if entry is not None]
+    return "" if len(listed) < len(objects) else json.dumps([list(entry) for entry in listed]), sum(
+        entry.size for entry in listed)
+
+
+def source_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
+    """The units of a listed source, in the order their candidates count (first of duplicates)."""
+    readers = {"folder": folder_units, "jsonl": metadata_units, "csv": metadata_units, "parquet": parquet_units,
+               "webdataset": webdataset_units}
+    yield from readers[listing.format](listing, source)
+
+
+def count_units(listing: Listing) -> int:
+    """How many units `source_units` yields, without making them (the progress bar's total)."""
+    if listing.format in ("jsonl", "csv"):
+        return 1 + sum(1 for _ in metadata_records(listing, metadata_file(listing)))
+    if listing.format == "folder":
+        return sum(1 for file in listing.files() if is_image_name(file.path))
+    return sum(1 for _ in listing.files(".parquet" if listing.format == "parquet" else ".tar"))
+
+
+def is_image_name(path: str) -> bool:
+    stem, dot, ext = path.rpartition(".")
+    return bool(dot) and ext.lower() in IMAGE_EXTENSIONS
+
+
+def folder_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
+    for image, captions in listing.files_beside(*CAPTION_EXTENSIONS):
+        if is_image_name(image.path):
+            caption = next(filter(None, captions), None)  # in order of preference
+            yield Unit(*unit_of(image, caption) if caption else unit_of(image),
+                       ["file", image.path, caption and caption.path])
+
+
+def metadata_file(listing: Listing) -> str:
+    fmt = listing.format
+    return listing.root if listing.root.endswith(f".{fmt}") else f"{listing.root}/metadata.{fmt}"
+
+
+def metadata_records(listing: Listing, meta: str) -> Iterator[tuple[int, str | dict | Rejected]]:
+    """(line or row number, the line, row or the reason it cannot be read) of a metadata file,
+    streamed from a local copy (it is read twice: to count and to ingest). Undecodable bytes ride
+    along as surrogates (surrogateescape), so only the row that holds them is quarantined."""
+    with open(listing.local_copy(meta), "rb") as handle:
+        if listing.format == "jsonl":  # JSON Lines ends lines at \n only: JSON strings may hold U+2028 or \x85
+            for number, line in enumerate(handle, start=1):
+                text = line.removesuffix(b"\n").decode("utf-8", errors="surrogateescape")
+                text = text.removeprefix("\ufeff") if number == 1 else text
+                if text.strip():
+                    yield number, text
+            return
+        text = io.TextIOWrapper(handle, encoding="utf-8-sig", errors="surrogateescape", newline="\n")
+        # csv stops at a bad row, so it is read row by row (a field over csv's size limit, often a
+        # quote left open, costs only that row)
+        reader = csv.DictReader(text)
+        for number in itertools.count(2):
+            try:
+                yield number, next(reader)
+            except StopIteration:
+                return
+            except csv.Error as error:
+                yield number, Rejected("bad_metadata", f"row cannot be read: {error}")
+
+
+def metadata_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
+    """HF imagefolder style: metadata.jsonl / metadata.csv with `file_name` and a caption column;
+    image paths are relative to the metadata file. The metadata file is read here (a row's unit is
+    its image, keyed with its captions); a row that cannot be a sample is a unit that reads nothing."""
+    fs, fmt = listing.fs, listing.format
+    meta = metadata_file(listing)
+    base = posixpath.dirname(meta)
+    records = metadata_records(listing, meta)
+    yield Unit("", unit_of(listing.entry(meta))[1], ["none"])  # what reading the metadata cost
+    for line_number, record in records:
+        where = f"{fs.unstrip_protocol(meta)}:{line_number}"
+        try:
+            if isinstance(record, Rejected):
+                raise record
+            if isinstance(record, str):
+                record = parse_json(record, "line")
+            if not isinstance(record, dict) or not record.get(source.file_column):
+                raise Rejected("bad_metadata", f"no {source.file_column!r} field")
+            name = str(record[source.file_column])
+            if name.startswith("/") or ".." in name.split("/"):
+                raise Rejected("unsafe_path", f"{name!r} points outside the metadata folder")
+            if "\x00" in name:
+                raise Rejected("unsafe_path", f"{name!r} holds a NUL byte")
+            where = fs.unstrip_protocol(f"{base}/{name}")
+            captions = caption_variants(record.get(source.caption_column))
+        except Rejected as problem:
+            yield Unit("", 0, ["refused", where, problem.reason, problem.message])
+            continue
+        key, size = unit_of(listing.entry(f"{base}/{name}"))
+        yield Unit(key and json.dumps([key, captions]), size, ["image", f"{base}/{name}", where, captions])
+
+
+def parquet_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
+    for listed in listing.files(".parquet"):
+        yield Unit(*unit_of(listed), ["parquet", listed.path])
+
+
+def webdataset_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
+    for listed in listing.files(".tar"):
+        yield Unit(*unit_of(listed), ["tar", listed.path])
+
+
+def read_unit(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, plan: list,
+              max_image_bytes: int) -> Iterator[Candidate]:
+    """The candidates of a unit's `plan`, read from `fs` (what `source_units` planned on the
+    listing's filesystem, here or on another worker)."""
+    kind, *args = plan
+    if kind == "file":
+        yield read_captioned_file(fs, fmt, *args, max_image_bytes)
+    elif kind == "image":
+        path, where, captions = args
+        candidate = Candidate(where, fmt, captions=captions)
+        try:
+            candidate.image = read_file(fs, path, max_image_bytes, "missing_image")
+        except Rejected as problem:
+            candidate.problem = problem
+        yield candidate
+    elif kind == "refused":
+        where, reason, message = args
+        yield Candidate(where, fmt, problem=Rejected(reason, message))
+    elif kind == "parquet":
+        yield from read_parquet(fs, args[0], source, fmt)
+    elif kind == "tar":
+        yield from read_webdataset(fs, args[0], source, fmt, max_image_bytes)
+
+
+def read_captioned_file(fs: fsspec.AbstractFileSystem, fmt: str, file: str, caption_file: str | None,
+                        max_image_bytes: int) -> Candidate:
+    """An image file of a folder and the caption file beside it."""
+    candidate = Candidate(fs.unstrip_protocol(file), fmt)
+    try:
+        if caption_file is None:
+            stem = posixpath.basename(file.rpartition(".")[0])
+            raise Rejected("missing_caption", f"no {stem}.txt or .caption beside the image")
+        candidate.captions = caption_variants(read_file(fs, caption_file, MAX_CAPTION_BYTES, "missing_caption"))
+        candidate.image = read_file(fs, file, max_image_bytes, "missing_image")
+    except Rejected as problem:
+        candidate.problem = problem
+    return candidate
+
+
+def read_parquet(fs, file: str, source: SourceConfig, fmt: str) -> Iterator[Candidate]:
+    """Parquet exports: image bytes (or a struct with `bytes`, as HF datasets writes) and caption(s).
+    A batch's cells are in memory already, so ingest checks their size."""
+    with fs.open(file, "rb") as handle:
+        parquet = pq.ParquetFile(handle)
+        missing = {source.image_column, source.caption_column} - set(parquet.schema_arrow.names)
+        if missing:
+            raise RuntimeError(f"dataset source {fs.unstrip_protocol(file)}: no column {sorted(missing)}")
+        row = 0
+        for batch in parquet.iter_batches(batch_size=64, columns=[source.image_column, source.caption_column]):
+            for image, caption in zip(*(batch.column(i).to_pylist() for i in range(2))):
+                candidate = Candidate(f"{fs.unstrip_protocol(file)}#{row}", fmt)
+                row += 1
+                try:
+                    candidate.captions = caption_variants(caption)
+                    candidate.image = image.get("bytes") if isinstance(image, dict) else image
+                    if candidate.image is None:
+                        raise Rejected("missing_image", "no image bytes in the row")
+                except Rejected as problem:
+                    candidate.problem = problem
+                yield candidate
+
+
+def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, limit: int = -1) -> bytes:
+    """Up to `limit` + 1 bytes of a member's data (by default none); the rest is read through and
+    dropped. Read here, a member that claims more data than the archive holds ends at the archive's
+    real end, where tarfile's own skip would go on for as long as the header claims."""
+    stream = None if member.issym() or member.islnk() else archive.extractfile(member)
+    if stream is None:  # links, devices and folders hold no data
+        return b""
+    data = stream.read(limit + 1)
+    while stream.read(CHUNK):
+        pass
+    return data
+
+
+def read_webdataset(fs, file: str, source: SourceConfig, fmt: str, max_image_bytes: int) -> Iterator[Candidate]:
+    """webdataset tars: adjacent members sharing a key (`x.jpg` + `x.txt` or `x.json`), streamed."""
+    limits = {**dict.fromkeys(IMAGE_EXTENSIONS, max_image_bytes), "txt": MAX_CAPTION_BYTES, "json": MAX_CAPTION_BYTES}
+    url = fs.unstrip_protocol(file)
+    key, parts, last = None, {}, None
+    try:
+        with fs.open(file, "rb") as handle, tarfile.open(fileobj=handle, mode="r|*") as archive:
+            for member in archive:
+                if (problem := member_problem(member)) is not None:
+                    yield Candidate(f"{url}::{member.name}", fmt, problem=problem)
+                    _read_member(archive, member)
+                elif member.isfile():
+                    directory, base = posixpath.split(member.name)
+                    stem, _, ext = base.partition(".")
+                    member_key = f"{directory}/{stem}" if directory else stem
+                    if member_key != key:
+                        if key is not None:
+                            yield from _tar_sample(url, key, parts, source, fmt)
+                        key, parts = member_key, {}
+                    ext = ext.lower()
+                    parts[ext] = _read_member(archive, member, limits.get(ext, -1))  # unused parts: none
+                last = member.name
+            # a tar ends in zero blocks; tarfile also stops, silently, at a header it cannot read
+            if any(archive.fileobj.read(tarfile.RECORDSIZE)):
+                raise tarfile.ReadError("a damaged header, or data after the end")
+    except (tarfile.TarError, EOFError) as error:
+        where = f"after {last}" if last else "from the start"
+        yield Candidate(url, fmt, problem=Rejected("bad_archive", f"unreadable {where}: {error}"))
+    if key is not None:
+        yield from _tar_sample(url, key, parts, source, fmt)
+
+
+def _tar_sample(url: str, key: str, parts: dict[str, bytes], source: SourceConfig, fmt: str) -> Iterator[Candidate]:
+    image_ext = next((ext for ext in parts if ext in IMAGE_EXTENSIONS), None)
+    if image_ext is None:
+        return  # a group with no image (stray metadata) is not a sample
+    candidate = Candidate(f"{url}::{key}.{image_ext}", fmt, image=parts[image_ext])
+    try:
+        if "txt" in parts:
+            candidate.captions = caption_variants(parts["txt"])
+        elif "json" in parts:
+            if len(parts["json"]) > MAX_CAPTION_BYTES:
+                raise Rejected("bad_metadata", f"{key}.json is over {MAX_CAPTION_BYTES} bytes")
+            meta = parse_json(parts["json"], f"{key}.json")
+            candidate.captions = caption_variants(meta.get(source.caption_column) if isinstance(meta, dict) else None)
+        else:
+            raise Rejected("missing_caption", f"no {key}.txt or {key}.json in the archive")
+    except Rejected as problem:
+        candidate.problem = problem
+    yield candidate

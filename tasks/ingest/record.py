@@ -1,0 +1,113 @@
+"""The incremental sources record: what the last ingest of these sources and rules read.
+
+Beside the dataset ref, ingest records every unit's key (its objects' path, listed size and stamp)
+with what it became, and where each sample's bytes are (`layout.sources_record`). The next ingest
+of the same sources and rules loads it into its ledger and takes every unit whose key is unchanged
+from it (`known_outcomes`) instead of reading the unit again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from configs.schema import DatasetConfig
+from storage import layout
+from storage.store import Store, file_sha256
+from tasks.identity import config_hash
+from tasks.ingest.examine import Outcome
+from tasks.ingest.ledger import Ledger
+
+log = logging.getLogger(__name__)
+
+RECORD_PAGE = 10_000  # record rows written and read at a time
+RECORD_COLUMNS = MappingProxyType({
+    "kind": pa.string(), "key": pa.string(), "source": pa.string(), "format": pa.string(), "sample_id": pa.string(),
+    "captions": pa.list_(pa.string()), "width": pa.int32(), "height": pa.int32(), "reason": pa.string(),
+    "message": pa.string(), "shard": pa.string()})
+
+
+def write_sources_record(ledger: Ledger) -> Path:
+    """The units this ingest read or reused with their outcomes ("unit" rows; a unit that gave no
+    candidate is one row without a source), and where each sample's bytes are ("member" rows), as
+    a parquet file in the ledger's folder, written a page at a time."""
+    path = ledger.folder / "sources-record.parquet"
+    schema = pa.schema(RECORD_COLUMNS)
+    with pq.ParquetWriter(path, schema, compression="zstd") as writer:
+        records = record_rows(ledger)
+        while page := list(itertools.islice(records, RECORD_PAGE)):
+            writer.write_table(pa.Table.from_pylist([{name: row.get(name) for name in RECORD_COLUMNS}
+                                                     for row in page], schema=schema))
+    return path
+
+
+def record_rows(ledger: Ledger) -> Iterator[dict[str, Any]]:
+    """The record's rows: every unit's outcomes in listing order, then every sample's shard."""
+    for key, outcomes in ledger.rows("SELECT key, outcomes FROM units ORDER BY position"):
+        yield from ({"kind": "unit", "key": key, **o} for o in json.loads(outcomes)) or [{"kind": "unit", "key": key}]
+    for sample_id, captions, width, height, shard in ledger.rows(
+            "SELECT sample_id, captions, width, height, shard FROM samples ORDER BY position"):
+        yield {"kind": "member", "sample_id": sample_id, "captions": json.loads(captions), "width": width,
+               "height": height, "shard": shard}
+
+
+def read_sources_record(store: Store, dataset: DatasetConfig, ledger: Ledger) -> str | None:
+    """The last ingest's record of these sources and rules into the ledger: what each unit became
+    (`known`) and where each of its samples is (`stored`, as `read_index` gives for every shard).
+    Returns the record's sha256, None when there is none. Units whose samples were in shards
+    deleted since are dropped from both: they are read again."""
+    key = layout.sources_record(config_hash(dataset))
+    if not store.exists(key):
+        return None
+    local = ledger.folder / "last-sources-record.parquet"
+    store.get_file(key, local)
+    position = 0
+    for batch in pq.ParquetFile(local).iter_batches(RECORD_PAGE):
+        units, members = [], []
+        for row in batch.to_pylist():
+            captions = row["captions"] if row["captions"] is None else json.dumps(row["captions"])
+            if row["kind"] == "member":
+                members.append((row["sample_id"], captions, row["width"], row["height"], row["shard"]))
+            else:
+                position += 1
+                units.append((row["key"], position, row["source"], row["format"], row["sample_id"], captions,
+                              row["width"], row["height"], row["reason"], row["message"], False))
+        ledger.run_many("INSERT INTO known VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", units)
+        ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?)", members)
+    forget_deleted_shards(store, dataset, ledger)
+    return file_sha256(local)
+
+
+def forget_deleted_shards(store: Store, dataset: DatasetConfig, ledger: Ledger) -> None:
+    """Drops what the record says of shards deleted since (checked with one commit read per shard):
+    the units whose samples they held are read again."""
+    shards = [shard for (shard,) in ledger.rows("SELECT DISTINCT shard FROM stored ORDER BY shard")]
+    commits = store.committed_all([layout.image_shard(shard) for shard in shards], dataset.read_concurrency)
+    if gone := [shard for shard, commit in zip(shards, commits) if commit is None]:
+        # someone deleted shards the record points at: what they held is read from the sources again
+        log.warning("%d image shard(s) of the last ingest are gone (%s): their samples are read again",
+                    len(gone), ", ".join(gone[:3]) + (", …" if len(gone) > 3 else ""))
+        with ledger.transaction():
+            for shard in gone:
+                ledger.run("DELETE FROM known WHERE key IN (SELECT known.key FROM known JOIN stored "
+                           "ON known.sample_id = stored.sample_id WHERE stored.shard = ?)", (shard,))
+                ledger.run("DELETE FROM stored WHERE shard = ?", (shard,))
+
+
+def known_outcomes(ledger: Ledger, key: str) -> list[Outcome] | None:
+    """The outcomes the last ingest recorded for a unit, None if it did not record the unit (they
+    were spilled then, not now: a reused outcome's image is in a shard)."""
+    rows = ledger.all("SELECT source, format, sample_id, captions, width, height, reason, message FROM known "
+                      "WHERE key = ? ORDER BY position", (key,))
+    if not rows:
+        return None
+    return [Outcome(source, fmt, sample_id, captions and json.loads(captions), width, height, reason, message)
+            for source, fmt, sample_id, captions, width, height, reason, message in rows if source is not None]

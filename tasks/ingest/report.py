@@ -1,0 +1,63 @@
+"""The ingest report: counts by reason, format, aspect ratio and caption length, and the markdown
+the Prefect artifact and `precast inspect` show."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+from tasks.ingest.scan import Scan
+
+CAPTION_WORD_BINS = (5, 10, 20, 50, 100, 200)
+# the report's aspect-ratio bins (height/width), the model's buckets being unknown to ingest: 1:4 to
+# 4:1 in steps of 2^(1/8), fine enough to see a dataset's shapes, coarse enough to read
+ASPECT_BINS = tuple(round(2 ** (step / 8), 2) for step in range(-16, 17))
+
+
+def ingest_report(scan: Scan) -> dict[str, Any]:
+    """Counts by reason, by format, by aspect-ratio bucket, and a caption length histogram."""
+    ledger = scan.ledger
+    accepted = dict(ledger.rows("SELECT format, count(*) FROM samples GROUP BY format"))
+    rejected = dict(ledger.rows("SELECT format, count(*) FROM quarantined GROUP BY format"))
+    words, buckets, variants = Counter(), Counter(), 0
+    for width, height, captions in ledger.rows("SELECT width, height, captions FROM samples"):
+        buckets[str(min(ASPECT_BINS, key=lambda ratio: abs(ratio - height / width)))] += 1
+        for caption in json.loads(captions):
+            variants += 1
+            count = len(caption.split())
+            words[next((f"<={b}" for b in CAPTION_WORD_BINS if count <= b), f">{CAPTION_WORD_BINS[-1]}")] += 1
+    samples, quarantined = scan.count("samples"), scan.count("quarantined")
+    return {
+        "samples": samples,
+        "quarantined": quarantined,
+        "candidates": sum(scan.formats.values()),
+        "duplicates": sum(scan.formats.values()) - samples - quarantined,
+        "caption_variants": variants,
+        "by_reason": dict(ledger.rows("SELECT reason, count(*) FROM quarantined GROUP BY reason ORDER BY reason")),
+        "by_format": {f: {"accepted": accepted.get(f, 0), "quarantined": rejected.get(f, 0)} for f in sorted(scan.formats)},
+        "by_bucket": dict(sorted(buckets.items(), key=lambda kv: float(kv[0]))),
+        "caption_words": {b: words[b] for b in [f"<={b}" for b in CAPTION_WORD_BINS] + [f">{CAPTION_WORD_BINS[-1]}"]},
+    }
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    """The ingest report as markdown (the Prefect artifact and `precast inspect`)."""
+    lines = [f"# Ingest report — dataset `{report['dataset']}`", "",
+             f"**{report['samples']}** samples accepted, **{report['quarantined']}** quarantined, "
+             f"{report['duplicates']} exact duplicates merged, {report['caption_variants']} caption variants.", ""]
+
+    def table(title: str, header: str, rows: list[tuple]) -> None:
+        lines.extend([f"## {title}", "", header, "|" + " --- |" * (header.count("|") - 1)])
+        lines.extend("| " + " | ".join(str(c) for c in row) + " |" for row in rows)
+        lines.append("")
+
+    table("By format", "| format | accepted | quarantined |",
+          [(f, c["accepted"], c["quarantined"]) for f, c in report["by_format"].items()])
+    table("Quarantined by reason", "| reason | count |", list(report["by_reason"].items()))
+    table("By aspect-ratio bucket (height/width)", "| ratio | samples |", list(report["by_bucket"].items()))
+    table("Caption length (words)", "| words | captions |", list(report["caption_words"].items()))
+    if report["quarantine"]:
+        table("Quarantined inputs", "| source | reason | message |",
+              [(q["source"], q["reason"], q["message"]) for q in report["quarantine"][:200]])
+    return "\n".join(lines)
