@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 CONFIG_DIR = Path(__file__).parent
 QUICKSTART = CONFIG_DIR / "quickstart.yaml"
@@ -45,6 +45,17 @@ class StorageConfig(Section):
     io_backoff_seconds: float = Field(
         0.5, ge=0, description="Wait before the first retry of a storage operation; doubled for each further one.",
     )
+    # credentials_block's fsspec options once resolved (storage.store.fsspec_options): no field, so
+    # never in the config's JSON (Prefect parameters, cache keys, logs); pickled with it to the
+    # processes it is sent to (Dask workers, spawned training processes)
+    _credentials: dict[str, Any] | None = PrivateAttr(None)
+
+    @property
+    def credentials(self) -> dict[str, Any] | None:
+        return self._credentials
+
+    def keep_credentials(self, credentials: dict[str, Any]) -> None:
+        self._credentials = credentials
 
 
 class SourceConfig(Section):

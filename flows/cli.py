@@ -115,7 +115,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from configs.schema import StorageConfig
     from storage import layout
     from storage.store import Store
-    from tasks.ingest.stage import report_markdown
+    from tasks.ingest.report import report_markdown
 
     options = storage_options(args.option)
     if f"/{layout.RUNS}/" in args.url:
@@ -190,18 +190,25 @@ def cmd_demo_data(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from configs.schema import STAGES
-
     parser = argparse.ArgumentParser(prog="precast", description=__doc__)
     parser.add_argument("--verbose", action="store_true",
                         help="also show third-party warnings known to be harmless, progress bars and INFO logs")
     commands = parser.add_subparsers(dest="command", required=True)
+    add_pipeline_commands(commands)
+    add_store_commands(commands)
+    return parser
 
-    def with_config(sub: argparse.ArgumentParser, required: bool = True) -> None:
-        if required:
-            sub.add_argument("config", help="YAML config (see configs/)")
-        sub.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                         help="override a config field, e.g. --set training.steps=10 (repeatable)")
+
+def with_config(sub: argparse.ArgumentParser, required: bool = True) -> None:
+    if required:
+        sub.add_argument("config", help="YAML config (see configs/)")
+    sub.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config field, e.g. --set training.steps=10 (repeatable)")
+
+
+def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
+    """demo, run, stage, deploy, submit: the commands that run the pipeline or its stages."""
+    from configs.schema import STAGES
 
     demo = commands.add_parser("demo", help="make tiny models and demo data, then run configs/quickstart.yaml")
     with_config(demo, required=False)
@@ -235,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override a field of --config (repeatable)")
     submit.set_defaults(func=cmd_submit)
 
+
+def add_store_commands(commands: argparse._SubParsersAction) -> None:
+    """inspect, sample, export, verify, tiny-models, demo-data: the commands that read what is stored,
+    and make the demo's inputs."""
     inspect = commands.add_parser("inspect", help="show a training run's page or a dataset's ingest report")
     inspect.add_argument("url", help="a run (<root>/runs/<run_id>, as printed by run) or a dataset "
                                      "(<root>/datasets/<dataset_id>.json, as printed by ingest)")
@@ -286,7 +297,6 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--count", type=int, default=48)
     data.add_argument("--seed", type=int, default=0)
     data.set_defaults(func=cmd_demo_data)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

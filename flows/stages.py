@@ -1,4 +1,4 @@
-"""Flow-level stage runners: each runs its stage here or on another work pool, and waits.
+"""The flow's executor of the stages (`FlowExecutor`): each runs here or on another work pool, and waits.
 
 Here: the stage's Prefect task(s), one per shard for the encoders, in this process's threads or on
 the stage's worker processes (flows/workers.py). Elsewhere (`execution.placement`): the stage's
@@ -39,9 +39,13 @@ from storage.shards import shard_id_of
 from storage.store import Store
 from tasks.encode.latents import latent_cache_record
 from tasks.encode.text import encoding_report, prompts_cache_key, text_cache_record
-from tasks.ingest.stage import Partitions, latest_dataset, report_markdown
+from tasks.ingest.report import report_markdown
+from tasks.ingest.stage import latest_dataset
+from tasks.ingest.staging import Partitions
 from tasks.manifest import manifest_id, manifest_record
 from tasks.encode.models import text_encoder_fingerprint, vae_fingerprint
+from tasks.records import CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, RunRecord
+from tasks.runner import image_shard_urls
 from tasks.runs.page import RunPage
 from tasks.train import finished_run, run_for
 
@@ -116,7 +120,7 @@ def run_elsewhere(config: PipelineConfig, deployment: str, stage: str, shards: l
 
 
 def run_shards_elsewhere(config: PipelineConfig, deployment: str, stage: str, urls: list[str],
-                         earlier: tuple[Any, ...] = ()) -> dict[str, Any]:
+                         earlier: tuple[Any, ...] = ()) -> EncodingWork:
     """The shards in `max_parallel_shards` groups, one child flow run each, all at once: each child
     runs on a worker of the pool (a node) and encodes its group in place, on that node's workers,
     each loading the model once. With `execution.cluster` one child sends every shard to the
@@ -129,13 +133,13 @@ def run_shards_elsewhere(config: PipelineConfig, deployment: str, stage: str, ur
     return children_work(stage, children, earlier)
 
 
-def publish_work(stage: str, work: dict[str, Any]) -> None:
+def publish_work(stage: str, work: EncodingWork) -> None:
     """An encoding stage's work as a table artifact of its flow run: a parent whose stage ran in
     child flow runs on other nodes reads its children's (`children_work`)."""
     create_table_artifact(key=f"{stage}-work", table=[work], description=f"{stage}: workers, model loads, shards")
 
 
-def children_work(stage: str, children: Sequence[Any], earlier: Sequence[Any] = ()) -> dict[str, int]:
+def children_work(stage: str, children: Sequence[Any], earlier: Sequence[Any] = ()) -> EncodingWork:
     """The work of `stage` in these child flow runs, summed: the workers of `children`, the model
     loads and shards of `earlier` ones too."""
     from prefect.client.orchestration import get_client
@@ -151,88 +155,115 @@ def children_work(stage: str, children: Sequence[Any], earlier: Sequence[Any] = 
     return {"workers": sum(tables[run.id]["workers"] for run in children if run.id in tables), **work}
 
 
-def run_ingest(plan: Plan) -> dict[str, Any]:
-    config = plan.config
-    if deployment := placed(config, "ingest"):
-        with followed("ingest"):
-            run_elsewhere(config, deployment, "ingest")
-        return stored_dataset(plan)
-    with stage_executor(config.execution, "cpu", plan.configured) as run:
-        partitions, workers = None, 1
-        if isinstance(run, OnWorkers):  # ingest lists and merges; workers read and decode
-            # a partition is a task run of this flow run, beside ingest's: sent from within ingest's
-            # own context, it would carry ingest's parameters (this very callable) to the worker
-            flow_context = contextvars.copy_context()
-            examine = partial(run.one, ingest_partition_task, config.storage, config.dataset)
-            threads = [worker["nthreads"] for worker in run.workers().values()]
-            workers = len(threads)
-            partitions = Partitions(lambda *args: flow_context.copy().run(examine, *args), slots=sum(threads),
-                                    size=config.dataset.partition_size)
-        record = plan.configured(ingest_task)(config.storage, config.dataset, progress=reporter("ingest", "files"),
-                                              partitions=partitions)
-    record["work"]["workers"] = workers
-    report = plan.store.read_json(plan.store.key(record["report"]))
-    create_markdown_artifact(markdown=report_markdown(report), key="ingest-report",
-                             description=f"ingest of dataset {record['id']}")
-    return record
+@dataclass
+class FlowExecutor:
+    """The runner's executor in a flow (`tasks.runner.Executor`): each stage as its Prefect task(s)
+    here, or as child flow runs of its deployment elsewhere (`execution.placement`), whose outputs
+    are read back from the store. `shards`: an encoder's image shard URLs (None: all of the
+    dataset's; []: only the text encoder's prompts and precision check, which always come first,
+    measured on the dataset's first shard); `node` and `attempt`: this train stage is one node of a
+    multi-node run (training.nodes)."""
+
+    plan: Plan
+    shards: list[str] | None = None
+    node: int | None = None
+    attempt: str | None = None
+
+    def ingest(self) -> DatasetRecord:
+        plan, config = self.plan, self.plan.config
+        if deployment := placed(config, "ingest"):
+            with followed("ingest"):
+                run_elsewhere(config, deployment, "ingest")
+            return stored_dataset(plan)
+        with stage_executor(config.execution, "cpu", plan.configured) as run:
+            partitions, workers = ingest_partitions(config, run) if isinstance(run, OnWorkers) else (None, 1)
+            record = plan.configured(ingest_task)(config.storage, config.dataset, progress=reporter("ingest", "files"),
+                                                  partitions=partitions)
+        record["work"]["workers"] = workers
+        report = plan.store.read_json(plan.store.key(record["report"]))
+        create_markdown_artifact(markdown=report_markdown(report), key="ingest-report",
+                                 description=f"ingest of dataset {record['id']}")
+        return record
+
+    def encode_text(self, dataset: DatasetRecord) -> CacheRecord:
+        plan, config, store, fingerprint = self.plan, self.plan.config, self.plan.store, self.plan.text_fp
+        every = image_shard_urls(store, dataset)
+        urls = every if self.shards is None else self.shards
+        if deployment := placed(config, "encode-text"):
+            prepare = run_elsewhere(config, deployment, "encode-text", [])  # before the shards fan out
+            work = run_shards_elsewhere(config, deployment, "encode-text", urls, (prepare,))
+            prompts = store.require(prompts_cache_key(fingerprint, config.training.sample_prompts))
+            records = [store.require(layout.cache_shard("text", fingerprint, shard_id_of(url))) for url in urls]
+        else:
+            args = (config.storage, config.model, config.text_encoding, fingerprint)
+            with stage_executor(config.execution, config.text_encoding.device, plan.configured) as run:
+                prompts = run.one(encode_prompts_task, *args, config.training.sample_prompts)
+                run.one(measure_numerics_task, *args, every[0] if every else None)  # before any shard
+                progress = self.progress("encode-text", dataset, urls)
+                records = run.map(encode_text_task, urls, *args,
+                                  completed=lambda record: progress.advance(1, record.get("samples", 0)))
+                progress.close()
+                work = run.work(records)
+            publish_work("encode-text", work)
+        create_markdown_artifact(key="text-encoding", markdown=encoding_report(records))
+        return {**text_cache_record(store, fingerprint, prompts, records), "work": work}
+
+    def encode_latents(self, dataset: DatasetRecord) -> CacheRecord:
+        plan, config, store, fingerprint = self.plan, self.plan.config, self.plan.store, self.plan.vae_fp
+        urls = image_shard_urls(store, dataset) if self.shards is None else self.shards
+        if deployment := placed(config, "encode-latents"):
+            work = run_shards_elsewhere(config, deployment, "encode-latents", urls)
+            records = [store.require(layout.cache_shard("latents", fingerprint, shard_id_of(url))) for url in urls]
+        else:
+            with stage_executor(config.execution, config.latent_encoding.device, plan.configured) as run:
+                progress = self.progress("encode-latents", dataset, urls)
+                records = run.map(encode_latents_task, urls, config.storage, config.model, config.latent_encoding,
+                                  fingerprint, completed=lambda record: progress.advance(1, record["samples"]))
+                progress.close()
+                work = run.work(records)
+            publish_work("encode-latents", work)
+        return {**latent_cache_record(store, fingerprint, records), "work": work}
+
+    def progress(self, stage: str, dataset: DatasetRecord, urls: list[str]) -> StageProgress:
+        """An encoding stage's progress: its shards, and the dataset's images when it encodes them all."""
+        return StageProgress(stage, len(urls), "shards", items=dataset["samples"] if self.shards is None else None)
+
+    def manifest(self, dataset: DatasetRecord) -> ManifestRecord:
+        plan, config = self.plan, self.plan.config
+        if deployment := placed(config, "manifest"):
+            run_elsewhere(config, deployment, "manifest")
+            return stored_manifest(plan)
+        return plan.configured(manifest_task)(config.storage, dataset["id"], plan.text_fp, plan.vae_fp,
+                                              config.training.sample_prompts)
+
+    def train(self, manifest: ManifestRecord) -> RunRecord:
+        """Train here, or on the train deployment: one child flow run per node of `training.nodes`,
+        all at once (a node's child gets its `node` index and the `attempt` id the nodes share)."""
+        plan, config, nodes = self.plan, self.plan.config, self.plan.config.training.nodes
+        if deployment := placed(config, "train"):
+            with followed("train", label="training"):
+                in_threads(lambda index: run_elsewhere(config, deployment, "train", node=index if nodes > 1 else None),
+                           list(range(nodes)), nodes)
+            return stored_run(plan, manifest)
+        task = plan.configured(train_task)
+        if nodes > 1:  # a retried node alone cannot rejoin its peers: a re-run retries them all, and resumes
+            task = task.with_options(retries=0)
+        with device_slot(config.training.device):
+            return task(config.storage, config.model, config.training, manifest["url"], progress=training_progress(),
+                        node=self.node or 0, attempt=self.attempt)
 
 
-def run_encode_text(plan: Plan, dataset: dict[str, Any], shards: list[str] | None = None) -> dict[str, Any]:
-    """`shards`: only these image shards (None: all of the dataset's; []: only the prompts and the
-    precision check, which always come first, measured on the dataset's first shard)."""
-    config, store, fingerprint = plan.config, plan.store, plan.text_fp
-    every = shard_urls(plan, dataset)
-    urls = every if shards is None else shards
-    if deployment := placed(config, "encode-text"):
-        prepare = run_elsewhere(config, deployment, "encode-text", [])  # before the shards fan out
-        work = run_shards_elsewhere(config, deployment, "encode-text", urls, (prepare,))
-        prompts = store.require(prompts_cache_key(fingerprint, config.training.sample_prompts))
-        records = [store.require(layout.cache_shard("text", fingerprint, shard_id_of(url))) for url in urls]
-    else:
-        args = (config.storage, config.model, config.text_encoding, fingerprint)
-        with stage_executor(config.execution, config.text_encoding.device, plan.configured) as run:
-            prompts = run.one(encode_prompts_task, *args, config.training.sample_prompts)
-            run.one(measure_numerics_task, *args, every[0] if every else None)  # before any shard
-            progress = shard_progress(plan, "encode-text", dataset, shards, urls)
-            records = run.map(encode_text_task, urls, *args,
-                              completed=lambda record: progress.advance(1, record.get("samples", 0)))
-            progress.close()
-            work = run.work(records)
-        publish_work("encode-text", work)
-    create_markdown_artifact(key="text-encoding", markdown=encoding_report(records))
-    return {**text_cache_record(store, fingerprint, prompts, records), "work": work}
-
-
-def run_encode_latents(plan: Plan, dataset: dict[str, Any], shards: list[str] | None = None) -> dict[str, Any]:
-    config, store, fingerprint = plan.config, plan.store, plan.vae_fp
-    urls = shard_urls(plan, dataset) if shards is None else shards
-    if deployment := placed(config, "encode-latents"):
-        work = run_shards_elsewhere(config, deployment, "encode-latents", urls)
-        records = [store.require(layout.cache_shard("latents", fingerprint, shard_id_of(url))) for url in urls]
-    else:
-        with stage_executor(config.execution, config.latent_encoding.device, plan.configured) as run:
-            progress = shard_progress(plan, "encode-latents", dataset, shards, urls)
-            records = run.map(encode_latents_task, urls, config.storage, config.model, config.latent_encoding,
-                              fingerprint, completed=lambda record: progress.advance(1, record["samples"]))
-            progress.close()
-            work = run.work(records)
-        publish_work("encode-latents", work)
-    return {**latent_cache_record(store, fingerprint, records), "work": work}
-
-
-def shard_progress(plan: Plan, stage: str, dataset: dict[str, Any], shards: list[str] | None,
-                   urls: list[str]) -> StageProgress:
-    """An encoding stage's progress: its shards, and the dataset's images when it encodes them all."""
-    return StageProgress(stage, len(urls), "shards", items=dataset["samples"] if shards is None else None)
-
-
-def run_manifest(plan: Plan, dataset: dict[str, Any]) -> dict[str, Any]:
-    config = plan.config
-    if deployment := placed(config, "manifest"):
-        run_elsewhere(config, deployment, "manifest")
-        return stored_manifest(plan)
-    return plan.configured(manifest_task)(config.storage, dataset["id"], plan.text_fp, plan.vae_fp,
-                                          config.training.sample_prompts)
+def ingest_partitions(config: PipelineConfig, run: OnWorkers) -> tuple[Partitions, int]:
+    """Ingest on workers: it lists and merges, the workers read and decode, a partition each;
+    returns the partitions and how many workers read them."""
+    # a partition is a task run of this flow run, beside ingest's: sent from within ingest's own
+    # context, it would carry ingest's parameters (this very callable) to the worker
+    flow_context = contextvars.copy_context()
+    examine = partial(run.one, ingest_partition_task, config.storage, config.dataset)
+    threads = [worker["nthreads"] for worker in run.workers().values()]
+    partitions = Partitions(lambda *args: flow_context.copy().run(examine, *args), slots=sum(threads),
+                            size=config.dataset.partition_size)
+    return partitions, len(threads)
 
 
 def check_nodes_placed(config: PipelineConfig) -> None:
@@ -243,25 +274,7 @@ def check_nodes_placed(config: PipelineConfig) -> None:
                          f"deployment (e.g. precast-stage/train), whose work pool's workers are the nodes")
 
 
-def run_train(plan: Plan, manifest: dict[str, Any], node: int | None = None, attempt: str | None = None) -> dict[str, Any]:
-    """Train here, or on the train deployment: one child flow run per node of `training.nodes`, all
-    at once (a node's child gets its `node` index and the `attempt` id the nodes share)."""
-    config, nodes = plan.config, plan.config.training.nodes
-    if deployment := placed(config, "train"):
-        with followed("train", label="training"):
-            in_threads(lambda index: run_elsewhere(config, deployment, "train", node=index if nodes > 1 else None),
-                       list(range(nodes)), nodes)
-        return stored_run(plan, manifest)
-    task = plan.configured(train_task)
-    if nodes > 1:  # a retried node alone cannot rejoin its peers: a re-run retries them all, and resumes
-        task = task.with_options(retries=0)
-    with device_slot(config.training.device):
-        record = task(config.storage, config.model, config.training, manifest["url"], progress=training_progress(),
-                      node=node or 0, attempt=attempt)
-    return record
-
-
-def publish_run_page(plan: Plan, record: dict[str, Any], stages: list[dict[str, str]] | None = None) -> None:
+def publish_run_page(plan: Plan, record: RunRecord, stages: list[dict[str, str]] | None = None) -> None:
     """The `training-run` artifact: the run page of `record`'s run. `stages`, the summary of the
     pipeline run that trained it, is kept in the run folder for every later reader of the page."""
     run = plan.store.key(record["run"])
@@ -270,21 +283,21 @@ def publish_run_page(plan: Plan, record: dict[str, Any], stages: list[dict[str, 
     create_markdown_artifact(key="training-run", markdown=RunPage.read(plan.store, run).markdown())
 
 
-def shard_urls(plan: Plan, dataset: dict[str, Any]) -> list[str]:
-    return [plan.store.url(layout.image_shard(shard["id"])) for shard in dataset["shards"]]
-
-
-def stored_dataset(plan: Plan) -> dict[str, Any]:
+def stored_dataset(plan: Plan) -> DatasetRecord:
     return latest_dataset(plan.config.storage, plan.config.dataset)
 
 
-def stored_manifest(plan: Plan) -> dict[str, Any]:
+def stored_manifest(plan: Plan) -> ManifestRecord:
     dataset = stored_dataset(plan)
     this_id = manifest_id(dataset["id"], plan.text_fp, plan.vae_fp, plan.config.training.sample_prompts)
     return manifest_record(plan.store.require(layout.manifest(this_id)))
 
 
-def stored_run(plan: Plan, manifest: dict[str, Any]) -> dict[str, Any]:
+# what a stage run alone (flows.pipeline.stage) is given of each earlier stage: its stored record
+STORED = {"ingest": stored_dataset, "manifest": stored_manifest}
+
+
+def stored_run(plan: Plan, manifest: ManifestRecord) -> RunRecord:
     """The record of the run a train child finished (found by its id, as train finds it)."""
     config, store = plan.config, plan.store
     run, _ = run_for(store, config.model, config.training, store.read_json(store.key(manifest["url"]))["id"])

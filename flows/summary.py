@@ -9,6 +9,8 @@ from typing import Any
 
 from prefect import get_run_logger
 
+from configs.schema import Stage
+from tasks.records import EncodingWork, IngestWork, Record, Records, Work
 from tasks.runs.page import stage_table
 
 
@@ -16,44 +18,52 @@ class Summary:
     def __init__(self):
         self.started = time.time()
         self.rows: list[dict[str, str]] = []  # stage, status, amount, seconds, work, output
-        # each stage's record by name, and "seconds": each stage's wall time (as tasks.runner's)
-        self.records: dict[str, Any] = {"seconds": {}}
 
-    def stage(self, name: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """Run one stage and record its row (a failing stage records nothing: the flow fails)."""
-        began = time.perf_counter()
+    def watch(self, name: Stage, run: Callable[[], Record]) -> Record:
+        """Run one stage (the runner's `watch`): a failing stage is named in the run's log (the flow
+        run's state names only the exception), and `precast submit` reports it from there."""
         try:
-            result = run()
+            return run()
         except Exception as error:
-            # the run's log names the stage (the flow run's state names only the exception), and
-            # `precast submit` reports it from there
             get_run_logger().error("stage %s failed: %s: %s", name, type(error).__name__, error)
             raise
-        seconds = time.perf_counter() - began
-        # "ran" when any output was committed during this pipeline run, else everything was cached
-        ran = result["committed_at"] >= self.started
-        self.rows.append({"stage": name, "status": "ran" if ran else "cached", "amount": result["amount"],
-                          "seconds": f"{seconds:.1f} s", "work": work_text(result.get("work")), "output": result["url"]})
-        self.records[name] = result
-        self.records["seconds"][name] = seconds
-        return result
 
-    def ran(self, name: str) -> bool:
+    def add(self, records: Records) -> None:
+        """A row for each stage of `records`: "ran" when any of its outputs was committed during
+        this pipeline run, else "cached" (everything was)."""
+        for name, seconds in records["seconds"].items():
+            record: Any = records[name]
+            self.rows.append({"stage": name, "status": "ran" if record["committed_at"] >= self.started else "cached",
+                              "amount": record["amount"], "seconds": f"{seconds:.1f} s",
+                              "work": work_text(name, record.get("work")), "output": record["url"]})
+
+    def ran(self, name: Stage) -> bool:
         return any(row["stage"] == name and row["status"] == "ran" for row in self.rows)
 
     def markdown(self) -> str:
         return "\n".join(["# precast pipeline", "", *stage_table(self.rows)])
 
 
-def work_text(work: dict[str, Any] | None) -> str:
-    """A stage's cost in words: "2 workers, 2 model loads, 16 shards encoded, 0 cached" (an encoder),
-    "1.2 MB read: 1 unit read, 399 taken from the last ingest" (ingest; "… read on 4 workers: …" on workers)."""
-    if not work:
-        return ""
-    if "bytes_read" in work:
-        where = f" on {work['workers']} workers" if work.get("workers", 1) > 1 else ""
-        return (f"{work['bytes_read'] / 1e6:,.1f} MB read{where}: {work['units_read']} "
-                f"unit{'s' * (work['units_read'] != 1)} read, {work['units_reused']} taken from the last ingest")
+def ingest_work_text(work: IngestWork) -> str:
+    """"1.2 MB read: 1 unit read, 399 taken from the last ingest" ("… read on 4 workers: …" on workers)."""
+    where = f" on {work['workers']} workers" if work.get("workers", 1) > 1 else ""
+    return (f"{work['bytes_read'] / 1e6:,.1f} MB read{where}: {work['units_read']} "
+            f"unit{'s' * (work['units_read'] != 1)} read, {work['units_reused']} taken from the last ingest")
+
+
+def encoding_work_text(work: EncodingWork) -> str:
+    """"2 workers, 2 model loads, 16 shards encoded, 0 cached"."""
     return (f"{work['workers']} worker{'s' * (work['workers'] != 1)}, {work['model_loads']} model "
             f"load{'s' * (work['model_loads'] != 1)}, {work['shards_encoded']} shards encoded, "
             f"{work['shards_cached']} cached")
+
+
+# each stage that reports its work, and how it is told
+WORK_TEXT: dict[Stage, Callable[[Any], str]] = {
+    "ingest": ingest_work_text, "encode-text": encoding_work_text, "encode-latents": encoding_work_text,
+}
+
+
+def work_text(stage: Stage, work: Work | None) -> str:
+    """A stage's cost in words ("" for a stage without any)."""
+    return WORK_TEXT[stage](work) if work else ""

@@ -34,6 +34,7 @@ from prefect import Task
 from configs.schema import ExecutionConfig
 from flows.stage_tasks import device_slot
 from tasks.encode.models import encoding_work, model_loads, resolve_device
+from tasks.records import EncodingWork
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class InProcess:
             return result
         return in_threads(run, items, self.limit)
 
-    def work(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+    def work(self, records: list[dict[str, Any]]) -> EncodingWork:
         return encoding_work(records, self.started, 1, sum(model_loads().values()) - self.loads)
 
 
@@ -179,7 +180,7 @@ class OnWorkers:
         """The cluster's workers now, by address (each with its `nthreads`)."""
         return self.runner.client.scheduler_info()["workers"]
 
-    def work(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+    def work(self, records: list[dict[str, Any]]) -> EncodingWork:
         after = self.runner.client.run(model_loads)
         loads = sum(count - self.loads.get(worker, {}).get(stage, 0)
                     for worker, counts in after.items() for stage, count in counts.items())

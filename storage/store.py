@@ -13,7 +13,6 @@ throttling) with exponential backoff; one that keeps failing fails with the obje
 from __future__ import annotations
 
 import errno
-import functools
 import hashlib
 import json
 import logging
@@ -58,24 +57,40 @@ def is_transient(error: BaseException) -> bool:
         isinstance(error, OSError) and error.errno in TRANSIENT_ERRNOS)
 
 
+# how `storage.credentials_block` becomes fsspec options: set by the layer that knows where such
+# blocks live (flows/ registers Prefect Secret blocks' on import); storage knows only the name
+CredentialsResolver = Callable[[str], dict[str, Any]]
+_credentials_resolver: CredentialsResolver | None = None
+
+
+def register_credentials(resolver: CredentialsResolver | None) -> None:
+    """Resolve `storage.credentials_block` names with `resolver(name) -> fsspec options` in this
+    process (None: no resolver)."""
+    global _credentials_resolver
+    _credentials_resolver = resolver
+
+
 def fsspec_options(config: StorageConfig) -> dict[str, Any]:
-    """The fsspec options of the store: `options` plus the credentials of `credentials_block`."""
+    """The fsspec options of the store: `options` plus the credentials of `credentials_block`.
+
+    The credentials are resolved once per config object, by the registered resolver, and kept on
+    it (`StorageConfig.credentials`, not a field: never in its JSON, so never in Prefect parameters,
+    cache keys or logs). A process given the config pickled (a Dask worker, a spawned training
+    process) gets them with it and needs no resolver of its own; one given the config as JSON (a
+    child flow run) resolves them again with its own."""
     if not config.credentials_block:
         return dict(config.options)
-    return {**config.options, **_block_credentials(config.credentials_block)}
-
-
-@functools.lru_cache(maxsize=8)
-def _block_credentials(name: str) -> dict[str, Any]:
-    from prefect.blocks.system import Secret
-
-    try:
-        value = Secret.load(name).get()
-    except ValueError as error:
-        raise ValueError(f"storage.credentials_block {name!r}: no such Prefect Secret block") from error
-    if not isinstance(value, dict):
-        raise ValueError(f"storage.credentials_block {name!r} must hold a JSON object of fsspec options")
-    return value
+    if config.credentials is None:
+        if _credentials_resolver is None:
+            raise ValueError(f"storage.credentials_block {config.credentials_block!r}: no credentials resolver in "
+                             "this process (importing flows registers Prefect Secret blocks'; else call "
+                             "storage.store.register_credentials)")
+        credentials = _credentials_resolver(config.credentials_block)
+        if not isinstance(credentials, dict):
+            raise ValueError(f"storage.credentials_block {config.credentials_block!r} must hold a JSON object of "
+                             "fsspec options")
+        config.keep_credentials(credentials)
+    return {**config.options, **config.credentials}
 
 
 class Store:

@@ -23,6 +23,7 @@ from storage.fingerprint import hash_json
 from storage.shards import LatentShard, RaggedShard
 from storage.store import Store
 from tasks.encode.text import prompts_cache_key
+from tasks.records import ManifestRecord
 
 MANIFEST_SCHEMA = pa.schema(
     [
@@ -41,7 +42,7 @@ def manifest_id(dataset_id: str, text_fp: str, vae_fp: str, prompts: list[str]) 
 
 def build_manifest(
     storage: StorageConfig, dataset_id: str, text_fp: str, vae_fp: str, prompts: list[str]
-) -> dict[str, Any]:
+) -> ManifestRecord:
     """Write the manifest for a dataset encoded with the given fingerprints; returns its record."""
     store = Store(storage)
     this_id = manifest_id(dataset_id, text_fp, vae_fp, prompts)
@@ -89,7 +90,7 @@ def build_manifest(
     return manifest_record(store.commit_json(key, manifest, samples=len(rows), buckets=manifest["buckets"]))
 
 
-def manifest_record(commit: dict[str, Any]) -> dict[str, Any]:
+def manifest_record(commit: dict[str, Any]) -> ManifestRecord:
     """What the manifest stage returns, also when it ran elsewhere: the manifest's commit record
     (url, sha256, samples, buckets, committed_at) and its `amount`."""
     return {**commit, "amount": f"{commit['samples']} samples"}

@@ -1,7 +1,10 @@
-"""Every stage in order, in this process, without Prefect: `precast run --direct`, and the
-reference that benchmarks and test fixtures run. The Prefect flow (flows/pipeline.py) calls the
-same stage functions as tasks, with retries, caching, placement and artifacts around them; both
-return the same records and the same outputs.
+"""The stage order and what passes between the stages, Prefect-free: `run_stages` runs
+`configs.schema.STAGES` in order through an executor, one method per stage, handing each the
+records it needs (`INPUTS`). The executor decides where a stage runs: `Direct`, every stage in
+this process (`precast run --direct`, and the reference that benchmarks and test fixtures run),
+or the Prefect flow's (flows/stages.py), which calls the same stage functions as tasks, with
+retries, caching, placement and artifacts around them; both return the same records and the same
+outputs.
 
     precast run configs/quickstart.yaml --direct
 """
@@ -9,9 +12,11 @@ return the same records and the same outputs.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Protocol
 
-from configs.schema import PipelineConfig, Stage
+from configs.schema import STAGES, PipelineConfig, Stage
 from storage import layout
 from storage.store import Store
 from tasks.encode.latents import encode_latents_shard, latent_cache_record
@@ -19,32 +24,90 @@ from tasks.encode.text import encode_prompts, encode_text_shard, measure_numeric
 from tasks.ingest.stage import ingest
 from tasks.manifest import build_manifest
 from tasks.encode.models import encoding_work, model_loads, text_encoder_fingerprint, vae_fingerprint
+from tasks.records import (
+    CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, Record, Records, RunRecord,
+)
 from tasks.train import train
 
 
-def run_direct(config: PipelineConfig, until: Stage = "train") -> dict[str, Any]:
-    """Run the stages up to `until`; returns each stage's record by name (every one has `url`,
-    `amount` and `committed_at`, as in the flow), the encoders' fingerprints and `seconds`, each
-    stage's wall time."""
-    store = Store(config.storage)
-    store.check_reachable()
-    text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
-    vae_fp = vae_fingerprint(config.model, config.latent_encoding)
-    done: dict[str, Any] = {"text_fingerprint": text_fp, "vae_fingerprint": vae_fp, "seconds": {}}
+class Executor(Protocol):
+    """Where the stages run: one method per stage (its name with `_` for `-`), given the records of
+    the earlier stages it reads (`INPUTS`)."""
 
-    def stage(name: Stage, work) -> bool:
-        """Run one stage, record it; True when it is the last one asked for."""
+    def ingest(self) -> DatasetRecord: ...
+
+    def encode_text(self, dataset: DatasetRecord) -> CacheRecord: ...
+
+    def encode_latents(self, dataset: DatasetRecord) -> CacheRecord: ...
+
+    def manifest(self, dataset: DatasetRecord) -> ManifestRecord: ...
+
+    def train(self, manifest: ManifestRecord) -> RunRecord: ...
+
+
+# the earlier records each stage is given; the order the stages run in is STAGES'
+INPUTS: dict[Stage, tuple[Stage, ...]] = {
+    "ingest": (), "encode-text": ("ingest",), "encode-latents": ("ingest",), "manifest": ("ingest",),
+    "train": ("manifest",),
+}
+# wraps each stage's call: `watch(name, call)` returns `call()` (the flow's logs a failing stage's name)
+Watch = Callable[[Stage, Callable[[], Record]], Record]
+
+
+def stage_method(executor: Executor, name: Stage) -> Callable[..., Record]:
+    return getattr(executor, name.replace("-", "_"))
+
+
+def run_stages(executor: Executor, until: Stage = "train", watch: Watch = lambda name, call: call()) -> Records:
+    """Run the stages up to `until` in order through `executor`; returns each stage's record by
+    name (every one has `url`, `amount` and `committed_at`) and `seconds`, each stage's wall time."""
+    records: Any = {"seconds": {}}
+    for name in STAGES[: STAGES.index(until) + 1]:
+        inputs = [records[earlier] for earlier in INPUTS[name]]
         started = time.perf_counter()
-        done[name] = work()
-        done["seconds"][name] = time.perf_counter() - started
-        return name == until
+        records[name] = watch(name, partial(stage_method(executor, name), *inputs))
+        records["seconds"][name] = time.perf_counter() - started
+    return records
 
-    if stage("ingest", lambda: ingest(config.storage, config.dataset)):
-        return done
-    urls = [store.url(layout.image_shard(shard["id"])) for shard in done["ingest"]["shards"]]
-    text = (config.storage, config.model, config.text_encoding, text_fp)
 
-    def shards(encode, prepare=lambda: None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def image_shard_urls(store: Store, dataset: DatasetRecord) -> list[str]:
+    """The URLs of a dataset's image shards, what the encoders take."""
+    return [store.url(layout.image_shard(shard["id"])) for shard in dataset["shards"]]
+
+
+class Direct:
+    """Every stage in this process, shard after shard; the encoders' fingerprints computed once."""
+
+    def __init__(self, config: PipelineConfig):
+        self.config, self.store = config, Store(config.storage)
+        self.store.check_reachable()
+        self.text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
+        self.vae_fp = vae_fingerprint(config.model, config.latent_encoding)
+
+    def ingest(self) -> DatasetRecord:
+        return ingest(self.config.storage, self.config.dataset)
+
+    def encode_text(self, dataset: DatasetRecord) -> CacheRecord:
+        config, urls, prompts = self.config, image_shard_urls(self.store, dataset), {}
+        text = (config.storage, config.model, config.text_encoding, self.text_fp)
+
+        def prepare() -> None:  # the prompts, then the precision check before any shard, as in the flow
+            prompts.update(encode_prompts(*text, config.training.sample_prompts))
+            measure_numerics(*text, urls[0] if urls else None)
+
+        records, work = self.encoded(lambda url: encode_text_shard(*text, url), urls, prepare)
+        return {**text_cache_record(self.store, self.text_fp, prompts, records), "work": work}
+
+    def encode_latents(self, dataset: DatasetRecord) -> CacheRecord:
+        config = self.config
+        records, work = self.encoded(
+            lambda url: encode_latents_shard(config.storage, config.model, config.latent_encoding, self.vae_fp, url),
+            image_shard_urls(self.store, dataset))
+        return {**latent_cache_record(self.store, self.vae_fp, records), "work": work}
+
+    @staticmethod
+    def encoded(encode: Callable[[str], Any], urls: list[str], prepare: Callable[[], None] = lambda: None,
+                ) -> tuple[list[Any], EncodingWork]:
         """`prepare()`, then `encode(url)` for every shard, here; the records and the stage's
         encoding_work, counted from before `prepare` as the flow counts it."""
         started, before = time.time(), sum(model_loads().values())
@@ -52,33 +115,24 @@ def run_direct(config: PipelineConfig, until: Stage = "train") -> dict[str, Any]
         records = [encode(url) for url in urls]
         return records, encoding_work(records, started, 1, sum(model_loads().values()) - before)
 
-    def encode_text() -> dict[str, Any]:
-        prompts = {}
+    def manifest(self, dataset: DatasetRecord) -> ManifestRecord:
+        config = self.config
+        return build_manifest(config.storage, dataset["id"], self.text_fp, self.vae_fp, config.training.sample_prompts)
 
-        def prepare() -> None:  # the prompts, then the precision check before any shard, as in the flow
-            prompts.update(encode_prompts(*text, config.training.sample_prompts))
-            measure_numerics(*text, urls[0] if urls else None)
-
-        records, work = shards(lambda url: encode_text_shard(*text, url), prepare)
-        return {**text_cache_record(store, text_fp, prompts, records), "work": work}
-
-    def encode_latents() -> dict[str, Any]:
-        records, work = shards(lambda url: encode_latents_shard(config.storage, config.model, config.latent_encoding,
-                                                                vae_fp, url))
-        return {**latent_cache_record(store, vae_fp, records), "work": work}
-
-    if stage("encode-text", encode_text):
-        return done
-    if stage("encode-latents", encode_latents):
-        return done
-    if stage("manifest", lambda: build_manifest(config.storage, done["ingest"]["id"], text_fp, vae_fp,
-                                                config.training.sample_prompts)):
-        return done
-    stage("train", lambda: train(config.storage, config.model, config.training, done["manifest"]["url"]))
-    return done
+    def train(self, manifest: ManifestRecord) -> RunRecord:
+        config = self.config
+        return train(config.storage, config.model, config.training, manifest["url"])
 
 
-def outputs(records: dict[str, Any]) -> dict[str, Any]:
+def run_direct(config: PipelineConfig, until: Stage = "train") -> Records:
+    """Run the stages up to `until` in this process (`Direct`); returns `run_stages`' records and
+    the encoders' fingerprints."""
+    executor = Direct(config)
+    return {"text_fingerprint": executor.text_fp, "vae_fingerprint": executor.vae_fp,
+            **run_stages(executor, until)}
+
+
+def outputs(records: Records) -> dict[str, Any]:
     """What a whole pipeline run reports, from its stages' records (the flow's return value)."""
     run = records["train"]
     return {

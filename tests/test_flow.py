@@ -273,23 +273,34 @@ def test_direct_run_without_prefect_builds_what_the_pipeline_builds(prefect_serv
 def test_stage_modules_are_prefect_free_and_each_task_is_its_stage_function():
     """The Prefect layer wraps the stage functions themselves: `.fn` runs a stage without Prefect,
     and nothing below flows/ imports Prefect."""
+    import ast
     import subprocess
     import sys
 
     from flows.stage_tasks import TASKS
     from tasks import manifest, train
     from tasks.encode import latents as encode_latents, text as encode_text
-    from tasks.ingest import stage as ingest
+    from tasks.ingest import stage as ingest, staging
 
     stages = {encode_latents.encode_latents_shard, encode_text.encode_prompts, encode_text.measure_numerics,
-              encode_text.encode_text_shard, ingest.ingest, ingest.examine_partition, manifest.build_manifest, train.train}
+              encode_text.encode_text_shard, ingest.ingest, staging.examine_partition, manifest.build_manifest, train.train}
     assert {task.fn for task in TASKS} == stages
-    probe = ("import sys, tasks.runner, tasks.runs.sampling, storage.verify, tasks.demo.models, tasks.demo.data; "
+    probe = ("import sys, storage.store, tasks.identity, tasks.runner, tasks.runs.sampling, storage.verify, "
+             "tasks.demo.models, tasks.demo.data; "
              "print(sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+    # and the Prefect layer never imports the benchmarks (`python -m benchmarks` runs them)
+    imported = set()
+    for path in (Path(__file__).parent.parent / "flows").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module.split(".")[0])
+    assert "benchmarks" not in imported and {"tasks", "storage", "configs", "prefect"} <= imported
 
 
 def test_submit_names_a_deployment_that_does_not_exist(prefect_server, capsys):

@@ -70,8 +70,12 @@ def test_s3_store_round_trip(s3_endpoint, tmp_path):
 
 
 def test_credentials_from_a_prefect_secret_block_never_reach_the_store(prefect_server, s3_endpoint, monkeypatch):
+    import multiprocessing
+
     import s3fs
     from prefect.blocks.system import Secret
+
+    import flows  # noqa: F401  the Prefect layer registers Secret blocks as the store's credentials
 
     s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir("precast-block")
     Secret(value={"key": "AKIABLOCKKEY", "secret": "block-secret-value"}).save("precast-s3", overwrite=True)
@@ -85,8 +89,41 @@ def test_credentials_from_a_prefect_secret_block_never_reach_the_store(prefect_s
     for key in store.fs.find("precast-block"):
         assert b"block-secret-value" not in store.fs.cat_file(key)
     assert "block-secret-value" not in config.model_dump_json()
+    # a process given the config pickled (a training process, a Dask worker) signs with the same
+    # credentials, without Prefect or a resolver of its own
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_signing_key, (config,)) == ("AKIABLOCKKEY", False)
     with pytest.raises(ValueError, match="no such Prefect Secret block"):
         Store(StorageConfig(root="s3://precast-block/root", credentials_block="missing-block"))
+
+
+def _signing_key(config: StorageConfig) -> tuple[str, bool]:
+    import sys
+
+    return Store(config).fs.key, "prefect" in sys.modules
+
+
+def test_credentials_are_resolved_once_by_the_registered_resolver_and_never_in_json(tmp_path, monkeypatch):
+    import pickle
+
+    from storage import store as module
+
+    monkeypatch.setattr(module, "_credentials_resolver", None)
+    config = StorageConfig(root=str(tmp_path), credentials_block="local-secret")
+    with pytest.raises(ValueError, match="no credentials resolver"):
+        Store(config)
+    asked = []
+    module.register_credentials(lambda name: asked.append(name) or {"auto_mkdir": True})
+    Store(config)
+    Store(config)
+    assert asked == ["local-secret"] and config.credentials == {"auto_mkdir": True}
+    assert "auto_mkdir" not in config.model_dump_json() and "auto_mkdir" not in repr(config)
+    assert pickle.loads(pickle.dumps(config)).credentials == {"auto_mkdir": True}
+    # a config sent as JSON (a child flow run's parameters) resolves them again in its process
+    assert StorageConfig.model_validate_json(config.model_dump_json()).credentials is None
+    module.register_credentials(lambda name: ["not", "options"])
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        Store(StorageConfig(root=str(tmp_path), credentials_block="local-secret"))
 
 
 def test_cache_shards_are_byte_identical_for_the_same_content(tmp_path):

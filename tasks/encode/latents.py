@@ -29,6 +29,7 @@ from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id
 from storage.store import Store
 from tasks.encode.models import DTYPES, LATENT_FORMAT, build_vae, load_vae
 from tasks.prefetch import prefetched
+from tasks.records import CacheRecord
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ def encode_latents_shard(
     return record
 
 
-def latent_cache_record(store: Store, fingerprint: str, shards: list[dict[str, Any]]) -> dict[str, Any]:
+def latent_cache_record(store: Store, fingerprint: str, shards: list[dict[str, Any]]) -> CacheRecord:
     """What the encode-latents stage returns, wherever its shards ran: the cache's URL, each shard's
     commit record, `amount` and `committed_at` (the newest)."""
     return {"url": store.url(layout.cache("latents", fingerprint)), "shards": shards,

@@ -23,6 +23,7 @@ from tasks.encode.models import (
     TEXT_ACTIVATIONS, TEXT_FORMAT, TextEncoder, build_text_encoder, load_text_encoder, preprocess_captions,
     reference_placement,
 )
+from tasks.records import CacheRecord
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ def encode_prompts(
     return store.commit(key, pack_ragged(rows, embeddings, meta), rows=len(rows), captions=len(rows))
 
 
-def text_cache_record(store: Store, fingerprint: str, prompts: dict[str, Any], shards: list[dict[str, Any]]) -> dict[str, Any]:
+def text_cache_record(store: Store, fingerprint: str, prompts: dict[str, Any], shards: list[dict[str, Any]]) -> CacheRecord:
     """What the encode-text stage returns, wherever its shards ran: the cache's URL, the commit
     records of the prompts and of each shard, `amount` and `committed_at` (the newest)."""
     records = [prompts, *shards]

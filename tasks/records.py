@@ -1,0 +1,146 @@
+"""The records the stages hand each other: what each stage returns, typed.
+
+Each is a plain JSON dict (Prefect persists it as JSON; a stage that ran on another node is read
+back from the store into the same shape), typed here so a reader knows its fields without reading
+the stage that makes it. Every stage's record has `url` (its output), `amount` (how much, in
+words) and `committed_at` (its newest output's commit time, which tells the summary whether the
+stage ran or was cached). Who fills each:
+
+| record | made by |
+| --- | --- |
+| `DatasetRecord` | `tasks.ingest.stage.dataset_record` (and `ingest`, which adds what was new and `work`) |
+| `CacheRecord` | `tasks.encode.text.text_cache_record`, `tasks.encode.latents.latent_cache_record` (the runner or the flow adds `work`) |
+| `ManifestRecord` | `tasks.manifest.manifest_record` |
+| `RunRecord` | `tasks.train.finished_run` |
+"""
+
+from __future__ import annotations
+
+from typing import Any, NotRequired, TypedDict
+
+
+class Commit(TypedDict):
+    """A commit record (`storage.store.Store.commit`), before the fields its writer adds."""
+
+    url: str
+    sha256: str
+    size: int
+    committed_at: float
+
+
+# --- ingest -------------------------------------------------------------------------------------
+class DatasetShard(TypedDict):
+    id: str
+    samples: list[str] | None  # None: the whole shard; else the current samples of a partly superseded one
+
+
+class IngestWork(TypedDict):
+    """What ingest read: bytes and source units, and the units taken from the last ingest's record."""
+
+    bytes_read: int
+    units_read: int
+    units_reused: int
+    workers: NotRequired[int]  # the flow's: workers that read the sources (absent in the runner's)
+
+
+class DatasetRecord(TypedDict):
+    id: str
+    shards: list[DatasetShard]
+    samples: int
+    sources: list[str]
+    url: str
+    report: str  # the ingest report's URL
+    quarantined: int
+    amount: str
+    committed_at: float
+    # ingest's own return only: a dataset read back from the store (a stage run alone, ingest run
+    # elsewhere) has none of these
+    new_shards: NotRequired[int]
+    new_samples: NotRequired[int]
+    work: NotRequired[IngestWork]
+
+
+# --- encode-text, encode-latents ----------------------------------------------------------------
+class EncodingWork(TypedDict):
+    """What an encoding stage cost (`tasks.encode.models.encoding_work`)."""
+
+    workers: int
+    model_loads: int
+    shards_encoded: int  # committed during this run
+    shards_cached: int  # found committed already
+
+
+class PromptsCommit(Commit):
+    rows: int
+    captions: int
+
+
+class TextShardCommit(Commit):
+    shard: str
+    rows: int  # caption variants, `<sample_id>/<variant>`
+    captions: int  # distinct captions
+    samples: int
+    tokens: int
+    truncated: int
+    numerics: dict[str, Any]  # the fingerprint's precision check
+
+
+class LatentShardCommit(Commit):
+    shard: str
+    samples: int
+    quarantined: list[dict[str, str]]  # sample_id, reason, message
+    buckets: dict[str, int]  # samples per bucket
+
+
+class CacheRecord(TypedDict):
+    """A text or latent cache: its URL and the commit record of each of its shards."""
+
+    url: str
+    shards: list[TextShardCommit] | list[LatentShardCommit]
+    amount: str
+    committed_at: float
+    prompts: NotRequired[PromptsCommit]  # text caches: the empty caption and the sample prompts
+    work: NotRequired[EncodingWork]  # added by whoever ran the shards (runner or flow)
+
+
+# --- manifest -----------------------------------------------------------------------------------
+class ManifestRecord(Commit):
+    """The manifest's commit record; its JSON at `url` holds the id, checksums and the table's key."""
+
+    samples: int
+    buckets: dict[str, int]
+    amount: str
+
+
+# --- train --------------------------------------------------------------------------------------
+class RunRecord(TypedDict):
+    """The commit record of a finished run's lineage, its `url` replaced by the weights' URL."""
+
+    url: str  # the weights: `adapter` or `transformer`, whichever the run wrote
+    sha256: str
+    size: int
+    committed_at: float
+    run: str  # the run folder's URL
+    samples: list[str]  # URLs of the sample grids
+    model: dict[str, Any]
+    adapter: str | None  # the LoRA's folder URL (method lora), else None
+    transformer: str | None  # the whole transformer's folder URL (method full), else None
+    finished: float
+    steps: int
+    resumed_from: int
+    seconds: float
+    first_loss: float
+    final_loss: float
+    validation_loss: float | None
+    amount: str
+
+
+Record = DatasetRecord | CacheRecord | ManifestRecord | RunRecord
+Work = IngestWork | EncodingWork
+
+# every stage's record by stage name, what `tasks.runner.run_stages` returns; "seconds": each
+# stage's wall time; the runner's own run adds the encoders' fingerprints
+Records = TypedDict("Records", {
+    "ingest": DatasetRecord, "encode-text": CacheRecord, "encode-latents": CacheRecord, "manifest": ManifestRecord,
+    "train": RunRecord, "seconds": dict[str, float], "text_fingerprint": str, "vae_fingerprint": str,
+}, total=False)
