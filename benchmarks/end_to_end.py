@@ -1,6 +1,6 @@
 """End to end on a generated dataset: orchestration overhead, unchanged re-run, 10% new data.
 
-One invocation, one workload: the quickstart config (tiny PixArt-Sigma-shaped models, 256 px
+One invocation, one workload: the quickstart config (the demo's tiny models, 256 px
 buckets, local store) with 256-sample shards on `--count` generated images, encoded one shard at
 a time as the direct run does, so both sides do the same work. Every run is a fresh process
 talking to one Prefect server, as on a cluster (the server's start-up is not counted):

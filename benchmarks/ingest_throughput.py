@@ -29,7 +29,6 @@ from PIL import Image
 from configs.schema import DatasetConfig, SourceConfig, StorageConfig
 from storage.fingerprint import sha256_bytes
 from tasks.demo.data import write_demo_data
-from tasks.encode.latents import nearest_ratio
 from tasks.ingest.formats import IMAGE_EXTENSIONS
 from tasks.ingest.stage import ingest
 from tasks.ingest.untrusted import normalise_image
@@ -91,8 +90,6 @@ def run(count: int = 600) -> dict:
         storage = StorageConfig(root=str(Path(tmp) / "store"))
         dataset = DatasetConfig(sources=[SourceConfig(path=str(data))], shard_size=256)
         plain_loop(data)  # warm the page cache for both sides
-        nearest_ratio(1, 1, 1024)  # the bucket tables are read once per process, not per ingest
-
         started = time.perf_counter()
         verified = plain_loop(data)
         plain_s = time.perf_counter() - started

@@ -24,7 +24,6 @@ import psutil
 from benchmarks.ingest_throughput import photo_jpegs
 from configs.schema import DatasetConfig, SourceConfig, StorageConfig
 from storage.store import Store
-from tasks.encode.latents import nearest_ratio
 from tasks.ingest.stage import ingest
 from tasks.ingest.staging import Partitions, examine_partition
 
@@ -46,7 +45,6 @@ def run(count: int = 400, partition_size: int = 50, workers: int = 2) -> dict:
             (data / f"{index:06d}.txt").write_text(f"photo number {index}, smooth colour noise")
         result["source_bytes_per_image"] = round(sum(p.stat().st_size for p in data.iterdir()) / count)
         dataset = DatasetConfig(sources=[SourceConfig(path=str(data))], partition_size=partition_size)
-        nearest_ratio(1, 1, 1024)  # the bucket tables are read once per process, not per ingest
 
         here = StorageConfig(root=str(Path(tmp) / "here"))
         cpu, began = time.process_time(), time.perf_counter()
@@ -58,8 +56,6 @@ def run(count: int = 400, partition_size: int = 50, workers: int = 2) -> dict:
         staged: list[int] = []
         with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
                 Client(cluster) as client:
-            client.run(nearest_ratio, 1, 1, 1024)
-
             def examine(index: int, fmt: str, units: list[list]) -> str:
                 key = client.submit(examine_partition, remote, dataset, index, fmt, units, pure=False).result()
                 staged.append(Store(remote).require(key)["size"])

@@ -1,8 +1,9 @@
-"""Text encoding: precast's encoder vs PixArt's reference method vs batched-but-padded.
+"""Text encoding: precast's encoder vs the reference scripts' method vs batched-but-padded.
 
 One run, one model, one caption set whose token lengths spread like real caption sets (log-normal,
 median about 60 tokens, a tail up to and past max_length 300):
-- reference: one caption per call, padded to max_length (how PixArt's feature extraction runs);
+- reference: one caption per call, padded to max_length (how the reference training scripts'
+  feature extraction runs);
 - padded batched: batches of `--batch` captions, each padded to max_length;
 - precast: `encode_captions`, captions sorted by length and batched under a token budget, only
   the real tokens kept.
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from configs.schema import ModelConfig, TextEncodingConfig
-from tasks.demo.models import WORDS, build_tokenizer
+from tasks.demo.models import WORDS, build_tokenizer, write_model_index
 from storage.shards import pack_ragged
 from tasks.encode.text import encode_captions
 from tasks.encode.models import load_text_encoder
@@ -40,6 +41,7 @@ def make_model(folder: Path, d_model: int, layers: int) -> Path:
                       num_layers=layers, num_heads=d_model // 64, feed_forward_proj="gated-gelu", dropout_rate=0.0)
     torch.manual_seed(0)
     T5EncoderModel(config).save_pretrained(folder / "text_encoder")
+    write_model_index(folder)
     return folder
 
 
@@ -113,7 +115,7 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
     return [
         ("text encoding", f"{speed['precast']:,.1f} captions/s",
          f"{result['precast_vs_padded_batched']}x padded batches ({speed['padded_batched']:,.1f}), "
-         f"{result['precast_vs_reference']}x PixArt's one-per-call ({speed['reference']:,.1f})", "3x padded batches"),
+         f"{result['precast_vs_reference']}x the reference's one-per-call ({speed['reference']:,.1f})", "3x padded batches"),
         ("text cache size", f"{result['bytes_per_caption']['precast_bf16']:,} B/caption",
          f"{result['precast_bytes_vs_padded_fp16']:.1%} of padded-to-{result['max_length']} fp16", "< 35%"),
         ("int8 T5 precision", f"cosine min {result['accuracy_vs_fp32']['int8']['cosine_min']}", "vs fp32, per token", ""),

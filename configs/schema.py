@@ -98,8 +98,8 @@ class DatasetConfig(Section):
 class ModelConfig(Section):
     path: str = Field(
         ...,
-        description="Hub id or local folder in the PixArt-Sigma hub layout "
-        "(text_encoder/, tokenizer/, vae/, transformer/, scheduler/).",
+        description="Hub id or local folder in the diffusers hub layout (model_index.json, text_encoder/, "
+        "tokenizer/, vae/, transformer/, scheduler/); the pipeline model_index.json names picks the model family.",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) when path is a hub id.")
 
@@ -108,13 +108,14 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 
 
 class TextEncodingConfig(Section):
-    max_length: int = Field(300, ge=1, description="T5 token limit; longer captions are truncated (PixArt-Sigma: 300).")
+    max_length: int = Field(300, ge=1, description="T5 token limit; longer captions are truncated (use the model's own: 300 for "
+                            "the demo's family; see docs/families.md).")
     caption_preprocessing: Literal["diffusers", "none"] = Field(
         "diffusers",
-        description="What T5 reads of a caption or prompt. diffusers: exactly what PixArtSigmaPipeline feeds its "
-        "tokenizer by default (its own clean_caption: lowercased; URLs, HTML, hashtags, IDs removed), so an adapter "
-        "sees the same tokens in training as where it is used. none: the caption as written, as PixArt's own "
-        "train.py does. Applied alike to captions, sample prompts and `precast sample`; part of the encoder "
+        description="What T5 reads of a caption or prompt. diffusers: exactly what the model family's diffusers "
+        "pipeline feeds its tokenizer by default (e.g. its own clean_caption: lowercased; URLs, HTML, hashtags, IDs "
+        "removed), so an adapter sees the same tokens in training as where it is used. none: the caption as "
+        "written. Applied alike to captions, sample prompts and `precast sample`; part of the encoder "
         "fingerprint.",
     )
     dtype: Literal["fp32", "bf16", "fp16", "int8"] = Field(
@@ -140,16 +141,17 @@ class TextEncodingConfig(Section):
 
 class LatentEncodingConfig(Section):
     resolution: Literal[256, 512, 1024, 2048] = Field(
-        512, description="Base resolution; picks diffusers' PixArt aspect-ratio bucket table."
+        512, description="Base resolution; picks the model family's aspect-ratio bucket table (as its diffusers "
+        "pipeline has it)."
     )
     crop: Literal["center", "random"] = Field(
-        "center", description="Crop after resizing to cover the bucket: centre (PixArt) or random, seeded by crop_seed "
-        "and the sample id. The crop box is recorded per sample."
+        "center", description="Crop after resizing to cover the bucket: centre (the families' own recipes) or "
+        "random, seeded by crop_seed and the sample id. The crop box is recorded per sample."
     )
     crop_seed: int = Field(0, description="Seed of random crops.")
     posterior: Literal["mean_std", "mean_logvar", "mean"] = Field(
         "mean_std", description="What is stored of the VAE posterior: mean and std (training samples a fresh latent "
-        "each epoch, as PixArt does), mean and log-variance, or the mean only."
+        "each epoch), mean and log-variance, or the mean only."
     )
     flip: bool = Field(False, description="Also store the posterior of the horizontally flipped image.")
     dtype: Dtype = Field(
@@ -223,12 +225,12 @@ class TrainingConfig(Section):
         "and loss stay fp32): fp32; bf16 or fp16 (half the memory; needs mixed_precision of the same type); int8 "
         "(weight-only, torchao: a quarter). method full trains in fp32.")
     timestep_sampling: Literal["uniform", "logit_normal"] = Field(
-        "uniform", description="How training timesteps are drawn: uniform over the schedule (PixArt), or "
+        "uniform", description="How training timesteps are drawn: uniform over the schedule (DDPM families' own), or "
         "logit-normal (sigmoid of N(logit_mean, logit_std), favouring the middle of the schedule).")
     logit_mean: float = Field(0.0, description="Mean of the logit-normal timestep distribution.")
     logit_std: float = Field(1.0, gt=0, description="Standard deviation of the logit-normal timestep distribution.")
     loss_weighting: Literal["none", "min_snr"] = Field(
-        "none", description="none: every timestep weighs the same (PixArt); min_snr: Min-SNR-γ weighting, "
+        "none", description="none: every timestep weighs the same (DDPM families' own); min_snr: Min-SNR-γ weighting, "
         "min(SNR, γ) / SNR for epsilon, / (SNR + 1) for v_prediction, min(SNR, γ) for sample.")
     min_snr_gamma: float = Field(5.0, gt=0, description="γ of min_snr loss weighting.")
     log_every: int = Field(

@@ -255,7 +255,7 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
                                                              "record and report, as one JSON line")
     inspect.set_defaults(func=cmd_inspect)
 
-    sample = commands.add_parser("sample", help="generate images with a trained run (PixArtSigmaPipeline)")
+    sample = commands.add_parser("sample", help="generate images with a trained run (its family's pipeline)")
     sample.add_argument("url", help="a run URL (<root>/runs/<id>) or its adapter/transformer URL")
     sample.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable: one image each)")
     sample.add_argument("--out", required=True, help="PNG file to write (images side by side)")
@@ -271,7 +271,7 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
     export = commands.add_parser("export", help="write a run's LoRA in the layout another program loads")
     export.add_argument("url", help="a run URL (<root>/runs/<id>) or its adapter URL")
     export.add_argument("--format", required=True, choices=["comfyui"],
-                        help="comfyui: one .safetensors for ComfyUI's LoRA loader (PixArt models)")
+                        help="comfyui: one .safetensors for ComfyUI's LoRA loader")
     export.add_argument("--out", required=True, help="file to write")
     export.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec storage option for the URL (repeatable)")
@@ -285,7 +285,7 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
                         help="fsspec storage option for the root (repeatable)")
     verify.set_defaults(func=cmd_verify)
 
-    tiny = commands.add_parser("tiny-models", help="write the demo's tiny PixArt-Sigma models in the hub layout")
+    tiny = commands.add_parser("tiny-models", help="write the demo's tiny models in the hub layout")
     tiny.add_argument("dir")
     tiny.add_argument("--vae-steps", type=int, default=None,
                       help="training steps of the tiny VAE (default 2000, about 40 s; 0: random, for checks of "

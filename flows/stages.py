@@ -38,12 +38,12 @@ from storage.fingerprint import hash_json
 from storage.shards import shard_id_of
 from storage.store import Store
 from tasks.encode.latents import latent_cache_record
-from tasks.encode.text import encoding_report, prompts_cache_key, text_cache_record
+from tasks.encode.text import encoding_report, text_cache_record
 from tasks.ingest.report import report_markdown
 from tasks.ingest.stage import latest_dataset
 from tasks.ingest.staging import Partitions
-from tasks.manifest import manifest_id, manifest_record
-from tasks.encode.models import text_encoder_fingerprint, vae_fingerprint
+from tasks.manifest import manifest_record
+from tasks.identity import manifest_id, prompts_cache_key, text_encoder_fingerprint, vae_fingerprint
 from tasks.records import CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, RunRecord
 from tasks.runner import image_shard_urls
 from tasks.runs.page import RunPage

@@ -69,7 +69,7 @@ def _not_a_folder(path: str) -> str:
     return f"model.path {path!r} is not a folder on {socket.gethostname()}"
 
 
-def _check_hub_id(path: str) -> None:
+def check_hub_id(path: str) -> None:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -83,7 +83,7 @@ def local_component(path: str, subfolder: str) -> Path:
     """`path/subfolder` of a model folder on this machine."""
     local = Path(path) / subfolder
     if not local.is_dir():
-        raise FileNotFoundError(f"model.path {path}: has no {subfolder}/ folder (expected the PixArt-Sigma hub layout)")
+        raise FileNotFoundError(f"model.path {path}: has no {subfolder}/ folder (expected the diffusers hub layout)")
     return local
 
 
@@ -92,7 +92,7 @@ def component_fingerprint(path: str, subfolders: list[str], revision: str | None
     hashed, or a hub id's from the hub's metadata (`hub_files`), the same for the same files."""
     if os.path.exists(path):
         return {sub: hash_folder(local_component(path, sub)) for sub in subfolders}
-    _check_hub_id(path)
+    check_hub_id(path)
     return hub_files(path, subfolders, revision)
 
 

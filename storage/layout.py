@@ -39,12 +39,32 @@ def dataset(dataset_id: str) -> str:
     return f"datasets/{dataset_id}.json"
 
 
+def split_url(url: str, folder: str, expected: str) -> tuple[str, str]:
+    """(store root URL, the rest after `<folder>/`) of a URL inside a store's `folder`: the one
+    parser of URLs users give; `expected` is the shape the error names."""
+    root, marker, rest = url.rstrip("/").rpartition(f"/{folder}/")
+    if not marker or not rest:
+        raise ValueError(f"{url}: expected {expected}")
+    return root, rest
+
+
 def parse_dataset(url: str) -> tuple[str, str]:
     """(store root URL, dataset id) of a dataset record's URL."""
-    root, marker, name = url.rpartition("/datasets/")
-    if not marker or not name.endswith(".json") or "/" in name:
+    root, name = split_url(url, "datasets", "<root>/datasets/<dataset_id>.json")
+    if not name.endswith(".json") or "/" in name:
         raise ValueError(f"{url}: expected <root>/datasets/<dataset_id>.json")
     return root, name.removesuffix(".json")
+
+
+def parse_run(url: str) -> tuple[str, str]:
+    """(store root URL, run key) of a run's URL or of its adapter/transformer URL."""
+    root, rest = split_url(url, RUNS, f"<root>/{RUNS}/<run_id>")
+    run = f"{RUNS}/{rest}"
+    for part in ("adapter", "transformer"):
+        run = run.removesuffix(f"/{RUN_PARTS[part]}")
+    if run.count("/") != 1:
+        raise ValueError(f"{url}: expected <root>/{RUNS}/<run_id>, or its adapter or transformer folder")
+    return root, run
 
 
 def dataset_report(dataset_id: str) -> str:
@@ -124,13 +144,6 @@ def run_part(run: str, part: str) -> str:
 def rendezvous(run: str, attempt: str) -> str:
     """The folder where the nodes of one training attempt meet (tasks/train/distributed.py)."""
     return f"{run}/rendezvous/{attempt}"
-
-
-def run_of(path: str) -> str:
-    """The run an adapter/transformer path (or the run itself) belongs to."""
-    for part in ("adapter", "transformer"):
-        path = path.removesuffix(f"/{RUN_PARTS[part]}")
-    return path
 
 
 def sample(run: str, step: int) -> str:

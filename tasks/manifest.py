@@ -19,10 +19,9 @@ import pyarrow.parquet as pq
 
 from configs.schema import StorageConfig
 from storage import layout
-from storage.fingerprint import hash_json
 from storage.shards import LatentShard, RaggedShard
 from storage.store import Store
-from tasks.encode.text import prompts_cache_key
+from tasks.identity import manifest_id, prompts_cache_key
 from tasks.records import ManifestRecord
 
 MANIFEST_SCHEMA = pa.schema(
@@ -34,10 +33,6 @@ MANIFEST_SCHEMA = pa.schema(
         ("bucket", pa.string()),
     ]
 )
-
-
-def manifest_id(dataset_id: str, text_fp: str, vae_fp: str, prompts: list[str]) -> str:
-    return hash_json({"dataset": dataset_id, "text": text_fp, "vae": vae_fp, "prompts": prompts})
 
 
 def build_manifest(

@@ -23,7 +23,8 @@ from tasks.encode.latents import encode_latents_shard, latent_cache_record
 from tasks.encode.text import encode_prompts, encode_text_shard, measure_numerics, text_cache_record
 from tasks.ingest.stage import ingest
 from tasks.manifest import build_manifest
-from tasks.encode.models import encoding_work, model_loads, text_encoder_fingerprint, vae_fingerprint
+from tasks.encode.models import encoding_work, model_loads
+from tasks.identity import text_encoder_fingerprint, vae_fingerprint
 from tasks.records import (
     CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, Record, Records, RunRecord,
 )

@@ -17,9 +17,10 @@ from storage import layout
 from storage.shards import LatentShard, read_image_shard
 from storage.store import Store
 from tasks.encode import latents as encode_latents
-from tasks.encode.latents import bucket_table, crop_box, encode_latents_shard, preprocess
+from tasks.encode.latents import crop_box, encode_latents_shard, preprocess
+from tasks.families.pixart import PixArtAlpha, PixArtSigma
 from tasks.ingest.stage import ingest
-from tasks.encode.models import vae_fingerprint
+from tasks.identity import vae_fingerprint
 
 ROOT = Path(__file__).parent.parent
 
@@ -38,7 +39,8 @@ def _encode(config, dataset=None, **settings):
 
 
 def _direct(vae, row, latents):
-    box = crop_box(row["width"], row["height"], latents.resolution, latents.crop, latents.crop_seed, row["sample_id"])
+    box = crop_box(bucket_table(latents.resolution), row["width"], row["height"], latents.crop, latents.crop_seed,
+                   row["sample_id"])
     pixels = preprocess(row["image"], box)
     with torch.no_grad():
         return vae.encode(pixels[None]).latent_dist, pixels
@@ -66,6 +68,9 @@ def test_cached_posterior_equals_a_direct_vae_encode(make_config, tiny_models, p
         torch.testing.assert_close(cache.get(row["sample_id"], flipped=True)[0], flipped.mean[0], rtol=1e-4, atol=1e-5)
 
 
+bucket_table = PixArtSigma().bucket_table  # the demo model's family
+
+
 def test_the_bucket_tables_are_diffusers_own():
     """Read from diffusers' source without importing its pipelines: the same tables as the modules
     PixArt's pipelines use, imported (in a fresh interpreter, which also shows that reading them
@@ -75,7 +80,10 @@ def test_the_bucket_tables_are_diffusers_own():
     for resolution in (256, 512, 1024):
         assert bucket_table(resolution) == getattr(pipeline_pixart_alpha, f"ASPECT_RATIO_{resolution}_BIN")
     assert bucket_table(2048) == pipeline_pixart_sigma.ASPECT_RATIO_2048_BIN
-    probe = ("import sys; from tasks.encode.latents import nearest_ratio; nearest_ratio(3, 2, 1024); "
+    assert PixArtAlpha().bucket_table(1024) == bucket_table(1024)
+    with pytest.raises(ValueError, match="PixArt-α has aspect-ratio buckets for resolutions 256, 512, 1024, not 2048"):
+        PixArtAlpha().bucket_table(2048)
+    probe = ("import sys; from tasks.families.pixart import PixArtSigma; PixArtSigma().bucket_table(1024); "
              "print(sorted(m for m in sys.modules if m.startswith(('diffusers.pipelines', 'transformers.models'))))")
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]", loaded.stdout

@@ -14,7 +14,7 @@ from storage.shards import RaggedShard, read_image_shard
 from storage.store import Store
 from tasks.encode.text import encode_captions, encode_prompts, encode_text_shard, measure_numerics
 from tasks.ingest.stage import ingest
-from tasks.encode.models import text_encoder_fingerprint
+from tasks.identity import text_encoder_fingerprint
 
 
 @pytest.fixture

@@ -69,5 +69,5 @@ def test_export_refuses_a_run_without_an_adapter_and_an_unknown_format(trained, 
         main(["export", run["run"], "--format", "kohya", "--out", str(tmp_path / "x")])
     from tasks.runs.export import export_adapter
 
-    with pytest.raises(FileNotFoundError, match="has no LoRA adapter"):
+    with pytest.raises(FileNotFoundError, match="is not a finished run"):
         export_adapter(str(tmp_path / "runs" / "nothing"), "comfyui")

@@ -15,7 +15,8 @@ import torch
 
 from configs.schema import LatentEncodingConfig, ModelConfig, TextEncodingConfig
 from storage.fingerprint import component_fingerprint
-from tasks.encode.models import build_text_encoder, build_vae, text_encoder_fingerprint, vae_fingerprint
+from tasks.encode.models import build_text_encoder, build_vae
+from tasks.identity import text_encoder_fingerprint, vae_fingerprint
 
 REPO = "precast/tiny-pixart-sigma"
 WEIGHTS = (".safetensors", ".bin")

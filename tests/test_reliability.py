@@ -14,7 +14,7 @@ from tasks.encode.latents import encode_latents_shard
 from tasks.encode.text import encode_text_shard
 from tasks.ingest.stage import ingest
 from tasks.manifest import build_manifest
-from tasks.encode.models import text_encoder_fingerprint, vae_fingerprint
+from tasks.identity import text_encoder_fingerprint, vae_fingerprint
 from tasks.train import train
 from tests.test_manifest_and_train import _cache_everything, kill_training_at
 

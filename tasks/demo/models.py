@@ -199,8 +199,60 @@ def write_tiny_models(folder: str | Path, seed: int = 0, vae_steps: int = VAE_ST
         prediction_type="v_prediction", algorithm_type="dpmsolver++", solver_order=2,
     ).save_pretrained(folder / "scheduler")
 
-    # model_index.json last: its presence means the folder is complete
-    marker.write_text(
+    write_model_index(folder)  # last: its presence means the folder is complete
+    return folder
+
+
+# the published shapes (each model's config.json) of T5 v1.1 XXL, the SDXL VAE and PixArt-Sigma XL/2
+# at 1024 px, and small ones that check the same code on any device: what write_model_set builds
+# for the GPU benchmark
+REAL_SHAPES = {
+    "name": "PixArt-Sigma XL/2",
+    "t5": dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64),
+    "vae": dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, sample_size=1024),
+    "transformer": dict(num_attention_heads=16, attention_head_dim=72, num_layers=28, caption_channels=4096,
+                        cross_attention_dim=1152, sample_size=128),
+    "resolution": 1024,
+}
+TINY_SHAPES = {
+    "name": "tiny",
+    "t5": dict(vocab_size=32128, d_model=128, d_kv=32, d_ff=320, num_layers=2, num_heads=4),
+    "vae": dict(block_out_channels=(32, 32, 64, 64), layers_per_block=1, sample_size=128),
+    "transformer": dict(num_attention_heads=2, attention_head_dim=32, num_layers=2, caption_channels=128,
+                        cross_attention_dim=64, sample_size=16),
+    "resolution": 128,
+}
+
+
+def write_model_set(folder: Path, text_encoder: dict, vae: dict, transformer: dict,
+                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Path:
+    """A random model set in the PixArt-Sigma hub layout with the given shapes (keyword arguments of
+    T5Config, AutoencoderKL and PixArtTransformer2DModel), for benchmarks that measure real or
+    scaled-down architectures through the production loading path."""
+    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtTransformer2DModel
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(folder / "tokenizer")
+    with torch.device(device):  # random initialisation of billions of parameters is far faster on a GPU
+        T5EncoderModel(T5Config(**{"vocab_size": len(tokenizer), "feed_forward_proj": "gated-gelu", "dropout_rate": 0.0,
+                                   **text_encoder})) \
+            .to(dtype).save_pretrained(folder / "text_encoder")
+        AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=32,
+                      down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                      scaling_factor=0.13025, **vae).to(dtype).save_pretrained(folder / "vae")
+        PixArtTransformer2DModel(in_channels=4, out_channels=8, norm_num_groups=32, use_additional_conditions=False,
+                                 **transformer).to(dtype).save_pretrained(folder / "transformer")
+    DPMSolverMultistepScheduler(beta_schedule="linear", beta_start=0.0001, beta_end=0.02).save_pretrained(
+        folder / "scheduler")
+    write_model_index(folder)
+    return folder
+
+
+def write_model_index(folder: Path) -> None:
+    """The model_index.json of a PixArt-Sigma folder: what names its pipeline, and so its family."""
+    (folder / "model_index.json").write_text(
         '{"_class_name": "PixArtSigmaPipeline", "_diffusers_version": "0.42.1",\n'
         ' "scheduler": ["diffusers", "DPMSolverMultistepScheduler"],\n'
         ' "text_encoder": ["transformers", "T5EncoderModel"],\n'
@@ -208,7 +260,6 @@ def write_tiny_models(folder: str | Path, seed: int = 0, vae_steps: int = VAE_ST
         ' "transformer": ["diffusers", "PixArtTransformer2DModel"],\n'
         ' "vae": ["diffusers", "AutoencoderKL"]}\n'
     )
-    return folder
 
 
 def _trained_vae(seed: int, steps: int, perturb: int | None):

@@ -1,22 +1,20 @@
 """Stage 3 — encode-latents: VAE per image shard → posterior (`posterior`: mean+std, mean+logvar or
 mean) per aspect-ratio bucket.
 
-Each image goes to the nearest ratio of diffusers' PixArt table for the configured resolution,
-is resized to cover it and centre-cropped (PixArt's recipe), and encoded in batches that never mix
-shapes. The posterior (mean, std) is stored unscaled so training samples a fresh latent each
-epoch; the VAE's scaling factor is recorded in the shard and applied by the reader.
+Each image goes to the nearest ratio of the model family's bucket table for the configured
+resolution, is resized to cover it and cropped (centred, or at a seeded position), and encoded in
+batches that never mix shapes. The posterior (mean, std) is stored unscaled so training samples a
+fresh latent each epoch; the VAE's scaling factor is recorded in the shard and applied by the reader.
 Output: `cache/latents/<vae_fp>/<shard_id>.safetensors`.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
+import functools
 import io
 import logging
 import random
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,55 +25,26 @@ from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig
 from storage import layout
 from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id_of
 from storage.store import Store
-from tasks.encode.models import DTYPES, LATENT_FORMAT, build_vae, load_vae
-from tasks.prefetch import prefetched
+from tasks.encode.models import DTYPES, build_vae, load_vae
+from tasks.families import family_of
+from tasks.identity import LATENT_FORMAT
 from tasks.records import CacheRecord
+from tasks.prefetch import prefetched
 
 log = logging.getLogger(__name__)
 
 
-def read_bucket_tables() -> dict[int, dict[str, list[float]]]:
-    """diffusers' PixArt aspect-ratio tables (`ASPECT_RATIO_<resolution>_BIN`) by resolution:
-    height/width ratio → [height, width] in pixels. Read from diffusers' source, not imported:
-    importing its PixArt pipelines loads transformers' models as well, seconds that an ingest
-    report should not pay."""
-    package = Path(importlib.util.find_spec("diffusers").origin).parent / "pipelines" / "pixart_alpha"
-    tables = {}
-    for module, resolutions in (("pipeline_pixart_alpha", (256, 512, 1024)), ("pipeline_pixart_sigma", (2048,))):
-        names = {f"ASPECT_RATIO_{resolution}_BIN": resolution for resolution in resolutions}
-        for node in ast.parse((package / f"{module}.py").read_text()).body:
-            if isinstance(node, ast.Assign) and len(node.targets) == 1 and getattr(node.targets[0], "id", None) in names:
-                tables[names[node.targets[0].id]] = ast.literal_eval(node.value)
-    if missing := {256, 512, 1024, 2048} - set(tables):
-        raise RuntimeError(f"diffusers at {package} defines no bucket table for {sorted(missing)}: "
-                           "this diffusers is not one precast knows")
-    return tables
+def nearest_ratio(table: dict[str, list[float]], width: int, height: int) -> str:
+    """The bucket table's height/width ratio key nearest the image's."""
+    return min(table, key=lambda r: abs(float(r) - height / width))
 
 
-# read at import: Python 3.11's ast is not thread-safe, and shard threads look buckets up at once
-BUCKET_TABLES = read_bucket_tables()
-
-
-def bucket_table(resolution: int) -> dict[str, list[float]]:
-    """diffusers' PixArt aspect-ratio table for `resolution` (see `read_bucket_tables`)."""
-    return BUCKET_TABLES[resolution]
-
-
-def nearest_ratio(width: int, height: int, resolution: int) -> str:
-    """The table's height/width ratio key nearest the image's."""
-    return min(bucket_table(resolution), key=lambda r: abs(float(r) - height / width))
-
-
-def nearest_bucket(width: int, height: int, resolution: int) -> tuple[int, int]:
-    """(height, width) of the table entry whose ratio is nearest the image's."""
-    height_px, width_px = bucket_table(resolution)[nearest_ratio(width, height, resolution)]
-    return int(height_px), int(width_px)
-
-
-def crop_box(width: int, height: int, resolution: int, crop: str, seed: int, sample_id: str) -> list[int]:
-    """[resized_w, resized_h, left, top, right, bottom]: resize to cover the bucket, then crop it
-    (centred, or at a position drawn from the seed and the sample id)."""
-    target_h, target_w = nearest_bucket(width, height, resolution)
+def crop_box(table: dict[str, list[float]], width: int, height: int, crop: str, seed: int,
+             sample_id: str) -> list[int]:
+    """[resized_w, resized_h, left, top, right, bottom]: resize to cover the bucket of `table`
+    whose ratio is nearest the image's, then crop it (centred, or at a position drawn from the
+    seed and the sample id)."""
+    target_h, target_w = (int(side) for side in table[nearest_ratio(table, width, height)])
     scale = max(target_h / height, target_w / width)
     resized_w, resized_h = max(target_w, round(width * scale)), max(target_h, round(height * scale))
     if crop == "center":
@@ -112,6 +81,28 @@ def stored_parts(mean: torch.Tensor, logvar: torch.Tensor, posterior: str) -> di
     return {"mean": mean, "std": torch.exp(0.5 * logvar)}
 
 
+def same_size_batches(samples: list[dict], boxes: dict[str, list[int]], batch_size: int) -> list[list[dict]]:
+    """Batches of at most `batch_size` samples whose crops share one size, bucket by bucket."""
+    by_bucket: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    for sample in samples:
+        box = boxes[sample["sample_id"]]
+        by_bucket[(box[5] - box[3], box[4] - box[2])].append(sample)
+    return [items[i : i + batch_size] for _, items in sorted(by_bucket.items()) for i in range(0, len(items), batch_size)]
+
+
+def encode_finite(vae, pixels: torch.Tensor, fp32_vae, where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Posterior mean, log-variance and which rows are finite; rows a half-precision VAE made
+    non-finite are encoded again by `fp32_vae()`."""
+    mean, logvar = encode_pixels(vae, pixels)
+    ok = finite_rows(mean, logvar)
+    if not ok.all() and vae.dtype != torch.float32:
+        redo = (~ok).nonzero().flatten()
+        mean[redo], logvar[redo] = encode_pixels(fp32_vae(), pixels[redo])
+        ok = finite_rows(mean, logvar)
+        log.warning("%s: %d latents were non-finite in %s, re-encoded in fp32", where, len(redo), vae.dtype)
+    return mean, logvar, ok
+
+
 @torch.inference_mode()
 def encode_latents_shard(
     storage: StorageConfig, model: ModelConfig, latents: LatentEncodingConfig, fingerprint: str, shard_url: str
@@ -126,22 +117,18 @@ def encode_latents_shard(
     key = layout.cache_shard("latents", fingerprint, shard_id)
     if (record := store.committed(key)) is not None:
         return record
-    table = read_image_shard(store.read_verified(store.key(shard_url)), columns=["sample_id", "image", "width", "height"])
-    samples = table.to_pylist()
-    boxes = {s["sample_id"]: crop_box(s["width"], s["height"], latents.resolution, latents.crop,
-                                      latents.crop_seed, s["sample_id"]) for s in samples}
-    by_bucket: dict[tuple[int, int], list[dict]] = defaultdict(list)
-    for sample in samples:
-        box = boxes[sample["sample_id"]]
-        by_bucket[(box[5] - box[3], box[4] - box[2])].append(sample)
-    batches = [items[i : i + latents.batch_size] for _, items in sorted(by_bucket.items())
-               for i in range(0, len(items), latents.batch_size)]
+    samples = read_image_shard(store.read_verified(store.key(shard_url)),
+                               columns=["sample_id", "image", "width", "height"]).to_pylist()
+    table = family_of(model).bucket_table(latents.resolution)
+    boxes = {s["sample_id"]: crop_box(table, s["width"], s["height"], latents.crop, latents.crop_seed, s["sample_id"])
+             for s in samples}
+    batches = same_size_batches(samples, boxes, latents.batch_size)
 
     vae = load_vae(model, latents.dtype, latents.device)
     # the cached VAE is shared by shards of any config: set both switches every time
     vae.enable_tiling() if latents.tiling else vae.disable_tiling()
     vae.enable_slicing() if latents.slicing else vae.disable_slicing()
-    fallback = None  # an fp32 VAE, loaded only if a batch comes out non-finite
+    fp32_vae = functools.cache(lambda: build_vae(model, "fp32", latents.device))  # only if a batch is non-finite
     store_dtype = DTYPES[latents.storage_dtype]
     encoded: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
     rows: dict[str, tuple[str, int]] = {}
@@ -156,15 +143,7 @@ def encode_latents_shard(
     for batch, pixels in zip(batches, prefetched(load_pixels, batches, ahead)):
         if latents.flip:
             pixels = torch.cat([pixels, pixels.flip(-1)])
-        mean, logvar = encode_pixels(vae, pixels)
-        ok = finite_rows(mean, logvar)
-        if not ok.all() and latents.dtype != "fp32":
-            fallback = fallback or build_vae(model, "fp32", latents.device)
-            redo = (~ok).nonzero().flatten()
-            mean[redo], logvar[redo] = encode_pixels(fallback, pixels[redo])
-            ok = finite_rows(mean, logvar)
-            log.warning("shard %s: %d latents were non-finite in %s, re-encoded in fp32", shard_id, len(redo),
-                        latents.dtype)
+        mean, logvar, ok = encode_finite(vae, pixels, fp32_vae, f"shard {shard_id}")
         count = len(batch)
         for row, sample in enumerate(batch):
             sample_id = sample["sample_id"]

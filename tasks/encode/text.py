@@ -16,35 +16,27 @@ import torch
 
 from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig
 from storage import layout
-from storage.fingerprint import hash_json
 from storage.shards import pack_ragged, read_image_shard, shard_id_of
 from storage.store import Store, json_bytes
+from tasks.identity import TEXT_FORMAT, prompt_rows, prompts_cache_key
+from tasks.records import CacheRecord
 from tasks.encode.models import (
-    TEXT_ACTIVATIONS, TEXT_FORMAT, TextEncoder, build_text_encoder, load_text_encoder, preprocess_captions,
+    TEXT_ACTIVATIONS, TextEncoder, build_text_encoder, load_text_encoder,
     reference_placement,
 )
-from tasks.records import CacheRecord
 
 log = logging.getLogger(__name__)
 
 
-def prompts_cache_key(fingerprint: str, prompts: list[str]) -> str:
-    return layout.text_prompts(fingerprint, hash_json(prompt_rows(prompts)))
-
-
-def prompt_rows(prompts: list[str]) -> list[str]:
-    """The texts of a prompts shard: the empty caption first, then each distinct prompt."""
-    return list(dict.fromkeys(["", *prompts]))
-
-
-def tokenize(texts: list[str], tokenizer, config: TextEncodingConfig) -> tuple[list[list[int]], int]:
+def tokenize(texts: list[str], encoder: TextEncoder, config: TextEncodingConfig) -> tuple[list[list[int]], int]:
     """Token ids of each caption (preprocessed as configured, with </s>) cut at max_length, and how
     many were cut."""
     max_length = config.max_length
-    full = tokenizer(preprocess_captions(texts, config.caption_preprocessing), add_special_tokens=True).input_ids
+    full = encoder.tokenizer(encoder.family.preprocess_captions(texts, config.caption_preprocessing),
+                             add_special_tokens=True).input_ids
     truncated = sum(len(x) > max_length for x in full)
     # the same cut as the tokenizer's own truncation: keep max_length-1 tokens, then </s>
-    return [x if len(x) <= max_length else x[: max_length - 1] + [tokenizer.eos_token_id] for x in full], truncated
+    return [x if len(x) <= max_length else x[: max_length - 1] + [encoder.tokenizer.eos_token_id] for x in full], truncated
 
 
 @torch.inference_mode()
@@ -79,7 +71,7 @@ def encode_captions(texts: list[str], model: ModelConfig, config: TextEncodingCo
     """T5 embeddings of `texts` (real tokens only, in the stored dtype) and the truncation count.
     Non-finite output fails with the caption named instead of being cached."""
     encoder = load_text_encoder(model, config.dtype, config.device, config.offload)
-    ids, truncated = tokenize(texts, encoder.tokenizer, config)
+    ids, truncated = tokenize(texts, encoder, config)
     embeddings = [e.to(TEXT_ACTIVATIONS[config.dtype]) for e in run_encoder(ids, encoder, config.batch_tokens)]
     for text, embedding in zip(texts, embeddings):
         if not torch.isfinite(embedding).all():
@@ -109,7 +101,7 @@ def measure_numerics(
         got = torch.cat([e.float() for e in encode_captions(picked, model, text)[0]])
         # the fp32 reference never shares the accelerator with the encoder (T5-XXL: ~19 GB)
         reference = build_text_encoder(model, "fp32", *reference_placement(text.device))
-        ids, _ = tokenize(picked, reference.tokenizer, text)
+        ids, _ = tokenize(picked, reference, text)
         want = torch.cat(run_encoder(ids, reference, text.batch_tokens)).float()
         del reference
         cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)

@@ -7,26 +7,18 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from PIL import Image
 
-from configs.schema import StorageConfig
 from storage import layout
 from storage.store import Store
+from tasks.families import Family
+from tasks.runs.folder import FinishedRun
 from tasks.train.publisher import read_metrics
 
 PAGE_IMAGE_WIDTH = 1024  # the sample grid as the page shows it (the file keeps every pixel)
-
-
-def parse_run(url: str) -> tuple[str, str]:
-    """(store root URL, run key) of a run URL or its adapter/transformer URL."""
-    root, marker, rest = url.rstrip("/").rpartition(f"/{layout.RUNS}/")
-    if not marker or not rest:
-        raise ValueError(f"{url}: expected <root>/runs/<run_id>")
-    return root, layout.run_of(f"{layout.RUNS}/{rest}")
 
 
 @dataclass
@@ -34,46 +26,47 @@ class RunPage:
     url: str
     record: dict[str, Any]  # the lineage's commit record: steps, losses, samples, weights
     lineage: dict[str, Any]  # what trained it: manifest, model, training config, text, code, versions
+    weights: str  # "adapter" or "transformer"
+    family: Family
     metrics: list[dict[str, Any]]
     stages: list[dict[str, Any]] | None  # the pipeline summary of the run that trained it
     samples: bytes | None  # the final sample grid
     curves: bytes
 
     @classmethod
-    def read(cls, store: Store, run: str) -> RunPage:
-        record = store.committed(layout.run_part(run, "lineage"))
-        if record is None:
-            raise FileNotFoundError(f"{store.url(run)} is not a finished run (no committed lineage.json)")
-        lineage = json.loads(store.read_verified(layout.run_part(run, "lineage"), record["sha256"]))
-        metrics = read_metrics(store, run)
-        stages = store.read_json(layout.run_part(run, "stages")) if store.exists(layout.run_part(run, "stages")) \
+    def of(cls, run: FinishedRun) -> RunPage:
+        store, key, record = run.store, run.run, run.record
+        stages = store.read_json(layout.run_part(key, "stages")) if store.exists(layout.run_part(key, "stages")) \
             else None
         samples = store.read_bytes(store.key(record["samples"][-1])) if record["samples"] else None
-        curves = store.read_bytes(layout.run_part(run, "loss_curve"))  # drawn when the run was published
-        return cls(store.url(run), record, lineage, metrics, stages, samples, curves)
+        curves = store.read_bytes(layout.run_part(key, "loss_curve"))  # drawn when the run was published
+        return cls(run.url, record, run.lineage, run.weights, run.family, read_metrics(store, key), stages, samples, curves)
+
+    @classmethod
+    def read(cls, store: Store, run: str) -> RunPage:
+        return cls.of(FinishedRun.read(store, run))
 
     @classmethod
     def at(cls, url: str, options: dict | None = None) -> RunPage:
-        root, run = parse_run(url)
-        return cls.read(Store(StorageConfig(root=root, options=options or {})), run)
+        return cls.of(FinishedRun.at(url, options))
 
     def _weights(self) -> tuple[str, str]:
         """Where the trained weights are, and Python that renders with them."""
-        record, model = self.record, self.record["model"]["path"]
-        url = record["adapter"] or record["transformer"]
+        model, url = self.record["model"]["path"], self.record[self.weights]
+        pipeline, transformer = self.family.pipeline_name, self.family.transformer_name
         # a local store's folder loads as it is; a remote one's is copied first
         local, note = (url.removeprefix("file://"), "") if url.startswith("file://") else \
-            ("adapter" if record["adapter"] else "transformer", "  # the folder, copied locally")
-        if record["adapter"]:
-            code = (f"from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel\n"
+            (self.weights, "  # the folder, copied locally")
+        if self.weights == "adapter":
+            code = (f"from diffusers import {pipeline}, {transformer}\n"
                     f"from peft import PeftModel\n\n"
-                    f"base = PixArtTransformer2DModel.from_pretrained({model!r}, subfolder=\"transformer\")\n"
+                    f"base = {transformer}.from_pretrained({model!r}, subfolder=\"transformer\")\n"
                     f"transformer = PeftModel.from_pretrained(base, {local!r}).merge_and_unload(){note}\n"
-                    f"pipeline = PixArtSigmaPipeline.from_pretrained({model!r}, transformer=transformer)")
+                    f"pipeline = {pipeline}.from_pretrained({model!r}, transformer=transformer)")
         else:
-            code = (f"from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel\n\n"
-                    f"transformer = PixArtTransformer2DModel.from_pretrained({local!r}){note}\n"
-                    f"pipeline = PixArtSigmaPipeline.from_pretrained({model!r}, transformer=transformer)")
+            code = (f"from diffusers import {pipeline}, {transformer}\n\n"
+                    f"transformer = {transformer}.from_pretrained({local!r}){note}\n"
+                    f"pipeline = {pipeline}.from_pretrained({model!r}, transformer=transformer)")
         return url, code
 
     def _facts(self) -> list[tuple[str, str]]:

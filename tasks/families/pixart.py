@@ -1,0 +1,156 @@
+"""PixArt-α and PixArt-Σ: one T5 encoder (masked), a 4-channel VAE, diffusers' aspect-ratio bucket
+tables, `PixArtTransformer2DModel` on a DDPM noise schedule, sampled by `PixArtAlphaPipeline` /
+`PixArtSigmaPipeline`.
+
+Everything here is read from diffusers' own pipelines: their caption cleaning, their bucket tables
+and the arguments they call the transformer with, so a cache and a run match what the pipeline
+does at inference.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import inspect
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from configs.schema import ModelConfig
+from storage.fingerprint import hash_json
+from tasks.families.spec import Family
+
+TABLES_LOCK = threading.Lock()
+TRAINABLE_PREDICTIONS = ("epsilon", "v_prediction", "sample")
+
+
+@functools.lru_cache(maxsize=1)
+def bucket_tables() -> dict[int, dict[str, list[float]]]:
+    """diffusers' PixArt aspect-ratio tables (`ASPECT_RATIO_<resolution>_BIN`) by resolution:
+    height/width ratio → [height, width] in pixels. Read from diffusers' source, not imported:
+    importing its PixArt pipelines loads transformers' models as well, seconds that a process
+    which only crops should not pay. Read once per process, under a lock: Python 3.11's ast is not
+    thread-safe, and shard threads look buckets up at once."""
+    with TABLES_LOCK:
+        package = Path(importlib.util.find_spec("diffusers").origin).parent / "pipelines" / "pixart_alpha"
+        tables = {}
+        for module, resolutions in (("pipeline_pixart_alpha", (256, 512, 1024)), ("pipeline_pixart_sigma", (2048,))):
+            names = {f"ASPECT_RATIO_{resolution}_BIN": resolution for resolution in resolutions}
+            for node in ast.parse((package / f"{module}.py").read_text()).body:
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and getattr(node.targets[0], "id", None) in names:
+                    tables[names[node.targets[0].id]] = ast.literal_eval(node.value)
+        if missing := {256, 512, 1024, 2048} - set(tables):
+            raise RuntimeError(f"diffusers at {package} defines no bucket table for {sorted(missing)}: "
+                               "this diffusers is not one precast knows")
+        return tables
+
+
+class PixArt(Family):
+    transformer_name = "PixArtTransformer2DModel"
+    resolutions: tuple[int, ...] = ()
+
+    def caption_rule(self, mode: str) -> str:
+        """For `diffusers`, the source of the pipeline's cleaning code, so a diffusers release that
+        cleans otherwise re-encodes (and one that does not, does not)."""
+        if mode == "none":
+            return mode
+        pipeline = self.pipeline_class()
+        return hash_json([inspect.getsource(pipeline._text_preprocessing), inspect.getsource(pipeline._clean_caption),
+                          pipeline.bad_punct_regex.pattern])
+
+    def preprocess_captions(self, texts: list[str], mode: str) -> list[str]:
+        """As written (`none`), or what the pipeline's `encode_prompt` feeds its tokenizer by
+        default (`diffusers`: the pipeline's own `_text_preprocessing` with `clean_caption=True`)."""
+        if mode == "none":
+            return list(texts)
+        from diffusers.utils import is_bs4_available, is_ftfy_available
+
+        if not (is_bs4_available() and is_ftfy_available()):  # the pipeline would fall back to lowercasing only
+            raise ImportError("text_encoding.caption_preprocessing 'diffusers' needs beautifulsoup4 and ftfy, as the "
+                              "pipeline's clean_caption does: pip install beautifulsoup4 ftfy")
+        cleaner = object.__new__(self.pipeline_class())  # the method uses no model: nothing is loaded
+        return cleaner._text_preprocessing(list(texts), clean_caption=True)
+
+    def bucket_table(self, resolution: int) -> dict[str, list[float]]:
+        if resolution not in self.resolutions:
+            raise ValueError(f"{self.name} has aspect-ratio buckets for resolutions "
+                             f"{', '.join(map(str, self.resolutions))}, not {resolution}")
+        return bucket_tables()[resolution]
+
+    def noise_scheduler(self, model: ModelConfig) -> Any:
+        """DDPM with the betas, timesteps and `prediction_type` of the model's own scheduler config
+        (what its samplers assume). A flow-matching scheduler, or a prediction type DDPM cannot
+        train, is refused by name."""
+        from diffusers import DDPMScheduler
+
+        config = DDPMScheduler.load_config(model.path, subfolder="scheduler", revision=model.revision)
+        kind, prediction = config.get("_class_name", "unknown"), config.get("prediction_type", "epsilon")
+        if kind.startswith("FlowMatch") or prediction not in TRAINABLE_PREDICTIONS:
+            raise ValueError(f"{model.path}: its scheduler ({kind}, prediction_type {prediction!r}) cannot train "
+                             f"{self.name}, which trains on DDPM noise schedules with prediction_type "
+                             f"{', '.join(TRAINABLE_PREDICTIONS)}")
+        return DDPMScheduler.from_config(config)
+
+    def noised(self, scheduler: Any, latents: torch.Tensor, noise: torch.Tensor,
+               timesteps: torch.Tensor) -> torch.Tensor:
+        return scheduler.add_noise(latents, noise, timesteps)
+
+    def target(self, scheduler: Any, latents: torch.Tensor, noise: torch.Tensor,
+               timesteps: torch.Tensor) -> torch.Tensor:
+        """The noise (epsilon), the velocity (v_prediction) or the clean latents (sample), as the
+        model's scheduler config says (one of TRAINABLE_PREDICTIONS: checked when loaded)."""
+        kind = scheduler.config.prediction_type
+        if kind == "epsilon":
+            return noise
+        if kind == "v_prediction":
+            return scheduler.get_velocity(latents, noise, timesteps)
+        return latents
+
+    def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: torch.Tensor, mask: torch.Tensor,
+                timesteps: torch.Tensor) -> torch.Tensor:
+        """As the pipeline calls it (no micro-conditions: `resolution` and `aspect_ratio` None); a
+        learned-sigma model's variance half is dropped, as the noise loss does not train it."""
+        prediction = network(noisy, encoder_hidden_states=text, encoder_attention_mask=mask, timestep=timesteps,
+                             added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
+        if prediction.shape[1] == 2 * noisy.shape[1]:
+            prediction = prediction.chunk(2, dim=1)[0]
+        return prediction
+
+    def sampling_scheduler(self, model: ModelConfig) -> Any:
+        """DPM-Solver++ with the model's scheduler config, as the published pipelines sample."""
+        from diffusers import DPMSolverMultistepScheduler
+
+        return DPMSolverMultistepScheduler.from_pretrained(model.path, subfolder="scheduler", revision=model.revision)
+
+    def prompt_options(self, pipeline: Any, text: dict[str, Any]) -> dict[str, Any]:
+        if text["caption_preprocessing"] == "none":  # the pipeline lowercases even without clean_caption
+            pipeline._text_preprocessing = lambda texts, clean_caption=False: (
+                [texts] if isinstance(texts, str) else list(texts))
+        return {"clean_caption": True, "max_sequence_length": text["max_length"]}
+
+    def embedding_kwargs(self, embeds: torch.Tensor, mask: torch.Tensor, count: int) -> dict[str, Any]:
+        """The pipeline's arguments for pre-encoded prompts (the first `count` rows) and negative
+        prompts (the rest), masks with them."""
+        return {"prompt_embeds": embeds[:count], "prompt_attention_mask": mask[:count],
+                "negative_prompt_embeds": embeds[count:], "negative_prompt_attention_mask": mask[count:],
+                "negative_prompt": None}
+
+
+class PixArtAlpha(PixArt):
+    name = "PixArt-α"
+    pipelines = ("PixArtAlphaPipeline",)
+    pipeline_name = "PixArtAlphaPipeline"
+    resolutions = (256, 512, 1024)
+
+
+class PixArtSigma(PixArt):
+    name = "PixArt-Σ"
+    pipelines = ("PixArtSigmaPipeline",)
+    pipeline_name = "PixArtSigmaPipeline"
+    resolutions = (256, 512, 1024, 2048)
+
+
+FAMILIES = (PixArtAlpha(), PixArtSigma())

@@ -1,0 +1,91 @@
+"""Every identity precast keys its outputs by, computed here and nowhere else.
+
+Each is a pure function of config sections and upstream identities, so a stage, the runner and the
+flow that plans it agree on every key without asking each other. An identity covers what changes an
+output and nothing else (not devices, batch sizes, concurrency). The format constants are part of
+them: bump one with any change to code that changes what its stage produces, so the next run
+encodes or trains anew instead of returning what the old code made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from configs.schema import DatasetConfig, LatentEncodingConfig, ModelConfig, TextEncodingConfig, TrainingConfig
+from storage import layout
+from storage.fingerprint import component_fingerprint, hash_json
+from tasks.families import family_of
+
+TEXT_FORMAT = "precast.text/3"  # the stored text layout or numerics
+LATENT_FORMAT = "precast.latents/2"  # the stored posterior layout or preprocessing
+TRAIN_FORMAT = "precast.train/5"  # the loss, sampling, data order or outputs of training
+# settings that cannot change the trained weights or samples stay out of the run id; how the
+# global batch is split over nodes, processes and accumulation is one of them (the run id holds the
+# micro-batches per step), so a run is the same run on any number of nodes; so are the memory and
+# speed settings whose math is the same (checkpointing recomputes exactly; compiled blocks compute
+# the same within float tolerance, as another device does)
+NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints", "nodes", "processes", "node_timeout",
+                 "gradient_accumulation", "global_batch", "gradient_checkpointing", "compile", "prefetch",
+                 "log_every", "trackers", "tracker_project", "mlflow_tracking_uri"}
+
+
+def config_hash(dataset: DatasetConfig) -> str:
+    """What names these sources and ingest rules (how many are read at once, and where, is no part of it)."""
+    return hash_json(dataset.model_dump(exclude={"read_concurrency", "partition_size"}))
+
+
+def image_shard_id(rows: list[tuple[str, Any]]) -> str:
+    """An image shard's id: the hash of its (sample_id, captions) rows, sorted by sample id."""
+    return hash_json(rows)
+
+
+def dataset_id(shards: list[dict[str, Any]]) -> str:
+    """A dataset's id: the hash of its shards (and, for partly superseded ones, their current samples)."""
+    return hash_json(shards)
+
+
+def text_encoder_fingerprint(model: ModelConfig, text: TextEncodingConfig) -> str:
+    """Covers weights, tokenizer files, max_length, dtype (quantisation included), caption
+    preprocessing and format; not device, offload or batch size, which change nothing beyond
+    float noise."""
+    family = family_of(model)
+    files = component_fingerprint(model.path, list(family.text_folders), model.revision)
+    return hash_json({"files": files, "max_length": text.max_length, "dtype": text.dtype, "format": TEXT_FORMAT,
+                      "captions": family.caption_rule(text.caption_preprocessing)})
+
+
+def vae_fingerprint(model: ModelConfig, latents: LatentEncodingConfig) -> str:
+    """Covers VAE weights, bucket table, crop, posterior layout, flip, tiling, both dtypes and
+    format; not device, batch size or slicing."""
+    files = component_fingerprint(model.path, ["vae"], model.revision)
+    # tiling blends overlapping tiles, so it changes the latents; slicing does not
+    settings: dict[str, Any] = latents.model_dump(exclude={"device", "batch_size", "slicing"})
+    if latents.crop == "center":
+        settings.pop("crop_seed")  # unused: changing it must not re-encode
+    return hash_json({"files": files, **settings, "format": LATENT_FORMAT})
+
+
+def transformer_fingerprint(model: ModelConfig) -> str:
+    return hash_json(component_fingerprint(model.path, ["transformer", "scheduler"], model.revision))
+
+
+def prompt_rows(prompts: list[str]) -> list[str]:
+    """The texts of a prompts shard: the empty caption first, then each distinct prompt."""
+    return list(dict.fromkeys(["", *prompts]))
+
+
+def prompts_cache_key(fingerprint: str, prompts: list[str]) -> str:
+    return layout.text_prompts(fingerprint, hash_json(prompt_rows(prompts)))
+
+
+def manifest_id(dataset: str, text_fp: str, vae_fp: str, prompts: list[str]) -> str:
+    return hash_json({"dataset": dataset, "text": text_fp, "vae": vae_fp, "prompts": prompts})
+
+
+def run_id_for(manifest: str, model: ModelConfig, training: TrainingConfig, init: dict | None = None) -> str:
+    # an explicit init_from URL counts by the adapter's bytes; "latest" by the word, so a re-run
+    # over an unchanged manifest is the same run, and new data continues from the newest run
+    init_id = init["sha256"] if init and training.init_from not in ("none", "latest") else None
+    return hash_json({"manifest": manifest, "transformer": transformer_fingerprint(model),
+                      "training": {**training.model_dump(exclude=NOT_IN_RUN_ID), "micro_batches": training.micro_batches},
+                      "init": init_id, "format": TRAIN_FORMAT})

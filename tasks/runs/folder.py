@@ -1,0 +1,82 @@
+"""A finished run's folder, read through the store: its commit record, its lineage and its trained
+weights. Every tool over a finished run (sampling, export, the run page, `init_from`) reads a run
+here, so each gets the store's retries and refuses a run whose lineage is not committed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from configs.schema import ModelConfig, StorageConfig
+from storage import layout
+from storage.store import Store
+from tasks.families import Family, family_named, family_of, pipeline_of
+
+# the files PEFT's save_pretrained writes for an adapter (and from_pretrained reads)
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+@dataclass
+class FinishedRun:
+    store: Store
+    run: str  # the run's key in the store
+    record: dict[str, Any]  # the lineage's commit record: steps, losses, samples, weights
+    lineage: dict[str, Any]  # what trained it: manifest, model, training config, text, code, versions
+
+    @classmethod
+    def at(cls, url: str, options: dict | None = None, like: StorageConfig | None = None) -> FinishedRun:
+        """The run at `url` (a run's URL, or its adapter/transformer URL), read with the fsspec
+        `options`, or with every setting of the store config `like` (options, credentials, retries)."""
+        root, run = layout.parse_run(url)
+        config = like.model_copy(update={"root": root}) if like else StorageConfig(root=root, options=options or {})
+        return cls.read(Store(config), run)
+
+    @classmethod
+    def read(cls, store: Store, run: str) -> FinishedRun:
+        record = store.committed(layout.run_part(run, "lineage"))
+        if record is None:
+            raise FileNotFoundError(f"{store.url(run)} is not a finished run (no committed lineage.json)")
+        lineage = json.loads(store.read_verified(layout.run_part(run, "lineage"), record["sha256"]))
+        return cls(store, run, record, lineage)
+
+    @property
+    def url(self) -> str:
+        return self.store.url(self.run)
+
+    @property
+    def weights(self) -> str:
+        """Which weights the run trained: "adapter" (LoRA, PEFT layout) or "transformer" (diffusers)."""
+        return "adapter" if self.record["adapter"] else "transformer"
+
+    @property
+    def family(self) -> Family:
+        """The family of the run's model, as its lineage recorded (runs published before it was
+        recorded: as the model folder says)."""
+        model = self.record["model"]
+        return family_named(self.lineage.get("pipeline") or pipeline_of(model["path"], model["revision"]))
+
+    def adapter(self) -> tuple[dict[str, Any], bytes]:
+        """The LoRA adapter's PEFT config and its safetensors file's bytes."""
+        if self.weights != "adapter":
+            raise FileNotFoundError(f"{self.url} has no LoRA adapter (a `method: full` run saves a whole transformer, "
+                                    f"which loads as a model, not as a LoRA)")
+        folder = layout.run_part(self.run, "adapter")
+        config = json.loads(self.store.read_bytes(f"{folder}/{ADAPTER_CONFIG}"))
+        return config, self.store.read_bytes(f"{folder}/{ADAPTER_WEIGHTS}")
+
+    def trained_transformer(self, model: ModelConfig, local: str) -> torch.nn.Module:
+        """The transformer with the trained weights: the adapter merged into `model`'s, or the
+        whole trained transformer; its files are copied to the folder `local` first."""
+        from peft import PeftModel
+
+        family = family_of(model)
+        folder = layout.run_part(self.run, self.weights)
+        for key in self.store.list(folder):
+            self.store.get_file(key, Path(local) / key.rsplit("/", 1)[-1])
+        if self.weights == "adapter":
+            return PeftModel.from_pretrained(family.load_transformer(model), local).merge_and_unload()
+        return family.transformer_class().from_pretrained(local)
