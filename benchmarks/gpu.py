@@ -1,7 +1,7 @@
-"""Real architectures on a GPU, bf16: T5 v1.1 XXL encoder, the SDXL VAE, PixArt-Sigma XL/2 at 1024 px.
+"""Real architectures on a GPU, bf16: T5 v1.1 XXL encoder, the SDXL VAE and the demo family's XL
+transformer at 1024 px (`tasks.demo.models.REAL_SHAPES`).
 
-Randomly initialised models with the published shapes (the `config.json` of google/t5-v1_1-xxl,
-stabilityai/sdxl-vae and PixArt-alpha/PixArt-Sigma-XL-2-1024-MS), saved and loaded through
+Randomly initialised models with the published shapes (the `config.json` of each), saved and loaded through
 `from_pretrained` like the real ones, then run through precast's own code:
 - text: `encode_captions` (length-sorted, token-budget batches, real tokens only): captions/s;
 - latents: the VAE encoder on 1024x1024 images, batch `--vae-batch`: images/s;
@@ -29,45 +29,11 @@ from typing import Any, Callable
 import torch
 
 from configs.schema import ModelConfig, TextEncodingConfig, TrainingConfig
-from tasks.demo.models import WORDS, build_tokenizer
+from tasks.demo.models import REAL_SHAPES, TINY_SHAPES, WORDS, write_model_set
 
 # dense bf16 tensor-core peaks (no sparsity), TFLOP/s; the sources are in docs/benchmarks.md
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 
-REAL = {
-    "t5": dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64),
-    "vae": dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, sample_size=1024),
-    "transformer": dict(num_attention_heads=16, attention_head_dim=72, num_layers=28, caption_channels=4096,
-                        cross_attention_dim=1152, sample_size=128),
-    "resolution": 1024,
-}
-TINY = {
-    "t5": dict(d_model=128, d_kv=32, d_ff=320, num_layers=2, num_heads=4),
-    "vae": dict(block_out_channels=(32, 32, 64, 64), layers_per_block=1, sample_size=128),
-    "transformer": dict(num_attention_heads=2, attention_head_dim=32, num_layers=2, caption_channels=128,
-                        cross_attention_dim=64, sample_size=16),
-    "resolution": 128,
-}
-
-
-def make_models(folder: Path, shapes: dict[str, Any], device: torch.device) -> ModelConfig:
-    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtTransformer2DModel
-    from transformers import T5Config, T5EncoderModel
-
-    torch.manual_seed(0)
-    tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(folder / "tokenizer")
-    with torch.device(device):  # random initialisation of 4.7B parameters is far faster on the GPU
-        T5EncoderModel(T5Config(vocab_size=32128, feed_forward_proj="gated-gelu", dropout_rate=0.0, **shapes["t5"])) \
-            .to(torch.bfloat16).save_pretrained(folder / "text_encoder")
-        AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=32,
-                      down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                      scaling_factor=0.13025, **shapes["vae"]).to(torch.bfloat16).save_pretrained(folder / "vae")
-        PixArtTransformer2DModel(in_channels=4, out_channels=8, norm_num_groups=32, use_additional_conditions=False,
-                                 **shapes["transformer"]).to(torch.bfloat16).save_pretrained(folder / "transformer")
-    DPMSolverMultistepScheduler(beta_schedule="linear", beta_start=0.0001, beta_end=0.02).save_pretrained(
-        folder / "scheduler")
-    return ModelConfig(path=str(folder))
 
 
 def counted_flops(work: Callable[[], Any]) -> int:
@@ -127,24 +93,49 @@ MODES = {
 }
 
 
+def lora_step(model: ModelConfig, mode: str, device: torch.device,
+              generator: torch.Generator) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """One optimizer step of LoRA training in `mode`, as the trainer takes it."""
+    from tasks.train.network import kept_activations, trainable_network
+    from tasks.train.loss import Objective, diffusion_loss
+
+    training = TrainingConfig(rank=32, alpha=16, mixed_precision="bf16", device=device.type, **MODES[mode])
+    objective = Objective.of(model, training)
+    network = trainable_network(model, training).to(device)
+    optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=1e-4,
+                                  fused=device.type == "cuda" or None)
+
+    def step(latents: torch.Tensor, embeddings: torch.Tensor, mask: torch.Tensor) -> None:
+        with kept_activations(training.gradient_checkpointing, device):
+            loss = diffusion_loss(network, objective, latents, embeddings, mask, generator, torch.bfloat16)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def rounded(figures: dict[str, Any], peak: float | None) -> dict[str, Any]:
+    figures = {**figures, "mfu": figures["tflops"] / peak if peak else None}
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}
+
+
 def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int = 5, max_batch: int = 64) -> dict:
     from tasks.encode.text import encode_captions, run_encoder, tokenize
     from storage.shards import pad_sequences
-    from tasks.encode.models import load_noise_scheduler, load_text_encoder, load_vae
-    from tasks.train.loss import diffusion_loss
-    from tasks.train import kept_activations, trainable_network
-
+    from tasks.encode.models import load_text_encoder, load_vae
     if not torch.cuda.is_available() and not tiny:
         return {"skipped": "no CUDA device: the real-architecture benchmarks need a GPU"}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    shapes = TINY if tiny else REAL
+    shapes = TINY_SHAPES if tiny else REAL_SHAPES
     rng = random.Random(0)
     texts = [" ".join(rng.choice(WORDS) for _ in range(max(3, min(300, int(rng.lognormvariate(4.1, 0.55))))))
              for _ in range(captions)]
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_models(Path(tmp), shapes, device)
+        model = ModelConfig(path=str(write_model_set(Path(tmp), shapes["t5"], shapes["vae"], shapes["transformer"],
+                                                     torch.bfloat16, device)))
         text = TextEncodingConfig(dtype="bf16", device=device.type, numerics_samples=0, batch_tokens=65536)
         encoder = load_text_encoder(model, "bf16", device.type, "none")
         results: dict[str, Any] = {"device": name, "peak_bf16_tflops": peak, "shapes": "tiny" if tiny else "real"}
@@ -156,27 +147,9 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
         with torch.inference_mode():
             results["latents"] = measure(lambda: vae.encode(images).latent_dist.mean, vae_batch, repeat, device)
 
-        noise_scheduler = load_noise_scheduler(model)
         generator = torch.Generator(device).manual_seed(0)
-        lengths = [len(ids) for ids in tokenize(texts, encoder.tokenizer, text)[0]]
+        lengths = [len(ids) for ids in tokenize(texts, encoder, text)[0]]
         latent_side = resolution // 8
-
-        def trainer(mode: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
-            """One optimizer step of LoRA training in `mode`, as the trainer takes it."""
-            training = TrainingConfig(rank=32, alpha=16, mixed_precision="bf16", device=device.type, **MODES[mode])
-            network = trainable_network(model, training).to(device)
-            optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=1e-4,
-                                          fused=device.type == "cuda" or None)
-
-            def step(latents: torch.Tensor, embeddings: torch.Tensor, mask: torch.Tensor) -> None:
-                with kept_activations(training.gradient_checkpointing, device):
-                    loss = diffusion_loss(network, noise_scheduler, latents, embeddings, mask, generator,
-                                          torch.bfloat16)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            return step
 
         def cached(step, batch: int) -> dict[str, float]:
             # what the cache hands the trainer: posterior latents and real-length embeddings
@@ -188,11 +161,11 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
 
         results["training_modes"] = {}
         for mode in MODES:
-            step = trainer(mode)
+            step = lora_step(model, mode, device, generator)
             batch, figures = largest_batch(lambda size: cached(step, size), max_batch)
             results["training_modes"][mode] = {**figures, "batch": batch}
             del step
-        step = trainer("recompute")
+        step = lora_step(model, "recompute", device, generator)
 
         def online(batch: int) -> dict[str, float]:
             pixels = torch.rand(batch, 3, resolution, resolution, device=device, dtype=torch.bfloat16) * 2 - 1
@@ -200,7 +173,7 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
 
             def encode_and_step() -> None:
                 with torch.no_grad():
-                    ids, _ = tokenize(batch_texts, encoder.tokenizer, text)
+                    ids, _ = tokenize(batch_texts, encoder, text)
                     embeddings, mask = pad_sequences(run_encoder(ids, encoder, text.batch_tokens))
                     latents = vae.encode(pixels).latent_dist.sample(generator).float() * vae.config.scaling_factor
                 step(latents, embeddings.to(device).float(), mask.to(device))
@@ -210,14 +183,9 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
         batch, figures = largest_batch(online, max_batch)
         results["training_online"] = {**figures, "batch": batch}
     results["training_cached"] = results["training_modes"]["recompute"]
-
-    def rounded(figures: dict[str, Any]) -> dict[str, Any]:
-        figures = {**figures, "mfu": figures["tflops"] / peak if peak else None}
-        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}
-
     for key in ["text", "latents", "training_cached", "training_online"]:
-        results[key] = rounded(results[key])
-    results["training_modes"] = {mode: rounded(figures) for mode, figures in results["training_modes"].items()}
+        results[key] = rounded(results[key], peak)
+    results["training_modes"] = {mode: rounded(figures, peak) for mode, figures in results["training_modes"].items()}
     return results
 
 
@@ -235,12 +203,12 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
         ("T5 v1.1 XXL encoding", f"{text['per_s']:,.1f} captions/s", f"{where}, peak {text['peak_gib']:.1f} GiB{mfu(text)}", ""),
         ("SDXL VAE encoding, 1024 px", f"{latents['per_s']:,.2f} img/s",
          f"{where}, peak {latents['peak_gib']:.1f} GiB{mfu(latents)}", ""),
-        ("PixArt-Sigma XL/2 LoRA, 1024 px, cached", f"{cached['per_s']:,.2f} samples/s",
+        (f"{REAL_SHAPES['name']} LoRA, 1024 px, cached", f"{cached['per_s']:,.2f} samples/s",
          f"batch {cached['batch']}, peak {cached['peak_gib']:.1f} GiB{mfu(cached)}", ""),
-        ("PixArt-Sigma XL/2 LoRA, 1024 px, online", f"{online['per_s']:,.2f} samples/s",
+        (f"{REAL_SHAPES['name']} LoRA, 1024 px, online", f"{online['per_s']:,.2f} samples/s",
          f"batch {online['batch']}, peak {online['peak_gib']:.1f} GiB{mfu(online)}; cached is "
          f"{cached['per_s'] / online['per_s']:.1f}x", ""),
-    ] + [(f"PixArt-Sigma XL/2 LoRA, 1024 px, {mode}", f"{figures['per_s']:,.2f} samples/s",
+    ] + [(f"{REAL_SHAPES['name']} LoRA, 1024 px, {mode}", f"{figures['per_s']:,.2f} samples/s",
           f"largest batch {figures['batch']}, peak {figures['peak_gib']:.1f} GiB{mfu(figures)}", "")
          for mode, figures in result["training_modes"].items()]
 

@@ -6,7 +6,7 @@ One invocation, the same data, model and loop (`trainable_network`, `diffusion_l
   as a trainer without a feature cache does;
 - loader: `CachedFeatures.batch` alone, to compare with the cached step time.
 Each training variant runs in its own process so its peak memory (max RSS) is its own. The model
-set is random but shaped like PixArt-Sigma's proportions: the text encoder has about 8x the
+set is random but in a real model set's proportions: the text encoder has about 8x the
 transformer's parameters. Usage: python -m benchmarks.training [--steps 30] [--batch 4]
 """
 
@@ -22,29 +22,18 @@ from pathlib import Path
 
 import torch
 
-from configs.schema import PipelineConfig
+from configs.schema import ModelConfig, PipelineConfig
 from tasks.demo.data import write_demo_data
-from tasks.demo.models import build_tokenizer
+from tasks.demo.models import write_model_set
 
 
 def make_models(folder: Path) -> Path:
-    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtTransformer2DModel
-    from transformers import T5Config, T5EncoderModel
-
-    torch.manual_seed(0)
-    tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(folder / "tokenizer")
-    T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=256, d_kv=32, d_ff=640, num_layers=14, num_heads=8,
-                            feed_forward_proj="gated-gelu", dropout_rate=0.0)).save_pretrained(folder / "text_encoder")
-    AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, norm_num_groups=32,
-                  down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                  block_out_channels=(32, 64, 128, 128), scaling_factor=0.13025).save_pretrained(folder / "vae")
-    PixArtTransformer2DModel(num_attention_heads=4, attention_head_dim=32, in_channels=4, out_channels=8,
-                             num_layers=4, cross_attention_dim=128, caption_channels=256, sample_size=32,
-                             norm_num_groups=32, use_additional_conditions=False).save_pretrained(folder / "transformer")
-    DPMSolverMultistepScheduler(beta_schedule="linear", beta_start=0.0001, beta_end=0.02).save_pretrained(
-        folder / "scheduler")
-    return folder
+    """The model set: random, with a text encoder about 8x the transformer, as at full scale."""
+    return write_model_set(
+        folder, dict(d_model=256, d_kv=32, d_ff=640, num_layers=14, num_heads=8),
+        dict(layers_per_block=1, block_out_channels=(32, 64, 128, 128)),
+        dict(num_attention_heads=4, attention_head_dim=32, num_layers=4, cross_attention_dim=128, caption_channels=256,
+             sample_size=32))
 
 
 def config_for(workdir: Path, steps: int, batch: int) -> PipelineConfig:
@@ -98,9 +87,10 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
     from tasks.encode.text import run_encoder, tokenize
     from storage.shards import pad_sequences
     from tasks.train.data import bucket_batches
-    from tasks.encode.models import load_noise_scheduler, load_text_encoder, load_vae
-    from tasks.train.loss import diffusion_loss
-    from tasks.train import trainable_network
+    from tasks.encode.models import load_text_encoder, load_vae
+    from tasks.families import family_of
+    from tasks.train.loss import Objective, diffusion_loss
+    from tasks.train.network import trainable_network
 
     training = config.training
     store = Store(config.storage)
@@ -116,7 +106,8 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
     encoder = load_text_encoder(config.model, "fp32", "cpu", "none")
     vae = load_vae(config.model, "fp32", "cpu")
     network = trainable_network(config.model, training)
-    noise_scheduler = load_noise_scheduler(config.model)
+    objective = Objective.of(config.model, training)
+    table = family_of(config.model).bucket_table(256)
     optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=training.learning_rate)
     batches = bucket_batches(buckets, training.batch_size, training.seed)
     generator = torch.Generator().manual_seed(training.seed)
@@ -124,12 +115,12 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
     for _ in range(training.steps):
         batch = [samples[i] for i in next(batches)]
         with torch.no_grad():
-            ids, _ = tokenize([s["captions"][0] for s in batch], encoder.tokenizer, config.text_encoding)
+            ids, _ = tokenize([s["captions"][0] for s in batch], encoder, config.text_encoding)
             text, mask = pad_sequences(run_encoder(ids, encoder, config.text_encoding.batch_tokens))
-            pixels = torch.stack([preprocess(s["image"], crop_box(s["width"], s["height"], 256, "center", 0, ""))
+            pixels = torch.stack([preprocess(s["image"], crop_box(table, s["width"], s["height"], "center", 0, ""))
                                   for s in batch])
             latents = vae.encode(pixels).latent_dist.sample(generator) * vae.config.scaling_factor
-        loss = diffusion_loss(network, noise_scheduler, latents, text, mask, generator, None)
+        loss = diffusion_loss(network, objective, latents, text, mask, generator, None)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -137,12 +128,14 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
 
 
 def parameters(folder: Path) -> dict:
-    from diffusers import PixArtTransformer2DModel
     from transformers import T5EncoderModel
 
+    from tasks.families import family_of
+
+    model = ModelConfig(path=str(folder))
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     return {"text_encoder": count(T5EncoderModel.from_pretrained(folder, subfolder="text_encoder")),
-            "transformer": count(PixArtTransformer2DModel.from_pretrained(folder, subfolder="transformer"))}
+            "transformer": count(family_of(model).load_transformer(model))}
 
 
 def run(steps: int = 30, batch: int = 4, count: int = 64) -> dict:
@@ -182,7 +175,7 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
 
 def peak_rss_mib() -> float:
     """This process's peak resident memory since it started its program."""
-    from tasks.train import peak_memory_gib
+    from tasks.train.metrics import peak_memory_gib
 
     return round(peak_memory_gib(torch.device("cpu")) * 1024, 1)
 

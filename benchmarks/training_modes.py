@@ -6,7 +6,7 @@ fp32 base, fp32 compute, batches counted in samples), in its own process so its 
 are measured on one micro-batch through the same code (`trainable_network`, `kept_activations`,
 `diffusion_loss`): the bytes of activations backward keeps on the device per sample (what offload
 moves to host memory; on a CPU host and device are one memory, so max RSS cannot show it), and the
-bytes of the frozen base's weights. The transformer is PixArt-shaped and small; its latents are
+bytes of the frozen base's weights. The transformer is the demo family's, small; its latents are
 64x64 (1,024 image tokens per sample). Usage: python -m benchmarks.training_modes [--steps 30]
 """
 
@@ -49,9 +49,8 @@ def held_bytes(config, manifest_url: str) -> dict[str, float]:
     from one micro-batch of the manifest's largest bucket."""
     from storage.store import Store
     from tasks.train.data import CachedFeatures
-    from tasks.train.loss import diffusion_loss
-    from tasks.encode.models import load_noise_scheduler
-    from tasks.train import kept_activations, trainable_network
+    from tasks.train.loss import Objective, diffusion_loss
+    from tasks.train.network import kept_activations, trainable_network
 
     store = Store(config.storage)
     features = CachedFeatures(store, store.read_json(store.key(manifest_url)))
@@ -67,7 +66,7 @@ def held_bytes(config, manifest_url: str) -> dict[str, float]:
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.training.mixed_precision)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
             kept_activations(config.training.gradient_checkpointing, torch.device("cpu")):
-        loss = diffusion_loss(network, load_noise_scheduler(config.model), latents, text, mask,
+        loss = diffusion_loss(network, Objective.of(config.model, config.training), latents, text, mask,
                               torch.Generator().manual_seed(1), half)
     loss.backward()
     frozen = sum(stored_bytes(p) for p in network.parameters() if not p.requires_grad)
@@ -111,15 +110,15 @@ def measure(workdir: Path, manifest_url: str, steps: int, batch: int, mode: str,
 
 def token_spread(workdir: Path, manifest_url: str) -> dict:
     """Image tokens per sample of the smallest and largest bucket of the manifest."""
-    from diffusers import PixArtTransformer2DModel
-
     from storage.store import Store
+    from tasks.families import family_of
     from tasks.train.data import CachedFeatures
 
     config = config_for(workdir, 1, 1)
     store = Store(config.storage)
     features = CachedFeatures(store, store.read_json(store.key(manifest_url)))
-    patch = PixArtTransformer2DModel.load_config(config.model.path, subfolder="transformer")["patch_size"]
+    patch = family_of(config.model).transformer_class().load_config(config.model.path, subfolder="transformer")[
+        "patch_size"]
     tokens = {name: (int(name.split("x")[0]) // patch) * (int(name.split("x")[1]) // patch) for name in features.buckets}
     return {"buckets": len(tokens), "min_tokens": min(tokens.values()), "max_tokens": max(tokens.values())}
 

@@ -136,7 +136,7 @@ def test_training_reader_draws_seeded_latents_from_one_bucket(make_config):
 def test_interrupted_training_resumes_bit_identically(make_config, tmp_path, monkeypatch, optimizer,
                                                       background_loader):
     from tasks import prefetch
-    from tasks import train as train_module
+    from tasks.train import data as train_module
 
     if background_loader:  # the accelerator path: batches read two steps ahead in a thread
         monkeypatch.setattr(train_module, "prefetched",
@@ -351,13 +351,13 @@ def test_training_on_a_remote_root_reads_the_bytes_it_verified(make_config, s3_e
 def test_a_new_training_format_is_a_new_run(make_config, monkeypatch):
     """A fix to the training loop bumps TRAIN_FORMAT: the same config and data then train a new
     run instead of returning the one the old code made."""
-    from tasks import train as training
+    from tasks import identity
 
     config = make_config(training={"steps": 1, "sample_prompts": []})
     manifest = _manifest(config)
     first = train(config.storage, config.model, config.training, manifest["url"])
     assert train(config.storage, config.model, config.training, manifest["url"]) == first
-    monkeypatch.setattr(training, "TRAIN_FORMAT", training.TRAIN_FORMAT + "-fixed")
+    monkeypatch.setattr(identity, "TRAIN_FORMAT", identity.TRAIN_FORMAT + "-fixed")
     second = train(config.storage, config.model, config.training, manifest["url"])
     assert second["run"] != first["run"]
 
@@ -381,9 +381,8 @@ def test_noisy_input_and_target_follow_the_models_scheduler(tiny_models, tmp_pat
 
     from diffusers import DPMSolverMultistepScheduler
 
-    from configs.schema import ModelConfig
-    from tasks.encode.models import load_noise_scheduler
-    from tasks.train.loss import diffusion_loss
+    from configs.schema import ModelConfig, TrainingConfig
+    from tasks.train.loss import Objective, diffusion_loss
 
     folder = tmp_path / "models"
     shutil.copytree(tiny_models, folder)
@@ -391,8 +390,8 @@ def test_noisy_input_and_target_follow_the_models_scheduler(tiny_models, tmp_pat
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "prediction_type": prediction}))
     model = ModelConfig(path=str(folder))
     if prediction == "flow_prediction":
-        with pytest.raises(ValueError, match=r"prediction_type 'flow_prediction'\) cannot be trained"):
-            load_noise_scheduler(model)
+        with pytest.raises(ValueError, match=r"prediction_type 'flow_prediction'\) cannot train"):
+            Objective.of(model, TrainingConfig())
         return
     seen = {}
 
@@ -402,7 +401,7 @@ def test_noisy_input_and_target_follow_the_models_scheduler(tiny_models, tmp_pat
 
     latents = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(1))
     text, mask = torch.randn(3, 5, 32), torch.ones(3, 5, dtype=torch.long)
-    loss = diffusion_loss(network, load_noise_scheduler(model), latents, text, mask,
+    loss = diffusion_loss(network, Objective.of(model, TrainingConfig()), latents, text, mask,
                           torch.Generator().manual_seed(7), None)
     # the same draws: noise, then uniform timesteps over the training schedule
     generator = torch.Generator().manual_seed(7)
@@ -453,11 +452,11 @@ def test_validation_loss_on_held_out_samples_with_fixed_draws(make_config, monke
     assert [r[3] is not None for r in reports] == [m["step"] in scored for m in metrics]
     # fixed draws: the same weights score the same, a different seed's draws score otherwise
     network = PixArtTransformer2DModel.from_pretrained(config.model.path, subfolder="transformer")
-    from tasks.encode.models import load_noise_scheduler
+    from tasks.train.loss import Objective
 
-    scheduler = load_noise_scheduler(config.model)
-    first = validation.loss(network, scheduler, torch.device("cpu"), None)
-    assert validation.loss(network, scheduler, torch.device("cpu"), None) == first
+    objective = Objective.of(config.model, config.training)
+    first = validation.loss(network, objective, torch.device("cpu"), None)
+    assert validation.loss(network, objective, torch.device("cpu"), None) == first
 
     too_many = config.training.model_copy(update={"validation_samples": 24})
     with pytest.raises(ValueError, match="validation_samples is 24, which leaves none of the manifest's 24 samples"):

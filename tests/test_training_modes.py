@@ -80,9 +80,8 @@ def test_offload_keeps_the_checkpointed_activations_in_host_memory(cached_manife
     """What backward keeps on the device: every activation (none), the blocks' inputs
     (recompute), nothing with offload (the saved-tensor hooks take every tensor to host memory and
     bring it back in backward); the gradients are the same in every mode."""
-    from tasks.train.loss import diffusion_loss
-    from tasks.encode.models import load_noise_scheduler
-    from tasks.train import kept_activations, trainable_network
+    from tasks.train.loss import Objective, diffusion_loss
+    from tasks.train.network import kept_activations, trainable_network
 
     base, _ = cached_manifest
     kept, grads = {}, {}
@@ -101,7 +100,7 @@ def test_offload_keeps_the_checkpointed_activations_in_host_memory(cached_manife
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             with kept_activations(mode, torch.device("cpu")):
-                loss = diffusion_loss(network, load_noise_scheduler(base.model), latents, text, mask,
+                loss = diffusion_loss(network, Objective.of(base.model, training), latents, text, mask,
                                       torch.Generator().manual_seed(1), None)
         loss.backward()
         kept[mode] = sum(saved)
@@ -115,7 +114,7 @@ def test_a_low_precision_frozen_base_trains_the_fp32_adapter_within_tolerance_an
     weights, their optimizer state and the loss stay fp32, the losses and adapter follow the fp32
     base's within the base's rounding, a killed bf16-base run resumes to the same bits, and the
     precision is in the run id and the lineage."""
-    from tasks.train import trainable_network
+    from tasks.train.network import trainable_network
 
     base, _ = cached_manifest
     reference = _run(cached_manifest, tmp_path / "fp32", mixed_precision="bf16")
@@ -189,14 +188,15 @@ def test_min_snr_weights_and_logit_normal_timesteps_are_diffusers_training_recip
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
 
     from configs.schema import ModelConfig
+    from tasks.families import family_of
     from tasks.train.loss import Objective, diffusion_loss
-    from tasks.encode.models import load_noise_scheduler
 
     folder = tmp_path / "models"
     shutil.copytree(tiny_models, folder)
     config_file = folder / "scheduler" / "scheduler_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "prediction_type": prediction}))
-    noise_scheduler = load_noise_scheduler(ModelConfig(path=str(folder)))
+    model = ModelConfig(path=str(folder))
+    noise_scheduler = family_of(model).noise_scheduler(model)
     seen = {}
 
     def network(noisy, encoder_hidden_states, encoder_attention_mask, timestep, added_cond_kwargs):
@@ -205,9 +205,9 @@ def test_min_snr_weights_and_logit_normal_timesteps_are_diffusers_training_recip
 
     latents = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(1))
     text, mask = torch.randn(4, 5, 32), torch.ones(4, 5, dtype=torch.long)
-    objective = Objective(timesteps="logit_normal", logit_mean=0.3, logit_std=1.2, weighting="min_snr", gamma=5.0)
-    loss = diffusion_loss(network, noise_scheduler, latents, text, mask, torch.Generator().manual_seed(7), None,
-                          objective)
+    objective = Objective(family_of(model), noise_scheduler, timesteps="logit_normal", logit_mean=0.3, logit_std=1.2,
+                          weighting="min_snr", gamma=5.0)
+    loss = diffusion_loss(network, objective, latents, text, mask, torch.Generator().manual_seed(7), None)
 
     generator = torch.Generator().manual_seed(7)
     noise = torch.randn(latents.shape, generator=generator)
@@ -260,7 +260,8 @@ def test_the_loop_reads_the_device_only_every_log_every_steps(cached_manifest, t
     def counted(real):
         def read(self, *args, **kwargs):
             caller = sys._getframe(1).f_code
-            if caller.co_filename.endswith(("tasks/train/__init__.py", "tasks/train/loss.py")):
+            if caller.co_filename.endswith(("tasks/train/trainer.py", "tasks/train/metrics.py",
+                                            "tasks/train/loss.py")):
                 reads.append(f"{caller.co_name}:{sys._getframe(1).f_lineno}")
             return real(self, *args, **kwargs)
         return read

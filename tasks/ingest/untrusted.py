@@ -42,7 +42,7 @@ KEEP_AS_IS = ("JPEG", "PNG", "WEBP")  # RGB files in these formats are stored by
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 # the largest honest encoding is 16-bit RGBA stored uncompressed, plus its metadata
 MAX_BYTES_PER_PIXEL, METADATA_BYTES = 8, 16 << 20
-MAX_CAPTION_CHARS = 10_000  # per variant: about 2,500 T5 tokens, where PixArt reads 120 to 300
+MAX_CAPTION_CHARS = 10_000  # per variant: about 2,500 T5 tokens, where encoders read 120 to 512
 MAX_CAPTION_BYTES = 1 << 20  # a caption file, member or cell, all variants together
 ARCHIVE_EXTENSIONS = frozenset({"tar", "tgz", "zip"})
 

@@ -15,13 +15,17 @@ import io
 import random
 from collections import defaultdict
 from collections.abc import Iterator
+from itertools import islice
 from typing import Any
 
 import pyarrow.parquet as pq
 import torch
 
+from configs.schema import TrainingConfig
 from storage.shards import LatentShard, RaggedShard, pad_sequences
 from storage.store import Store
+from tasks.prefetch import prefetched
+from tasks.train.distributed import Distributed
 
 
 class TextCache:
@@ -80,6 +84,47 @@ class CachedFeatures:
         embeddings, mask = pad_sequences(texts)
         return torch.stack(latents), embeddings, mask
 
+
+class Batches:
+    """This process's micro-batches on its device, each with its index in the global stream of
+    bucket batches: every world-th of that stream from this process's rank, so the processes of a
+    step share its micro-batches out; its draws are seeded by that index. Reads `seed`,
+    `batch_size`, `batch_tokens`, `caption_dropout`, `accumulation` and `prefetch`."""
+
+    def __init__(self, training: TrainingConfig, features: CachedFeatures, buckets: dict[str, list[str]],
+                 dist: Distributed, patch: int):
+        self.features, self.training, self.device = features, training, dist.device
+        sizes = batch_sizes(buckets, training.batch_size, training.batch_tokens, patch)
+        self.stream = islice(enumerate(bucket_batches(buckets, sizes, training.seed)), dist.rank, None, dist.world)
+        self.reader: Iterator | None = None  # started by `resume`
+
+    def resume(self, step: int) -> None:
+        """Start reading at the micro-batches of step `step` + 1: the position is the step's alone
+        (the reader reads ahead, so its own position is never what a checkpoint keeps)."""
+        for _ in range(step * self.training.accumulation):
+            next(self.stream)
+        # with an accelerator the next batches are read while the model works; on a CPU that gains
+        # nothing (both share the same cores)
+        ahead = 0 if self.device.type == "cpu" else self.training.prefetch
+        self.reader = prefetched(self._load, self.stream, ahead)
+
+    def _load(self, item: tuple[int, list[str]]) -> tuple[int, tuple[torch.Tensor, ...]]:
+        index, sample_ids = item
+        batch = self.features.batch(sample_ids, draws(self.training.seed, index, "data"), self.training.caption_dropout)
+        if self.device.type == "cuda":  # pinned, so the copy to the device does not hold the host
+            batch = tuple(tensor.pin_memory() for tensor in batch)
+        return index, batch
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> tuple[int, tuple[torch.Tensor, ...]]:
+        index, batch = next(self.reader)
+        return index, tuple(tensor.to(self.device, non_blocking=True) for tensor in batch)
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
 
 
 def batch_sizes(buckets: dict[str, list[str]], batch_size: int, batch_tokens: int | None, patch: int) -> dict[str, int]:

@@ -1,64 +1,47 @@
-"""Data-parallel training processes on one node or several: process-group setup and teardown, the
-device of each process, gradient averaging (DDP), the collective the trainer needs, and how the
-nodes of one attempt find and watch each other (`Rendezvous`). The only module that calls
-torch.distributed.
-
-Nodes meet through the store, the one place every node already reaches: node 0 publishes the
-address of rank 0's c10d TCP store under the attempt's folder, the other nodes read it and join;
-each node's supervising process beats a heartbeat there and reads the others', so a node that died
-or hangs fails the whole run within `training.node_timeout`, by name. An attempt's folder is named
-by its id, so the state of a crashed attempt is never read by a new one.
+"""Data-parallel training processes on one node or several: starting them and watching them until
+the run is committed (`Launcher`), process-group setup and teardown, the device of each process,
+gradient averaging (DDP) and the collective the trainer needs. The only trainer module that calls
+torch.distributed or torch.multiprocessing; the nodes of one attempt meet through the store
+(`tasks.train.rendezvous`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import os
-import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from urllib.parse import urlparse
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from configs.schema import TrainingConfig
+from storage import layout
+from storage.lease import Lease, LeaseLost
 from storage.store import Store
 from tasks.encode.models import resolve_device
+from tasks.train.rendezvous import NodeFailed, Rendezvous, free_port
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def node_address() -> str:
-    """The address the other nodes reach this one at: PRECAST_NODE_ADDRESS when set, else that of
-    the interface that routes to the Prefect API (the network every node of a pool shares), else the
-    hostname's."""
-    if address := os.environ.get("PRECAST_NODE_ADDRESS"):
-        return address
-    api = urlparse(os.environ.get("PREFECT_API_URL", ""))
-    if api.hostname:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((socket.gethostbyname(api.hostname), api.port or 80))  # sends nothing
-                return probe.getsockname()[0]
-        except OSError:
-            pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:  # a host whose own name does not resolve: a single machine
-        return "127.0.0.1"
+JOIN_POLL_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
 class Distributed:
+    """One training process's place in the group: its rank among `world`, its device."""
+
     rank: int
     world: int
     device: torch.device
+
+    @classmethod
+    def from_config(cls, training: TrainingConfig, node: int, local: int, address: str) -> Distributed:
+        """Process `local` of node `node` (rank node × processes + local). Reads `processes`,
+        `world`, `device` and `node_timeout`."""
+        return cls.start(node * training.processes + local, training.world, local, address, training.device,
+                         training.node_timeout)
 
     @classmethod
     def start(cls, rank: int, world: int, local: int, address: str, device: str, timeout: float) -> Distributed:
@@ -97,95 +80,81 @@ class Distributed:
             dist.destroy_process_group()
 
 
-class NodeFailed(RuntimeError):
-    """Another node of the run failed, died or stopped answering."""
-
-
 @dataclass
-class Rendezvous:
-    """The nodes of one training attempt, met through the store folder `folder`
-    (`runs/<run>/rendezvous/<attempt>`): node 0 publishes rank 0's address, every node beats a
-    heartbeat and watches the others'. Heartbeats are compared by whether they advance on this
-    node's clock, never across clocks."""
+class Launcher:
+    """This node's `training.processes` data-parallel processes of the run `run` (gloo on CPUs,
+    NCCL on GPUs), watched until the run is committed; with one process in all, this process.
+    Rank 0 (node 0) writes the run and its progress, which the supervising process relays; across
+    nodes each node beats a heartbeat and watches the others', and a node that failed, died or
+    stopped answering ends every node's processes with an error naming it."""
 
     store: Store
-    folder: str
-    node: int
-    nodes: int
-    timeout: float
-    beats: int = 0
-    seen: dict[int, tuple[int, float]] = field(default_factory=dict)  # node → (its beats, when they last changed here)
-    started: float = field(default_factory=time.monotonic)
+    run: str
+    training: TrainingConfig
+    node: int = 0
+    attempt: str | None = None
 
-    @property
-    def interval(self) -> float:
-        """Seconds between heartbeats (and between looks at the others')."""
-        return min(5.0, self.timeout / 4)
+    def launch(self, target: Callable[..., None], finished: Callable[[], dict[str, Any] | None],
+               progress: Callable[..., None] | None = None, lease: Lease | None = None) -> dict[str, Any]:
+        """`target(local, node, address)` in each process (in this one: with `progress` and
+        `lease`), then the run's commit record, `finished()`."""
+        training = self.training
+        if training.world == 1:
+            target(0, self.node, "", progress=progress, lease=lease)
+            return finished()
+        rendezvous = None
+        if training.nodes > 1:
+            rendezvous = Rendezvous(self.store, layout.rendezvous(self.run, self.attempt), self.node, training.nodes,
+                                    training.node_timeout)
+            if self.node == 0:
+                address = rendezvous.publish()
+            elif (address := rendezvous.address(lambda: finished() is not None)) is None:
+                return finished()
+        else:
+            address = f"127.0.0.1:{free_port()}"
+        processes = torch.multiprocessing.spawn(target, nprocs=training.processes, join=False, args=(self.node, address))
+        self._watch(processes, rendezvous, progress, lease)
+        if progress is not None:
+            progress(training.steps, training.steps, float("nan"), None)
+        # rank 0 commits the run just after every process left the group: the other nodes wait for it
+        while (record := finished()) is None and rendezvous is not None and self.node > 0:
+            rendezvous.beat()
+            rendezvous.check()
+            time.sleep(rendezvous.interval)
+        if record is None:
+            raise RuntimeError(f"training processes of {self.store.url(self.run)} ended without committing the run")
+        return record
 
-    def publish(self) -> str:
-        """Node 0: the address rank 0 listens at, published for the other nodes."""
-        address = f"{node_address()}:{free_port()}"
-        self.store.write_json(f"{self.folder}/address.json", {"address": address})
-        return address
+    def _watch(self, processes, rendezvous: Rendezvous | None, progress: Callable[..., None] | None,
+               lease: Lease | None) -> None:
+        """Until the processes end: the lease kept, the other nodes watched, rank 0's progress
+        relayed; on a failure every process of this node ends, and the other nodes are told."""
+        looked = 0.0
+        try:
+            while not processes.join(timeout=JOIN_POLL_SECONDS):
+                if lease is not None:
+                    lease.check()
+                if rendezvous is not None and time.monotonic() - looked > rendezvous.interval:
+                    rendezvous.beat()
+                    rendezvous.check()
+                    looked = time.monotonic()
+                if progress is not None:
+                    with contextlib.suppress(FileNotFoundError):  # rank 0 has not reported yet
+                        progress(*self.store.read_json(layout.run_part(self.run, "progress")))
+        except Exception as error:
+            for process in processes.processes:
+                if process.is_alive():
+                    process.terminate()
+            if rendezvous is None:
+                raise
+            local = isinstance(error, (NodeFailed, LeaseLost))  # known here: no other node to wait for
+            cause = str(error) if local else rendezvous.culprits() or _last_line(error)
+            rendezvous.beat(error=cause)  # the other nodes stop at once instead of at their timeout
+            raise NodeFailed(f"training {self.store.url(self.run)} on {self.training.nodes} nodes failed on node "
+                             f"{self.node}: {cause}") from error
 
-    def address(self, finished: Callable[[], bool]) -> str | None:
-        """The other nodes: rank 0's address once node 0 published it (None: the run finished
-        meanwhile, nothing to join); fails after `timeout` seconds without it."""
-        key = f"{self.folder}/address.json"
-        deadline = time.monotonic() + self.timeout
-        while not self.store.exists(key):
-            if finished():
-                return None
-            if time.monotonic() > deadline:
-                raise NodeFailed(f"node 0 published no address at {self.store.url(key)} within {self.timeout:g} s "
-                                 f"(training.node_timeout): it did not start, or waits for another trainer of this run")
-            time.sleep(self.interval)
-        return self.store.read_json(key)["address"]
 
-    def beat(self, error: str | None = None) -> None:
-        """This node's heartbeat (or, with `error`, its failure) for the others to read."""
-        self.beats += 1
-        self.store.write_json(f"{self.folder}/node-{self.node}.json", {
-            "node": self.node, "host": socket.gethostname(), "pid": os.getpid(), "beats": self.beats, "error": error})
-
-    def _look(self, silence: float) -> dict[int, str]:
-        """What is wrong with the other nodes now: node → reason (failed, silent for more than
-        `silence` seconds, not joined that long after this node started)."""
-        now, wrong = time.monotonic(), {}
-        for node in range(self.nodes):
-            if node == self.node:
-                continue
-            try:
-                record = self.store.read_json(f"{self.folder}/node-{node}.json")
-            except FileNotFoundError:  # not joined yet
-                record = None
-            if record is None and node not in self.seen:
-                if now - self.started > silence:
-                    wrong[node] = f"node {node} never joined ({now - self.started:.0f} s after this node)"
-                continue
-            if record is not None and record["error"]:
-                wrong[node] = f"node {node} ({record['host']}) failed: {record['error']}"
-                continue
-            beats = record["beats"] if record else self.seen[node][0]
-            if node not in self.seen or self.seen[node][0] != beats:
-                self.seen[node] = (beats, now)
-            elif now - self.seen[node][1] > silence:
-                where = f" ({record['host']}, pid {record['pid']})" if record else ""
-                wrong[node] = f"node {node}{where} stopped answering: no heartbeat for {now - self.seen[node][1]:.0f} s"
-        return wrong
-
-    def check(self) -> None:
-        """Raise NodeFailed naming every node that failed or has been silent past the timeout."""
-        if wrong := self._look(self.timeout):
-            raise NodeFailed("; ".join(wrong[node] for node in sorted(wrong)))
-
-    def culprits(self) -> str:
-        """After this node's processes failed (a collective broke): which other nodes failed or
-        died, told by heartbeats that stop advancing within three intervals; '' when all answer. It
-        keeps beating while it looks: the other nodes are looking too, and must not take its
-        silence for the failure."""
-        deadline = time.monotonic() + 3 * self.interval
-        while not (wrong := self._look(2.5 * self.interval)) and time.monotonic() < deadline:
-            self.beat()
-            time.sleep(self.interval / 2)
-        return "; ".join(wrong[node] for node in sorted(wrong))
+def _last_line(error: BaseException) -> str:
+    """The final line of an error from a training process (its traceback comes before it)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__

@@ -1,12 +1,13 @@
 """An exponential moving average of the trainable weights, as diffusers' `EMAModel`: updated once
-per optimizer step, checkpointed like the optimizer, and copied into the network at the end (the
+per optimizer step, checkpointed like the optimizer (`state_dict`/`load_state_dict`: the averages
+by parameter name, `ema/<name>` in a checkpoint), and copied into the network at the end (the
 averaged weights are the run's result when `training.ema_decay` > 0)."""
 
 from __future__ import annotations
 
 import torch
 
-from tasks.train.checkpointer import trainable_state
+from tasks.train.network import trainable_state
 
 
 class Ema:
@@ -23,3 +24,11 @@ class Ema:
     def copy_to(self, network: torch.nn.Module) -> None:
         for name, parameter in trainable_state(network).items():
             parameter.copy_(self.averages[name])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.averages)
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, average in self.averages.items():
+            average.copy_(state[name])

@@ -19,8 +19,10 @@ from configs.schema import ModelConfig, TrainingConfig
 from storage import layout
 from storage.shards import RaggedShard
 from storage.store import Store
+from tasks.families import pipeline_of
 from tasks.runs.plots import loss_curve_png
 from tasks.runs.sampling import sample_grid
+from tasks.train.network import output_name, sampling_module
 from tasks.train.trackers import Trackers
 
 
@@ -29,14 +31,14 @@ class RunPublisher:
                  init: dict | None, prompts: RaggedShard):
         self.store, self.run, self.model, self.training = store, run, model, training
         self.manifest, self.init, self.prompts = manifest, init, prompts
-        # PEFT adapter, or the whole transformer in diffusers format
-        self.output = "adapter" if training.method == "lora" else "transformer"
+        self.output = output_name(training)
         self.trackers = Trackers(store, run, training, self.lineage())
 
     def lineage(self) -> dict[str, Any]:
         """What made the run: manifest, model, training config, initial adapter, text settings, code."""
         return {
-            "manifest": self.manifest["id"], "model": self.model.model_dump(), "training": self.training.model_dump(),
+            "manifest": self.manifest["id"], "model": self.model.model_dump(),
+            "pipeline": pipeline_of(self.model.path, self.model.revision), "training": self.training.model_dump(),
             "init_from": self.init and {"url": self.init["url"], "sha256": self.init["sha256"]},
             "text": {k: self.prompts.meta[k] for k in ("caption_preprocessing", "max_length")},
             "fingerprints": {k: self.manifest[k] for k in ("text_fingerprint", "vae_fingerprint") if k in self.manifest},
@@ -50,6 +52,10 @@ class RunPublisher:
     def checkpointed(self) -> None:
         self.trackers.sync()
 
+    def relay(self, step: int, loss: float, validation_loss: float | None) -> None:
+        """The progress of a run of several processes, for the process that started them to relay."""
+        self.store.write_json(layout.run_part(self.run, "progress"), [step, self.training.steps, loss, validation_loss])
+
     def maybe_sample(self, network: torch.nn.Module, step: int) -> None:
         """Render the sample prompts every `sample_every` steps (the last step is `publish`'s)."""
         every = self.training.sample_every
@@ -57,11 +63,11 @@ class RunPublisher:
             self.sample(network, step)
 
     def sample(self, network: torch.nn.Module, step: int) -> None:
-        """A grid of the sample prompts (pre-encoded) through PixArtSigmaPipeline, seeded."""
+        """A grid of the sample prompts (pre-encoded) through the family's pipeline, seeded."""
         training = self.training
         network.eval()
         with torch.no_grad():
-            grid = sample_grid(self.model, network.base_model.model if training.method == "lora" else network,
+            grid = sample_grid(self.model, sampling_module(network, training),
                                [self.prompts[p] for p in training.sample_prompts], self.prompts[""],
                                training.sample_steps, training.guidance_scale, training.seed)
         network.train()

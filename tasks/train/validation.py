@@ -8,8 +8,9 @@ import hashlib
 
 import torch
 
+from configs.schema import TrainingConfig
 from tasks.train.data import CachedFeatures
-from tasks.train.loss import diffusion_loss
+from tasks.train.loss import Objective, diffusion_loss
 
 
 class Validation:
@@ -25,6 +26,11 @@ class Validation:
         self.batches = [ids[i : i + batch_size] for ids in self._split(features.buckets, held=True).values()
                         for i in range(0, len(ids), batch_size)]
 
+    @classmethod
+    def from_config(cls, training: TrainingConfig, features: CachedFeatures) -> Validation:
+        """Reads `validation_samples`, `validation_every`, `batch_size` and `seed`."""
+        return cls(features, training.validation_samples, training.validation_every, training.batch_size, training.seed)
+
     def _split(self, buckets: dict[str, list[str]], held: bool) -> dict[str, list[str]]:
         kept = {name: [s for s in ids if (s in self.held) == held] for name, ids in sorted(buckets.items())}
         return {name: ids for name, ids in kept.items() if ids}
@@ -37,15 +43,18 @@ class Validation:
         return bool(self.batches) and (step == steps or bool(self.every) and step % self.every == 0)
 
     @torch.no_grad()
-    def loss(self, network: torch.nn.Module, noise_scheduler, device: torch.device, half: torch.dtype | None) -> float:
-        """The mean loss over the held-out samples, with every random draw fixed by the seed."""
+    def loss(self, network: torch.nn.Module, objective: Objective, device: torch.device,
+             half: torch.dtype | None) -> float:
+        """The mean loss over the held-out samples, with every random draw fixed by the seed, under
+        the family's plain objective whatever the run trains with, so runs compare."""
+        objective = objective.plain()
         generator = torch.Generator().manual_seed(self.seed + 7_919)
         was_training = network.training
         network.eval()
         total = 0.0
         for ids in self.batches:
             latents, text, mask = self.features.batch(ids, generator, caption_dropout=0.0)
-            loss = diffusion_loss(network, noise_scheduler, latents.to(device), text.to(device), mask.to(device),
+            loss = diffusion_loss(network, objective, latents.to(device), text.to(device), mask.to(device),
                                   generator, half)
             total += loss.item() * len(ids)
         network.train(was_training)

@@ -1,0 +1,98 @@
+"""The trained network and everything model-specific about it: LoRA layers on the family's frozen
+transformer, or the whole transformer (`trainable_network`); which of its weights train and what a
+checkpoint keeps of them (`Weights`); where backward's activations wait (`kept_activations`); the
+module the family's sampling pipeline takes (`sampling_module`: PEFT's wrapper unwrapped); and
+the name of the run's output folder (`output_name`: a PEFT adapter or a diffusers transformer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from configs.schema import ModelConfig, TrainingConfig
+from tasks.families import family_of
+
+log = logging.getLogger(__name__)
+
+
+def trainable_network(model: ModelConfig, training: TrainingConfig, init: dict | None = None):
+    """The transformer with LoRA layers (only they train, in fp32; from `init`'s weights when
+    given) on the frozen base held in `base_precision`, or the whole transformer for `method:
+    full`; gradient checkpointing and compiled blocks as configured. Seeded: every process builds
+    the same one."""
+    torch.manual_seed(training.seed)
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.base_precision)
+    transformer = family_of(model).load_transformer(model, half)
+    if training.gradient_checkpointing != "none":
+        transformer.enable_gradient_checkpointing()
+    if training.method == "full":
+        network = transformer.requires_grad_(True)
+    else:
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        transformer.requires_grad_(False)
+        if training.base_precision == "int8":
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+            quantize_(transformer, Int8WeightOnlyConfig())
+        lora = LoraConfig(r=training.rank, lora_alpha=training.alpha, lora_dropout=training.lora_dropout,
+                          target_modules=training.target_modules, bias="none")
+        with warnings.catch_warnings():  # int8: PEFT warns that merging needs the quantisation recipe; never merged here
+            warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated without")
+            network = get_peft_model(transformer, lora)  # the adapter in fp32 on any base (autocast_adapter_dtype)
+        if init is not None:
+            try:
+                set_peft_model_state_dict(network, init["tensors"])
+            except RuntimeError as error:
+                raise ValueError(f"init_from {init['url']} does not fit this LoRA config: {error}") from error
+            log.info("continuing from %s", init["url"])
+    if training.compile:  # each block once per input shape; the rest of the model stays eager
+        for block in transformer.transformer_blocks:
+            block.compile()
+    return network
+
+
+def trainable_state(network: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights that train, by parameter name (the frozen base is the model's own)."""
+    return {name: p.detach() for name, p in network.named_parameters() if p.requires_grad}
+
+
+class Weights:
+    """The network's trainable weights as a checkpoint keeps them (`weights/<parameter name>`)."""
+
+    def __init__(self, network: torch.nn.Module):
+        self.network = network
+
+    def state_dict(self) -> dict[str, Any]:
+        return trainable_state(self.network)
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, parameter in trainable_state(self.network).items():
+            parameter.copy_(state[name])
+
+
+def kept_activations(checkpointing: str, device: torch.device):
+    """Where the tensors backward needs wait during forward: on the device, or with `offload` in
+    host memory (pinned beside an accelerator, copied there and back without holding the host:
+    torch's saved-tensor hooks). With checkpointing these are the blocks' inputs only."""
+    if checkpointing == "offload":
+        return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+    return contextlib.nullcontext()
+
+
+def sampling_module(network: torch.nn.Module, training: TrainingConfig) -> torch.nn.Module:
+    """The transformer the family's pipeline samples with: under LoRA, the model inside PEFT's
+    wrapper (its LoRA layers applied, not merged)."""
+    return network.base_model.model if training.method == "lora" else network
+
+
+def output_name(training: TrainingConfig) -> str:
+    """The run's weights folder: `adapter` (PEFT format) or `transformer` (the whole transformer in
+    diffusers format)."""
+    return "adapter" if training.method == "lora" else "transformer"
