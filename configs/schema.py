@@ -178,9 +178,9 @@ class TrainingConfig(Section):
     rank: int = Field(32, ge=1, description="LoRA rank r.")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha (the scale is alpha / rank).")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
-        description="Transformer modules that get LoRA layers (attention q/k/v/out and feed-forward).",
+    target_modules: list[str] | None = Field(
+        None, description="Transformer modules that get LoRA layers (PEFT target_modules). None: the model family's "
+        "own (attention q/k/v/out and feed-forward; docs/families.md).",
     )
     steps: int = Field(1000, ge=1, description="Optimizer steps.")
     batch_size: int = Field(

@@ -86,6 +86,8 @@ def run_id_for(manifest: str, model: ModelConfig, training: TrainingConfig, init
     # an explicit init_from URL counts by the adapter's bytes; "latest" by the word, so a re-run
     # over an unchanged manifest is the same run, and new data continues from the newest run
     init_id = init["sha256"] if init and training.init_from not in ("none", "latest") else None
-    return hash_json({"manifest": manifest, "transformer": transformer_fingerprint(model),
-                      "training": {**training.model_dump(exclude=NOT_IN_RUN_ID), "micro_batches": training.micro_batches},
+    # the modules LoRA adapts, resolved: the family's defaults count as if spelled in the config
+    settings = {**training.model_dump(exclude=NOT_IN_RUN_ID), "micro_batches": training.micro_batches,
+                "target_modules": family_of(model).target_modules(training)}
+    return hash_json({"manifest": manifest, "transformer": transformer_fingerprint(model), "training": settings,
                       "init": init_id, "format": TRAIN_FORMAT})

@@ -123,6 +123,7 @@ class RunRecord(TypedDict):
     run: str  # the run folder's URL
     samples: list[str]  # URLs of the sample grids
     model: dict[str, Any]
+    weights: NotRequired[str]  # which weights it trained: "adapter" or "transformer" (`weights_of`)
     adapter: str | None  # the LoRA's folder URL (method lora), else None
     transformer: str | None  # the whole transformer's folder URL (method full), else None
     finished: float

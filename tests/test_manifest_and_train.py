@@ -299,8 +299,11 @@ def test_two_process_data_parallel_training_on_cpu(make_config, tiny_models):
     # rank 0's checkpoint loads into a fresh single-process model
     from peft import LoraConfig, get_peft_model
 
+    from tasks.families import family_of
+
+    targets = family_of(config.model).target_modules(config.training)
     network = get_peft_model(PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer"),
-                             LoraConfig(r=4, lora_alpha=4, target_modules=config.training.target_modules))
+                             LoraConfig(r=4, lora_alpha=4, target_modules=targets))
     optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     state = TrainingState(network, optimizer, schedule)

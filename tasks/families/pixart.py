@@ -50,6 +50,7 @@ def bucket_tables() -> dict[int, dict[str, list[float]]]:
 
 class PixArt(Family):
     transformer_name = "PixArtTransformer2DModel"
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")  # attention and feed-forward
     resolutions: tuple[int, ...] = ()
 
     def caption_rule(self, mode: str) -> str:

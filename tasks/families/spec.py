@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from configs.schema import ModelConfig
+from configs.schema import ModelConfig, TrainingConfig
 
 
 class Family:
@@ -24,6 +24,7 @@ class Family:
     transformer_name: str = ""  # the diffusers class of its transformer
     # the folders of the text encoders and their tokenizers (what the text cache depends on)
     text_folders: tuple[str, ...] = ("text_encoder", "tokenizer")
+    lora_targets: tuple[str, ...] = ()  # the modules LoRA adapts when training.target_modules is None
 
     # --- text: what the encoders read ------------------------------------------------------
     def caption_rule(self, mode: str) -> str:
@@ -56,6 +57,14 @@ class Family:
     def noise_scheduler(self, model: ModelConfig) -> Any:
         """The scheduler training adds noise with and regresses the target of."""
         raise NotImplementedError
+
+    def target_modules(self, training: TrainingConfig) -> list[str]:
+        """The transformer modules that get LoRA layers: the config's, else the family's."""
+        return list(training.target_modules if training.target_modules is not None else self.lora_targets)
+
+    def blocks(self, transformer: torch.nn.Module) -> list[torch.nn.Module]:
+        """The transformer's repeated blocks (what `training.compile` compiles one by one)."""
+        return list(transformer.transformer_blocks)
 
     def noised(self, scheduler: Any, latents: torch.Tensor, noise: torch.Tensor,
                timesteps: torch.Tensor) -> torch.Tensor:

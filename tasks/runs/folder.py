@@ -20,6 +20,12 @@ from tasks.families import Family, family_named, family_of, pipeline_of
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
+def weights_of(record: dict[str, Any]) -> str:
+    """Which weights a finished run's commit record points at: "adapter" (LoRA, PEFT layout) or
+    "transformer" (diffusers); for runs published before the record named it, whichever is set."""
+    return record.get("weights") or ("adapter" if record["adapter"] else "transformer")
+
+
 @dataclass
 class FinishedRun:
     store: Store
@@ -49,8 +55,7 @@ class FinishedRun:
 
     @property
     def weights(self) -> str:
-        """Which weights the run trained: "adapter" (LoRA, PEFT layout) or "transformer" (diffusers)."""
-        return "adapter" if self.record["adapter"] else "transformer"
+        return weights_of(self.record)
 
     @property
     def family(self) -> Family:

@@ -27,7 +27,8 @@ def trainable_network(model: ModelConfig, training: TrainingConfig, init: dict |
     the same one."""
     torch.manual_seed(training.seed)
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.base_precision)
-    transformer = family_of(model).load_transformer(model, half)
+    family = family_of(model)
+    transformer = family.load_transformer(model, half)
     if training.gradient_checkpointing != "none":
         transformer.enable_gradient_checkpointing()
     if training.method == "full":
@@ -41,7 +42,7 @@ def trainable_network(model: ModelConfig, training: TrainingConfig, init: dict |
 
             quantize_(transformer, Int8WeightOnlyConfig())
         lora = LoraConfig(r=training.rank, lora_alpha=training.alpha, lora_dropout=training.lora_dropout,
-                          target_modules=training.target_modules, bias="none")
+                          target_modules=family.target_modules(training), bias="none")
         with warnings.catch_warnings():  # int8: PEFT warns that merging needs the quantisation recipe; never merged here
             warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated without")
             network = get_peft_model(transformer, lora)  # the adapter in fp32 on any base (autocast_adapter_dtype)
@@ -52,7 +53,7 @@ def trainable_network(model: ModelConfig, training: TrainingConfig, init: dict |
                 raise ValueError(f"init_from {init['url']} does not fit this LoRA config: {error}") from error
             log.info("continuing from %s", init["url"])
     if training.compile:  # each block once per input shape; the rest of the model stays eager
-        for block in transformer.transformer_blocks:
+        for block in family.blocks(transformer):
             block.compile()
     return network
 

@@ -98,7 +98,7 @@ class RunPublisher:
         window = max(1, min(10, len(metrics) // 4))  # mean loss over the first and last few steps
         return store.commit_json(
             layout.run_part(run, "lineage"), lineage, run=store.url(run), samples=samples, model=model.model_dump(),
-            adapter=store.url(layout.run_part(run, "adapter")) if self.output == "adapter" else None,
+            weights=self.output, adapter=store.url(layout.run_part(run, "adapter")) if self.output == "adapter" else None,
             transformer=store.url(layout.run_part(run, "transformer")) if self.output == "transformer" else None,
             finished=time.time(), steps=training.steps, resumed_from=start, seconds=round(elapsed, 2),
             first_loss=sum(m["loss"] for m in metrics[:window]) / window,
