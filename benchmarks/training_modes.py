@@ -87,7 +87,7 @@ def measure(workdir: Path, manifest_url: str, steps: int, batch: int, mode: str,
     import shutil
 
     from storage.store import Store
-    from tasks.train.publisher import read_metrics
+    from tasks.runs.folder import read_metrics
     from tasks.train import train
 
     config = mode_config(workdir, steps, batch, mode, budget)

@@ -23,7 +23,7 @@ from tasks.encode.text import encode_prompts, encode_text_shard, measure_numeric
 from tasks.ingest.stage import ingest
 from tasks.ingest.staging import examine_partition
 from tasks.manifest import build_manifest
-from tasks.encode.models import resolve_device
+from tasks.loading import resolve_device
 from tasks.train import train
 
 # Arguments are content-addressed ids, URLs and config sections, so INPUTS is the store's own key.

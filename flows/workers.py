@@ -33,7 +33,8 @@ from prefect import Task
 
 from configs.schema import ExecutionConfig
 from flows.stage_tasks import device_slot
-from tasks.encode.models import encoding_work, model_loads, resolve_device
+from tasks.encode.models import encoding_work, model_loads
+from tasks.loading import resolve_device
 from tasks.records import EncodingWork
 
 log = logging.getLogger(__name__)

@@ -115,6 +115,7 @@ def hub_files(path: str, subfolders: list[str], revision: str | None = None) -> 
         listing = {sub: [entry for entry in api.list_repo_tree(path, sub, recursive=True, revision=commit.resolved)
                          if isinstance(entry, RepoFile)] for sub in subfolders}
         small = [glob.escape(entry.path) for entries in listing.values() for entry in entries if entry.lfs is None]
+        small.append("model_index.json")  # names the model's family: read by every process that loads it
         # snapshot_download also caches the commit's listing, which tells an offline run what its
         # snapshot lacks
         snapshot = Path(snapshot_download(path, revision=commit, allow_patterns=small))

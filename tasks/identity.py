@@ -1,7 +1,8 @@
 """Every identity precast keys its outputs by, computed here and nowhere else.
 
-Each is a pure function of config sections and upstream identities, so a stage, the runner and the
-flow that plans it agree on every key without asking each other. An identity covers what changes an
+Each is a function of config sections, upstream identities and the model's files (hashed, or read
+from the hub's listing), so a stage, the runner and the flow that plans it agree on every key
+without asking each other. An identity covers what changes an
 output and nothing else (not devices, batch sizes, concurrency). The format constants are part of
 them: bump one with any change to code that changes what its stage produces, so the next run
 encodes or trains anew instead of returning what the old code made.
@@ -55,13 +56,15 @@ def text_encoder_fingerprint(model: ModelConfig, text: TextEncodingConfig) -> st
 
 
 def vae_fingerprint(model: ModelConfig, latents: LatentEncodingConfig) -> str:
-    """Covers VAE weights, bucket table, crop, posterior layout, flip, tiling, both dtypes and
-    format; not device, batch size or slicing."""
+    """Covers VAE weights, bucket table (the resolution, and the family's `bucket_rule`), crop,
+    posterior layout, flip, tiling, both dtypes and format; not device, batch size or slicing."""
     files = component_fingerprint(model.path, ["vae"], model.revision)
     # tiling blends overlapping tiles, so it changes the latents; slicing does not
     settings: dict[str, Any] = latents.model_dump(exclude={"device", "batch_size", "slicing"})
     if latents.crop == "center":
         settings.pop("crop_seed")  # unused: changing it must not re-encode
+    if rule := family_of(model).bucket_rule:
+        settings["buckets"] = rule
     return hash_json({"files": files, **settings, "format": LATENT_FORMAT})
 
 

@@ -196,7 +196,7 @@ def test_samples_during_training_loss_curve_and_precast_sample(make_config, tmp_
     assert curve.size == (800, 500)
     # a plot a reader can read: labelled axes, integer step ticks, train and validation in a legend
     from tasks.runs.plots import training_curves
-    from tasks.train.publisher import read_metrics
+    from tasks.runs.folder import read_metrics
 
     loss_axes, rate_axes = training_curves(read_metrics(store, store.key(record["run"]))).axes
     assert (loss_axes.get_ylabel(), rate_axes.get_ylabel(), rate_axes.get_xlabel()) == ("loss", "learning rate", "step")

@@ -25,8 +25,9 @@ from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig
 from storage import layout
 from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id_of
 from storage.store import Store
-from tasks.encode.models import DTYPES, build_vae, load_vae
+from tasks.encode.models import build_vae, load_vae
 from tasks.families import family_of
+from tasks.loading import DTYPES
 from tasks.identity import LATENT_FORMAT
 from tasks.records import CacheRecord
 from tasks.prefetch import prefetched

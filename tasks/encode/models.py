@@ -7,7 +7,6 @@ so a worker that encodes many shards loads T5 once.
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,29 +14,10 @@ import torch
 
 from configs.schema import LatentEncodingConfig, ModelConfig, TextEncodingConfig
 from tasks.families import Family, family_of
+from tasks.loading import DTYPES, resolve_device, serialised
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # activation (and stored embedding) dtype of each text_encoding.dtype; int8 quantises weights only
 TEXT_ACTIVATIONS = {**DTYPES, "int8": torch.bfloat16}
-# from_pretrained patches torch.nn.Module globally while it builds empty weights; two threads
-# loading at once can leave the patch in place ("Cannot copy out of meta tensor"), so every load
-# (cached or not) holds this lock; re-entrant, because a cached loader locks around its builder.
-LOAD_LOCK = threading.RLock()
-
-
-def serialised(load):
-    @functools.wraps(load)
-    def locked(*args, **kwargs):
-        with LOAD_LOCK:
-            return load(*args, **kwargs)
-
-    return locked
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 @dataclass

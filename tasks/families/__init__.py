@@ -19,6 +19,8 @@ from tasks.families.spec import Family
 __all__ = ["FAMILIES", "Family", "family_named", "family_of"]
 
 FAMILIES: tuple[Family, ...] = (*pixart.FAMILIES,)
+# the pipeline of runs published before their lineage recorded one: precast then trained one family
+UNRECORDED_PIPELINE = pixart.PixArtSigma.pipelines[0]
 
 
 def family_of(model: ModelConfig) -> Family:
@@ -46,6 +48,10 @@ def pipeline_of(path: str, revision: str | None) -> str:
         from huggingface_hub import hf_hub_download
 
         check_hub_id(path)
-        index = hf_hub_download(path, "model_index.json", revision=revision)
+        try:  # the hub cache has it once the model was fingerprinted (storage.fingerprint.hub_files)
+            index = hf_hub_download(path, "model_index.json", revision=revision)
+        except Exception as error:
+            raise FileNotFoundError(f"model.path {path}: its model_index.json, which names the model's pipeline, "
+                                    f"could not be read ({type(error).__name__}: {error})") from error
     with open(index) as handle:
         return json.load(handle)["_class_name"]

@@ -112,13 +112,15 @@ class PixArt(Family):
 
     def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: torch.Tensor, mask: torch.Tensor,
                 timesteps: torch.Tensor) -> torch.Tensor:
-        """As the pipeline calls it (no micro-conditions: `resolution` and `aspect_ratio` None); a
-        learned-sigma model's variance half is dropped, as the noise loss does not train it."""
+        """As the pipeline calls it, with its micro-conditions; a learned-sigma model's variance
+        half is dropped, as the noise loss does not train it."""
         prediction = network(noisy, encoder_hidden_states=text, encoder_attention_mask=mask, timestep=timesteps,
-                             added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
-        if prediction.shape[1] == 2 * noisy.shape[1]:
-            prediction = prediction.chunk(2, dim=1)[0]
-        return prediction
+                             added_cond_kwargs=self.micro_conditions(noisy, text)).sample
+        return prediction.chunk(2, dim=1)[0] if prediction.shape[1] == 2 * noisy.shape[1] else prediction
+
+    def micro_conditions(self, noisy: torch.Tensor, text: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """The `added_cond_kwargs` the pipeline gives the transformer: none (PixArt-Σ's pipeline)."""
+        return {"resolution": None, "aspect_ratio": None}
 
     def sampling_scheduler(self, model: ModelConfig) -> Any:
         """DPM-Solver++ with the model's scheduler config, as the published pipelines sample."""
@@ -145,6 +147,15 @@ class PixArtAlpha(PixArt):
     pipelines = ("PixArtAlphaPipeline",)
     pipeline_name = "PixArtAlphaPipeline"
     resolutions = (256, 512, 1024)
+    vae_scale = 8  # pixels per latent pixel of its VAE
+
+    def micro_conditions(self, noisy: torch.Tensor, text: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """What PixArtAlphaPipeline gives its 1024 px model: each image's [height, width] in pixels
+        and height / width (a transformer without additional conditions ignores them)."""
+        height, width = noisy.shape[2] * self.vae_scale, noisy.shape[3] * self.vae_scale
+        conditions = {"resolution": torch.tensor([[height, width]], dtype=text.dtype, device=noisy.device),
+                      "aspect_ratio": torch.tensor([[height / width]], dtype=text.dtype, device=noisy.device)}
+        return {name: value.repeat(len(noisy), 1) for name, value in conditions.items()}
 
 
 class PixArtSigma(PixArt):

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from configs.schema import ModelConfig, TrainingConfig
+from tasks.loading import serialised
 
 
 class Family:
@@ -25,6 +26,9 @@ class Family:
     # the folders of the text encoders and their tokenizers (what the text cache depends on)
     text_folders: tuple[str, ...] = ("text_encoder", "tokenizer")
     lora_targets: tuple[str, ...] = ()  # the modules LoRA adapts when training.target_modules is None
+    # names the bucket tables in the latent cache's fingerprint; None: diffusers' PixArt tables,
+    # which every fingerprint before families covered by `resolution` alone
+    bucket_rule: str | None = None
 
     # --- text: what the encoders read ------------------------------------------------------
     def caption_rule(self, mode: str) -> str:
@@ -44,6 +48,7 @@ class Family:
         raise NotImplementedError
 
     # --- the transformer: loading, the call, the objective -------------------------------
+    @serialised
     def load_transformer(self, model: ModelConfig, dtype: torch.dtype | None = None) -> torch.nn.Module:
         """The model's transformer by `from_pretrained`, its weights in `dtype` (None: as stored)."""
         return self.transformer_class().from_pretrained(model.path, subfolder="transformer", revision=model.revision,

@@ -14,7 +14,7 @@ import torch
 from configs.schema import ModelConfig, StorageConfig
 from storage import layout
 from storage.store import Store
-from tasks.families import Family, family_named, family_of, pipeline_of
+from tasks.families import UNRECORDED_PIPELINE, Family, family_named, family_of
 
 # the files PEFT's save_pretrained writes for an adapter (and from_pretrained reads)
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -24,6 +24,17 @@ def weights_of(record: dict[str, Any]) -> str:
     """Which weights a finished run's commit record points at: "adapter" (LoRA, PEFT layout) or
     "transformer" (diffusers); for runs published before the record named it, whichever is set."""
     return record.get("weights") or ("adapter" if record["adapter"] else "transformer")
+
+
+def write_metrics(store: Store, run: str, metrics: list[dict[str, Any]]) -> None:
+    store.write_bytes(layout.run_part(run, "metrics"), "".join(json.dumps(m) + "\n" for m in metrics).encode())
+
+
+def read_metrics(store: Store, run: str) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl (empty before its first checkpoint or publish)."""
+    if not store.exists(layout.run_part(run, "metrics")):
+        return []
+    return [json.loads(line) for line in store.read_bytes(layout.run_part(run, "metrics")).splitlines() if line]
 
 
 @dataclass
@@ -59,10 +70,8 @@ class FinishedRun:
 
     @property
     def family(self) -> Family:
-        """The family of the run's model, as its lineage recorded (runs published before it was
-        recorded: as the model folder says)."""
-        model = self.record["model"]
-        return family_named(self.lineage.get("pipeline") or pipeline_of(model["path"], model["revision"]))
+        """The family of the run's model, as its lineage recorded it: no model folder is needed."""
+        return family_named(self.lineage.get("pipeline", UNRECORDED_PIPELINE))
 
     def adapter(self) -> tuple[dict[str, Any], bytes]:
         """The LoRA adapter's PEFT config and its safetensors file's bytes."""

@@ -15,8 +15,7 @@ from PIL import Image
 from storage import layout
 from storage.store import Store
 from tasks.families import Family
-from tasks.runs.folder import FinishedRun
-from tasks.train.publisher import read_metrics
+from tasks.runs.folder import FinishedRun, read_metrics
 
 PAGE_IMAGE_WIDTH = 1024  # the sample grid as the page shows it (the file keeps every pixel)
 

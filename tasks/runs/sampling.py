@@ -12,9 +12,10 @@ import tempfile
 import torch
 from PIL import Image
 
-from configs.schema import ModelConfig
+from configs.schema import ModelConfig, TextEncodingConfig
 from storage.shards import pad_sequences
-from tasks.encode.models import load_vae, resolve_device
+from tasks.encode.models import load_vae
+from tasks.loading import resolve_device
 from tasks.families import family_of
 from tasks.runs.folder import FinishedRun
 
@@ -68,7 +69,8 @@ def sample_run(
                                                            transformer=transformer)
     pipeline.to(resolve_device(device)).set_progress_bar_config(disable=True)
     # the prompt text the encoder reads, as it read the run's captions
-    options = family.prompt_options(pipeline, run.lineage["text"])
+    text = run.lineage.get("text") or TextEncodingConfig().model_dump(include={"caption_preprocessing", "max_length"})
+    options = family.prompt_options(pipeline, text)
     images = pipeline(prompts, num_inference_steps=steps, guidance_scale=guidance_scale,
                       generator=torch.Generator(device="cpu").manual_seed(seed), **options).images
     return side_by_side(images)

@@ -27,7 +27,7 @@ from storage.store import Store
 from tasks.train.ema import Ema
 from tasks.train.network import Weights
 from tasks.train.optimizer import OptimizerState
-from tasks.train.publisher import read_metrics, write_metrics
+from tasks.runs.folder import read_metrics, write_metrics
 
 
 class Stateful(Protocol):

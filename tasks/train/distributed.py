@@ -22,7 +22,7 @@ from configs.schema import TrainingConfig
 from storage import layout
 from storage.lease import Lease, LeaseLost
 from storage.store import Store
-from tasks.encode.models import resolve_device
+from tasks.loading import resolve_device
 from tasks.train.rendezvous import NodeFailed, Rendezvous, free_port
 
 JOIN_POLL_SECONDS = 1.0

@@ -13,7 +13,7 @@ from configs.schema import ModelConfig, TrainingConfig
 from storage import layout
 from storage.store import Store
 from tasks.identity import run_id_for
-from tasks.runs.folder import FinishedRun
+from tasks.runs.folder import FinishedRun, weights_of
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def initial_adapter(store: Store, model: ModelConfig, training: TrainingConfig) 
         finished = []
         for key in store.list(layout.RUNS):
             record = store.committed(layout.run_part(key, "lineage"))
-            if record and record.get("adapter") and record.get("model") == model.model_dump():
+            if record and weights_of(record) == "adapter" and record.get("model") == model.model_dump():
                 finished.append((record["finished"], key))
         if not finished:
             log.info("init_from latest: no finished run of this model yet, starting from scratch")
@@ -40,8 +40,8 @@ def initial_adapter(store: Store, model: ModelConfig, training: TrainingConfig) 
         except (ValueError, FileNotFoundError) as error:
             raise FileNotFoundError(f"init_from: no adapter_model.safetensors at {training.init_from}: {error}") \
                 from error
-    _, data = run.adapter()
-    return {"url": run.record["adapter"], "sha256": hashlib.sha256(data).hexdigest(), "tensors": load_safetensors(data)}
+    _, data = run.adapter()  # the URL it was read from now, wherever the store was when it was published
+    return {"url": run.store.url(layout.run_part(run.run, "adapter")), "sha256": hashlib.sha256(data).hexdigest(), "tensors": load_safetensors(data)}
 
 
 def run_for(store: Store, model: ModelConfig, training: TrainingConfig, manifest_id: str) -> tuple[str, dict | None]:

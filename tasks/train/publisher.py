@@ -5,7 +5,6 @@ curve, config and lineage, the lineage committed last as the run's commit record
 from __future__ import annotations
 
 import io
-import json
 import platform
 import tempfile
 import time
@@ -19,7 +18,8 @@ from configs.schema import ModelConfig, TrainingConfig
 from storage import layout
 from storage.shards import RaggedShard
 from storage.store import Store
-from tasks.families import pipeline_of
+from tasks.families import family_of, pipeline_of
+from tasks.runs.folder import write_metrics
 from tasks.runs.plots import loss_curve_png
 from tasks.runs.sampling import sample_grid
 from tasks.train.network import output_name, sampling_module
@@ -32,13 +32,15 @@ class RunPublisher:
         self.store, self.run, self.model, self.training = store, run, model, training
         self.manifest, self.init, self.prompts = manifest, init, prompts
         self.output = output_name(training)
+        # the training config as it ran: LoRA's target modules resolved (the family's, when unset)
+        self.settings = {**training.model_dump(), "target_modules": family_of(model).target_modules(training)}
         self.trackers = Trackers(store, run, training, self.lineage())
 
     def lineage(self) -> dict[str, Any]:
         """What made the run: manifest, model, training config, initial adapter, text settings, code."""
         return {
             "manifest": self.manifest["id"], "model": self.model.model_dump(),
-            "pipeline": pipeline_of(self.model.path, self.model.revision), "training": self.training.model_dump(),
+            "pipeline": pipeline_of(self.model.path, self.model.revision), "training": self.settings,
             "init_from": self.init and {"url": self.init["url"], "sha256": self.init["sha256"]},
             "text": {k: self.prompts.meta[k] for k in ("caption_preprocessing", "max_length")},
             "fingerprints": {k: self.manifest[k] for k in ("text_fingerprint", "vae_fingerprint") if k in self.manifest},
@@ -91,7 +93,7 @@ class RunPublisher:
         samples = [store.url(key) for key in store.list(layout.run_part(run, "samples"), ".png")]
         write_metrics(store, run, metrics)
         store.write_bytes(layout.run_part(run, "loss_curve"), loss_curve_png(metrics))
-        config = yaml.safe_dump(training.model_dump(), sort_keys=False).encode()
+        config = yaml.safe_dump(self.settings, sort_keys=False).encode()
         store.write_bytes(layout.run_part(run, "config"), config)
         self.trackers.close()  # their files are in the run folder before the run commits
         lineage = self.lineage()
@@ -105,16 +107,6 @@ class RunPublisher:
             final_loss=sum(m["loss"] for m in metrics[-window:]) / window,
             validation_loss=next((m["validation_loss"] for m in reversed(metrics) if "validation_loss" in m), None),
         )
-
-
-def write_metrics(store: Store, run: str, metrics: list[dict[str, Any]]) -> None:
-    store.write_bytes(layout.run_part(run, "metrics"), "".join(json.dumps(m) + "\n" for m in metrics).encode())
-
-
-def read_metrics(store: Store, run: str) -> list[dict[str, Any]]:
-    if not store.exists(layout.run_part(run, "metrics")):
-        return []
-    return [json.loads(line) for line in store.read_bytes(layout.run_part(run, "metrics")).splitlines() if line]
 
 
 def code_version() -> str:

@@ -26,7 +26,7 @@ import torch
 from configs.schema import ModelConfig, StorageConfig, TrainingConfig
 from storage.lease import Lease
 from storage.store import Store
-from tasks.encode.models import DTYPES
+from tasks.loading import DTYPES
 from tasks.train.checkpointer import Checkpointer, TrainingState
 from tasks.train.data import Batches, CachedFeatures, draws, seed_of
 from tasks.train.distributed import Distributed

@@ -1,0 +1,30 @@
+"""What every model load shares: the dtypes by config name, the device a name means, and the
+lock every `from_pretrained` holds."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# from_pretrained patches torch.nn.Module globally while it builds empty weights; two threads
+# loading at once can leave the patch in place ("Cannot copy out of meta tensor"), so every load
+# (cached or not) holds this lock; re-entrant, because a cached loader locks around its builder.
+LOAD_LOCK = threading.RLock()
+
+
+def serialised(load):
+    @functools.wraps(load)
+    def locked(*args, **kwargs):
+        with LOAD_LOCK:
+            return load(*args, **kwargs)
+
+    return locked
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
