@@ -210,6 +210,38 @@ def test_pipeline_deployment_spreads_stages_over_pools(stack, first_run):
         assert leftovers == [], leftovers
 
 
+def test_placed_stages_spread_over_two_nodes_encoders_loading_their_model_once(stack):
+    """Placed encoders whose shards go to a Dask cluster of two worker processes ("nodes"): bf16 T5
+    and a new VAE precision (new fingerprints, so everything is encoded), on the S3 root. The
+    pipeline summary reports both workers, at most one model load each, every shard encoded. The
+    same run trains on two nodes (training.nodes): one train flow run per node on the train pool,
+    meeting through the store, training one run written once. It runs before the night is
+    scheduled: workers' model loads are counted per pipeline run as a difference, so a pipeline
+    loading models on the same Dask workers while the night encodes would be counted as the night's."""
+    config = _config(stack, nodes=2, global_batch=4)
+    config["text_encoding"]["dtype"] = "bf16"
+    config["latent_encoding"]["dtype"] = "bf16"
+    config["execution"]["cluster"] = stack["cluster"]
+    done = _run(stack, "precast-pipeline/pipeline", config)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    parent = re.search(r"UUID: ([0-9a-f-]{36})", done.stdout).group(1)
+    rows = _summary_rows(stack, parent)
+    for stage in ("encode-text", "encode-latents"):
+        workers, loads, encoded, cached = _encoder_work(rows[stage])
+        assert (workers, encoded, cached) == (2, 2, 0) and 1 <= loads <= 2, rows[stage]
+
+    runs = _api(stack, lambda client: client.read_flow_runs(limit=200))
+    nodes = {run.name: run for run in runs if run.parameters.get("attempt") == parent}
+    assert sorted(nodes) == ["train-node-0", "train-node-1"]
+    assert all(run.state.is_completed() and run.work_pool_name == "precast-train" for run in nodes.values())
+    store = _store(stack)
+    (folder,) = {key.split("/rendezvous/")[0] for key in store.find("runs") if f"/rendezvous/{parent}/" in key}
+    assert sorted(key.rsplit("/", 1)[1] for key in store.find(f"{folder}/rendezvous/{parent}")) == \
+        ["address.json", "node-0.json", "node-1.json"]
+    assert store.committed(layout.run_part(folder, "lineage"))
+    assert store.read_json(layout.run_part(folder, "lineage"))["training"]["nodes"] == 2
+
+
 def test_the_nightly_deployment_runs_at_two_utc(stack):
     deployment = _api(stack, lambda client: client.read_deployment_by_name("precast-pipeline/nightly"))
     (schedule,) = deployment.schedules
@@ -260,36 +292,6 @@ def test_deploying_a_users_config_again_updates_every_deployment_and_the_schedul
                                                         "init_from": "latest"}
     (schedule,) = nightly.schedules
     assert schedule.schedule.cron == scheduled_night["cron"] and schedule.active
-
-
-def test_placed_stages_spread_over_two_nodes_encoders_loading_their_model_once(stack):
-    """Placed encoders whose shards go to a Dask cluster of two worker processes ("nodes"): bf16 T5
-    and a new VAE precision (new fingerprints, so everything is encoded), on the S3 root. The
-    pipeline summary reports both workers, at most one model load each, every shard encoded. The
-    same run trains on two nodes (training.nodes): one train flow run per node on the train pool,
-    meeting through the store, training one run written once."""
-    config = _config(stack, nodes=2, global_batch=4)
-    config["text_encoding"]["dtype"] = "bf16"
-    config["latent_encoding"]["dtype"] = "bf16"
-    config["execution"]["cluster"] = stack["cluster"]
-    done = _run(stack, "precast-pipeline/pipeline", config)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    parent = re.search(r"UUID: ([0-9a-f-]{36})", done.stdout).group(1)
-    rows = _summary_rows(stack, parent)
-    for stage in ("encode-text", "encode-latents"):
-        workers, loads, encoded, cached = _encoder_work(rows[stage])
-        assert (workers, encoded, cached) == (2, 2, 0) and 1 <= loads <= 2, rows[stage]
-
-    runs = _api(stack, lambda client: client.read_flow_runs(limit=200))
-    nodes = {run.name: run for run in runs if run.parameters.get("attempt") == parent}
-    assert sorted(nodes) == ["train-node-0", "train-node-1"]
-    assert all(run.state.is_completed() and run.work_pool_name == "precast-train" for run in nodes.values())
-    store = _store(stack)
-    (folder,) = {key.split("/rendezvous/")[0] for key in store.find("runs") if f"/rendezvous/{parent}/" in key}
-    assert sorted(key.rsplit("/", 1)[1] for key in store.find(f"{folder}/rendezvous/{parent}")) == \
-        ["address.json", "node-0.json", "node-1.json"]
-    assert store.committed(layout.run_part(folder, "lineage"))
-    assert store.read_json(layout.run_part(folder, "lineage"))["training"]["nodes"] == 2
 
 
 def test_a_failing_stage_fails_the_run_with_its_error(stack):
