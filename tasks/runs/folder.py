@@ -20,6 +20,11 @@ from tasks.families import UNRECORDED_PIPELINE, Family, family_named, family_of
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
+def run_record(store: Store, run: str) -> dict[str, Any] | None:
+    """A run's commit record (its lineage's), or None while the run is not finished."""
+    return store.committed(layout.run_part(run, "lineage"))
+
+
 def weights_of(record: dict[str, Any]) -> str:
     """Which weights a finished run's commit record points at: "adapter" (LoRA, PEFT layout) or
     "transformer" (diffusers); for runs published before the record named it, whichever is set."""
@@ -54,7 +59,7 @@ class FinishedRun:
 
     @classmethod
     def read(cls, store: Store, run: str) -> FinishedRun:
-        record = store.committed(layout.run_part(run, "lineage"))
+        record = run_record(store, run)
         if record is None:
             raise FileNotFoundError(f"{store.url(run)} is not a finished run (no committed lineage.json)")
         lineage = json.loads(store.read_verified(layout.run_part(run, "lineage"), record["sha256"]))

@@ -16,7 +16,7 @@ from configs.schema import ModelConfig, StorageConfig, TrainingConfig
 from storage import layout
 from storage.lease import Lease
 from storage.store import Store
-from tasks.runs.folder import weights_of
+from tasks.runs.folder import run_record, weights_of
 from tasks.train.distributed import Launcher
 from tasks.train.init import initial_adapter, run_for
 from tasks.train.metrics import Progress
@@ -30,7 +30,7 @@ def finished_run(store: Store, run: str) -> dict[str, Any] | None:
     """What train returns for a finished run, also when it ran elsewhere (None: not finished): the
     lineage's commit record with the fields every stage's record has — `url` (the weights),
     `amount` and `committed_at`."""
-    if (record := store.committed(layout.run_part(run, "lineage"))) is None:
+    if (record := run_record(store, run)) is None:
         return None
     return {**record, "url": record[weights_of(record)],
             "amount": f"{record['steps']} steps, loss {record['first_loss']:.3f} → {record['final_loss']:.3f}"}

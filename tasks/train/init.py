@@ -13,7 +13,7 @@ from configs.schema import ModelConfig, TrainingConfig
 from storage import layout
 from storage.store import Store
 from tasks.identity import run_id_for
-from tasks.runs.folder import FinishedRun, weights_of
+from tasks.runs.folder import FinishedRun, run_record, weights_of
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def initial_adapter(store: Store, model: ModelConfig, training: TrainingConfig) 
     if training.init_from == "latest":
         finished = []
         for key in store.list(layout.RUNS):
-            record = store.committed(layout.run_part(key, "lineage"))
+            record = run_record(store, key)
             if record and weights_of(record) == "adapter" and record.get("model") == model.model_dump():
                 finished.append((record["finished"], key))
         if not finished:
