@@ -105,9 +105,9 @@ def lora_step(model: ModelConfig, mode: str, device: torch.device,
     optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=1e-4,
                                   fused=device.type == "cuda" or None)
 
-    def step(latents: torch.Tensor, embeddings: torch.Tensor, mask: torch.Tensor) -> None:
+    def step(latents: torch.Tensor, text: dict[str, torch.Tensor]) -> None:
         with kept_activations(training.gradient_checkpointing, device):
-            loss = diffusion_loss(network, objective, latents, embeddings, mask, generator, torch.bfloat16)
+            loss = diffusion_loss(network, objective, latents, text, generator, torch.bfloat16)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -122,8 +122,9 @@ def rounded(figures: dict[str, Any], peak: float | None) -> dict[str, Any]:
 
 def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int = 5, max_batch: int = 64) -> dict:
     from tasks.encode.text import encode_captions, run_encoder, tokenize
-    from storage.shards import pad_sequences
+    from storage.shards import collate
     from tasks.encode.models import load_text_encoder, load_vae
+    from tasks.families import family_of
     if not torch.cuda.is_available() and not tiny:
         return {"skipped": "no CUDA device: the real-architecture benchmarks need a GPU"}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -137,9 +138,10 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
         model = ModelConfig(path=str(write_model_set(Path(tmp), shapes["t5"], shapes["vae"], shapes["transformer"],
                                                      torch.bfloat16, device)))
         text = TextEncodingConfig(dtype="bf16", device=device.type, numerics_samples=0, batch_tokens=65536)
-        encoder = load_text_encoder(model, "bf16", device.type, "none")
+        t5 = family_of(model).text_encoders[0]
+        encoder = load_text_encoder(model, t5, "bf16", device.type, "none")
         results: dict[str, Any] = {"device": name, "peak_bf16_tflops": peak, "shapes": "tiny" if tiny else "real"}
-        results["text"] = measure(lambda: encode_captions(texts, model, text), captions, repeat, device)
+        results["text"] = measure(lambda: encode_captions(texts, model, text, t5), captions, repeat, device)
 
         resolution = shapes["resolution"]
         vae = load_vae(model, "bf16", device.type)
@@ -155,9 +157,8 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
             # what the cache hands the trainer: posterior latents and real-length embeddings
             latents = torch.randn(batch, 4, latent_side, latent_side, device=device)
             sequences = [torch.randn(lengths[i % len(lengths)], shapes["t5"]["d_model"]) for i in range(batch)]
-            embeddings, mask = pad_sequences(sequences)
-            embeddings, mask = embeddings.to(device), mask.to(device)
-            return measure(lambda: step(latents, embeddings, mask), batch, repeat, device)
+            features = {name: value.to(device) for name, value in collate([{"t5_hidden": s} for s in sequences]).items()}
+            return measure(lambda: step(latents, features), batch, repeat, device)
 
         results["training_modes"] = {}
         for mode in MODES:
@@ -174,9 +175,10 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
             def encode_and_step() -> None:
                 with torch.no_grad():
                     ids, _ = tokenize(batch_texts, encoder, text)
-                    embeddings, mask = pad_sequences(run_encoder(ids, encoder, text.batch_tokens))
+                    hidden = run_encoder(ids, encoder, text.batch_tokens)["hidden"]
+                    features = collate([{"t5_hidden": h} for h in hidden])
                     latents = vae.encode(pixels).latent_dist.sample(generator).float() * vae.config.scaling_factor
-                step(latents, embeddings.to(device).float(), mask.to(device))
+                step(latents, {name: value.to(device) for name, value in features.items()})
 
             return measure(encode_and_step, batch, repeat, device)
 

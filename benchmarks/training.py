@@ -59,12 +59,13 @@ def prepare(workdir: Path, config: PipelineConfig, count: int) -> str:
 
 def run_cached(config: PipelineConfig, manifest_url: str) -> dict:
     from storage.store import Store
+    from tasks.families import family_of
     from tasks.train.data import CachedFeatures, bucket_batches
     from tasks.train import train
 
     record = train(config.storage, config.model, config.training, manifest_url)
     store = Store(config.storage)
-    features = CachedFeatures(store, store.read_json(store.key(manifest_url)))
+    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family_of(config.model).text_encoders)
     batches = bucket_batches(features.buckets, config.training.batch_size, 0)
     generator = torch.Generator().manual_seed(0)
     started = time.perf_counter()
@@ -85,7 +86,7 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
     from storage.store import Store
     from tasks.encode.latents import crop_box, preprocess
     from tasks.encode.text import run_encoder, tokenize
-    from storage.shards import pad_sequences
+    from storage.shards import collate
     from tasks.train.data import bucket_batches
     from tasks.encode.models import load_text_encoder, load_vae
     from tasks.families import family_of
@@ -103,7 +104,8 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
     for key in store.list(layout.IMAGE_SHARDS, ".parquet"):
         for sample in read_image_shard(store.read_bytes(key)).to_pylist():
             samples[sample["sample_id"]] = sample
-    encoder = load_text_encoder(config.model, "fp32", "cpu", "none")
+    t5 = family_of(config.model).text_encoders[0]
+    encoder = load_text_encoder(config.model, t5, "fp32", "cpu", "none")
     vae = load_vae(config.model, "fp32", "cpu")
     network = trainable_network(config.model, training)
     objective = Objective.of(config.model, training)
@@ -116,11 +118,12 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
         batch = [samples[i] for i in next(batches)]
         with torch.no_grad():
             ids, _ = tokenize([s["captions"][0] for s in batch], encoder, config.text_encoding)
-            text, mask = pad_sequences(run_encoder(ids, encoder, config.text_encoding.batch_tokens))
+            hidden = run_encoder(ids, encoder, config.text_encoding.batch_tokens)["hidden"]
+            text = collate([{"t5_hidden": h} for h in hidden])
             pixels = torch.stack([preprocess(s["image"], crop_box(table, s["width"], s["height"], "center", 0, ""))
                                   for s in batch])
             latents = vae.encode(pixels).latent_dist.sample(generator) * vae.config.scaling_factor
-        loss = diffusion_loss(network, objective, latents, text, mask, generator, None)
+        loss = diffusion_loss(network, objective, latents, text, generator, None)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

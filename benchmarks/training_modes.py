@@ -48,14 +48,15 @@ def held_bytes(config, manifest_url: str) -> dict[str, float]:
     """Activations kept for backward on the device per sample, and the frozen base's weight bytes,
     from one micro-batch of the manifest's largest bucket."""
     from storage.store import Store
+    from tasks.families import family_of
     from tasks.train.data import CachedFeatures
     from tasks.train.loss import Objective, diffusion_loss
     from tasks.train.network import kept_activations, trainable_network
 
     store = Store(config.storage)
-    features = CachedFeatures(store, store.read_json(store.key(manifest_url)))
+    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family_of(config.model).text_encoders)
     ids = max(features.buckets.values(), key=len)[:2]
-    latents, text, mask = features.batch(ids, torch.Generator().manual_seed(0), 0.0)
+    latents, text = features.batch(ids, torch.Generator().manual_seed(0), 0.0)
     network = trainable_network(config.model, config.training)
     kept: list[int] = []
 
@@ -66,7 +67,7 @@ def held_bytes(config, manifest_url: str) -> dict[str, float]:
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.training.mixed_precision)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
             kept_activations(config.training.gradient_checkpointing, torch.device("cpu")):
-        loss = diffusion_loss(network, Objective.of(config.model, config.training), latents, text, mask,
+        loss = diffusion_loss(network, Objective.of(config.model, config.training), latents, text,
                               torch.Generator().manual_seed(1), half)
     loss.backward()
     frozen = sum(stored_bytes(p) for p in network.parameters() if not p.requires_grad)
@@ -116,10 +117,11 @@ def token_spread(workdir: Path, manifest_url: str) -> dict:
 
     config = config_for(workdir, 1, 1)
     store = Store(config.storage)
-    features = CachedFeatures(store, store.read_json(store.key(manifest_url)))
-    patch = family_of(config.model).transformer_class().load_config(config.model.path, subfolder="transformer")[
-        "patch_size"]
-    tokens = {name: (int(name.split("x")[0]) // patch) * (int(name.split("x")[1]) // patch) for name in features.buckets}
+    family = family_of(config.model)
+    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family.text_encoders)
+    transformer = family.transformer_class().load_config(config.model.path, subfolder="transformer")
+    tokens = {name: family.image_tokens(transformer, *(int(side) for side in name.split("x")))
+              for name in features.buckets}
     return {"buckets": len(tokens), "min_tokens": min(tokens.values()), "max_tokens": max(tokens.values())}
 
 

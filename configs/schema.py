@@ -108,8 +108,9 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 
 
 class TextEncodingConfig(Section):
-    max_length: int = Field(300, ge=1, description="T5 token limit; longer captions are truncated (use the model's own: 300 for "
-                            "the demo's family; see docs/families.md).")
+    max_length: int | None = Field(
+        None, ge=1, description="T5 token limit; longer captions are truncated. None: the model family's own, as its "
+        "pipeline is called (PixArt 300; FLUX.1-dev 512, FLUX.1-schnell 256; docs/families.md).")
     caption_preprocessing: Literal["diffusers", "none"] = Field(
         "diffusers",
         description="What T5 reads of a caption or prompt. diffusers: exactly what the model family's diffusers "
@@ -229,9 +230,10 @@ class TrainingConfig(Section):
         "logit-normal (sigmoid of N(logit_mean, logit_std), favouring the middle of the schedule).")
     logit_mean: float = Field(0.0, description="Mean of the logit-normal timestep distribution.")
     logit_std: float = Field(1.0, gt=0, description="Standard deviation of the logit-normal timestep distribution.")
-    loss_weighting: Literal["none", "min_snr"] = Field(
-        "none", description="none: every timestep weighs the same (DDPM families' own); min_snr: Min-SNR-γ weighting, "
-        "min(SNR, γ) / SNR for epsilon, / (SNR + 1) for v_prediction, min(SNR, γ) for sample.")
+    loss_weighting: Literal["none", "min_snr", "sigma_sqrt", "cosmap"] = Field(
+        "none", description="none: every timestep weighs the same (the families' own); min_snr (DDPM families): "
+        "Min-SNR-γ weighting, min(SNR, γ) / SNR for epsilon, / (SNR + 1) for v_prediction, min(SNR, γ) for sample; "
+        "sigma_sqrt, cosmap (flow-matching families): SD3's weightings, σ⁻² and 2 / (π(1 − 2σ + 2σ²)).")
     min_snr_gamma: float = Field(5.0, gt=0, description="γ of min_snr loss weighting.")
     log_every: int = Field(
         10, ge=1, description="Steps between the losses leaving the device (metrics, log, progress): the loop never "

@@ -43,7 +43,7 @@ from tasks.ingest.report import report_markdown
 from tasks.ingest.stage import latest_dataset
 from tasks.ingest.staging import Partitions
 from tasks.manifest import manifest_record
-from tasks.identity import manifest_id, prompts_cache_key, text_encoder_fingerprint, vae_fingerprint
+from tasks.identity import manifest_id, prompts_cache_key, text_fingerprints, vae_fingerprint
 from tasks.records import CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, RunRecord
 from tasks.runner import image_shard_urls
 from tasks.runs.page import RunPage
@@ -63,8 +63,8 @@ class Plan:
         return Store(self.config.storage)
 
     @cached_property
-    def text_fp(self) -> str:
-        return text_encoder_fingerprint(self.config.model, self.config.text_encoding)
+    def text_fps(self) -> dict[str, str]:
+        return text_fingerprints(self.config.model, self.config.text_encoding)
 
     @cached_property
     def vae_fp(self) -> str:
@@ -186,27 +186,31 @@ class FlowExecutor:
         return record
 
     def encode_text(self, dataset: DatasetRecord) -> CacheRecord:
-        plan, config, store, fingerprint = self.plan, self.plan.config, self.plan.store, self.plan.text_fp
+        plan, config, store, fingerprints = self.plan, self.plan.config, self.plan.store, self.plan.text_fps
         every = image_shard_urls(store, dataset)
         urls = every if self.shards is None else self.shards
         if deployment := placed(config, "encode-text"):
             prepare = run_elsewhere(config, deployment, "encode-text", [])  # before the shards fan out
             work = run_shards_elsewhere(config, deployment, "encode-text", urls, (prepare,))
-            prompts = store.require(prompts_cache_key(fingerprint, config.training.sample_prompts))
-            records = [store.require(layout.cache_shard("text", fingerprint, shard_id_of(url))) for url in urls]
+            prompts = {name: store.require(prompts_cache_key(fp, config.training.sample_prompts))
+                       for name, fp in fingerprints.items()}
+            records = [{**store.require(layout.cache_shard("text", fp, shard_id_of(url))), "encoder": name}
+                       for url in urls for name, fp in fingerprints.items()]
         else:
-            args = (config.storage, config.model, config.text_encoding, fingerprint)
+            args = (config.storage, config.model, config.text_encoding, fingerprints)
             with stage_executor(config.execution, config.text_encoding.device, plan.configured) as run:
                 prompts = run.one(encode_prompts_task, *args, config.training.sample_prompts)
                 run.one(measure_numerics_task, *args, every[0] if every else None)  # before any shard
                 progress = self.progress("encode-text", dataset, urls)
-                records = run.map(encode_text_task, urls, *args,
-                                  completed=lambda record: progress.advance(1, record.get("samples", 0)))
+                shards = run.map(encode_text_task, urls, *args,  # each shard's records: one per encoder
+                                 completed=lambda records: progress.advance(1, records[0].get("samples", 0)))
+                records = [record for records in shards for record in records]
                 progress.close()
                 work = run.work(records)
             publish_work("encode-text", work)
-        create_markdown_artifact(key="text-encoding", markdown=encoding_report(records))
-        return {**text_cache_record(store, fingerprint, prompts, records), "work": work}
+        record = text_cache_record(store, fingerprints, prompts, records)
+        create_markdown_artifact(key="text-encoding", markdown=encoding_report(record["shards"]))
+        return {**record, "work": work}
 
     def encode_latents(self, dataset: DatasetRecord) -> CacheRecord:
         plan, config, store, fingerprint = self.plan, self.plan.config, self.plan.store, self.plan.vae_fp
@@ -233,7 +237,7 @@ class FlowExecutor:
         if deployment := placed(config, "manifest"):
             run_elsewhere(config, deployment, "manifest")
             return stored_manifest(plan)
-        return plan.configured(manifest_task)(config.storage, dataset["id"], plan.text_fp, plan.vae_fp,
+        return plan.configured(manifest_task)(config.storage, dataset["id"], plan.text_fps, plan.vae_fp,
                                               config.training.sample_prompts)
 
     def train(self, manifest: ManifestRecord) -> RunRecord:
@@ -289,7 +293,7 @@ def stored_dataset(plan: Plan) -> DatasetRecord:
 
 def stored_manifest(plan: Plan) -> ManifestRecord:
     dataset = stored_dataset(plan)
-    this_id = manifest_id(dataset["id"], plan.text_fp, plan.vae_fp, plan.config.training.sample_prompts)
+    this_id = manifest_id(dataset["id"], plan.text_fps, plan.vae_fp, plan.config.training.sample_prompts)
     return manifest_record(plan.store.require(layout.manifest(this_id)))
 
 

@@ -1,7 +1,9 @@
 """Shard formats: image shards (parquet), text and latent caches (safetensors).
 
-Text cache: only the real tokens of each caption, ragged — `embeddings` [total_tokens, dim] plus
-`offsets` [rows + 1]; the attention mask is implied by the length. Latent cache: the VAE
+Text cache (one per text encoder): each caption's sequence, ragged — `embeddings` [total_tokens,
+dim] plus `offsets` [rows + 1], the real tokens only for a masked encoder (the attention mask is
+implied by the length) or every padded position for an unmasked one; an encoder's further outputs
+(a pooled vector: one row of one token) as `<output>.embeddings` and `<output>.offsets`. Latent cache: the VAE
 posterior of each sample (mean with std or log-variance, or the mean alone, as
 `latent_encoding.posterior` says; flipped twins when `flip` is on), one tensor per aspect-ratio
 bucket. Both are read
@@ -70,34 +72,49 @@ def read_image_shard(data: bytes, columns: list[str] | None = None) -> pa.Table:
     return pq.read_table(io.BytesIO(data), columns=columns)
 
 
+def ragged_name(output: str | None, tensor: str) -> str:
+    return tensor if output is None else f"{output}.{tensor}"
+
+
 def pack_ragged(
-    rows: dict[str, int], sequences: list[torch.Tensor], metadata: dict[str, Any]
+    rows: dict[str, int], sequences: list[torch.Tensor], metadata: dict[str, Any],
+    more: dict[str, list[torch.Tensor]] | None = None,
 ) -> bytes:
-    """Text cache shard: `sequences[i]` is [len_i, dim]; `rows` maps a key to its sequence index."""
-    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
-    offsets = torch.zeros(len(sequences) + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    tensors = {"embeddings": torch.cat(sequences).contiguous(), "offsets": offsets}
+    """Text cache shard: `sequences[i]` is [len_i, dim]; `rows` maps a key to its sequence index;
+    `more` holds further outputs by name, indexed alike."""
+    tensors = {}
+    for output, outputs in [(None, sequences), *(more or {}).items()]:
+        lengths = torch.tensor([len(s) for s in outputs], dtype=torch.int64)
+        offsets = torch.zeros(len(outputs) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(lengths, 0)
+        tensors[ragged_name(output, "embeddings")] = torch.cat(outputs).contiguous()
+        tensors[ragged_name(output, "offsets")] = offsets
     return save_deterministic(tensors, rows, metadata)
 
 
 class RaggedShard:
-    """Reader of a text cache shard; `shard[key]` is the [length, dim] embedding of one caption."""
+    """Reader of a text cache shard; `shard[key]` is the [length, dim] embedding of one caption,
+    `shard.get(key, output)` that of one of its further outputs."""
 
     def __init__(self, path: str):
         self._file = safe_open(path, framework="pt")
         header = self._file.metadata()
         self.rows: dict[str, int] = json.loads(header["rows"])
         self.meta: dict[str, Any] = json.loads(header["meta"])
-        self.offsets = self._file.get_tensor("offsets")
-        self._embeddings = self._file.get_slice("embeddings")
+        self._outputs: dict[str | None, tuple[torch.Tensor, Any]] = {}  # offsets and slice, by output
 
     def __contains__(self, key: str) -> bool:
         return key in self.rows
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        row = self.rows[key]
-        return self._embeddings[int(self.offsets[row]) : int(self.offsets[row + 1])]
+        return self.get(key)
+
+    def get(self, key: str, output: str | None = None) -> torch.Tensor:
+        if output not in self._outputs:
+            self._outputs[output] = (self._file.get_tensor(ragged_name(output, "offsets")),
+                                     self._file.get_slice(ragged_name(output, "embeddings")))
+        (offsets, embeddings), row = self._outputs[output], self.rows[key]
+        return embeddings[int(offsets[row]) : int(offsets[row + 1])]
 
 
 def bucket_name(height: int, width: int) -> str:
@@ -136,6 +153,19 @@ class LatentShard:
         if posterior == "mean_logvar":
             return mean, torch.exp(0.5 * self._file.get_slice(f"{prefix}logvar/{bucket}")[index].float())
         return mean, None
+
+def collate(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-caption text features → a batch's: sequences [len_i, D] right-padded to the longest
+    ([B, L, D] float32, and their mask [B, L] as `<name>_mask`), vectors [D] stacked [B, D]."""
+    batch = {}
+    for name in features[0]:
+        values = [feature[name] for feature in features]
+        if values[0].ndim == 1:
+            batch[name] = torch.stack([value.float() for value in values])
+        else:
+            batch[name], batch[f"{name}_mask"] = pad_sequences(values)
+    return batch
+
 
 def pad_sequences(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad [len_i, D] tensors to the longest: ([B, L, D] float32, [B, L] mask)."""

@@ -45,14 +45,27 @@ def dataset_id(shards: list[dict[str, Any]]) -> str:
     return hash_json(shards)
 
 
-def text_encoder_fingerprint(model: ModelConfig, text: TextEncodingConfig) -> str:
-    """Covers weights, tokenizer files, max_length, dtype (quantisation included), caption
-    preprocessing and format; not device, offload or batch size, which change nothing beyond
-    float noise."""
+def text_fingerprints(model: ModelConfig, text: TextEncodingConfig) -> dict[str, str]:
+    """The fingerprint of each of the family's text encoders' caches, by encoder name. Each covers
+    the encoder's weights and tokenizer files (by role, not folder name: the same T5 in two
+    families' folders shares its cache), max_length, dtype (quantisation included), caption
+    preprocessing, what of its output is stored and format; not device, offload or batch size,
+    which change nothing beyond float noise."""
     family = family_of(model)
-    files = component_fingerprint(model.path, list(family.text_folders), model.revision)
-    return hash_json({"files": files, "max_length": text.max_length, "dtype": text.dtype, "format": TEXT_FORMAT,
-                      "captions": family.caption_rule(text.caption_preprocessing)})
+    fingerprints = {}
+    for encoder in family.text_encoders:
+        files = component_fingerprint(model.path, [encoder.folder, encoder.tokenizer], model.revision)
+        fingerprints[encoder.name] = hash_json({
+            "files": {"text_encoder": files[encoder.folder], "tokenizer": files[encoder.tokenizer]},
+            "max_length": family.text_length(model, encoder, text), "dtype": text.dtype, "format": TEXT_FORMAT,
+            "captions": family.caption_rule(text.caption_preprocessing), **encoder.stored()})
+    return fingerprints
+
+
+def text_identity(fingerprints: dict[str, str]) -> str:
+    """What the manifest's id counts of the text caches: a family of one encoder by its
+    fingerprint (as every id before families had several), else all of them by name."""
+    return next(iter(fingerprints.values())) if len(fingerprints) == 1 else hash_json(fingerprints)
 
 
 def vae_fingerprint(model: ModelConfig, latents: LatentEncodingConfig) -> str:
@@ -81,8 +94,8 @@ def prompts_cache_key(fingerprint: str, prompts: list[str]) -> str:
     return layout.text_prompts(fingerprint, hash_json(prompt_rows(prompts)))
 
 
-def manifest_id(dataset: str, text_fp: str, vae_fp: str, prompts: list[str]) -> str:
-    return hash_json({"dataset": dataset, "text": text_fp, "vae": vae_fp, "prompts": prompts})
+def manifest_id(dataset: str, text_fps: dict[str, str], vae_fp: str, prompts: list[str]) -> str:
+    return hash_json({"dataset": dataset, "text": text_identity(text_fps), "vae": vae_fp, "prompts": prompts})
 
 
 def run_id_for(manifest: str, model: ModelConfig, training: TrainingConfig, init: dict | None = None) -> str:

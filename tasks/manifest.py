@@ -1,7 +1,7 @@
 """Stage 4 — manifest: join dataset, text cache and latent cache; verify; record checksums.
 
-The manifest is the only input of training. Its id is a hash of the dataset id and the two
-encoder fingerprints (plus the prompts), so it is known before it is built and a stage run alone
+The manifest is the only input of training. Its id is a hash of the dataset id and the encoders'
+fingerprints (each text encoder's and the VAE's, plus the prompts), so it is known before it is built and a stage run alone
 can find it. Every shard it names is checked against its committed sha256 here, and again by
 training before use.
 Output: `manifests/<manifest_id>.parquet` (one row per sample) and `manifests/<manifest_id>.json`.
@@ -21,14 +21,14 @@ from configs.schema import StorageConfig
 from storage import layout
 from storage.shards import LatentShard, RaggedShard
 from storage.store import Store
-from tasks.identity import manifest_id, prompts_cache_key
+from tasks.identity import manifest_id, prompts_cache_key, text_identity
 from tasks.records import ManifestRecord
 
 MANIFEST_SCHEMA = pa.schema(
     [
         ("sample_id", pa.string()),
         ("variants", pa.int32()),
-        ("text_shard", pa.string()),
+        ("text_shards", pa.list_(pa.string())),  # each text encoder's, in the manifest's `text_fingerprints` order
         ("latent_shard", pa.string()),
         ("bucket", pa.string()),
     ]
@@ -36,26 +36,28 @@ MANIFEST_SCHEMA = pa.schema(
 
 
 def build_manifest(
-    storage: StorageConfig, dataset_id: str, text_fp: str, vae_fp: str, prompts: list[str]
+    storage: StorageConfig, dataset_id: str, text_fps: dict[str, str], vae_fp: str, prompts: list[str]
 ) -> ManifestRecord:
-    """Write the manifest for a dataset encoded with the given fingerprints; returns its record."""
+    """Write the manifest for a dataset encoded with the given fingerprints (each text encoder's,
+    by name, and the VAE's); returns its record."""
     store = Store(storage)
-    this_id = manifest_id(dataset_id, text_fp, vae_fp, prompts)
+    this_id = manifest_id(dataset_id, text_fps, vae_fp, prompts)
     key = layout.manifest(this_id)
     if (record := store.committed(key)) is not None:
         return manifest_record(record)
     dataset = json.loads(store.read_verified(layout.dataset(dataset_id)))
-    prompts_key = prompts_cache_key(text_fp, prompts)
-    checksums = {prompts_key: store.verify(prompts_key)["sha256"]}
+    prompts_keys = {name: prompts_cache_key(fp, prompts) for name, fp in text_fps.items()}
+    checksums = {key: store.verify(key)["sha256"] for key in prompts_keys.values()}
     rows, buckets, quarantined = [], Counter(), Counter()
     for shard in dataset["shards"]:
         image_key = layout.image_shard(shard["id"])
-        text_key = layout.cache_shard("text", text_fp, shard["id"])
+        text_keys = [layout.cache_shard("text", fp, shard["id"]) for fp in text_fps.values()]
         latent_key = layout.cache_shard("latents", vae_fp, shard["id"])
         checksums[image_key] = store.verify(image_key)["sha256"]
-        for needed in (text_key, latent_key):  # checked in the read that is used below
+        for needed in (*text_keys, latent_key):  # checked in the read that is used below
             checksums[needed] = store.require(needed)["sha256"]
-        text = RaggedShard(store.local_path(text_key, checksums[text_key]))
+        # every encoder encodes the same caption variants: the first's rows stand for all
+        text = RaggedShard(store.local_path(text_keys[0], checksums[text_keys[0]]))
         latents = LatentShard(store.local_path(latent_key, checksums[latent_key]))
         variants = Counter(row.rsplit("/", 1)[0] for row in text.rows)
         excluded = {q["sample_id"]: q["reason"] for q in latents.meta["quarantined"]}
@@ -69,7 +71,7 @@ def build_manifest(
                 raise ValueError(f"sample {sample_id} of shard {shard['id']} has no {missing}")
             bucket = latents.rows[sample_id][0]
             buckets[bucket] += 1
-            rows.append({"sample_id": sample_id, "variants": variants[sample_id], "text_shard": text_key,
+            rows.append({"sample_id": sample_id, "variants": variants[sample_id], "text_shards": text_keys,
                          "latent_shard": latent_key, "bucket": bucket})
 
     table_key = layout.manifest_table(this_id)
@@ -78,8 +80,9 @@ def build_manifest(
     table_record = store.commit(table_key, buffer.getvalue(), samples=len(rows))
     checksums[table_key] = table_record["sha256"]
     manifest = {
-        "id": this_id, "dataset": dataset_id, "text_fingerprint": text_fp, "vae_fingerprint": vae_fp,
-        "prompts": prompts, "prompts_shard": prompts_key, "table": table_key, "samples": len(rows),
+        "id": this_id, "dataset": dataset_id, "text_fingerprint": text_identity(text_fps),
+        "text_fingerprints": text_fps, "vae_fingerprint": vae_fp, "prompts": prompts, "prompts_shards": prompts_keys,
+        "table": table_key, "samples": len(rows),
         "buckets": dict(sorted(buckets.items())), "quarantined": dict(quarantined), "checksums": checksums,
     }
     return manifest_record(store.commit_json(key, manifest, samples=len(rows), buckets=manifest["buckets"]))

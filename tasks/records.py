@@ -77,6 +77,7 @@ class PromptsCommit(Commit):
 
 class TextShardCommit(Commit):
     shard: str
+    encoder: str  # the family's text encoder it holds the outputs of
     rows: int  # caption variants, `<sample_id>/<variant>`
     captions: int  # distinct captions
     samples: int
@@ -99,7 +100,9 @@ class CacheRecord(TypedDict):
     shards: list[TextShardCommit] | list[LatentShardCommit]
     amount: str
     committed_at: float
-    prompts: NotRequired[PromptsCommit]  # text caches: the empty caption and the sample prompts
+    # text caches: each encoder's cache URL and its empty caption and sample prompts, by encoder
+    caches: NotRequired[dict[str, str]]
+    prompts: NotRequired[dict[str, PromptsCommit]]
     work: NotRequired[EncodingWork]  # added by whoever ran the shards (runner or flow)
 
 
@@ -110,6 +113,17 @@ class ManifestRecord(Commit):
     samples: int
     buckets: dict[str, int]
     amount: str
+
+
+def manifest_encoders(manifest: dict[str, Any]) -> dict[str, str]:
+    """A manifest's text encoders by name, each with its prompts shard's key (a manifest written
+    before families had several encoders names T5's alone)."""
+    return manifest.get("prompts_shards") or {"t5": manifest["prompts_shard"]}
+
+
+def text_shards_of(row: dict[str, Any]) -> list[str]:
+    """A manifest row's text cache shards, in `manifest_encoders`' order."""
+    return row["text_shards"] if "text_shards" in row else [row["text_shard"]]
 
 
 # --- train --------------------------------------------------------------------------------------
@@ -143,5 +157,5 @@ Work = IngestWork | EncodingWork
 # stage's wall time; the runner's own run adds the encoders' fingerprints
 Records = TypedDict("Records", {
     "ingest": DatasetRecord, "encode-text": CacheRecord, "encode-latents": CacheRecord, "manifest": ManifestRecord,
-    "train": RunRecord, "seconds": dict[str, float], "text_fingerprint": str, "vae_fingerprint": str,
+    "train": RunRecord, "seconds": dict[str, float], "text_fingerprints": dict[str, str], "vae_fingerprint": str,
 }, total=False)

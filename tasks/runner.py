@@ -24,7 +24,7 @@ from tasks.encode.text import encode_prompts, encode_text_shard, measure_numeric
 from tasks.ingest.stage import ingest
 from tasks.manifest import build_manifest
 from tasks.encode.models import encoding_work, model_loads
-from tasks.identity import text_encoder_fingerprint, vae_fingerprint
+from tasks.identity import text_fingerprints, vae_fingerprint
 from tasks.records import (
     CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, Record, Records, RunRecord,
 )
@@ -82,7 +82,7 @@ class Direct:
     def __init__(self, config: PipelineConfig):
         self.config, self.store = config, Store(config.storage)
         self.store.check_reachable()
-        self.text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
+        self.text_fps = text_fingerprints(config.model, config.text_encoding)
         self.vae_fp = vae_fingerprint(config.model, config.latent_encoding)
 
     def ingest(self) -> DatasetRecord:
@@ -90,35 +90,36 @@ class Direct:
 
     def encode_text(self, dataset: DatasetRecord) -> CacheRecord:
         config, urls, prompts = self.config, image_shard_urls(self.store, dataset), {}
-        text = (config.storage, config.model, config.text_encoding, self.text_fp)
+        text = (config.storage, config.model, config.text_encoding, self.text_fps)
 
         def prepare() -> None:  # the prompts, then the precision check before any shard, as in the flow
             prompts.update(encode_prompts(*text, config.training.sample_prompts))
             measure_numerics(*text, urls[0] if urls else None)
 
         records, work = self.encoded(lambda url: encode_text_shard(*text, url), urls, prepare)
-        return {**text_cache_record(self.store, self.text_fp, prompts, records), "work": work}
+        return {**text_cache_record(self.store, self.text_fps, prompts, records), "work": work}
 
     def encode_latents(self, dataset: DatasetRecord) -> CacheRecord:
         config = self.config
         records, work = self.encoded(
-            lambda url: encode_latents_shard(config.storage, config.model, config.latent_encoding, self.vae_fp, url),
+            lambda url: [encode_latents_shard(config.storage, config.model, config.latent_encoding, self.vae_fp, url)],
             image_shard_urls(self.store, dataset))
         return {**latent_cache_record(self.store, self.vae_fp, records), "work": work}
 
     @staticmethod
-    def encoded(encode: Callable[[str], Any], urls: list[str], prepare: Callable[[], None] = lambda: None,
+    def encoded(encode: Callable[[str], list[Any]], urls: list[str], prepare: Callable[[], None] = lambda: None,
                 ) -> tuple[list[Any], EncodingWork]:
-        """`prepare()`, then `encode(url)` for every shard, here; the records and the stage's
-        encoding_work, counted from before `prepare` as the flow counts it."""
+        """`prepare()`, then `encode(url)` for every shard, here (its records: one per encoder);
+        all the records and the stage's encoding_work, counted from before `prepare` as the flow
+        counts it."""
         started, before = time.time(), sum(model_loads().values())
         prepare()
-        records = [encode(url) for url in urls]
+        records = [record for url in urls for record in encode(url)]
         return records, encoding_work(records, started, 1, sum(model_loads().values()) - before)
 
     def manifest(self, dataset: DatasetRecord) -> ManifestRecord:
         config = self.config
-        return build_manifest(config.storage, dataset["id"], self.text_fp, self.vae_fp, config.training.sample_prompts)
+        return build_manifest(config.storage, dataset["id"], self.text_fps, self.vae_fp, config.training.sample_prompts)
 
     def train(self, manifest: ManifestRecord) -> RunRecord:
         config = self.config
@@ -129,7 +130,7 @@ def run_direct(config: PipelineConfig, until: Stage = "train") -> Records:
     """Run the stages up to `until` in this process (`Direct`); returns `run_stages`' records and
     the encoders' fingerprints."""
     executor = Direct(config)
-    return {"text_fingerprint": executor.text_fp, "vae_fingerprint": executor.vae_fp,
+    return {"text_fingerprints": executor.text_fps, "vae_fingerprint": executor.vae_fp,
             **run_stages(executor, until)}
 
 

@@ -47,7 +47,7 @@ def cached_manifest(tmp_path_factory, tiny_models, demo_data):
         "latent_encoding": {"resolution": 256, "storage_dtype": "fp32"},
         "training": {"sample_prompts": [SAMPLE_PROMPT]}})
     done = run_direct(config, until="encode-latents")
-    manifest = build_manifest(config.storage, done["ingest"]["id"], done["text_fingerprint"],
+    manifest = build_manifest(config.storage, done["ingest"]["id"], done["text_fingerprints"],
                               done["vae_fingerprint"], [SAMPLE_PROMPT])
     return config, Store(config.storage).key(manifest["url"])
 

@@ -14,7 +14,13 @@ from storage.shards import RaggedShard, read_image_shard
 from storage.store import Store
 from tasks.encode.text import encode_captions, encode_prompts, encode_text_shard, measure_numerics
 from tasks.ingest.stage import ingest
-from tasks.identity import text_encoder_fingerprint
+from tasks.families import family_of
+from tasks.identity import text_fingerprints
+
+
+def text_encoder_fingerprint(model, text):
+    """The fingerprint of the tiny PixArt model's one text encoder (T5)."""
+    return text_fingerprints(model, text)["t5"]
 
 
 @pytest.fixture
@@ -84,8 +90,8 @@ def _encode_first_shard(config, dataset, **text):
     fingerprint = text_encoder_fingerprint(config.model, settings)
     shard = dataset["shards"][0]["id"]
     url = store.url(f"shards/images/{shard}.parquet")
-    measure_numerics(config.storage, config.model, settings, fingerprint, url)
-    record = encode_text_shard(config.storage, config.model, settings, fingerprint, url)
+    measure_numerics(config.storage, config.model, settings, {"t5": fingerprint}, url)
+    [record] = encode_text_shard(config.storage, config.model, settings, {"t5": fingerprint}, url)
     cache = RaggedShard(store.local_path(layout.cache_shard("text", fingerprint, shard)))
     rows = read_image_shard(store.read_bytes(f"shards/images/{shard}.parquet")).to_pylist()
     return record, cache, rows
@@ -147,7 +153,8 @@ def test_offload_modes_agree_and_share_the_cache(ingested):
     outputs = {}
     for offload in ["none", "model", "sequential"]:
         settings = config.text_encoding.model_copy(update={"offload": offload})
-        outputs[offload], _ = encode_captions(["a red circle", "a long caption " * 12, ""], config.model, settings)
+        outputs[offload] = encode_captions(["a red circle", "a long caption " * 12, ""], config.model, settings,
+                                           family_of(config.model).text_encoders[0])[0]["hidden"]
     for offload in ["model", "sequential"]:
         for a, b in zip(outputs["none"], outputs[offload]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -190,8 +197,8 @@ def test_results_do_not_depend_on_batching_and_truncation_is_counted(ingested, t
     short = config.text_encoding.model_copy(update={"max_length": 8, "batch_tokens": 1})
     fp_short = text_encoder_fingerprint(config.model, short)
     assert fp_short != text_encoder_fingerprint(config.model, config.text_encoding)
-    measure_numerics(config.storage, config.model, short, fp_short, shard_url)
-    record = encode_text_shard(config.storage, config.model, short, fp_short, shard_url)
+    measure_numerics(config.storage, config.model, short, {"t5": fp_short}, shard_url)
+    [record] = encode_text_shard(config.storage, config.model, short, {"t5": fp_short}, shard_url)
     assert record["truncated"] > 0
     cache = RaggedShard(store.local_path(layout.cache_shard("text", fp_short, dataset["shards"][0]["id"])))
     for key in list(cache.rows)[:4]:
@@ -225,8 +232,8 @@ def test_bf16_cache_stays_close_to_fp32(ingested):
     bf16 = config.text_encoding.model_copy(update={"dtype": "bf16"})
     prompts = ["a red circle on a blue background", "a long caption " * 10]
     fp32 = encode_prompts(config.storage, config.model, config.text_encoding,
-                          text_encoder_fingerprint(config.model, config.text_encoding), prompts)
-    half = encode_prompts(config.storage, config.model, bf16, text_encoder_fingerprint(config.model, bf16), prompts)
+                          text_fingerprints(config.model, config.text_encoding), prompts)["t5"]
+    half = encode_prompts(config.storage, config.model, bf16, text_fingerprints(config.model, bf16), prompts)["t5"]
     store = Store(config.storage)
     a, b = RaggedShard(store.local_path(store.key(fp32["url"]))), RaggedShard(store.local_path(store.key(half["url"])))
     assert b[prompts[0]].dtype == torch.bfloat16
@@ -238,7 +245,8 @@ def test_bf16_cache_stays_close_to_fp32(ingested):
 def test_text_cache_reads_padded_batches_from_local_and_remote_shards(make_config, s3_endpoint, tmp_path):
     import s3fs
 
-    from tasks.train.data import TextCache
+    from storage.shards import collate
+    from tasks.train.data import TextCaches
 
     s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir("precast-text")
     local = make_config()
@@ -249,8 +257,9 @@ def test_text_cache_reads_padded_batches_from_local_and_remote_shards(make_confi
         dataset = ingest(config.storage, config.dataset)
         record, cache, rows = _encode_first_shard(config, dataset)
         key = Store(config.storage).key(record["url"])
-        items = [(key, row["sample_id"], 0) for row in rows]
-        embeddings, mask = TextCache(Store(config.storage), {key: record["sha256"]}).batch(items)
+        caches = TextCaches(Store(config.storage), family_of(config.model).text_encoders, {key: record["sha256"]})
+        batch = collate([caches.caption([key], row["sample_id"], 0) for row in rows])
+        embeddings, mask = batch["t5_hidden"], batch["t5_hidden_mask"]
         lengths = [len(cache[f"{row['sample_id']}/0"]) for row in rows]
         assert embeddings.shape[:2] == mask.shape == (len(rows), max(lengths))
         assert mask.sum(1).tolist() == lengths  # the mask is implied by each caption's real length
@@ -291,10 +300,11 @@ def test_model_loads_never_overlap_and_the_reference_stays_off_the_accelerator(m
 
     monkeypatch.setattr(T5EncoderModel, "from_pretrained", tracked(T5EncoderModel.from_pretrained))
     monkeypatch.setattr(AutoencoderKL, "from_pretrained", tracked(AutoencoderKL.from_pretrained))
-    models.load_text_encoder.__wrapped__.cache_clear()
+    models.TEXT_LOADERS.clear()
     models.load_vae.__wrapped__.cache_clear()
-    loads = [lambda: models.load_text_encoder(config.model, "int8", "cpu", "none"),
-             lambda: models.build_text_encoder(config.model, "fp32", *models.reference_placement("cpu")),
+    t5 = family_of(config.model).text_encoders[0]
+    loads = [lambda: models.load_text_encoder(config.model, t5, "int8", "cpu", "none"),
+             lambda: models.build_text_encoder(config.model, t5, "fp32", *models.reference_placement("cpu")),
              lambda: models.load_vae(config.model, "bf16", "cpu"),
              lambda: models.build_vae(config.model, "fp32", "cpu")] * 2
 

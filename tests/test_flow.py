@@ -232,12 +232,12 @@ def test_parallel_shards_of_a_fingerprint_carry_one_precision_record(prefect_ser
     """The configuration users run: shards in parallel, a non-fp32 dtype, on fresh stores (each with
     no model loaded yet): every shard embeds the fingerprint's one committed precision record."""
     from storage.shards import RaggedShard
-    from tasks.encode.models import load_text_encoder
+    from tasks.encode.models import TEXT_LOADERS
 
     for attempt in range(3):
         config = make_config(root=str(tmp_path / f"store-{attempt}"), text_encoding={"dtype": dtype},
                              execution={"max_parallel_shards": 2})
-        load_text_encoder.__wrapped__.cache_clear()  # as a fresh worker: no model loaded yet
+        TEXT_LOADERS.clear()  # as a fresh worker: no model loaded yet
         stage(name="ingest", config=config)
         result = stage(name="encode-text", config=config)
         store = Store(config.storage)

@@ -16,7 +16,8 @@ import torch
 from configs.schema import LatentEncodingConfig, ModelConfig, TextEncodingConfig
 from storage.fingerprint import component_fingerprint
 from tasks.encode.models import build_text_encoder, build_vae
-from tasks.identity import text_encoder_fingerprint, vae_fingerprint
+from tasks.families import family_of
+from tasks.identity import text_fingerprints, vae_fingerprint
 
 REPO = "precast/tiny-pixart-sigma"
 WEIGHTS = (".safetensors", ".bin")
@@ -163,14 +164,14 @@ def set_offline(monkeypatch, offline: bool):
 
 
 def fingerprints(path: str) -> tuple[str, str]:
-    return (text_encoder_fingerprint(ModelConfig(path=path), TextEncodingConfig()),
+    return (text_fingerprints(ModelConfig(path=path), TextEncodingConfig())["t5"],
             vae_fingerprint(ModelConfig(path=path), LatentEncodingConfig()))
 
 
 def load_workers_models(path: str):
     """What an encoding worker loads: T5 and the VAE, by precast's own from_pretrained loaders."""
     model = ModelConfig(path=path)
-    return build_text_encoder(model, "fp32", "cpu", "none"), build_vae(model, "fp32", "cpu")
+    return build_text_encoder(model, family_of(model).text_encoders[0], "fp32", "cpu", "none"), build_vae(model, "fp32", "cpu")
 
 
 def test_a_hub_id_is_fingerprinted_without_downloading_weights_and_as_its_local_copy(hub, tiny_models):

@@ -17,6 +17,7 @@ from PIL import Image
 
 from storage import layout
 from storage.store import Damaged, Store
+from tasks.families import family_of
 from tasks.manifest import build_manifest
 from tasks.runner import run_direct
 from tasks.train import train
@@ -24,7 +25,7 @@ from tasks.train import train
 
 def _cache_everything(config):
     done = run_direct(config, until="encode-latents")
-    return done["ingest"], done["text_fingerprint"], done["vae_fingerprint"]
+    return done["ingest"], done["text_fingerprints"], done["vae_fingerprint"]
 
 
 def kill_training_at(config, manifest_url: str, batch: int) -> None:
@@ -47,8 +48,8 @@ def kill_training_at(config, manifest_url: str, batch: int) -> None:
 
 def test_manifest_joins_and_records_checksums(make_config):
     config = make_config()
-    dataset, text_fp, vae_fp = _cache_everything(config)
-    record = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    dataset, text_fps, vae_fp = _cache_everything(config)
+    record = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
     manifest = Store(config.storage).read_json(Store(config.storage).key(record["url"]))
     assert manifest["samples"] == 24 and sum(manifest["buckets"].values()) == 24
     assert len(manifest["checksums"]) == 1 + 3 * len(dataset["shards"]) + 1  # prompts, 3 per shard, table
@@ -56,7 +57,7 @@ def test_manifest_joins_and_records_checksums(make_config):
 
 def test_manifest_refuses_a_missing_or_damaged_shard(make_config):
     config = make_config()
-    dataset, text_fp, vae_fp = _cache_everything(config)
+    dataset, text_fps, vae_fp = _cache_everything(config)
     store = Store(config.storage)
     damaged = layout.cache_shard("latents", vae_fp, dataset["shards"][1]["id"])
     path = store.path(damaged)
@@ -64,16 +65,16 @@ def test_manifest_refuses_a_missing_or_damaged_shard(make_config):
     data[-1] ^= 0xFF
     open(path, "wb").write(bytes(data))
     with pytest.raises(ValueError, match=dataset["shards"][1]["id"]):
-        build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+        build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
     store.fs.rm(path)
     with pytest.raises(FileNotFoundError, match=dataset["shards"][1]["id"]):
-        build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+        build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
 
 
 def test_train_needs_no_text_encoder_or_vae_and_saves_a_peft_adapter(make_config, tiny_models, tmp_path):
     config = make_config()
-    dataset, text_fp, vae_fp = _cache_everything(config)
-    manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    dataset, text_fps, vae_fp = _cache_everything(config)
+    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
     # after caching, the text encoder, tokenizer and VAE are gone: training must not need them
     stripped = tmp_path / "transformer-only"
     shutil.copytree(tiny_models, stripped, ignore=shutil.ignore_patterns("text_encoder", "tokenizer", "vae"))
@@ -98,8 +99,8 @@ def test_train_needs_no_text_encoder_or_vae_and_saves_a_peft_adapter(make_config
 
 def test_train_renders_samples_through_the_pixart_pipeline(make_config):
     config = make_config()
-    dataset, text_fp, vae_fp = _cache_everything(config)
-    manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    dataset, text_fps, vae_fp = _cache_everything(config)
+    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
     record = train(config.storage, config.model, config.training, manifest["url"])
     store = Store(config.storage)
     (sample,) = record["samples"]
@@ -112,10 +113,10 @@ def test_training_reader_draws_seeded_latents_from_one_bucket(make_config):
     from tasks.train.data import CachedFeatures, bucket_batches
 
     config = make_config()
-    dataset, text_fp, vae_fp = _cache_everything(config)
-    record = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    dataset, text_fps, vae_fp = _cache_everything(config)
+    record = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
     store = Store(config.storage)
-    features = CachedFeatures(store, store.read_json(store.key(record["url"])))
+    features = CachedFeatures(store, store.read_json(store.key(record["url"])), family_of(config.model).text_encoders)
     batch = next(bucket_batches(features.buckets, 3, seed=0))
     assert len({features.samples[s]["bucket"] for s in batch}) == 1  # one bucket per batch
 
@@ -146,8 +147,8 @@ def test_interrupted_training_resumes_bit_identically(make_config, tmp_path, mon
         config = make_config(root=str(root), training={"steps": 7, "checkpoint_every": 2, "keep_checkpoints": 2,
                                                        "sample_prompts": [], "gradient_accumulation": 2,
                                                        "ema_decay": 0.9, "optimizer": optimizer, "rank": 64})
-        dataset, text_fp, vae_fp = _cache_everything(config)
-        manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+        dataset, text_fps, vae_fp = _cache_everything(config)
+        manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
         if crash_at is not None:
             kill_training_at(config, manifest["url"], crash_at)
         return config, train(config.storage, config.model, config.training, manifest["url"])
@@ -166,8 +167,8 @@ def test_interrupted_training_resumes_bit_identically(make_config, tmp_path, mon
 
 def test_a_damaged_checkpoint_is_refused_by_name(make_config):
     config = make_config(training={"steps": 5, "checkpoint_every": 2, "sample_prompts": []})
-    dataset, text_fp, vae_fp = _cache_everything(config)
-    manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    dataset, text_fps, vae_fp = _cache_everything(config)
+    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
     kill_training_at(config, manifest["url"], 4)
     store = Store(config.storage)
     (checkpoint,) = [k for k in store.fs.find(store.root_path) if k.endswith("step-00000002.safetensors")]
@@ -187,8 +188,8 @@ def test_samples_during_training_loss_curve_and_precast_sample(make_config, tmp_
     prompts = ["A RED Circle, see https://example.com/red.png", "a blue square"]
     config = make_config(text_encoding={"caption_preprocessing": captions},
                          training={"steps": 4, "sample_every": 2, "sample_steps": 2, "sample_prompts": prompts})
-    dataset, text_fp, vae_fp = _cache_everything(config)
-    manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    dataset, text_fps, vae_fp = _cache_everything(config)
+    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
     record = train(config.storage, config.model, config.training, manifest["url"])
     assert [url.rsplit("/", 1)[1] for url in record["samples"]] == ["step-000002.png", "step-000004.png"]
     store = Store(config.storage)
@@ -214,8 +215,8 @@ def test_samples_during_training_loss_curve_and_precast_sample(make_config, tmp_
 
 
 def _manifest(config):
-    dataset, text_fp, vae_fp = _cache_everything(config)
-    return build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    dataset, text_fps, vae_fp = _cache_everything(config)
+    return build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
 
 
 def test_init_from_continues_from_an_adapter(make_config):
@@ -314,10 +315,10 @@ def test_two_process_data_parallel_training_on_cpu(make_config, tiny_models):
 
 def test_training_refuses_a_shard_tampered_after_the_manifest(make_config):
     config = make_config(training={"steps": 2, "sample_prompts": []})
-    dataset, text_fp, vae_fp = _cache_everything(config)
-    manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, config.training.sample_prompts)
+    dataset, text_fps, vae_fp = _cache_everything(config)
+    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
     store = Store(config.storage)
-    tampered = layout.cache_shard("text", text_fp, dataset["shards"][2]["id"])
+    tampered = layout.cache_shard("text", text_fps["t5"], dataset["shards"][2]["id"])
     data = bytearray(store.read_bytes(tampered))
     data[-5] ^= 0x01
     open(store.path(tampered), "wb").write(bytes(data))
@@ -338,8 +339,8 @@ def test_training_on_a_remote_root_reads_the_bytes_it_verified(make_config, s3_e
     config = config.model_copy(update={"storage": config.storage.model_copy(
         update={"options": {"endpoint_url": s3_endpoint}})})
     monkeypatch.setenv("PRECAST_CACHE", str(tmp_path / "cache"))
-    dataset, text_fp, vae_fp = _cache_everything(config)
-    manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, [])
+    dataset, text_fps, vae_fp = _cache_everything(config)
+    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, [])
     copies = list((tmp_path / "cache").rglob("*.safetensors"))
     assert copies  # the manifest stage read the shards through local copies
     for copy in copies:
@@ -403,8 +404,8 @@ def test_noisy_input_and_target_follow_the_models_scheduler(tiny_models, tmp_pat
         return SimpleNamespace(sample=torch.zeros(len(noisy), 2 * noisy.shape[1], *noisy.shape[2:]))
 
     latents = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(1))
-    text, mask = torch.randn(3, 5, 32), torch.ones(3, 5, dtype=torch.long)
-    loss = diffusion_loss(network, Objective.of(model, TrainingConfig()), latents, text, mask,
+    text = {"t5_hidden": torch.randn(3, 5, 32), "t5_hidden_mask": torch.ones(3, 5, dtype=torch.long)}
+    loss = diffusion_loss(network, Objective.of(model, TrainingConfig()), latents, text,
                           torch.Generator().manual_seed(7), None)
     # the same draws: noise, then uniform timesteps over the training schedule
     generator = torch.Generator().manual_seed(7)
@@ -444,7 +445,8 @@ def test_validation_loss_on_held_out_samples_with_fixed_draws(make_config, monke
         record = train(config.storage, config.model, config.training, manifest["url"],
                        progress=lambda *report: reports.append(report))
     store = Store(config.storage)
-    features = CachedFeatures(store, json.loads(store.read_bytes(store.key(manifest["url"]))))
+    features = CachedFeatures(store, json.loads(store.read_bytes(store.key(manifest["url"]))),
+                              family_of(config.model).text_encoders)
     validation = Validation(features, 5, 4, config.training.batch_size, config.training.seed)
     assert len(validation.held) == 5 and seen[0.0] == validation.held
     assert not seen[0.2] & validation.held  # never trained on

@@ -14,7 +14,7 @@ from tasks.encode.latents import encode_latents_shard
 from tasks.encode.text import encode_text_shard
 from tasks.ingest.stage import ingest
 from tasks.manifest import build_manifest
-from tasks.identity import text_encoder_fingerprint, vae_fingerprint
+from tasks.identity import text_fingerprints, vae_fingerprint
 from tasks.train import train
 from tests.test_manifest_and_train import _cache_everything, kill_training_at
 
@@ -27,8 +27,8 @@ def _flip(store: Store, key: str) -> None:
 
 def test_verify_finds_damage_partials_and_orphans_and_repairs_only_those(make_config, capsys):
     config = make_config(training={"steps": 2, "sample_prompts": [], "checkpoint_every": 1})
-    dataset, text_fp, vae_fp = _cache_everything(config)
-    manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, [])
+    dataset, text_fps, vae_fp = _cache_everything(config)
+    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, [])
     train(config.storage, config.model, config.training, manifest["url"])
     store = Store(config.storage)
     root = store.root_url
@@ -37,7 +37,7 @@ def test_verify_finds_damage_partials_and_orphans_and_repairs_only_those(make_co
     clean = json.loads(capsys.readouterr().out)
     assert clean["ok"] and clean["checked"] >= 12 and not (clean["partial"] or clean["orphaned"])
 
-    damaged = layout.cache_shard("text", text_fp, dataset["shards"][0]["id"])
+    damaged = layout.cache_shard("text", text_fps["t5"], dataset["shards"][0]["id"])
     _flip(store, damaged)
     store.write_bytes("shards/images/deadbeef.parquet", b"written, never committed")  # killed before its record
     (store_path := store.path("cache/latents/x.safetensors.partial-" + "0" * 32))
@@ -63,20 +63,20 @@ def test_damage_is_detected_before_use_naming_the_artifact(make_config, artifact
     dataset = ingest(config.storage, config.dataset)
     shard = dataset["shards"][0]["id"]
     shard_url = store.url(f"shards/images/{shard}.parquet")
-    text_fp = text_encoder_fingerprint(config.model, config.text_encoding)
+    text_fps = text_fingerprints(config.model, config.text_encoding)
     vae_fp = vae_fingerprint(config.model, config.latent_encoding)
     if artifact == "image shard":
         _flip(store, f"shards/images/{shard}.parquet")
-        for encode, settings, fp in [(encode_text_shard, config.text_encoding, text_fp),
+        for encode, settings, fp in [(encode_text_shard, config.text_encoding, text_fps),
                                      (encode_latents_shard, config.latent_encoding, vae_fp)]:
             with pytest.raises(Damaged, match=f"shards/images/{shard}.parquet is damaged"):
                 encode(config.storage, config.model, settings, fp, shard_url)
         return
-    dataset, text_fp, vae_fp = _cache_everything(config)
-    manifest = build_manifest(config.storage, dataset["id"], text_fp, vae_fp, [])
+    dataset, text_fps, vae_fp = _cache_everything(config)
+    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, [])
     if artifact in ("text shard", "latent shard"):
         kind = "text" if artifact == "text shard" else "latents"
-        key = f"cache/{kind}/{text_fp if kind == 'text' else vae_fp}/{shard}.safetensors"
+        key = f"cache/{kind}/{text_fps['t5'] if kind == 'text' else vae_fp}/{shard}.safetensors"
     elif artifact == "manifest":
         key = store.key(manifest["url"])
     else:

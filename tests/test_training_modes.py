@@ -91,7 +91,8 @@ def test_offload_keeps_the_checkpointed_activations_in_host_memory(cached_manife
         network = trainable_network(base.model, training)
         draws = torch.Generator().manual_seed(0)
         latents = torch.randn(2, 4, 32, 32, generator=draws)
-        text, mask = torch.randn(2, 7, network.config.caption_channels, generator=draws), torch.ones(2, 7)
+        text = {"t5_hidden": torch.randn(2, 7, network.config.caption_channels, generator=draws),
+                "t5_hidden_mask": torch.ones(2, 7)}
         saved = []
 
         def pack(tensor):  # sees what no inner hook (checkpointing's, offloading's) took
@@ -100,7 +101,7 @@ def test_offload_keeps_the_checkpointed_activations_in_host_memory(cached_manife
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             with kept_activations(mode, torch.device("cpu")):
-                loss = diffusion_loss(network, Objective.of(base.model, training), latents, text, mask,
+                loss = diffusion_loss(network, Objective.of(base.model, training), latents, text,
                                       torch.Generator().manual_seed(1), None)
         loss.backward()
         kept[mode] = sum(saved)
@@ -151,25 +152,28 @@ def test_token_budget_batches_size_each_bucket_by_its_image_tokens(cached_manife
     bit, as another run."""
     from diffusers import PixArtTransformer2DModel
 
+    from tasks.families import family_of
     from tasks.train.data import CachedFeatures, batch_sizes
 
     base, manifest_key = cached_manifest
     transformer = PixArtTransformer2DModel.from_pretrained(base.model.path, subfolder="transformer")
     store = Store(base.storage)
-    features = CachedFeatures(store, store.read_json(manifest_key))
+    family = family_of(base.model)
+    features = CachedFeatures(store, store.read_json(manifest_key), family.text_encoders)
+    counted_tokens = lambda height, width: family.image_tokens(transformer.config, height, width)  # noqa: E731
 
     def tokens(name: str) -> int:
         height, width = (int(side) for side in name.split("x"))
         return transformer.pos_embed(torch.zeros(1, 4, height, width)).shape[1]
 
     mixed = {"32x32": ["a"], "16x16": ["b"], "16x64": ["c"], "64x64": ["d"]}
-    sizes = batch_sizes(mixed, 2, 8 * tokens("32x32"), transformer.config.patch_size)
+    sizes = batch_sizes(mixed, 2, 8 * tokens("32x32"), counted_tokens)
     assert sizes == {"32x32": 8, "16x16": 32, "16x64": 8, "64x64": 2}
     assert all(size * tokens(name) <= 8 * tokens("32x32") for name, size in sizes.items())
-    assert batch_sizes(mixed, 3, None, 2) == dict.fromkeys(mixed, 3)
+    assert batch_sizes(mixed, 3, None, counted_tokens) == dict.fromkeys(mixed, 3)
 
     budget = 2 * max(tokens(name) for name in features.buckets)
-    assert set(batch_sizes(features.buckets, 1, budget, transformer.config.patch_size).values()) == {2}
+    assert set(batch_sizes(features.buckets, 1, budget, counted_tokens).values()) == {2}
     counted = _run(cached_manifest, tmp_path / "count", batch_size=2)
     budgeted = _run(cached_manifest, tmp_path / "tokens", batch_size=1, batch_tokens=budget)
     assert counted["id"] != budgeted["id"]
@@ -187,8 +191,7 @@ def test_min_snr_weights_and_logit_normal_timesteps_are_diffusers_training_recip
     from diffusers import DPMSolverMultistepScheduler
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
 
-    from configs.schema import ModelConfig
-    from tasks.families import family_of
+    from configs.schema import ModelConfig, TrainingConfig
     from tasks.train.loss import Objective, diffusion_loss
 
     folder = tmp_path / "models"
@@ -196,7 +199,6 @@ def test_min_snr_weights_and_logit_normal_timesteps_are_diffusers_training_recip
     config_file = folder / "scheduler" / "scheduler_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "prediction_type": prediction}))
     model = ModelConfig(path=str(folder))
-    noise_scheduler = family_of(model).noise_scheduler(model)
     seen = {}
 
     def network(noisy, encoder_hidden_states, encoder_attention_mask, timestep, added_cond_kwargs):
@@ -204,10 +206,12 @@ def test_min_snr_weights_and_logit_normal_timesteps_are_diffusers_training_recip
         return SimpleNamespace(sample=torch.zeros(len(noisy), 2 * noisy.shape[1], *noisy.shape[2:]))
 
     latents = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(1))
-    text, mask = torch.randn(4, 5, 32), torch.ones(4, 5, dtype=torch.long)
-    objective = Objective(family_of(model), noise_scheduler, timesteps="logit_normal", logit_mean=0.3, logit_std=1.2,
-                          weighting="min_snr", gamma=5.0)
-    loss = diffusion_loss(network, objective, latents, text, mask, torch.Generator().manual_seed(7), None)
+    text = {"t5_hidden": torch.randn(4, 5, 32), "t5_hidden_mask": torch.ones(4, 5, dtype=torch.long)}
+    training = TrainingConfig(timestep_sampling="logit_normal", logit_mean=0.3, logit_std=1.2, loss_weighting="min_snr",
+                              min_snr_gamma=5.0)
+    objective = Objective.of(model, training)
+    noise_scheduler = objective.schedule.scheduler
+    loss = diffusion_loss(network, objective, latents, text, torch.Generator().manual_seed(7), None)
 
     generator = torch.Generator().manual_seed(7)
     noise = torch.randn(latents.shape, generator=generator)

@@ -1,7 +1,8 @@
-"""Loading the frozen encoders (T5 and the VAE) by the real `from_pretrained` path.
+"""Loading the frozen encoders (the family's text encoders and the VAE) by the real
+`from_pretrained` path.
 
 The same calls load a hub id or a local folder in the hub layout. Loaders are cached per process
-so a worker that encodes many shards loads T5 once.
+so a worker that encodes many shards loads each of its encoders once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from configs.schema import LatentEncodingConfig, ModelConfig, TextEncodingConfig
 from tasks.families import Family, family_of
+from tasks.families.spec import TextEncoderSpec
 from tasks.loading import DTYPES, resolve_device, serialised
 
 # activation (and stored embedding) dtype of each text_encoding.dtype; int8 quantises weights only
@@ -22,13 +24,18 @@ TEXT_ACTIVATIONS = {**DTYPES, "int8": torch.bfloat16}
 
 @dataclass
 class TextEncoder:
-    """A tokenizer and a T5 encoder placed for encoding; `device` is where inputs go."""
+    """A tokenizer and a text encoder placed for encoding; `device` is where inputs go."""
 
     tokenizer: Any
     model: Any
     device: torch.device
     family: Family  # what text the encoder reads of a caption
+    spec: TextEncoderSpec  # which of the family's encoders, and what of its output is kept
+    model_config: ModelConfig  # the model it was loaded from
     offload_hook: Any = None
+
+    def max_length(self, text: TextEncodingConfig) -> int:
+        return self.family.text_length(self.model_config, self.spec, text)
 
     def release(self) -> None:
         """Give the device memory back between shards (offload "model")."""
@@ -37,18 +44,21 @@ class TextEncoder:
 
 
 @serialised
-def build_text_encoder(model: ModelConfig, dtype: str, device: str, offload: str) -> TextEncoder:
-    """Load T5 by the real `from_pretrained` path in `dtype` and place it for `offload`.
+def build_text_encoder(model: ModelConfig, spec: TextEncoderSpec, dtype: str, device: str, offload: str
+                       ) -> TextEncoder:
+    """Load one of the family's text encoders by the real `from_pretrained` path in `dtype` and
+    place it for `offload`.
 
     fp16 goes through `from_pretrained(dtype=float16)`, which keeps T5's `wo` projections in fp32
     (T5 v1.1 overflows in plain fp16; a later `.to(float16)` would undo that).
     """
-    from transformers import AutoTokenizer, T5EncoderModel
+    import transformers
+    from transformers import AutoTokenizer
 
     family = family_of(model)
-    tokenizer = AutoTokenizer.from_pretrained(model.path, subfolder="tokenizer", revision=model.revision)
-    encoder = T5EncoderModel.from_pretrained(
-        model.path, subfolder="text_encoder", revision=model.revision, dtype=TEXT_ACTIVATIONS[dtype]
+    tokenizer = AutoTokenizer.from_pretrained(model.path, subfolder=spec.tokenizer, revision=model.revision)
+    encoder = getattr(transformers, spec.model_class).from_pretrained(
+        model.path, subfolder=spec.folder, revision=model.revision, dtype=TEXT_ACTIVATIONS[dtype]
     ).eval().requires_grad_(False)
     if dtype == "int8":
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -59,18 +69,25 @@ def build_text_encoder(model: ModelConfig, dtype: str, device: str, offload: str
         from accelerate import cpu_offload
 
         cpu_offload(encoder, execution_device=target)
-        return TextEncoder(tokenizer, encoder, target, family)
+        return TextEncoder(tokenizer, encoder, target, family, spec, model)
     if offload == "model":
         from accelerate import cpu_offload_with_hook
 
         encoder, hook = cpu_offload_with_hook(encoder, execution_device=target)
-        return TextEncoder(tokenizer, encoder, target, family, hook)
-    return TextEncoder(tokenizer, encoder.to(target), target, family)
+        return TextEncoder(tokenizer, encoder, target, family, spec, model, hook)
+    return TextEncoder(tokenizer, encoder.to(target), target, family, spec, model)
 
 
-# one encoder per worker process: every shard that worker encodes reuses it; the lock outside
-# the cache makes concurrent first calls load once
-load_text_encoder = serialised(functools.lru_cache(maxsize=1)(build_text_encoder))
+# each of a family's encoders once per worker process (by encoder name: a setting that changes
+# replaces it): every shard that worker encodes reuses them
+TEXT_LOADERS: dict[str, Any] = {}
+
+
+@serialised  # outside the caches: concurrent first calls load once
+def load_text_encoder(model: ModelConfig, spec: TextEncoderSpec, dtype: str, device: str, offload: str
+                      ) -> TextEncoder:
+    loader = TEXT_LOADERS.setdefault(spec.name, functools.lru_cache(maxsize=1)(build_text_encoder))
+    return loader(model, spec, dtype, device, offload)
 
 
 def reference_placement(device: str) -> tuple[str, str]:
@@ -95,7 +112,7 @@ load_vae = serialised(functools.lru_cache(maxsize=1)(build_vae))
 
 def model_loads() -> dict[str, int]:
     """Encoder models this process has loaded so far (its loader caches' misses), by stage."""
-    return {"encode-text": load_text_encoder.__wrapped__.cache_info().misses,
+    return {"encode-text": sum(loader.cache_info().misses for loader in TEXT_LOADERS.values()),
             "encode-latents": load_vae.__wrapped__.cache_info().misses}
 
 

@@ -1,9 +1,11 @@
-"""Stage 2 — encode-text: T5 per image shard → ragged safetensors holding only the real tokens.
+"""Stage 2 — encode-text: each of the family's text encoders per image shard → safetensors holding
+what its pipeline feeds the transformer (a masked encoder's real tokens only, ragged).
 
-Output: `cache/text/<encoder_fp>/<shard_id>.safetensors`, rows keyed `<sample_id>/<variant>`.
-The sample prompts and the empty caption (caption dropout, the negative prompt of guidance) are
-encoded here too, into `cache/text/<encoder_fp>/prompts/<hash>.safetensors`, so training never
-needs T5. A shard whose output is committed returns at once without loading T5.
+Output, per encoder: `cache/text/<encoder_fp>/<shard_id>.safetensors`, rows keyed
+`<sample_id>/<variant>`. The sample prompts and the empty caption (caption dropout, the negative
+prompt of guidance) are encoded here too, into `cache/text/<encoder_fp>/prompts/<hash>.safetensors`,
+so training never needs a text encoder. A shard whose outputs are committed returns at once
+without loading an encoder.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig
 from storage import layout
 from storage.shards import pack_ragged, read_image_shard, shard_id_of
 from storage.store import Store, json_bytes
+from tasks.families import family_of
+from tasks.families.spec import TextEncoderSpec
 from tasks.identity import TEXT_FORMAT, prompt_rows, prompts_cache_key
 from tasks.records import CacheRecord
 from tasks.encode.models import (
@@ -26,28 +30,44 @@ from tasks.encode.models import (
 )
 
 log = logging.getLogger(__name__)
+Outputs = dict[str, list[torch.Tensor]]  # an encoder's outputs by name, a tensor per caption
 
 
 def tokenize(texts: list[str], encoder: TextEncoder, config: TextEncodingConfig) -> tuple[list[list[int]], int]:
-    """Token ids of each caption (preprocessed as configured, with </s>) cut at max_length, and how
-    many were cut."""
-    max_length = config.max_length
-    full = encoder.tokenizer(encoder.family.preprocess_captions(texts, config.caption_preprocessing),
-                             add_special_tokens=True).input_ids
+    """Token ids of each caption (preprocessed as configured, with </s>) cut at the encoder's
+    max_length, and how many were cut: a masked encoder's real tokens, an unmasked one's padded
+    to max_length as its pipeline pads them."""
+    max_length = encoder.max_length(config)
+    texts = encoder.family.preprocess_captions(texts, config.caption_preprocessing)
+    full = encoder.tokenizer(texts, add_special_tokens=True).input_ids
     truncated = sum(len(x) > max_length for x in full)
+    if not encoder.spec.masked:
+        return encoder.tokenizer(texts, padding="max_length", max_length=max_length, truncation=True).input_ids, truncated
     # the same cut as the tokenizer's own truncation: keep max_length-1 tokens, then </s>
     return [x if len(x) <= max_length else x[: max_length - 1] + [encoder.tokenizer.eos_token_id] for x in full], truncated
 
 
+def output_of(result: Any, output: str) -> torch.Tensor:
+    """One output of an encoder's forward: [B, L, D] sequences, or [B, D] pooled vectors (a
+    projection model's projected ones, as the pipelines take them)."""
+    if output == "hidden":
+        return result.last_hidden_state
+    if output == "penultimate":
+        return result.hidden_states[-2]
+    return result.text_embeds if getattr(result, "text_embeds", None) is not None else result.pooler_output
+
+
 @torch.inference_mode()
-def run_encoder(ids: list[list[int]], encoder: TextEncoder, batch_tokens: int) -> list[torch.Tensor]:
-    """Embeddings [len_i, dim] of each token sequence, on the CPU in the encoder's output dtype.
+def run_encoder(ids: list[list[int]], encoder: TextEncoder, batch_tokens: int) -> Outputs:
+    """Each of the encoder's outputs (its spec's) for each token sequence, on the CPU in the
+    encoder's output dtype: sequences [len_i, D], a pooled vector as [1, D].
 
     Sequences are sorted by length and batched under a token budget, so a batch pads only to its
     own longest caption and short captions never pay for long ones.
     """
+    spec = encoder.spec
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
-    outputs: list[torch.Tensor | None] = [None] * len(ids)
+    outputs: dict[str, list[Any]] = {output: [None] * len(ids) for output in spec.outputs}
     pad = encoder.tokenizer.pad_token_id
     start = 0
     while start < len(order):
@@ -59,36 +79,58 @@ def run_encoder(ids: list[list[int]], encoder: TextEncoder, batch_tokens: int) -
         for row, index in enumerate(batch):
             input_ids[row, : len(ids[index])] = torch.tensor(ids[index])
             mask[row, : len(ids[index])] = 1
-        hidden = encoder.model(input_ids=input_ids.to(encoder.device), attention_mask=mask.to(encoder.device))
-        hidden = hidden.last_hidden_state.cpu()
-        for row, index in enumerate(batch):
-            outputs[index] = hidden[row, : len(ids[index])].clone()
+        result = encoder.model(input_ids=input_ids.to(encoder.device),
+                               attention_mask=mask.to(encoder.device) if spec.masked else None,
+                               output_hidden_states="penultimate" in spec.outputs)
+        for output in spec.outputs:
+            values = output_of(result, output).cpu()
+            for row, index in enumerate(batch):
+                kept = values[row, : len(ids[index])] if values.ndim == 3 else values[row][None]
+                outputs[output][index] = kept.clone()
     encoder.release()
     return outputs
 
 
-def encode_captions(texts: list[str], model: ModelConfig, config: TextEncodingConfig) -> tuple[list[torch.Tensor], int]:
-    """T5 embeddings of `texts` (real tokens only, in the stored dtype) and the truncation count.
-    Non-finite output fails with the caption named instead of being cached."""
-    encoder = load_text_encoder(model, config.dtype, config.device, config.offload)
+def encode_captions(texts: list[str], model: ModelConfig, config: TextEncodingConfig,
+                    spec: TextEncoderSpec) -> tuple[Outputs, int]:
+    """One encoder's outputs for `texts` (in the stored dtype) and the truncation count.
+    Non-finite output fails with the encoder and the caption named instead of being cached."""
+    encoder = load_text_encoder(model, spec, config.dtype, config.device, config.offload)
     ids, truncated = tokenize(texts, encoder, config)
-    embeddings = [e.to(TEXT_ACTIVATIONS[config.dtype]) for e in run_encoder(ids, encoder, config.batch_tokens)]
-    for text, embedding in zip(texts, embeddings):
-        if not torch.isfinite(embedding).all():
-            raise FloatingPointError(
-                f"T5 produced non-finite values in {config.dtype} for caption {text[:80]!r}; use bf16 or fp32"
-            )
-    return embeddings, truncated
+    outputs = {name: [e.to(TEXT_ACTIVATIONS[config.dtype]) for e in values]
+               for name, values in run_encoder(ids, encoder, config.batch_tokens).items()}
+    for values in outputs.values():
+        for text, embedding in zip(texts, values):
+            if not torch.isfinite(embedding).all():
+                raise FloatingPointError(f"text encoder {spec.name} produced non-finite values in {config.dtype} "
+                                         f"for caption {text[:80]!r}; use bf16 or fp32")
+    return outputs, truncated
+
+
+def packed(rows: dict[str, int], outputs: Outputs, spec: TextEncoderSpec, meta: dict[str, Any]) -> bytes:
+    """A cache shard of one encoder: its first output as the main tensor, the others by name."""
+    first, *more = spec.outputs
+    return pack_ragged(rows, outputs[first], meta, {name: outputs[name] for name in more})
 
 
 def measure_numerics(
-    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, shard_url: str | None
+    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprints: dict[str, str],
+    shard_url: str | None,
+) -> dict[str, dict[str, Any]]:
+    """Each encoder's precision check, by name (`measure_encoder`)."""
+    return {spec.name: measure_encoder(storage, model, text, spec, fingerprints[spec.name], shard_url)
+            for spec in family_of(model).text_encoders}
+
+
+def measure_encoder(
+    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, spec: TextEncoderSpec, fingerprint: str,
+    shard_url: str | None,
 ) -> dict[str, Any]:
-    """The precision check of a fingerprint, measured once and committed before any shard is
-    encoded, so every shard of the fingerprint embeds this one record: error of the configured
-    precision against fp32 on a spread sample of the captions of `shard_url` (the dataset's first
-    shard; None: the empty dataset, nothing to measure) as per-token cosine (min, mean) and max abs
-    error. fp32 itself is the reference."""
+    """The precision check of an encoder's fingerprint, measured once and committed before any
+    shard is encoded, so every shard of the fingerprint embeds this one record: error of the
+    configured precision against fp32 on a spread sample of the captions of `shard_url` (the
+    dataset's first shard; None: the empty dataset, nothing to measure) as per-token cosine (min,
+    mean) and max abs error of its first output. fp32 itself is the reference."""
     store = Store(storage)
     key = layout.text_numerics(fingerprint)
     if store.committed(key) is not None:
@@ -98,11 +140,12 @@ def measure_numerics(
         texts = shard_captions(store, shard_url)[0]
         step = max(1, len(texts) // text.numerics_samples)
         picked = texts[::step][: text.numerics_samples]
-        got = torch.cat([e.float() for e in encode_captions(picked, model, text)[0]])
+        first = spec.outputs[0]
+        got = torch.cat([e.float() for e in encode_captions(picked, model, text, spec)[0][first]])
         # the fp32 reference never shares the accelerator with the encoder (T5-XXL: ~19 GB)
-        reference = build_text_encoder(model, "fp32", *reference_placement(text.device))
+        reference = build_text_encoder(model, spec, "fp32", *reference_placement(text.device))
         ids, _ = tokenize(picked, reference, text)
-        want = torch.cat(run_encoder(ids, reference, text.batch_tokens)).float()
+        want = torch.cat(run_encoder(ids, reference, text.batch_tokens)[first]).float()
         del reference
         cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
         numerics.update(
@@ -126,69 +169,94 @@ def shard_captions(store: Store, shard_url: str) -> tuple[list[str], dict[str, i
 
 
 def encode_text_shard(
-    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, shard_url: str
-) -> dict[str, Any]:
-    """Encode every caption variant of one image shard; returns the cache shard's commit record.
-    The fingerprint's precision check (`measure_numerics`) must be committed first."""
+    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprints: dict[str, str],
+    shard_url: str,
+) -> list[dict[str, Any]]:
+    """Encode every caption variant of one image shard with each of the family's encoders; returns
+    each encoder's cache shard commit record (with `encoder`, its name). The fingerprints'
+    precision checks (`measure_numerics`) must be committed first."""
     store = Store(storage)
     shard_id = shard_id_of(shard_url)
-    key = layout.cache_shard("text", fingerprint, shard_id)
-    if (record := store.committed(key)) is not None:
-        return record
-    texts, rows = shard_captions(store, shard_url)
+    records, captions = [], None
+    for spec in family_of(model).text_encoders:
+        fingerprint = fingerprints[spec.name]
+        key = layout.cache_shard("text", fingerprint, shard_id)
+        if (record := store.committed(key)) is None:
+            captions = captions or shard_captions(store, shard_url)
+            record = encode_shard(store, model, text, spec, fingerprint, key, shard_id, *captions)
+        records.append({**record, "encoder": spec.name})
+    return records
+
+
+def encode_shard(store: Store, model: ModelConfig, text: TextEncodingConfig, spec: TextEncoderSpec,
+                 fingerprint: str, key: str, shard_id: str, texts: list[str], rows: dict[str, int]) -> dict[str, Any]:
+    """One encoder's cache shard of an image shard's captions, committed."""
     numerics = json.loads(store.read_verified(layout.text_numerics(fingerprint)))
-    embeddings, truncated = encode_captions(texts, model, text)
+    outputs, truncated = encode_captions(texts, model, text, spec)
     meta = {"format": TEXT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "truncated": truncated,
             "numerics": numerics}
     record = store.commit(
-        key, pack_ragged(rows, embeddings, meta), shard=shard_id, rows=len(rows), captions=len(texts),
+        key, packed(rows, outputs, spec, meta), shard=shard_id, rows=len(rows), captions=len(texts),
         samples=len({row.rsplit("/", 1)[0] for row in rows}),
-        tokens=sum(len(e) for e in embeddings), truncated=truncated, numerics=numerics,
+        tokens=sum(len(e) for e in outputs[spec.outputs[0]]), truncated=truncated, numerics=numerics,
     )
-    log.info("encoded %d captions of shard %s (%d tokens, %d truncated)", len(texts), shard_id,
+    log.info("encoded %d captions of shard %s with %s (%d tokens, %d truncated)", len(texts), shard_id, spec.name,
              record["tokens"], truncated)
     return record
 
 
 def encode_prompts(
-    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprint: str, prompts: list[str]
-) -> dict[str, Any]:
-    """Encode the empty caption and the sample prompts; rows are keyed by the prompt text."""
-    store = Store(storage)
-    key = prompts_cache_key(fingerprint, prompts)
-    if (record := store.committed(key)) is not None:
-        return record
-    texts = prompt_rows(prompts)
-    embeddings, truncated = encode_captions(texts, model, text)
-    # what `precast sample` must do to a prompt to match: kept with the run's lineage
-    meta = {"format": TEXT_FORMAT, "fingerprint": fingerprint, "truncated": truncated,
-            "caption_preprocessing": text.caption_preprocessing, "max_length": text.max_length}
-    rows = {t: i for i, t in enumerate(texts)}
-    return store.commit(key, pack_ragged(rows, embeddings, meta), rows=len(rows), captions=len(rows))
+    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprints: dict[str, str],
+    prompts: list[str],
+) -> dict[str, dict[str, Any]]:
+    """Encode the empty caption and the sample prompts with each encoder; rows are keyed by the
+    prompt text. Returns each encoder's commit record by name."""
+    store, texts = Store(storage), prompt_rows(prompts)
+    records = {}
+    for spec in family_of(model).text_encoders:
+        key = prompts_cache_key(fingerprints[spec.name], prompts)
+        if (record := store.committed(key)) is None:
+            outputs, truncated = encode_captions(texts, model, text, spec)
+            # what `precast sample` must do to a prompt to match: kept with the run's lineage
+            meta = {"format": TEXT_FORMAT, "fingerprint": fingerprints[spec.name], "truncated": truncated,
+                    "caption_preprocessing": text.caption_preprocessing,
+                    "max_length": family_of(model).text_length(model, spec, text)}
+            rows = {t: i for i, t in enumerate(texts)}
+            record = store.commit(key, packed(rows, outputs, spec, meta), rows=len(rows), captions=len(rows))
+        records[spec.name] = record
+    return records
 
 
-def text_cache_record(store: Store, fingerprint: str, prompts: dict[str, Any], shards: list[dict[str, Any]]) -> CacheRecord:
-    """What the encode-text stage returns, wherever its shards ran: the cache's URL, the commit
-    records of the prompts and of each shard, `amount` and `committed_at` (the newest)."""
-    records = [prompts, *shards]
-    return {"url": store.url(layout.cache("text", fingerprint)), "prompts": prompts, "shards": shards,
-            "amount": f"{sum(r['captions'] for r in records)} captions",
-            "committed_at": max(r["committed_at"] for r in records)}
+def text_cache_record(store: Store, fingerprints: dict[str, str], prompts: dict[str, Any],
+                      shards: list[dict[str, Any]]) -> CacheRecord:
+    """What the encode-text stage returns, wherever its shards ran: the first encoder's cache URL
+    and every encoder's (`caches`), the commit records of the prompts (by encoder) and of each
+    shard of each encoder, `amount` (captions, once whatever the encoders) and `committed_at`."""
+    first = next(iter(fingerprints))
+    captions = sum(r["captions"] for r in [prompts[first], *shards] if r.get("encoder", first) == first)
+    return {"url": store.url(layout.cache("text", fingerprints[first])), "prompts": prompts, "shards": shards,
+            "caches": {name: store.url(layout.cache("text", fp)) for name, fp in fingerprints.items()},
+            "amount": f"{captions} captions",
+            "committed_at": max(r["committed_at"] for r in [*prompts.values(), *shards])}
 
 
 def encoding_report(records: list[dict[str, Any]]) -> str:
-    """Markdown summary of an encode-text stage: per shard counts and the precision check."""
-    numerics = next((r["numerics"] for r in records if r.get("numerics")), {})
+    """Markdown summary of an encode-text stage: each encoder's precision check and per shard counts."""
+    encoders = list(dict.fromkeys(r.get("encoder", "") for r in records))
     lines = ["# Text encoding", ""]
-    if numerics.get("samples"):
-        lines += [f"Precision check ({numerics['dtype']} vs fp32, {numerics['samples']} captions): per-token cosine "
-                  f"min {numerics['cosine_min']:.6f}, mean {numerics['cosine_mean']:.6f}; max abs error "
-                  f"{numerics['max_abs_error']:.4g} (largest fp32 value {numerics['max_abs_reference']:.4g}).", ""]
-    elif numerics:
-        lines += [f"Precision: {numerics['dtype']} (no check needed or requested).", ""]
-    lines += ["| shard | captions | tokens | truncated |", "| --- | --- | --- | --- |"]
-    lines += [f"| {r['shard']} | {r['captions']} | {r['tokens']} | {r['truncated']} |" for r in records]
-    total = sum(r["truncated"] for r in records)
-    lines += ["", f"{sum(r['captions'] for r in records)} captions, {sum(r['tokens'] for r in records)} tokens stored, "
-              f"{total} truncated at max_length."]
+    for encoder in encoders:
+        numerics = next((r["numerics"] for r in records if r.get("encoder", "") == encoder and r.get("numerics")), {})
+        name = f"{encoder}: " if len(encoders) > 1 else ""
+        if numerics.get("samples"):
+            lines += [f"{name}Precision check ({numerics['dtype']} vs fp32, {numerics['samples']} captions): per-token "
+                      f"cosine min {numerics['cosine_min']:.6f}, mean {numerics['cosine_mean']:.6f}; max abs error "
+                      f"{numerics['max_abs_error']:.4g} (largest fp32 value {numerics['max_abs_reference']:.4g}).", ""]
+        elif numerics:
+            lines += [f"{name}Precision: {numerics['dtype']} (no check needed or requested).", ""]
+    lines += ["| encoder | shard | captions | tokens | truncated |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r.get('encoder', '')} | {r['shard']} | {r['captions']} | {r['tokens']} | {r['truncated']} |"
+              for r in records]
+    first = [r for r in records if r.get("encoder", "") == encoders[0]] if records else []
+    lines += ["", f"{sum(r['captions'] for r in first)} captions; {sum(r['tokens'] for r in records)} tokens stored, "
+              f"{sum(r['truncated'] for r in first)} captions truncated at max_length."]
     return "\n".join(lines)

@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 from configs.schema import ModelConfig
+from configs.schema import TrainingConfig
 from storage.fingerprint import hash_json
-from tasks.families.spec import Family
+from tasks.families.ddpm import Ddpm
+from tasks.families.spec import Conditioning, Family, TextEncoderSpec
 
 TABLES_LOCK = threading.Lock()
-TRAINABLE_PREDICTIONS = ("epsilon", "v_prediction", "sample")
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,6 +51,7 @@ def bucket_tables() -> dict[int, dict[str, list[float]]]:
 
 class PixArt(Family):
     transformer_name = "PixArtTransformer2DModel"
+    text_encoders = (TextEncoderSpec("t5"),)  # T5 masked, its real tokens kept
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")  # attention and feed-forward
     resolutions: tuple[int, ...] = ()
 
@@ -75,47 +77,25 @@ class PixArt(Family):
         cleaner = object.__new__(self.pipeline_class())  # the method uses no model: nothing is loaded
         return cleaner._text_preprocessing(list(texts), clean_caption=True)
 
+    def default_max_length(self, model: ModelConfig) -> int:
+        return 300  # what precast always used for PixArt (PixArt-Σ's pipeline default; α's is 120)
+
     def bucket_table(self, resolution: int) -> dict[str, list[float]]:
         if resolution not in self.resolutions:
             raise ValueError(f"{self.name} has aspect-ratio buckets for resolutions "
                              f"{', '.join(map(str, self.resolutions))}, not {resolution}")
         return bucket_tables()[resolution]
 
-    def noise_scheduler(self, model: ModelConfig) -> Any:
-        """DDPM with the betas, timesteps and `prediction_type` of the model's own scheduler config
-        (what its samplers assume). A flow-matching scheduler, or a prediction type DDPM cannot
-        train, is refused by name."""
-        from diffusers import DDPMScheduler
+    def schedule(self, model: ModelConfig, training: TrainingConfig | None = None) -> Ddpm:
+        return Ddpm.load(model, self.name, training)
 
-        config = DDPMScheduler.load_config(model.path, subfolder="scheduler", revision=model.revision)
-        kind, prediction = config.get("_class_name", "unknown"), config.get("prediction_type", "epsilon")
-        if kind.startswith("FlowMatch") or prediction not in TRAINABLE_PREDICTIONS:
-            raise ValueError(f"{model.path}: its scheduler ({kind}, prediction_type {prediction!r}) cannot train "
-                             f"{self.name}, which trains on DDPM noise schedules with prediction_type "
-                             f"{', '.join(TRAINABLE_PREDICTIONS)}")
-        return DDPMScheduler.from_config(config)
-
-    def noised(self, scheduler: Any, latents: torch.Tensor, noise: torch.Tensor,
-               timesteps: torch.Tensor) -> torch.Tensor:
-        return scheduler.add_noise(latents, noise, timesteps)
-
-    def target(self, scheduler: Any, latents: torch.Tensor, noise: torch.Tensor,
-               timesteps: torch.Tensor) -> torch.Tensor:
-        """The noise (epsilon), the velocity (v_prediction) or the clean latents (sample), as the
-        model's scheduler config says (one of TRAINABLE_PREDICTIONS: checked when loaded)."""
-        kind = scheduler.config.prediction_type
-        if kind == "epsilon":
-            return noise
-        if kind == "v_prediction":
-            return scheduler.get_velocity(latents, noise, timesteps)
-        return latents
-
-    def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: torch.Tensor, mask: torch.Tensor,
-                timesteps: torch.Tensor) -> torch.Tensor:
+    def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: Conditioning,
+                timesteps: torch.Tensor, **options: Any) -> torch.Tensor:
         """As the pipeline calls it, with its micro-conditions; a learned-sigma model's variance
         half is dropped, as the noise loss does not train it."""
-        prediction = network(noisy, encoder_hidden_states=text, encoder_attention_mask=mask, timestep=timesteps,
-                             added_cond_kwargs=self.micro_conditions(noisy, text)).sample
+        embeds = text["t5_hidden"]
+        prediction = network(noisy, encoder_hidden_states=embeds, encoder_attention_mask=text["t5_hidden_mask"],
+                             timestep=timesteps, added_cond_kwargs=self.micro_conditions(noisy, embeds)).sample
         return prediction.chunk(2, dim=1)[0] if prediction.shape[1] == 2 * noisy.shape[1] else prediction
 
     def micro_conditions(self, noisy: torch.Tensor, text: torch.Tensor) -> dict[str, torch.Tensor | None]:
@@ -134,9 +114,10 @@ class PixArt(Family):
                 [texts] if isinstance(texts, str) else list(texts))
         return {"clean_caption": True, "max_sequence_length": text["max_length"]}
 
-    def embedding_kwargs(self, embeds: torch.Tensor, mask: torch.Tensor, count: int) -> dict[str, Any]:
+    def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
         """The pipeline's arguments for pre-encoded prompts (the first `count` rows) and negative
         prompts (the rest), masks with them."""
+        embeds, mask = text["t5_hidden"], text["t5_hidden_mask"]
         return {"prompt_embeds": embeds[:count], "prompt_attention_mask": mask[:count],
                 "negative_prompt_embeds": embeds[count:], "negative_prompt_attention_mask": mask[count:],
                 "negative_prompt": None}

@@ -1,21 +1,61 @@
 """What the pipeline needs from a model family, in one spec.
 
 A family module (one per family) subclasses `Family` and fills in what its diffusers pipeline does:
-which folders hold its text encoders, what text they read, its aspect-ratio buckets, how its
-transformer is loaded and called, what it is trained to predict, how it samples, and the layouts
-its weights export to. The stages ask the model's family (`tasks.families.family_of`) and never
+its text encoders and what of their output is cached (`TextEncoderSpec`), what text they read, its
+aspect-ratio buckets, how its transformer is loaded and called (packing latents into tokens, if it
+does), its noise schedule and what it is trained to predict (`schedule`: tasks/families/ddpm.py,
+tasks/families/flow.py), how it samples, and the layouts its weights export to. The stages ask the model's family (`tasks.families.family_of`) and never
 name one. The defaults are what most diffusers families share; a family overrides what it
 differs in.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from configs.schema import ModelConfig, TrainingConfig
+from configs.schema import ModelConfig, TextEncodingConfig, TrainingConfig
 from tasks.loading import serialised
+
+Conditioning = dict[str, torch.Tensor]
+"""A batch's cached text features by name (`TextEncoderSpec.keys`): a sequence output padded to
+the batch's longest [B, L, D] with its mask `<key>_mask` [B, L]; a pooled output [B, D]."""
+
+
+@dataclass(frozen=True)
+class TextEncoderSpec:
+    """One text encoder of a family and what of its output the text cache keeps: each is cached
+    apart, under its own fingerprint, so two families whose encoders would produce the same bytes
+    for a caption share them."""
+
+    name: str  # its cache's name in the manifest and the prefix of its features: "t5", "clip_l", …
+    folder: str = "text_encoder"  # the model folder's subfolders of the encoder and its tokenizer
+    tokenizer: str = "tokenizer"
+    model_class: str = "T5EncoderModel"  # its transformers class
+    # None: `text_encoding.max_length` (T5's, which users set; unset, the family's own); a number:
+    # the tokenizer's fixed length
+    max_length: int | None = None
+    # True: the encoder sees the attention mask and only the real tokens are kept (ragged);
+    # False: the caption is padded to max_length and encoded without a mask, as Flux's and SD3's
+    # pipelines call their encoders: the padded positions are real values, so all are kept
+    masked: bool = True
+    # hidden: the last hidden state; penultimate: the hidden states before the last layer;
+    # pooled: the pooled (for a projection model, projected) vector. The first is the cache's main
+    # tensor; the pooled one is stored as one row of one token
+    outputs: tuple[str, ...] = ("hidden",)
+
+    def keys(self) -> tuple[str, ...]:
+        """The names its outputs have in a `Conditioning`."""
+        return tuple(f"{self.name}_{output}" for output in self.outputs)
+
+    def stored(self) -> dict[str, Any]:
+        """What the text fingerprint adds for this layout: nothing for the masked last hidden state
+        (what every fingerprint before families covered), else the layout."""
+        if self.masked and self.outputs == ("hidden",):
+            return {}
+        return {"masked": self.masked, "outputs": list(self.outputs), "model_class": self.model_class}
 
 
 class Family:
@@ -23,8 +63,7 @@ class Family:
     pipelines: tuple[str, ...] = ()  # the `_class_name`s of model_index.json this family reads
     pipeline_name: str = ""  # the diffusers pipeline that samples from it
     transformer_name: str = ""  # the diffusers class of its transformer
-    # the folders of the text encoders and their tokenizers (what the text cache depends on)
-    text_folders: tuple[str, ...] = ("text_encoder", "tokenizer")
+    text_encoders: tuple[TextEncoderSpec, ...] = ()  # in the order the family's pipeline joins them
     lora_targets: tuple[str, ...] = ()  # the modules LoRA adapts when training.target_modules is None
     # names the bucket tables in the latent cache's fingerprint; None: diffusers' PixArt tables,
     # which every fingerprint before families covered by `resolution` alone
@@ -33,14 +72,22 @@ class Family:
     # --- text: what the encoders read ------------------------------------------------------
     def caption_rule(self, mode: str) -> str:
         """What decides the text `preprocess_captions` gives for `mode` (part of the text cache's
-        fingerprint): "none" reads captions as written."""
-        return mode
+        fingerprint). By default the pipeline feeds captions as written, so `diffusers` reads
+        them as `none` does and the two share a cache."""
+        return "none"
 
     def preprocess_captions(self, texts: list[str], mode: str) -> list[str]:
-        """The text the encoders read of each caption under `text_encoding.caption_preprocessing`."""
-        if mode != "none":
-            raise ValueError(f"{self.name} has no caption preprocessing {mode!r}: use none")
+        """The text the encoders read of each caption under `text_encoding.caption_preprocessing`:
+        by default, as written (what the pipeline's `encode_prompt` feeds its tokenizers)."""
         return list(texts)
+
+    def default_max_length(self, model: ModelConfig) -> int:
+        """T5's token limit when `text_encoding.max_length` is unset: the family's pipeline's."""
+        raise NotImplementedError
+
+    def text_length(self, model: ModelConfig, encoder: TextEncoderSpec, text: TextEncodingConfig) -> int:
+        """The token limit of one of the family's encoders under `text`."""
+        return encoder.max_length or text.max_length or self.default_max_length(model)
 
     # --- latents: the aspect-ratio buckets images are cropped to ------------------------------
     def bucket_table(self, resolution: int) -> dict[str, list[float]]:
@@ -59,9 +106,17 @@ class Family:
 
         return getattr(diffusers, self.transformer_name)
 
-    def noise_scheduler(self, model: ModelConfig) -> Any:
-        """The scheduler training adds noise with and regresses the target of."""
+    def schedule(self, model: ModelConfig, training: TrainingConfig | None = None) -> Any:
+        """The noise schedule training draws timesteps from, noises latents with and regresses the
+        target of (a `tasks.families.ddpm.Ddpm` or `tasks.families.flow.FlowMatching`), with the
+        run's timestep sampling and loss weighting (None: the family's own)."""
         raise NotImplementedError
+
+    def image_tokens(self, config: Any, height: int, width: int) -> int:
+        """The transformer's tokens for latents of height × width, `config` being its config
+        (`training.batch_tokens` counts them)."""
+        patch = config["patch_size"]
+        return (height // patch) * (width // patch)
 
     def target_modules(self, training: TrainingConfig) -> list[str]:
         """The transformer modules that get LoRA layers: the config's, else the family's."""
@@ -71,19 +126,15 @@ class Family:
         """The transformer's repeated blocks (what `training.compile` compiles one by one)."""
         return list(transformer.transformer_blocks)
 
-    def noised(self, scheduler: Any, latents: torch.Tensor, noise: torch.Tensor,
-               timesteps: torch.Tensor) -> torch.Tensor:
-        """The latents noised to `timesteps` under the family's schedule."""
-        raise NotImplementedError
+    def call_options(self, training: TrainingConfig | None) -> dict[str, Any]:
+        """What of the run's config `predict` is called with besides the batch (none by default)."""
+        return {}
 
-    def target(self, scheduler: Any, latents: torch.Tensor, noise: torch.Tensor,
-               timesteps: torch.Tensor) -> torch.Tensor:
-        """What the transformer is trained to predict for those noised latents."""
-        raise NotImplementedError
-
-    def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: torch.Tensor, mask: torch.Tensor,
-                timesteps: torch.Tensor) -> torch.Tensor:
-        """The transformer's prediction for noisy latents, in the latents' shape."""
+    def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: Conditioning,
+                timesteps: torch.Tensor, **options: Any) -> torch.Tensor:
+        """The transformer's prediction for noisy latents [B, C, h, w] at the schedule's
+        `timesteps`, in the latents' shape (a family that packs latents into tokens packs and
+        unpacks here), called as its pipeline calls it, with the run's `call_options`."""
         raise NotImplementedError
 
     # --- sampling and export ----------------------------------------------------------------
@@ -102,7 +153,8 @@ class Family:
 
     def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module) -> Any:
         """The family's pipeline without text encoders (prompts come pre-encoded from the cache)."""
-        return self.pipeline_class()(**dict.fromkeys(self.text_folders), vae=vae, transformer=transformer,
+        encoders = [name for spec in self.text_encoders for name in (spec.folder, spec.tokenizer)]
+        return self.pipeline_class()(**dict.fromkeys(encoders), vae=vae, transformer=transformer,
                                           scheduler=self.sampling_scheduler(model))
 
     def prompt_options(self, pipeline: Any, text: dict[str, Any]) -> dict[str, Any]:
@@ -110,8 +162,8 @@ class Family:
         as the run's text cache read captions (`text`: its caption_preprocessing and max_length)."""
         return {}
 
-    def embedding_kwargs(self, embeds: torch.Tensor, mask: torch.Tensor, count: int) -> dict[str, Any]:
-        """The pipeline's arguments for pre-encoded prompts (the first `count` rows of `embeds`)
+    def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
+        """The pipeline's arguments for pre-encoded prompts (the first `count` rows of `text`)
         and their negative prompts (the rest)."""
         raise NotImplementedError
 

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from configs.schema import ModelConfig, TextEncodingConfig
-from storage.shards import pad_sequences
+from storage.shards import collate
 from tasks.encode.models import load_vae
 from tasks.loading import resolve_device
 from tasks.families import family_of
@@ -32,8 +32,8 @@ def side_by_side(images: list[Image.Image]) -> Image.Image:
 def sample_grid(
     model: ModelConfig,
     transformer,
-    prompt_embeddings: list[torch.Tensor],
-    empty_embedding: torch.Tensor,
+    prompt_features: list[dict[str, torch.Tensor]],
+    empty_features: dict[str, torch.Tensor],
     steps: int,
     guidance_scale: float,
     seed: int,
@@ -44,9 +44,11 @@ def sample_grid(
     pipeline = family.embedding_pipeline(model, load_vae(model, "fp32", str(device)), transformer)
     pipeline.set_progress_bar_config(disable=True)
     # positive and negative embeddings must share one length for classifier-free guidance
-    embeds, mask = pad_sequences(prompt_embeddings + [empty_embedding] * len(prompt_embeddings))
-    dtype = next(transformer.parameters()).dtype
-    images = pipeline(**family.embedding_kwargs(embeds.to(device, dtype), mask.to(device), len(prompt_embeddings)),
+    count = len(prompt_features)
+    text = collate(prompt_features + [empty_features] * count)
+    dtype = next(transformer.parameters()).dtype  # the features in the transformer's, masks as they are
+    text = {name: value.to(device, dtype if value.is_floating_point() else value.dtype) for name, value in text.items()}
+    images = pipeline(**family.embedding_kwargs(text, count),
                       num_inference_steps=steps, guidance_scale=guidance_scale,
                       generator=torch.Generator(device="cpu").manual_seed(seed)).images
     return side_by_side(images)
@@ -69,7 +71,8 @@ def sample_run(
                                                            transformer=transformer)
     pipeline.to(resolve_device(device)).set_progress_bar_config(disable=True)
     # the prompt text the encoder reads, as it read the run's captions
-    text = run.lineage.get("text") or TextEncodingConfig().model_dump(include={"caption_preprocessing", "max_length"})
+    text = run.lineage.get("text") or {"caption_preprocessing": TextEncodingConfig().caption_preprocessing,
+                                       "max_length": family.default_max_length(model)}
     options = family.prompt_options(pipeline, text)
     images = pipeline(prompts, num_inference_steps=steps, guidance_scale=guidance_scale,
                       generator=torch.Generator(device="cpu").manual_seed(seed), **options).images

@@ -1,4 +1,5 @@
-"""Training data from the caches alone: bucketed batches of latents and padded T5 embeddings.
+"""Training data from the caches alone: bucketed batches of latents and text features (each of
+the family's encoders' outputs, sequences padded to the batch's longest).
 
 Shards are checked against the manifest's checksums in the read that is used, then read
 memory-mapped, a row at a time. Every random choice is seeded: the batch order by
@@ -14,7 +15,7 @@ import hashlib
 import io
 import random
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
@@ -22,38 +23,56 @@ import pyarrow.parquet as pq
 import torch
 
 from configs.schema import TrainingConfig
-from storage.shards import LatentShard, RaggedShard, pad_sequences
+from storage.shards import LatentShard, RaggedShard, collate
 from storage.store import Store
+from tasks.families.spec import Conditioning, TextEncoderSpec
 from tasks.prefetch import prefetched
+from tasks.records import manifest_encoders, text_shards_of
 from tasks.train.distributed import Distributed
 
 
-class TextCache:
-    """T5 embeddings of (text shard, sample, variant) from cache shards, memory-mapped; remote
+class TextCaches:
+    """The text features of a caption from each encoder's cache shards (`checksums`: their keys'
+    sha256) and of the prompts (`prompts`: each encoder's prompts shard, one of them), memory-mapped; remote
     shards are read through a local copy, checked against the manifest's checksum."""
 
-    def __init__(self, store: Store, checksums: dict[str, str]):
+    def __init__(self, store: Store, encoders: tuple[TextEncoderSpec, ...], checksums: dict[str, str],
+                 prompts: dict[str, str] | None = None):
+        self.encoders = encoders
         self._shards = {key: RaggedShard(store.local_path(key, sha)) for key, sha in sorted(checksums.items())}
+        self.prompts = [self._shards[key] for key in (prompts or {}).values()]
 
-    def embedding(self, shard_key: str, sample_id: str, variant: int) -> torch.Tensor:
-        return self._shards[shard_key][f"{sample_id}/{variant}"]
+    def features(self, shards: list[RaggedShard], row: str) -> dict[str, torch.Tensor]:
+        """Each encoder's outputs for `row` of its shard: sequences [len, D], pooled vectors [D]."""
+        features = {}
+        for spec, shard in zip(self.encoders, shards):
+            for index, (output, key) in enumerate(zip(spec.outputs, spec.keys())):
+                value = shard.get(row, None if index == 0 else output)
+                features[key] = value[0] if output == "pooled" else value
+        return features
 
-    def batch(self, items: list[tuple[str, str, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embeddings padded to the batch's longest caption [B, L, D] and the mask [B, L]."""
-        return pad_sequences([self.embedding(*item) for item in items])
+    def caption(self, shard_keys: list[str], sample_id: str, variant: int) -> dict[str, torch.Tensor]:
+        return self.features([self._shards[key] for key in shard_keys], f"{sample_id}/{variant}")
+
+    def prompt(self, text: str) -> dict[str, torch.Tensor]:
+        """A sample prompt's features ("": the empty caption's)."""
+        return self.features(self.prompts, text)
 
 
 class CachedFeatures:
-    def __init__(self, store: Store, manifest: dict[str, Any]):
+    def __init__(self, store: Store, manifest: dict[str, Any], encoders: tuple[TextEncoderSpec, ...]):
         # every byte read below is checked against the manifest's checksum in the read that uses it
         checksums = manifest["checksums"]
         table = pq.read_table(io.BytesIO(store.read_verified(manifest["table"], checksums[manifest["table"]])))
         self.samples = {row["sample_id"]: row for row in table.to_pylist()}
-        text_keys = {row["text_shard"] for row in self.samples.values()}
+        named = manifest_encoders(manifest)
+        if list(named) != [spec.name for spec in encoders]:
+            raise ValueError(f"manifest {manifest['id']} holds the text encoders {', '.join(named)}; the model's "
+                             f"family reads {', '.join(spec.name for spec in encoders)}")
+        text_keys = {key for row in self.samples.values() for key in text_shards_of(row)}
         latent_keys = {row["latent_shard"] for row in self.samples.values()}
-        self.text = TextCache(store, {key: checksums[key] for key in text_keys})
+        self.text = TextCaches(store, encoders, {key: checksums[key] for key in {*text_keys, *named.values()}}, named)
         self._latents = {key: LatentShard(store.local_path(key, checksums[key])) for key in sorted(latent_keys)}
-        self.prompts = RaggedShard(store.local_path(manifest["prompts_shard"], checksums[manifest["prompts_shard"]]))
         first = next(iter(self._latents.values())).meta
         self.scaling_factor, self.shift_factor = first["scaling_factor"], first["shift_factor"]
         self.buckets: dict[str, list[str]] = defaultdict(list)
@@ -62,10 +81,10 @@ class CachedFeatures:
 
     def batch(
         self, sample_ids: list[str], generator: torch.Generator, caption_dropout: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, Conditioning]:
         """Scaled latents [B, C, h, w] drawn from the stored posteriors (of the flipped image half of
-        the time when flips are stored), T5 embeddings padded to the batch's longest caption
-        [B, L, D] and their attention mask [B, L]."""
+        the time when flips are stored) and the text features of a caption variant of each (the
+        empty caption's, at the rate of `caption_dropout`), collated (`storage.shards.collate`)."""
         latents, texts = [], []
         for sample_id in sample_ids:
             row = self.samples[sample_id]
@@ -77,12 +96,11 @@ class CachedFeatures:
                 latent = latent + std.float() * torch.randn(mean.shape, generator=generator)
             latents.append((latent - self.shift_factor) * self.scaling_factor)
             if torch.rand((), generator=generator).item() < caption_dropout:
-                texts.append(self.prompts[""])
+                texts.append(self.text.prompt(""))
             else:
                 variant = int(torch.randint(row["variants"], (), generator=generator))
-                texts.append(self.text.embedding(row["text_shard"], sample_id, variant))
-        embeddings, mask = pad_sequences(texts)
-        return torch.stack(latents), embeddings, mask
+                texts.append(self.text.caption(text_shards_of(row), sample_id, variant))
+        return torch.stack(latents), collate(texts)
 
 
 class Batches:
@@ -92,9 +110,9 @@ class Batches:
     `batch_size`, `batch_tokens`, `caption_dropout`, `accumulation` and `prefetch`."""
 
     def __init__(self, training: TrainingConfig, features: CachedFeatures, buckets: dict[str, list[str]],
-                 dist: Distributed, patch: int):
+                 dist: Distributed, tokens: Callable[[int, int], int]):
         self.features, self.training, self.device = features, training, dist.device
-        sizes = batch_sizes(buckets, training.batch_size, training.batch_tokens, patch)
+        sizes = batch_sizes(buckets, training.batch_size, training.batch_tokens, tokens)
         self.stream = islice(enumerate(bucket_batches(buckets, sizes, training.seed)), dist.rank, None, dist.world)
         self.reader: Iterator | None = None  # started by `resume`
 
@@ -108,35 +126,38 @@ class Batches:
         ahead = 0 if self.device.type == "cpu" else self.training.prefetch
         self.reader = prefetched(self._load, self.stream, ahead)
 
-    def _load(self, item: tuple[int, list[str]]) -> tuple[int, tuple[torch.Tensor, ...]]:
+    def _load(self, item: tuple[int, list[str]]) -> tuple[int, tuple[torch.Tensor, Conditioning]]:
         index, sample_ids = item
-        batch = self.features.batch(sample_ids, draws(self.training.seed, index, "data"), self.training.caption_dropout)
+        latents, text = self.features.batch(sample_ids, draws(self.training.seed, index, "data"),
+                                            self.training.caption_dropout)
         if self.device.type == "cuda":  # pinned, so the copy to the device does not hold the host
-            batch = tuple(tensor.pin_memory() for tensor in batch)
-        return index, batch
+            latents, text = latents.pin_memory(), {name: value.pin_memory() for name, value in text.items()}
+        return index, (latents, text)
 
     def __iter__(self) -> Batches:
         return self
 
-    def __next__(self) -> tuple[int, tuple[torch.Tensor, ...]]:
-        index, batch = next(self.reader)
-        return index, tuple(tensor.to(self.device, non_blocking=True) for tensor in batch)
+    def __next__(self) -> tuple[int, tuple[torch.Tensor, Conditioning]]:
+        index, (latents, text) = next(self.reader)
+        return index, (latents.to(self.device, non_blocking=True),
+                       {name: value.to(self.device, non_blocking=True) for name, value in text.items()})
 
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
 
 
-def batch_sizes(buckets: dict[str, list[str]], batch_size: int, batch_tokens: int | None, patch: int) -> dict[str, int]:
+def batch_sizes(buckets: dict[str, list[str]], batch_size: int, batch_tokens: int | None,
+                tokens: Callable[[int, int], int]) -> dict[str, int]:
     """Samples per micro-batch of each bucket (named "<height>x<width>" of its latents): batch_size,
-    or as many images as `batch_tokens` image tokens hold (at least one), a token being a patch of
-    `patch`² latent pixels."""
+    or as many images as `batch_tokens` image tokens hold (at least one), `tokens(height, width)`
+    being an image's (the family's `image_tokens`)."""
     if batch_tokens is None:
         return {name: batch_size for name in buckets}
     sizes = {}
     for name in buckets:
         height, width = (int(side) for side in name.split("x"))
-        sizes[name] = max(1, batch_tokens // ((height // patch) * (width // patch)))
+        sizes[name] = max(1, batch_tokens // tokens(height, width))
     return sizes
 
 

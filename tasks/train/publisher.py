@@ -16,19 +16,19 @@ import yaml
 
 from configs.schema import ModelConfig, TrainingConfig
 from storage import layout
-from storage.shards import RaggedShard
 from storage.store import Store
 from tasks.families import family_of, pipeline_of
 from tasks.runs.folder import write_metrics
 from tasks.runs.plots import loss_curve_png
 from tasks.runs.sampling import sample_grid
+from tasks.train.data import TextCaches
 from tasks.train.network import output_name, sampling_module
 from tasks.train.trackers import Trackers
 
 
 class RunPublisher:
     def __init__(self, store: Store, run: str, model: ModelConfig, training: TrainingConfig, manifest: dict[str, Any],
-                 init: dict | None, prompts: RaggedShard):
+                 init: dict | None, prompts: TextCaches):
         self.store, self.run, self.model, self.training = store, run, model, training
         self.manifest, self.init, self.prompts = manifest, init, prompts
         self.output = output_name(training)
@@ -42,7 +42,8 @@ class RunPublisher:
             "manifest": self.manifest["id"], "model": self.model.model_dump(),
             "pipeline": pipeline_of(self.model.path, self.model.revision), "training": self.settings,
             "init_from": self.init and {"url": self.init["url"], "sha256": self.init["sha256"]},
-            "text": {k: self.prompts.meta[k] for k in ("caption_preprocessing", "max_length")},
+            # the first encoder's (T5's: the one whose max_length users set)
+            "text": {k: self.prompts.prompts[0].meta[k] for k in ("caption_preprocessing", "max_length")},
             "fingerprints": {k: self.manifest[k] for k in ("text_fingerprint", "vae_fingerprint") if k in self.manifest},
             "versions": package_versions(), "code": code_version(), "python": platform.python_version(),
         }
@@ -70,7 +71,7 @@ class RunPublisher:
         network.eval()
         with torch.no_grad():
             grid = sample_grid(self.model, sampling_module(network, training),
-                               [self.prompts[p] for p in training.sample_prompts], self.prompts[""],
+                               [self.prompts.prompt(p) for p in training.sample_prompts], self.prompts.prompt(""),
                                training.sample_steps, training.guidance_scale, training.seed)
         network.train()
         buffer = io.BytesIO()

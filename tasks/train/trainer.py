@@ -10,8 +10,8 @@ $ precast run configs/quickstart.yaml --set training.nodes=2 --set execution.pla
 `tasks.train.train` takes the run's lease and launches the processes; each builds a `Trainer`
 (its parts once, in the order they depend on each other) and calls `fit()`: restore the newest
 checkpoint, then per step `step()`, the figures to `Metrics`, rank 0's reports, samples and
-checkpoint, and at the end rank 0 publishes the run. T5 and the VAE encoder are never loaded: text
-embeddings and latent posteriors come from the manifest's shards.
+checkpoint, and at the end rank 0 publishes the run. The text encoders and the VAE encoder are
+never loaded: text features and latent posteriors come from the manifest's shards.
 """
 
 from __future__ import annotations
@@ -88,11 +88,12 @@ class Trainer:
         self.objective = Objective.of(job.model, training)
 
         # --- data: cached features only, the held-out samples apart; batch sizes count image
-        # tokens by the transformer's patch, so the batches come after the network
-        features = CachedFeatures(store, job.manifest)
+        # tokens as the family's transformer does, so the batches come after the network
+        family = self.objective.family
+        features = CachedFeatures(store, job.manifest, family.text_encoders)
         self.validation = Validation.from_config(training, features)
         self.data = Batches(training, features, self.validation.training_buckets(), self.dist,
-                            self.network.config.patch_size)
+                            lambda height, width: family.image_tokens(self.network.config, height, width))
 
         # --- optimiser: AdamW (fused on accelerators) with linear warm-up ---------------------
         self.trainable = [p for p in self.network.parameters() if p.requires_grad]
@@ -106,7 +107,7 @@ class Trainer:
         state = TrainingState(self.network, self.optimizer, self.schedule, self.ema, self.scaler)
         self.checkpointer = Checkpointer.from_config(training, store, job.run, lease, state)
         self.publisher = RunPublisher(store, job.run, job.model, training, job.manifest, job.init,
-                                      features.prompts) if self.dist.leader else None
+                                      features.text) if self.dist.leader else None
         self.metrics = Metrics(training, self.dist, self.publisher, progress)
 
         # derived once: the autocast dtype (None: fp32) and the micro-batches of a step
@@ -163,12 +164,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         step_loss, samples = torch.zeros((), device=device), 0
         for micro in range(self.accumulation):
-            index, (latents, text, mask) = next(self.data)
+            index, (latents, text) = next(self.data)
             if micro == 0:
                 bucket = f"{latents.shape[2]}x{latents.shape[3]}"
             torch.manual_seed(seed_of(training.seed, index, "dropout"))  # LoRA dropout, by the micro-batch
             with kept_activations(training.gradient_checkpointing, device):
-                loss = diffusion_loss(self.replicas, self.objective, latents, text, mask,
+                loss = diffusion_loss(self.replicas, self.objective, latents, text,
                                       draws(training.seed, index, "noise", device), self.half)
             self.scaler.scale(loss / self.accumulation).backward()
             step_loss += loss.detach() / self.accumulation

@@ -53,9 +53,9 @@ class Validation:
         network.eval()
         total = 0.0
         for ids in self.batches:
-            latents, text, mask = self.features.batch(ids, generator, caption_dropout=0.0)
-            loss = diffusion_loss(network, objective, latents.to(device), text.to(device), mask.to(device),
-                                  generator, half)
+            latents, text = self.features.batch(ids, generator, caption_dropout=0.0)
+            loss = diffusion_loss(network, objective, latents.to(device),
+                                  {name: value.to(device) for name, value in text.items()}, generator, half)
             total += loss.item() * len(ids)
         network.train(was_training)
         return total / len(self.held)

@@ -1,0 +1,260 @@
+"""Tiny but real FLUX.1 [dev], FLUX.1 [schnell], SD3.5 and Chroma folders in the hub layout.
+
+`write_tiny_family(folder, family)` writes a folder that `DiffusionPipeline.from_pretrained` and the
+family's own pipeline (FluxPipeline, StableDiffusion3Pipeline, ChromaPipeline) load as they load the
+published repositories (black-forest-labs/FLUX.1-dev and FLUX.1-schnell,
+stabilityai/stable-diffusion-3.5-medium, lodestones/Chroma1-HD: Chroma's diffusers folder): the same
+component names, classes and `model_index.json`, with every part a few thousand parameters.
+
+- Text: T5 (`build_tokenizer`'s tokenizer, saved as the PixArt writer saves it) with the PixArt
+  writer's two position heads, so word order reaches the transformer; CLIP text models with a
+  byte-level BPE tokenizer learnt here from the demo's words (`vocab.json`, `merges.txt`, as the
+  published tokenizers are stored), so each demo word is one token and any text tokenizes. CLIP-L
+  pads with its end token and SD3's CLIP-G with "!" (token 0), as SD3's reference code
+  (`SDXLClipGTokenizer(pad_with_end=False)`) and the published tokenizer folders do. The widths keep
+  the published proportions that the pipelines depend on: SD3 pads the concatenated CLIP-L and
+  CLIP-G states to T5's width, so T5's is the larger, and its pooled vector is both projections.
+- VAE: 16 latent channels and 8x downsampling, trained here as the PixArt writer trains its 4-channel
+  one (`train_vae`, the same palette check and retries) because a random decoder turns any latents
+  into noise. Its `shift_factor` and `scaling_factor` are fitted, so that `(z - shift) * scale` has
+  mean 0 and std 1 on demo pictures, as the published factors do for real ones; untrained
+  (`vae_steps=0`, for tests of shapes and loading) it carries the published factors. It keeps
+  `quant_conv`, which the published Flux and SD3 VAEs drop, because `train_vae` starts the posterior
+  std small through its bias. One training can serve several folders (`vae_from`).
+- Transformers: random (the demo trains them), one or two blocks of two 16-wide heads, with the
+  published layout of inputs: Flux and Chroma take 2x2-packed latents (64 channels) and 3-axis RoPE,
+  Flux-dev embeds its guidance, SD3.5 has patch size 2, RMS qk-norm and a dual-attention block.
+- Schedulers: FlowMatchEulerDiscreteScheduler as each published `scheduler_config.json` has it:
+  FLUX.1-dev shifts with the image's size (mu from 0.5 at 256 tokens to 1.15 at 4096), FLUX.1-schnell
+  and Chroma1-HD do not shift (shift 1.0, as diffusers#12112 reads Chroma's config), SD3.5 shifts by 3.0.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import random
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from tasks.demo.models import VAE_ATTEMPTS, VAE_STEPS, WORDS, _pixels, build_tokenizer, palette_confusions, train_vae
+
+log = logging.getLogger(__name__)
+
+BOS, EOS = "<|startoftext|>", "<|endoftext|>"
+# published: T5 v1.1 XXL d_model 4096; CLIP-L 768 (quick_gelu); CLIP-G 1280 (gelu); each CLIP 77 tokens
+T5_SHAPE = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
+CLIP_SHAPES = {
+    "clip-l": dict(hidden_size=16, intermediate_size=64, projection_dim=16, num_hidden_layers=2,
+                   num_attention_heads=2, hidden_act="quick_gelu"),
+    "clip-g": dict(hidden_size=32, intermediate_size=128, projection_dim=32, num_hidden_layers=2,
+                   num_attention_heads=4, hidden_act="gelu"),
+}
+CLIP_PADS = {"clip-l": EOS, "clip-g": "!"}
+
+# head width 16 split over RoPE's (text/index, row, column) axes, as the published 128 is (16, 56, 56)
+_FLUX_BLOCKS = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                    num_attention_heads=2, joint_attention_dim=T5_SHAPE["d_model"], axes_dims_rope=(4, 6, 6))
+_FLUX = dict(_FLUX_BLOCKS, pooled_projection_dim=CLIP_SHAPES["clip-l"]["hidden_size"])
+# the published Flux-dev scheduler; the Flux pipelines read the same keys for mu
+_DYNAMIC_SHIFT = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                      base_image_seq_len=256, max_image_seq_len=4096)
+_NO_SHIFT = dict(shift=1.0, use_dynamic_shifting=False)
+
+
+class TinyFamily(NamedTuple):
+    pipeline: str  # model_index.json's _class_name
+    encoders: tuple[tuple[str, str, str], ...]  # per text encoder: its folders' suffix, its shape, its class
+    transformer: str
+    transformer_shape: dict
+    scheduler: dict  # FlowMatchEulerDiscreteScheduler's settings, as the published scheduler_config.json's
+    vae_factors: tuple[float, float]  # the published VAE's (shift_factor, scaling_factor)
+
+
+_FLUX_TEXT = (("", "clip-l", "CLIPTextModel"), ("_2", "t5", "T5EncoderModel"))
+FAMILIES = {
+    "flux-dev": TinyFamily("FluxPipeline", _FLUX_TEXT, "FluxTransformer2DModel", dict(_FLUX, guidance_embeds=True),
+                           _DYNAMIC_SHIFT, (0.1159, 0.3611)),
+    "flux-schnell": TinyFamily("FluxPipeline", _FLUX_TEXT, "FluxTransformer2DModel",
+                               dict(_FLUX, guidance_embeds=False), _NO_SHIFT, (0.1159, 0.3611)),
+    "sd3": TinyFamily(
+        "StableDiffusion3Pipeline",
+        (("", "clip-l", "CLIPTextModelWithProjection"), ("_2", "clip-g", "CLIPTextModelWithProjection"),
+         ("_3", "t5", "T5EncoderModel")),
+        "SD3Transformer2DModel",
+        dict(sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+             num_attention_heads=2, caption_projection_dim=32, joint_attention_dim=T5_SHAPE["d_model"],
+             pooled_projection_dim=sum(shape["projection_dim"] for shape in CLIP_SHAPES.values()),
+             pos_embed_max_size=64, dual_attention_layers=(0,), qk_norm="rms_norm"),
+        dict(shift=3.0), (0.0609, 1.5305)),
+    # Chroma is Flux-schnell's blocks without their modulation, which a small network (the
+    # approximator) computes from the timestep instead; it reads T5 alone, masked
+    "chroma": TinyFamily("ChromaPipeline", (("", "t5", "T5EncoderModel"),), "ChromaTransformer2DModel",
+                         dict(_FLUX_BLOCKS, approximator_num_channels=16, approximator_hidden_dim=32,
+                              approximator_layers=2),
+                         _NO_SHIFT, (0.1159, 0.3611)),
+}
+
+
+def write_tiny_family(folder: str | Path, family: str, seed: int = 0, vae_steps: int = VAE_STEPS,
+                      vae_from: str | Path | None = None) -> Path:
+    """Write the tiny model folder of `family` (one of FAMILIES) to `folder` (idempotent: returns
+    early if complete). `vae_steps` trains the VAE as `write_tiny_models` does (0: untrained, for
+    tests of shapes and loading; too few steps fail the palette check and the write). `vae_from`, a
+    folder this wrote before, lends its `vae/` instead: one training for several families."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if family not in FAMILIES:
+        raise ValueError(f"no tiny model family {family!r}: choose one of {', '.join(FAMILIES)}")
+    spec = FAMILIES[family]
+    folder = Path(folder)
+    marker = folder / "model_index.json"
+    if marker.exists():
+        return folder
+    torch.manual_seed(seed)
+    components = _write_text_encoders(folder, spec.encoders)
+    if vae_from is not None:
+        shutil.copytree(Path(vae_from) / "vae", folder / "vae", dirs_exist_ok=True)
+    else:
+        with torch.random.fork_rng():  # the transformer's draws do not depend on the VAE's training
+            _trained_vae(seed, vae_steps, spec.vae_factors).save_pretrained(folder / "vae")
+    getattr(diffusers, spec.transformer)(**spec.transformer_shape).save_pretrained(folder / "transformer")
+    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **spec.scheduler).save_pretrained(folder / "scheduler")
+    components.update(vae=["diffusers", "AutoencoderKL"], transformer=["diffusers", spec.transformer],
+                      scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"])
+    index = {"_class_name": spec.pipeline, "_diffusers_version": diffusers.__version__, **components}
+    marker.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")  # last: its presence means complete
+    return folder
+
+
+def _write_text_encoders(folder: Path, encoders) -> dict[str, list[str]]:
+    """Each text encoder and its tokenizer under their pipeline names; their model_index.json entries."""
+    components = {}
+    for suffix, encoder, model_class in encoders:
+        if encoder == "t5":
+            _write_t5(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}")
+            tokenizer_class = "T5TokenizerFast"  # what the published folders name, the class T5 loads as
+        else:
+            _write_clip(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", encoder, model_class)
+            tokenizer_class = "CLIPTokenizer"
+        components[f"tokenizer{suffix}"] = ["transformers", tokenizer_class]
+        components[f"text_encoder{suffix}"] = ["transformers", model_class]
+    return components
+
+
+def _write_t5(tokenizer_folder: Path, encoder_folder: Path) -> None:
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(tokenizer_folder)
+    config = T5Config(vocab_size=len(tokenizer), feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
+                      dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                      decoder_start_token_id=0, **T5_SHAPE)
+    encoder = T5EncoderModel(config)
+    # the PixArt writer's position heads (see write_tiny_models): random position biases are near
+    # zero, so without them each token would read as an average of its caption's words
+    attention = encoder.encoder.block[0].layer[0].SelfAttention
+    buckets = attention._relative_position_bucket(torch.tensor([1, -1]),
+                                                  num_buckets=config.relative_attention_num_buckets,
+                                                  max_distance=config.relative_attention_max_distance)
+    with torch.no_grad():
+        attention.relative_attention_bias.weight[buckets, torch.arange(2)] = 8.0
+    encoder.save_pretrained(encoder_folder)
+
+
+def _write_clip(tokenizer_folder: Path, encoder_folder: Path, encoder: str, model_class: str) -> None:
+    """A CLIP text model and its BPE tokenizer, stored as the published ones are: vocab.json,
+    merges.txt and tokenizer_config.json (transformers builds the fast tokenizer from the first two)."""
+    import transformers
+    from transformers import CLIPTextConfig
+
+    vocab, merges = _clip_bpe()
+    pad = CLIP_PADS[encoder]
+    tokenizer_folder.mkdir(parents=True, exist_ok=True)
+    (tokenizer_folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (tokenizer_folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges),
+                                                 encoding="utf-8")
+    settings = {"tokenizer_class": "CLIPTokenizer", "model_max_length": 77, "bos_token": BOS, "eos_token": EOS,
+                "unk_token": EOS, "pad_token": pad, "do_lower_case": True}
+    (tokenizer_folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    # the pooled output is read at the first end token: eos_token_id must be the tokenizer's
+    config = CLIPTextConfig(vocab_size=len(vocab), max_position_embeddings=77, bos_token_id=vocab[BOS],
+                            eos_token_id=vocab[EOS], pad_token_id=vocab[pad], **CLIP_SHAPES[encoder])
+    getattr(transformers, model_class)(config).save_pretrained(encoder_folder)
+
+
+@functools.cache  # SD3 writes two CLIP tokenizers from one vocabulary
+def _clip_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level BPE learnt from WORDS until each is one token (the most frequent pair merged
+    first, ties by the pair's order, so the same merges every time): the vocabulary in CLIP's order
+    (the 256 byte characters, the same ending a word, the merges' tokens, the start and end tokens),
+    so every character has a token, and the merges in the order learnt."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    words = [[*word[:-1], word[-1] + "</w>"] for word in dict.fromkeys(WORDS)]
+    merges: list[tuple[str, str]] = []
+    while pairs := Counter(pair for symbols in words for pair in zip(symbols, symbols[1:])):
+        merges.append(min(pairs, key=lambda pair: (-pairs[pair], pair)))
+        words = [_merge(symbols, merges[-1]) for symbols in words]
+    alphabet = list(bytes_to_unicode().values())
+    tokens = alphabet + [char + "</w>" for char in alphabet] + [a + b for a, b in merges] + [BOS, EOS]
+    return {token: i for i, token in enumerate(tokens)}, merges
+
+
+def _merge(symbols: list[str], pair: tuple[str, str]) -> list[str]:
+    """`symbols` with each occurrence of `pair`, left to right, made one symbol (as BPE encodes)."""
+    merged, i = [], 0
+    while i < len(symbols):
+        if tuple(symbols[i : i + 2]) == pair:
+            merged.append(pair[0] + pair[1])
+            i += 2
+        else:
+            merged.append(symbols[i])
+            i += 1
+    return merged
+
+
+def _trained_vae(seed: int, steps: int, factors: tuple[float, float]):
+    """The 16-channel VAE, trained until it gives back every palette colour, with its latent shift
+    and scale fitted (random, with the published `factors`, when `steps` is 0)."""
+    from diffusers import AutoencoderKL
+
+    for attempt in range(VAE_ATTEMPTS if steps else 1):
+        attempt_seed = seed + 1000 * attempt
+        torch.manual_seed(attempt_seed)
+        # the PixArt writer's tiny VAE (no encoder resnets, no mid-block attention, one norm group)
+        # with Flux's and SD3's 16 latent channels
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=16, layers_per_block=0, norm_num_groups=1,
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 8, 8, 8), mid_block_add_attention=False, sample_size=256,
+            shift_factor=factors[0], scaling_factor=factors[1],
+        )
+        if not steps:
+            return vae
+        train_vae(vae, attempt_seed, steps)  # the scale it returns is fitted again below, with the shift
+        if not (confused := palette_confusions(vae)):
+            shift, scale = _latent_factors(vae, attempt_seed)
+            vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+            return vae
+        log.warning("the tiny 16-channel VAE (seed %d) confuses palette colours: %s", attempt_seed, "; ".join(confused))
+    raise RuntimeError(f"the tiny 16-channel VAE gives back the wrong palette colours after {VAE_ATTEMPTS} seeds of "
+                       f"{steps} steps: {'; '.join(confused)}. Train it longer (vae_steps).")
+
+
+def _latent_factors(vae, seed: int) -> tuple[float, float]:
+    """The shift and scale that give the posterior means of 64 demo pictures (drawn from `seed`)
+    mean 0 and std 1: what Flux and SD3 latents are, `(z - shift_factor) * scaling_factor`."""
+    from tasks.demo.data import draw_scene
+
+    rng = random.Random(seed)
+    pictures = torch.stack([_pixels(draw_scene(rng, 256, 256)[0]) for _ in range(64)])
+    with torch.no_grad():
+        latents = vae.encode(pictures).latent_dist.mean
+    return latents.mean().item(), 1.0 / latents.std().item()

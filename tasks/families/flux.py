@@ -1,0 +1,112 @@
+"""FLUX.1 (dev and schnell): CLIP-L's pooled vector and T5-XXL's hidden states, both encoded as
+`FluxPipeline.encode_prompt` encodes them (padded, without an attention mask: every padded T5
+position is a real value the transformer attends to), a 16-channel VAE with shift and scale,
+latents packed 2×2 into tokens with their image ids, and flow matching with the resolution-
+dependent shift of the model's scheduler config. FLUX.1-dev (`guidance_embeds`) is given the
+guidance value it was distilled on in training as at sampling; schnell has no guidance input.
+
+Everything here is read from diffusers' `FluxPipeline` and `train_dreambooth_lora_flux.py`; the
+tests call their functions on the other side.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from configs.schema import ModelConfig, TrainingConfig
+from tasks.families.buckets import area_buckets
+from tasks.families.flow import FlowMatching
+from tasks.families.spec import Conditioning, Family, TextEncoderSpec
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] latents → [B, h/2 · w/2, 4C] tokens, as `FluxPipeline._pack_latents`."""
+    batch, channels, height, width = latents.shape
+    tokens = latents.view(batch, channels, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return tokens.reshape(batch, (height // 2) * (width // 2), channels * 4)
+
+
+def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The inverse of `pack` for latents of height × width, as `FluxPipeline._unpack_latents`."""
+    batch, _, channels = tokens.shape
+    latents = tokens.view(batch, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return latents.reshape(batch, channels // 4, height, width)
+
+
+def image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[h/2 · w/2, 3] positions of the packed tokens (0, row, column), as
+    `FluxPipeline._prepare_latent_image_ids`."""
+    ids = torch.zeros(height // 2, width // 2, 3)
+    ids[..., 1] = torch.arange(height // 2)[:, None]
+    ids[..., 2] = torch.arange(width // 2)[None, :]
+    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+
+
+class Flux(Family):
+    name = "FLUX.1"
+    pipelines = ("FluxPipeline",)
+    pipeline_name = "FluxPipeline"
+    transformer_name = "FluxTransformer2DModel"
+    # T5 first: its max_length is the one `text_encoding.max_length` sets (512 for dev, 256 for
+    # schnell, as their pipelines are called); CLIP-L reads its 77 tokens for the pooled vector
+    text_encoders = (
+        TextEncoderSpec("t5", "text_encoder_2", "tokenizer_2", "T5EncoderModel", masked=False),
+        TextEncoderSpec("clip_l", "text_encoder", "tokenizer", "CLIPTextModel", 77, masked=False, outputs=("pooled",)),
+    )
+    # diffusers' train_dreambooth_lora_flux.py default: the double blocks' attention (image and
+    # text streams) and both feed-forwards
+    lora_targets = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+                    "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                    "ff_context.net.2")
+    bucket_rule = "area/16"
+
+    def default_max_length(self, model: ModelConfig) -> int:
+        """512 for FLUX.1-dev (a guidance embedding), 256 for schnell, as their pipelines are called."""
+        config = self.transformer_class().load_config(model.path, subfolder="transformer", revision=model.revision)
+        return 512 if config.get("guidance_embeds") else 256
+
+    def bucket_table(self, resolution: int) -> dict[str, list[float]]:
+        return area_buckets(resolution)
+
+    def schedule(self, model: ModelConfig, training: TrainingConfig | None = None) -> FlowMatching:
+        return FlowMatching.load(model, self.name, lambda height, width: (height // 2) * (width // 2), training)
+
+    def image_tokens(self, config: Any, height: int, width: int) -> int:
+        return (height // 2) * (width // 2)  # 2×2 latent pixels a token
+
+    def blocks(self, transformer: torch.nn.Module) -> list[torch.nn.Module]:
+        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+
+    def call_options(self, training: TrainingConfig | None) -> dict[str, Any]:
+        """The guidance value FLUX.1-dev's guidance embedding is given (`training.guidance_scale`,
+        what its samples use too); ignored by schnell, which has none."""
+        return {"guidance": training.guidance_scale if training is not None else 1.0}
+
+    def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: Conditioning,
+                timesteps: torch.Tensor, guidance: float = 1.0) -> torch.Tensor:
+        """As the pipeline calls it: packed latents with their image ids, T5's states with zero
+        text ids, CLIP's pooled vector, timestep / 1000 and, for dev, the guidance value."""
+        height, width = noisy.shape[2:]
+        embeds = text["t5_hidden"]
+        with_guidance = network.config.guidance_embeds
+        prediction = network(
+            hidden_states=pack(noisy), timestep=timesteps / 1000,
+            guidance=torch.full((len(noisy),), guidance, device=noisy.device) if with_guidance else None,
+            pooled_projections=text["clip_l_pooled"], encoder_hidden_states=embeds,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=noisy.device, dtype=embeds.dtype),
+            img_ids=image_ids(height, width, noisy.device, embeds.dtype)).sample
+        return unpack(prediction, height, width)
+
+    def prompt_options(self, pipeline: Any, text: dict[str, Any]) -> dict[str, Any]:
+        return {"max_sequence_length": text["max_length"]}
+
+    def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
+        """Prompt embeddings and pooled vectors; the negatives for true CFG (`true_cfg_scale` > 1)."""
+        return {"prompt_embeds": text["t5_hidden"][:count], "pooled_prompt_embeds": text["clip_l_pooled"][:count],
+                "negative_prompt_embeds": text["t5_hidden"][count:],
+                "negative_pooled_prompt_embeds": text["clip_l_pooled"][count:]}
+
+
+FAMILIES = (Flux(),)
