@@ -110,7 +110,7 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 class TextEncodingConfig(Section):
     max_length: int | None = Field(
         None, ge=1, description="T5 token limit; longer captions are truncated. None: the model family's own, as its "
-        "pipeline is called (PixArt 300; FLUX.1-dev 512, FLUX.1-schnell 256; docs/families.md).")
+        "pipeline is called (docs/families.md gives each family's).")
     caption_preprocessing: Literal["diffusers", "none"] = Field(
         "diffusers",
         description="What T5 reads of a caption or prompt. diffusers: exactly what the model family's diffusers "
@@ -225,15 +225,19 @@ class TrainingConfig(Section):
         "fp32", description="How the frozen transformer weights are held for LoRA (the LoRA weights, optimizer state "
         "and loss stay fp32): fp32; bf16 or fp16 (half the memory; needs mixed_precision of the same type); int8 "
         "(weight-only, torchao: a quarter). method full trains in fp32.")
-    timestep_sampling: Literal["uniform", "logit_normal"] = Field(
-        "uniform", description="How training timesteps are drawn: uniform over the schedule (DDPM families' own), or "
-        "logit-normal (sigmoid of N(logit_mean, logit_std), favouring the middle of the schedule).")
+    timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
+        "uniform", description="How training timesteps are drawn (diffusers' compute_density_for_timestep_sampling): "
+        "uniform over the schedule; logit_normal: sigmoid of N(logit_mean, logit_std), favouring the middle of the "
+        "schedule; mode: the mode-weighted density of the SD3 paper, shaped by mode_scale.")
     logit_mean: float = Field(0.0, description="Mean of the logit-normal timestep distribution.")
     logit_std: float = Field(1.0, gt=0, description="Standard deviation of the logit-normal timestep distribution.")
+    mode_scale: float = Field(1.29, description="Scale of the mode timestep density (SD3's and diffusers' default "
+                              "1.29; 0 is uniform); used only by timestep_sampling mode.")
     loss_weighting: Literal["none", "min_snr", "sigma_sqrt", "cosmap"] = Field(
         "none", description="none: every timestep weighs the same (the families' own); min_snr (DDPM families): "
         "Min-SNR-γ weighting, min(SNR, γ) / SNR for epsilon, / (SNR + 1) for v_prediction, min(SNR, γ) for sample; "
-        "sigma_sqrt, cosmap (flow-matching families): SD3's weightings, σ⁻² and 2 / (π(1 − 2σ + 2σ²)).")
+        "sigma_sqrt, cosmap (flow-matching families): σ⁻² and 2 / (π(1 − 2σ + 2σ²)), diffusers' "
+        "compute_loss_weighting_for_sd3.")
     min_snr_gamma: float = Field(5.0, gt=0, description="γ of min_snr loss weighting.")
     log_every: int = Field(
         10, ge=1, description="Steps between the losses leaving the device (metrics, log, progress): the loop never "

@@ -103,7 +103,9 @@ def run_id_for(manifest: str, model: ModelConfig, training: TrainingConfig, init
     # over an unchanged manifest is the same run, and new data continues from the newest run
     init_id = init["sha256"] if init and training.init_from not in ("none", "latest") else None
     # the modules LoRA adapts, resolved: the family's defaults count as if spelled in the config
-    settings = {**training.model_dump(exclude=NOT_IN_RUN_ID), "micro_batches": training.micro_batches,
+    # mode_scale shapes only the mode density: other runs' ids do not hold it (nor change with it)
+    unused = NOT_IN_RUN_ID | ({"mode_scale"} if training.timestep_sampling != "mode" else set())
+    settings = {**training.model_dump(exclude=unused), "micro_batches": training.micro_batches,
                 "target_modules": family_of(model).target_modules(training)}
     return hash_json({"manifest": manifest, "transformer": transformer_fingerprint(model), "training": settings,
                       "init": init_id, "format": TRAIN_FORMAT})

@@ -24,9 +24,10 @@ def schedule_in(tmp_path, training: TrainingConfig | None = None, **config) -> F
 
 
 @pytest.mark.parametrize("sampling, weighting", [("uniform", "none"), ("logit_normal", "sigma_sqrt"),
-                                                  ("logit_normal", "cosmap")])
+                                                  ("logit_normal", "cosmap"), ("mode", "none")])
 def test_draws_noisy_input_target_and_weights_are_the_diffusers_training_examples(tmp_path, sampling, weighting):
-    training = TrainingConfig(timestep_sampling=sampling, logit_mean=0.2, logit_std=1.1, loss_weighting=weighting)
+    training = TrainingConfig(timestep_sampling=sampling, logit_mean=0.2, logit_std=1.1, mode_scale=1.1,
+                              loss_weighting=weighting)
     schedule = schedule_in(tmp_path, training, shift=3.0)
     latents, noise = torch.randn(6, 16, 8, 8), torch.randn(6, 16, 8, 8)
     sigmas = schedule.draw(6, torch.Generator().manual_seed(3), latents.shape)
@@ -34,7 +35,7 @@ def test_draws_noisy_input_target_and_weights_are_the_diffusers_training_example
     # the example: u → an index into the scheduler's timesteps, σ the scheduler's at that timestep
     reference = FlowMatchEulerDiscreteScheduler.from_pretrained(tmp_path, subfolder="scheduler")
     u = compute_density_for_timestep_sampling("none" if sampling == "uniform" else sampling, 6, logit_mean=0.2,
-                                              logit_std=1.1, mode_scale=None, generator=torch.Generator().manual_seed(3))
+                                              logit_std=1.1, mode_scale=1.1, generator=torch.Generator().manual_seed(3))
     timesteps = reference.timesteps[(u * reference.config.num_train_timesteps).long()]
     step_indices = [(reference.timesteps == t).nonzero().item() for t in timesteps]
     expected = reference.sigmas[step_indices].flatten()
@@ -76,5 +77,5 @@ def test_a_ddpm_scheduler_or_an_snr_weighting_is_refused_by_name(tmp_path):
     DDPMScheduler().save_pretrained(tmp_path / "ddpm" / "scheduler")
     with pytest.raises(ValueError, match="its scheduler \\(DDPMScheduler\\) cannot train a flow family"):
         FlowMatching.load(ModelConfig(path=str(tmp_path / "ddpm")), "a flow family", packed_tokens)
-    with pytest.raises(ValueError, match="loss_weighting 'min_snr' needs a DDPM schedule's SNR"):
+    with pytest.raises(ValueError, match="loss_weighting 'min_snr' is not a weighting of a flow family's flow-matching schedule: use none, sigma_sqrt, cosmap"):
         schedule_in(tmp_path, TrainingConfig(loss_weighting="min_snr"))

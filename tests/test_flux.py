@@ -81,3 +81,13 @@ def test_the_transformer_is_called_as_the_pipeline_calls_it(flux_dev):
                               seen["timestep"] * 1000, **family.call_options(TrainingConfig(guidance_scale=3.5)))
     torch.testing.assert_close(ours, unpack(seen["output"], 12, 8))
     assert torch.equal(seen["guidance"], torch.full((1,), 3.5))
+
+
+def test_mode_scale_is_part_of_a_run_only_when_mode_draws_its_timesteps(flux_dev):
+    from tasks.identity import run_id_for
+
+    def run_id(**training):
+        return run_id_for("a manifest", flux_dev, TrainingConfig(**training))
+
+    assert run_id(mode_scale=0.5) == run_id()
+    assert run_id(timestep_sampling="mode") != run_id(timestep_sampling="mode", mode_scale=0.5) != run_id()

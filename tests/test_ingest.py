@@ -412,3 +412,16 @@ def test_a_staged_partition_another_ingest_merged_first_is_examined_again(demo_d
 
     done = ingest(config.storage, config.dataset, partitions=Partitions(raced, slots=2, size=5))
     assert done["id"] == reference["id"] and len(taken) == 5 and store.find("staging") == []
+
+
+def test_a_source_file_that_holds_no_sample_is_not_read_again(corpora, make_config, tmp_path):
+    import tarfile
+
+    source = tmp_path / "webdataset"
+    shutil.copytree(corpora["webdataset"], source)
+    tarfile.open(source / "zz-empty.tar", "w").close()
+    config = _config(make_config, source)
+    first = ingest(*_split(config))
+    again = ingest(*_split(config))
+    assert again["id"] == first["id"] and again["work"]["units_read"] == 0
+    assert again["work"]["units_reused"] == first["work"]["units_read"]

@@ -116,8 +116,8 @@ def test_the_vae_has_16_channels_and_an_untrained_one_the_published_factors(fold
 
 def test_a_trained_vae_gets_the_shift_and_scale_that_normalise_its_latents(tmp_path, monkeypatch):
     # training and the palette check stubbed: the write's path for a VAE that passes, in a second
-    monkeypatch.setattr("tasks.demo.flow_models.train_vae", lambda vae, seed, steps: None)
-    monkeypatch.setattr("tasks.demo.flow_models.palette_confusions", lambda vae: [])
+    monkeypatch.setattr("tasks.demo.models.train_vae", lambda vae, seed, steps: None)
+    monkeypatch.setattr("tasks.demo.models.palette_confusions", lambda vae: [])
     vae = AutoencoderKL.from_pretrained(write_tiny_family(tmp_path / "sd3", "sd3", seed=2) / "vae")
     rng = random.Random(1)  # other pictures than the ones the factors were fitted on
     pictures = torch.stack([_pixels(draw_scene(rng, 256, 256)[0]) for _ in range(32)])
@@ -137,7 +137,7 @@ def test_a_write_is_deterministic_by_seed(tmp_path):
 def test_a_vae_that_confuses_palette_colours_fails_the_write_after_every_seed(tmp_path, monkeypatch):
     seeds = []
     # untrained, every seed's VAE confuses colours: the retries and the failure without training's minutes
-    monkeypatch.setattr("tasks.demo.flow_models.train_vae", lambda vae, seed, steps: seeds.append(seed))
+    monkeypatch.setattr("tasks.demo.models.train_vae", lambda vae, seed, steps: seeds.append(seed))
     with pytest.raises(RuntimeError, match=r"wrong palette colours after 3 seeds of 4 steps: \w+ decodes \d+ from"):
         write_tiny_family(tmp_path / "chroma", "chroma", seed=5, vae_steps=4)
     assert seeds == [5, 1005, 2005]

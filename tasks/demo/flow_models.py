@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
-import random
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -43,9 +41,7 @@ from typing import NamedTuple
 
 import torch
 
-from tasks.demo.models import VAE_ATTEMPTS, VAE_STEPS, WORDS, _pixels, build_tokenizer, palette_confusions, train_vae
-
-log = logging.getLogger(__name__)
+from tasks.demo.models import VAE_STEPS, WORDS, build_tokenizer, trained_vae
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 # published: T5 v1.1 XXL d_model 4096; CLIP-L 768 (quick_gelu); CLIP-G 1280 (gelu); each CLIP 77 tokens
@@ -124,7 +120,7 @@ def write_tiny_family(folder: str | Path, family: str, seed: int = 0, vae_steps:
         shutil.copytree(Path(vae_from) / "vae", folder / "vae", dirs_exist_ok=True)
     else:
         with torch.random.fork_rng():  # the transformer's draws do not depend on the VAE's training
-            _trained_vae(seed, vae_steps, spec.vae_factors).save_pretrained(folder / "vae")
+            trained_vae(seed, vae_steps, channels=16, factors=spec.vae_factors).save_pretrained(folder / "vae")
     getattr(diffusers, spec.transformer)(**spec.transformer_shape).save_pretrained(folder / "transformer")
     FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **spec.scheduler).save_pretrained(folder / "scheduler")
     components.update(vae=["diffusers", "AutoencoderKL"], transformer=["diffusers", spec.transformer],
@@ -219,43 +215,3 @@ def _merge(symbols: list[str], pair: tuple[str, str]) -> list[str]:
             merged.append(symbols[i])
             i += 1
     return merged
-
-
-def _trained_vae(seed: int, steps: int, factors: tuple[float, float]):
-    """The 16-channel VAE, trained until it gives back every palette colour, with its latent shift
-    and scale fitted (random, with the published `factors`, when `steps` is 0)."""
-    from diffusers import AutoencoderKL
-
-    for attempt in range(VAE_ATTEMPTS if steps else 1):
-        attempt_seed = seed + 1000 * attempt
-        torch.manual_seed(attempt_seed)
-        # the PixArt writer's tiny VAE (no encoder resnets, no mid-block attention, one norm group)
-        # with Flux's and SD3's 16 latent channels
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=16, layers_per_block=0, norm_num_groups=1,
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 8, 8), mid_block_add_attention=False, sample_size=256,
-            shift_factor=factors[0], scaling_factor=factors[1],
-        )
-        if not steps:
-            return vae
-        train_vae(vae, attempt_seed, steps)  # the scale it returns is fitted again below, with the shift
-        if not (confused := palette_confusions(vae)):
-            shift, scale = _latent_factors(vae, attempt_seed)
-            vae.register_to_config(shift_factor=shift, scaling_factor=scale)
-            return vae
-        log.warning("the tiny 16-channel VAE (seed %d) confuses palette colours: %s", attempt_seed, "; ".join(confused))
-    raise RuntimeError(f"the tiny 16-channel VAE gives back the wrong palette colours after {VAE_ATTEMPTS} seeds of "
-                       f"{steps} steps: {'; '.join(confused)}. Train it longer (vae_steps).")
-
-
-def _latent_factors(vae, seed: int) -> tuple[float, float]:
-    """The shift and scale that give the posterior means of 64 demo pictures (drawn from `seed`)
-    mean 0 and std 1: what Flux and SD3 latents are, `(z - shift_factor) * scaling_factor`."""
-    from tasks.demo.data import draw_scene
-
-    rng = random.Random(seed)
-    pictures = torch.stack([_pixels(draw_scene(rng, 256, 256)[0]) for _ in range(64)])
-    with torch.no_grad():
-        latents = vae.encode(pictures).latent_dist.mean
-    return latents.mean().item(), 1.0 / latents.std().item()

@@ -179,7 +179,7 @@ def write_tiny_models(folder: str | Path, seed: int = 0, vae_steps: int = VAE_ST
     text_encoder.save_pretrained(folder / "text_encoder")
 
     with torch.random.fork_rng():
-        vae = _trained_vae(seed, vae_steps, perturb)
+        vae = trained_vae(seed, vae_steps, perturb)
     vae.save_pretrained(folder / "vae")
 
     transformer = PixArtTransformer2DModel(
@@ -262,28 +262,47 @@ def write_model_index(folder: Path) -> None:
     )
 
 
-def _trained_vae(seed: int, steps: int, perturb: int | None):
-    """The demo's VAE, trained until it gives back every palette colour (random when `steps` is 0)."""
+def trained_vae(seed: int, steps: int, perturb: int | None = None, channels: int = 4,
+                factors: tuple[float | None, float] = (None, 0.13025)):
+    """The demo's VAE with `channels` latent channels, trained until it gives back every palette
+    colour (random, with the published `factors` (shift_factor, scaling_factor), when `steps` is 0).
+    A trained one's factors are fitted to demo pictures: the scale alone where the published VAE
+    has no shift (PixArt's SDXL VAE), both where it has (Flux's and SD3's, `latent_factors`)."""
     from diffusers import AutoencoderKL
 
     for attempt in range(VAE_ATTEMPTS if steps else 1):
-        torch.manual_seed(seed + 1000 * attempt)  # the caller forked the generator: the transformer's draws stay put
+        attempt_seed = seed + 1000 * attempt
+        torch.manual_seed(attempt_seed)  # the caller forked the generator: the transformer's draws stay put
         # No resnets in the encoder's blocks and no mid-block attention, so it trains here in under a
         # minute; one norm group, because a group per channel would normalise a flat colour, the
         # demo's background, away.
         vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=4, layers_per_block=0, norm_num_groups=1,
+            in_channels=3, out_channels=3, latent_channels=channels, layers_per_block=0, norm_num_groups=1,
             down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
             block_out_channels=(8, 8, 8, 8), mid_block_add_attention=False, sample_size=256,
         )
         if perturb is not None:
             perturb_last_bits(vae, perturb + 1)
         if not steps:
-            vae.register_to_config(scaling_factor=0.13025)
+            vae.register_to_config(shift_factor=factors[0], scaling_factor=factors[1])
             return vae
-        vae.register_to_config(scaling_factor=train_vae(vae, seed + 1000 * attempt, steps))
+        scale = train_vae(vae, attempt_seed, steps)
         if not (confused := palette_confusions(vae)):
+            shift, scale = (None, scale) if factors[0] is None else latent_factors(vae, attempt_seed)
+            vae.register_to_config(shift_factor=shift, scaling_factor=scale)
             return vae
-        log.warning("the tiny VAE (seed %d) confuses palette colours: %s", seed + 1000 * attempt, "; ".join(confused))
+        log.warning("the tiny VAE (seed %d) confuses palette colours: %s", attempt_seed, "; ".join(confused))
     raise RuntimeError(f"the tiny VAE gives back the wrong palette colours after {VAE_ATTEMPTS} seeds of "
                        f"{steps} steps: {'; '.join(confused)}. Train it longer (--vae-steps).")
+
+
+def latent_factors(vae, seed: int) -> tuple[float, float]:
+    """The shift and scale that give the posterior means of 64 demo pictures (drawn from `seed`)
+    mean 0 and std 1: what Flux and SD3 latents are, `(z - shift_factor) * scaling_factor`."""
+    from tasks.demo.data import draw_scene
+
+    rng = random.Random(seed)
+    pictures = torch.stack([_pixels(draw_scene(rng, 256, 256)[0]) for _ in range(64)])
+    with torch.no_grad():
+        latents = vae.encode(pictures).latent_dist.mean
+    return latents.mean().item(), 1.0 / latents.std().item()

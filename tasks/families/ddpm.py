@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from configs.schema import ModelConfig, TrainingConfig
+from tasks.families.spec import run_sampling
 
 TRAINABLE_PREDICTIONS = ("epsilon", "v_prediction", "sample")
 WEIGHTINGS = ("none", "min_snr")
@@ -17,12 +18,13 @@ WEIGHTINGS = ("none", "min_snr")
 @dataclass(frozen=True)
 class Ddpm:
     """A DDPM schedule with how timesteps are drawn (uniform; logit_normal: sigmoid of N(mean,
-    std), as SD3 trains) and how each sample's loss is weighed (none; min_snr: Min-SNR-γ)."""
+    std), as SD3 trains; mode: SD3's mode-weighted density) and how each sample's loss is weighed (none; min_snr: Min-SNR-γ)."""
 
     scheduler: Any  # diffusers' DDPMScheduler with the model's betas and prediction_type
     sampling: str = "uniform"
     logit_mean: float = 0.0
     logit_std: float = 1.0
+    mode_scale: float = 1.29
     weighting: str = "none"
     gamma: float = 5.0
 
@@ -42,11 +44,8 @@ class Ddpm:
         schedule = cls(DDPMScheduler.from_config(config))
         if training is None:
             return schedule
-        if training.loss_weighting not in WEIGHTINGS:
-            raise ValueError(f"training.loss_weighting {training.loss_weighting!r} is for flow matching; {family} "
-                             f"trains on a DDPM schedule: use {' or '.join(WEIGHTINGS)}")
-        return replace(schedule, sampling=training.timestep_sampling, logit_mean=training.logit_mean,
-                       logit_std=training.logit_std, weighting=training.loss_weighting, gamma=training.min_snr_gamma)
+        return replace(schedule, **run_sampling(training, family, "DDPM schedule", WEIGHTINGS),
+                       gamma=training.min_snr_gamma)
 
     def plain(self) -> Ddpm:
         """The family's own: uniform timesteps, every sample weighed the same."""
@@ -60,7 +59,7 @@ class Ddpm:
         from diffusers.training_utils import compute_density_for_timestep_sampling
 
         u = compute_density_for_timestep_sampling(self.sampling, count, self.logit_mean, self.logit_std,
-                                                  device=generator.device, generator=generator)
+                                                  self.mode_scale, device=generator.device, generator=generator)
         return (u * steps).long().clamp(max=steps - 1)
 
     def timesteps(self, drawn: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from configs.schema import ModelConfig, TrainingConfig
+from tasks.families.spec import run_sampling
 
 WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
 
@@ -26,6 +27,7 @@ class FlowMatching:
     sampling: str = "uniform"
     logit_mean: float = 0.0
     logit_std: float = 1.0
+    mode_scale: float = 1.29
     weighting: str = "none"
 
     @classmethod
@@ -42,11 +44,7 @@ class FlowMatching:
         schedule = cls(FlowMatchEulerDiscreteScheduler.from_config(config), tokens)
         if training is None:
             return schedule
-        if training.loss_weighting not in WEIGHTINGS:
-            raise ValueError(f"training.loss_weighting {training.loss_weighting!r} needs a DDPM schedule's SNR; "
-                             f"{family} trains by flow matching: use {', '.join(WEIGHTINGS)}")
-        return replace(schedule, sampling=training.timestep_sampling, logit_mean=training.logit_mean,
-                       logit_std=training.logit_std, weighting=training.loss_weighting)
+        return replace(schedule, **run_sampling(training, family, "flow-matching schedule", WEIGHTINGS))
 
     def plain(self) -> FlowMatching:
         """Uniform draws, every sample weighed the same."""
@@ -58,8 +56,8 @@ class FlowMatching:
 
         steps = self.scheduler.config.num_train_timesteps
         u = compute_density_for_timestep_sampling(self.sampling if self.sampling != "uniform" else "none", count,
-                                                  self.logit_mean, self.logit_std, device=generator.device,
-                                                  generator=generator)
+                                                  self.logit_mean, self.logit_std, self.mode_scale,
+                                                  device=generator.device, generator=generator)
         sigmas = self.scheduler.sigmas.to(generator.device)[(u * steps).long().clamp(max=steps - 1)]
         if self.scheduler.config.use_dynamic_shifting:
             sigmas = self.scheduler.time_shift(self.shift_of(shape), 1.0, sigmas)

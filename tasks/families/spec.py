@@ -58,6 +58,16 @@ class TextEncoderSpec:
         return {"masked": self.masked, "outputs": list(self.outputs), "model_class": self.model_class}
 
 
+def run_sampling(training: TrainingConfig, family: str, schedule: str, weightings: tuple[str, ...]) -> dict[str, Any]:
+    """The run's timestep sampling and loss weighting, for a schedule whose weightings are
+    `weightings`; another weighting is refused naming the family and what it can use."""
+    if training.loss_weighting not in weightings:
+        raise ValueError(f"training.loss_weighting {training.loss_weighting!r} is not a weighting of {family}'s "
+                         f"{schedule}: use {', '.join(weightings)}")
+    return {"sampling": training.timestep_sampling, "logit_mean": training.logit_mean,
+            "logit_std": training.logit_std, "mode_scale": training.mode_scale, "weighting": training.loss_weighting}
+
+
 class Family:
     name: str = ""  # what reports and errors call it
     pipelines: tuple[str, ...] = ()  # the `_class_name`s of model_index.json this family reads

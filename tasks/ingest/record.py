@@ -52,7 +52,8 @@ def write_sources_record(ledger: Ledger) -> Path:
 def record_rows(ledger: Ledger) -> Iterator[dict[str, Any]]:
     """The record's rows: every unit's outcomes in listing order, then every sample's shard."""
     for key, outcomes in ledger.rows("SELECT key, outcomes FROM units ORDER BY position"):
-        yield from ({"kind": "unit", "key": key, **o} for o in json.loads(outcomes)) or [{"kind": "unit", "key": key}]
+        rows = json.loads(outcomes)  # a unit that held nothing is recorded too, so it is not read again
+        yield from ({"kind": "unit", "key": key, **o} for o in rows) if rows else [{"kind": "unit", "key": key}]
     for sample_id, captions, width, height, shard in ledger.rows(
             "SELECT sample_id, captions, width, height, shard FROM samples ORDER BY position"):
         yield {"kind": "member", "sample_id": sample_id, "captions": json.loads(captions), "width": width,
