@@ -118,7 +118,7 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
         batch = [samples[i] for i in next(batches)]
         with torch.no_grad():
             ids, _ = tokenize([s["captions"][0] for s in batch], encoder, config.text_encoding)
-            hidden = run_encoder(ids, encoder, config.text_encoding.batch_tokens)["hidden"]
+            hidden = run_encoder(ids, encoder, config.text_encoding)["hidden"]
             text = collate([{"t5_hidden": h} for h in hidden])
             pixels = torch.stack([preprocess(s["image"], crop_box(table, s["width"], s["height"], "center", 0, ""))
                                   for s in batch])

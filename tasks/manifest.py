@@ -28,7 +28,7 @@ MANIFEST_SCHEMA = pa.schema(
     [
         ("sample_id", pa.string()),
         ("variants", pa.int32()),
-        ("text_shards", pa.list_(pa.string())),  # each text encoder's, in the manifest's `text_fingerprints` order
+        ("text_shards", pa.list_(pa.string())),  # each text encoder's, in the manifest's `text_encoders` order
         ("latent_shard", pa.string()),
         ("bucket", pa.string()),
     ]
@@ -81,7 +81,7 @@ def build_manifest(
     checksums[table_key] = table_record["sha256"]
     manifest = {
         "id": this_id, "dataset": dataset_id, "text_fingerprint": text_identity(text_fps),
-        "text_fingerprints": text_fps, "vae_fingerprint": vae_fp, "prompts": prompts, "prompts_shards": prompts_keys,
+        "text_fingerprints": text_fps, "text_encoders": list(text_fps), "vae_fingerprint": vae_fp, "prompts": prompts, "prompts_shards": prompts_keys,
         "table": table_key, "samples": len(rows),
         "buckets": dict(sorted(buckets.items())), "quarantined": dict(quarantined), "checksums": checksums,
     }

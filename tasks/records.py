@@ -116,9 +116,12 @@ class ManifestRecord(Commit):
 
 
 def manifest_encoders(manifest: dict[str, Any]) -> dict[str, str]:
-    """A manifest's text encoders by name, each with its prompts shard's key (a manifest written
-    before families had several encoders names T5's alone)."""
-    return manifest.get("prompts_shards") or {"t5": manifest["prompts_shard"]}
+    """A manifest's text encoders by name, in its rows' order (`text_encoders`: the JSON's objects
+    are stored with sorted keys), each with its prompts shard's key (a manifest written before
+    families had several encoders names T5's alone)."""
+    if "prompts_shards" not in manifest:
+        return {"t5": manifest["prompts_shard"]}
+    return {name: manifest["prompts_shards"][name] for name in manifest.get("text_encoders", manifest["prompts_shards"])}
 
 
 def text_shards_of(row: dict[str, Any]) -> list[str]:

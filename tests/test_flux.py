@@ -13,6 +13,7 @@ from tasks.encode.text import encode_captions
 from tasks.families import family_of
 from tasks.families.buckets import area_buckets
 from tasks.families.flux import Flux, image_ids, pack, unpack
+from tests.pipeline_calls import transformer_calls
 
 
 def test_packing_and_image_ids_are_the_pipelines():
@@ -65,21 +66,17 @@ def test_the_transformer_is_called_as_the_pipeline_calls_it(flux_dev):
     `predict` unpacked and in the schedule's units give the pipeline's prediction."""
     family = family_of(flux_dev)
     pipeline = FluxPipeline.from_pretrained(flux_dev.path)
-    seen = {}
-
-    def record(module, args, kwargs, output):
-        seen.update(kwargs, output=output[0])
-
-    pipeline.transformer.register_forward_hook(record, with_kwargs=True)
+    calls = transformer_calls(pipeline)
     embeds = torch.randn(1, 7, pipeline.transformer.config.joint_attention_dim)
     pooled = torch.randn(1, pipeline.transformer.config.pooled_projection_dim)
     pipeline(prompt_embeds=embeds, pooled_prompt_embeds=pooled, height=96, width=64, num_inference_steps=1,
              guidance_scale=3.5, output_type="latent", generator=torch.Generator().manual_seed(0))
+    ((seen, output),) = calls
     noisy = unpack(seen["hidden_states"], 12, 8)
     with torch.no_grad():
         ours = family.predict(pipeline.transformer, noisy, {"t5_hidden": embeds, "clip_l_pooled": pooled},
                               seen["timestep"] * 1000, **family.call_options(TrainingConfig(guidance_scale=3.5)))
-    torch.testing.assert_close(ours, unpack(seen["output"], 12, 8))
+    torch.testing.assert_close(ours, unpack(output, 12, 8))
     assert torch.equal(seen["guidance"], torch.full((1,), 3.5))
 
 

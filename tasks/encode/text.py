@@ -1,5 +1,6 @@
 """Stage 2 — encode-text: each of the family's text encoders per image shard → safetensors holding
-what its pipeline feeds the transformer (a masked encoder's real tokens only, ragged).
+what its pipeline feeds the transformer (a masked encoder's real tokens and the padding its
+transformer attends to, ragged; an unmasked one's every padded position).
 
 Output, per encoder: `cache/text/<encoder_fp>/<shard_id>.safetensors`, rows keyed
 `<sample_id>/<variant>`. The sample prompts and the empty caption (caption dropout, the negative
@@ -58,21 +59,23 @@ def output_of(result: Any, output: str) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def run_encoder(ids: list[list[int]], encoder: TextEncoder, batch_tokens: int) -> Outputs:
+def run_encoder(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingConfig) -> Outputs:
     """Each of the encoder's outputs (its spec's) for each token sequence, on the CPU in the
-    encoder's output dtype: sequences [len_i, D], a pooled vector as [1, D].
+    encoder's output dtype: sequences [len_i, D] (a masked encoder's real tokens and the padding it
+    keeps, up to max_length), a pooled vector as [1, D].
 
-    Sequences are sorted by length and batched under a token budget, so a batch pads only to its
-    own longest caption and short captions never pay for long ones.
+    Sequences are sorted by length and batched under `text.batch_tokens`, so a batch pads only to
+    its own longest caption and short captions never pay for long ones.
     """
-    spec = encoder.spec
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
+    spec, limit = encoder.spec, encoder.max_length(text)
+    kept = [min(len(x) + spec.pads_kept, limit) if spec.masked else len(x) for x in ids]
+    order = sorted(range(len(ids)), key=lambda i: kept[i], reverse=True)
     outputs: dict[str, list[Any]] = {output: [None] * len(ids) for output in spec.outputs}
     pad = encoder.tokenizer.pad_token_id
     start = 0
     while start < len(order):
-        longest = len(ids[order[start]])
-        batch = order[start : start + max(1, batch_tokens // longest)]
+        longest = kept[order[start]]
+        batch = order[start : start + max(1, text.batch_tokens // longest)]
         start += len(batch)
         input_ids = torch.full((len(batch), longest), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), longest), dtype=torch.long)
@@ -85,8 +88,7 @@ def run_encoder(ids: list[list[int]], encoder: TextEncoder, batch_tokens: int) -
         for output in spec.outputs:
             values = output_of(result, output).cpu()
             for row, index in enumerate(batch):
-                kept = values[row, : len(ids[index])] if values.ndim == 3 else values[row][None]
-                outputs[output][index] = kept.clone()
+                outputs[output][index] = (values[row, : kept[index]] if values.ndim == 3 else values[row][None]).clone()
     encoder.release()
     return outputs
 
@@ -98,7 +100,7 @@ def encode_captions(texts: list[str], model: ModelConfig, config: TextEncodingCo
     encoder = load_text_encoder(model, spec, config.dtype, config.device, config.offload)
     ids, truncated = tokenize(texts, encoder, config)
     outputs = {name: [e.to(TEXT_ACTIVATIONS[config.dtype]) for e in values]
-               for name, values in run_encoder(ids, encoder, config.batch_tokens).items()}
+               for name, values in run_encoder(ids, encoder, config).items()}
     for values in outputs.values():
         for text, embedding in zip(texts, values):
             if not torch.isfinite(embedding).all():
@@ -145,7 +147,7 @@ def measure_encoder(
         # the fp32 reference never shares the accelerator with the encoder (T5-XXL: ~19 GB)
         reference = build_text_encoder(model, spec, "fp32", *reference_placement(text.device))
         ids, _ = tokenize(picked, reference, text)
-        want = torch.cat(run_encoder(ids, reference, text.batch_tokens)[first]).float()
+        want = torch.cat(run_encoder(ids, reference, text)[first]).float()
         del reference
         cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
         numerics.update(

@@ -41,6 +41,9 @@ class TextEncoderSpec:
     # False: the caption is padded to max_length and encoded without a mask, as Flux's and SD3's
     # pipelines call their encoders: the padded positions are real values, so all are kept
     masked: bool = True
+    # masked: padding positions kept after the real tokens, encoded under the mask like them, for a
+    # transformer that attends to them too (Chroma's attends to the first)
+    pads_kept: int = 0
     # hidden: the last hidden state; penultimate: the hidden states before the last layer;
     # pooled: the pooled (for a projection model, projected) vector. The first is the cache's main
     # tensor; the pooled one is stored as one row of one token
@@ -53,9 +56,10 @@ class TextEncoderSpec:
     def stored(self) -> dict[str, Any]:
         """What the text fingerprint adds for this layout: nothing for the masked last hidden state
         (what every fingerprint before families covered), else the layout."""
-        if self.masked and self.outputs == ("hidden",):
+        if self.masked and self.outputs == ("hidden",) and not self.pads_kept:
             return {}
-        return {"masked": self.masked, "outputs": list(self.outputs), "model_class": self.model_class}
+        return {"masked": self.masked, "outputs": list(self.outputs), "model_class": self.model_class,
+                **({"pads_kept": self.pads_kept} if self.pads_kept else {})}
 
 
 def run_sampling(training: TrainingConfig, family: str, schedule: str, weightings: tuple[str, ...]) -> dict[str, Any]:

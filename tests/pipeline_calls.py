@@ -1,0 +1,16 @@
+"""The calls a diffusers pipeline makes to its transformer, recorded: what a family's `predict`
+must reproduce."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def transformer_calls(pipeline: Any) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """A list that fills, as the pipeline runs, with each transformer call's keyword arguments and output."""
+    calls: list[tuple[dict[str, Any], torch.Tensor]] = []
+    pipeline.transformer.register_forward_hook(lambda module, args, kwargs, output: calls.append((kwargs, output[0])),
+                                               with_kwargs=True)
+    return calls

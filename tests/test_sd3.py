@@ -1,0 +1,68 @@
+"""SD3/SD3.5 through the family seam, against `StableDiffusion3Pipeline`'s own functions: each
+encoder's cached outputs joined are what `encode_prompt` gives the transformer, and the
+transformer is called as the pipeline calls it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import StableDiffusion3Pipeline
+
+from configs.schema import ModelConfig, TextEncodingConfig, TrainingConfig
+from storage.shards import collate
+from tasks.encode.text import encode_captions
+from tasks.families import family_of
+from tasks.families.sd3 import StableDiffusion3, joined
+from tests.pipeline_calls import transformer_calls
+
+
+@pytest.fixture(scope="module")
+def sd3(tmp_path_factory) -> ModelConfig:
+    from tasks.demo.flow_models import write_tiny_family
+
+    return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("sd3") / "sd3", "sd3", vae_steps=0)))
+
+
+def features(model: ModelConfig, prompts: list[str], **text) -> list[dict[str, torch.Tensor]]:
+    """Each prompt's cached features by `Conditioning` key, as training reads them."""
+    family, config = family_of(model), TextEncodingConfig(dtype="fp32", device="cpu", numerics_samples=0, **text)
+    cached = {spec.name: encode_captions(prompts, model, config, spec)[0] for spec in family.text_encoders}
+    return [{f"{name}_{output}": values[i][0] if output == "pooled" else values[i]
+             for name, outputs in cached.items() for output, values in outputs.items()} for i in range(len(prompts))]
+
+
+def test_the_joined_cache_is_what_encode_prompt_gives_the_transformer(sd3):
+    """Every output, fp32: CLIP-L's and CLIP-G's penultimate states (77 padded positions each) and
+    pooled projections, T5's 256 padded positions; joined, the pipeline's prompt_embeds
+    [B, 77 + 256, D_T5] and pooled_prompt_embeds; a caption past every limit is cut as it cuts it."""
+    family = family_of(sd3)
+    assert isinstance(family, StableDiffusion3) and family.default_max_length(sd3) == 256
+    prompts = ["a red circle on a blue background", "stripes " * 300, ""]
+    embeds, pooled = joined(collate(features(sd3, prompts)))
+    pipeline = StableDiffusion3Pipeline.from_pretrained(sd3.path)
+    want, _, want_pooled, _ = pipeline.encode_prompt(prompts, None, None, do_classifier_free_guidance=False)
+    assert embeds.shape == want.shape == (3, 77 + 256, pipeline.text_encoder_3.config.d_model)
+    torch.testing.assert_close(embeds, want, rtol=1e-4, atol=5e-5)
+    torch.testing.assert_close(pooled, want_pooled, rtol=1e-4, atol=5e-5)
+
+
+def test_t5_at_another_length_is_what_the_pipeline_gives_at_that_max_sequence_length(sd3):
+    embeds, _ = joined(collate(features(sd3, ["a red circle"], max_length=128)))
+    want = StableDiffusion3Pipeline.from_pretrained(sd3.path).encode_prompt(
+        ["a red circle"], None, None, do_classifier_free_guidance=False, max_sequence_length=128)[0]
+    torch.testing.assert_close(embeds, want, rtol=1e-4, atol=5e-5)
+
+
+def test_the_transformer_is_called_as_the_pipeline_calls_it(sd3):
+    family = family_of(sd3)
+    pipeline = StableDiffusion3Pipeline.from_pretrained(sd3.path)
+    calls = transformer_calls(pipeline)
+    both = collate(features(sd3, ["a green square on a white background", ""]))  # the prompt, the negative
+    pipeline(**family.embedding_kwargs(both, 1), height=96, width=64, num_inference_steps=1, guidance_scale=1.0,
+             output_type="latent", generator=torch.Generator().manual_seed(0))
+    ((seen, output),) = calls
+    with torch.no_grad():
+        ours = family.predict(pipeline.transformer, seen["hidden_states"], {k: v[:1] for k, v in both.items()},
+                              seen["timestep"], **family.call_options(TrainingConfig()))
+    torch.testing.assert_close(ours, output)
+    assert family.schedule(sd3).scheduler.config.shift == 3.0
