@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from tasks.demo import DEMO_FAMILIES
 
 
 def _quiet_prefect() -> None:
@@ -37,11 +38,13 @@ def _print_result(result: dict, as_json: bool) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from configs.schema import QUICKSTART, load_config
+    from tasks.demo import write_demo_models
     from tasks.demo.data import write_demo_data
-    from tasks.demo.models import write_tiny_models
 
-    config = load_config(QUICKSTART, args.set)
-    write_tiny_models(config.model.path)
+    # each family's tiny models in a folder of their own; --set model.path=… still decides
+    models = [] if args.family == "pixart" else [f"model.path=precast-demo/models/{args.family}"]
+    config = load_config(QUICKSTART, [*models, *args.set])
+    write_demo_models(config.model.path, args.family)
     for source in config.dataset.sources:
         if not Path(source.path).exists():
             write_demo_data(source.path, count=args.count)
@@ -176,9 +179,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_models(args: argparse.Namespace) -> int:
-    from tasks.demo.models import write_tiny_models
+    from tasks.demo import write_demo_models
 
-    print(write_tiny_models(args.dir, **({} if args.vae_steps is None else {"vae_steps": args.vae_steps})))
+    print(write_demo_models(args.dir, args.family, **({} if args.vae_steps is None else {"vae_steps": args.vae_steps})))
     return 0
 
 
@@ -213,6 +216,8 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser("demo", help="make tiny models and demo data, then run configs/quickstart.yaml")
     with_config(demo, required=False)
     demo.add_argument("--count", type=int, default=1000, help="demo images to generate when missing")
+    demo.add_argument("--family", choices=DEMO_FAMILIES, default="pixart",
+                      help="the model family of the tiny models (pixart: PixArt-Σ; each other in precast-demo/models/<family>)")
     demo.set_defaults(func=cmd_demo)
 
     run = commands.add_parser("run", help="run the whole pipeline")
@@ -270,8 +275,9 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
 
     export = commands.add_parser("export", help="write a run's LoRA in the layout another program loads")
     export.add_argument("url", help="a run URL (<root>/runs/<id>) or its adapter URL")
-    export.add_argument("--format", required=True, choices=["comfyui"],
-                        help="comfyui: one .safetensors for ComfyUI's LoRA loader")
+    export.add_argument("--format", required=True, choices=["comfyui", "diffusers"],
+                        help="comfyui: one .safetensors for ComfyUI's LoRA loader; diffusers: the file the family's "
+                             "pipeline's load_lora_weights reads (FLUX.1, SD3, Chroma)")
     export.add_argument("--out", required=True, help="file to write")
     export.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec storage option for the URL (repeatable)")
@@ -287,6 +293,8 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
 
     tiny = commands.add_parser("tiny-models", help="write the demo's tiny models in the hub layout")
     tiny.add_argument("dir")
+    tiny.add_argument("--family", choices=DEMO_FAMILIES, default="pixart",
+                      help="pixart (PixArt-Σ), flux-dev, flux-schnell, sd3 (SD3.5) or chroma")
     tiny.add_argument("--vae-steps", type=int, default=None,
                       help="training steps of the tiny VAE (default 2000, about 40 s; 0: random, for checks of "
                            "the loading path)")

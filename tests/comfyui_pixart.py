@@ -66,9 +66,13 @@ def comfy_weights(diffusers_state: dict[str, torch.Tensor], depth: int, hidden: 
 
 def apply_lora(weights: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], key_map: dict,
                strength: float = 1.0) -> list[str]:
-    """Patch `weights` in place as ComfyUI does; returns the LoRA keys it would log as not loaded."""
+    """Patch `weights` in place as ComfyUI does; returns the LoRA keys it would not apply (logged as
+    "lora key not loaded", or, for a module mapped to a weight the model lacks, "NOT LOADED")."""
     loaded = set()
     for name, target in key_map.items():
+        key, (dim, start, length) = target if isinstance(target, tuple) else (target, (0, 0, None))
+        if key not in weights:
+            continue
         alpha = lora.get(f"{name}.alpha")
         if alpha is not None:
             loaded.add(f"{name}.alpha")
@@ -77,7 +81,6 @@ def apply_lora(weights: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], 
                 up, down = lora[name + up_suffix], lora[name + down_suffix]
                 loaded |= {name + up_suffix, name + down_suffix}
                 scale = alpha.item() / down.shape[0] if alpha is not None else 1.0
-                key, (dim, start, length) = target if isinstance(target, tuple) else (target, (0, 0, None))
                 weight = weights[key] if length is None else weights[key].narrow(dim, start, length)
                 weight += strength * scale * (up.float() @ down.float()).reshape(weight.shape)
                 break

@@ -1,3 +1,22 @@
 """The demo's fixtures: generated pictures with captions that name what they show (`data`), and
-tiny models in the hub layout that load through the real `from_pretrained` path (`models`). Used by
+tiny models in the hub layout that load through the real `from_pretrained` path (`models`: PixArt-Σ;
+`flow_models`: FLUX.1, SD3.5, Chroma). Used by
 `precast demo`, the tests and the benchmarks; no stage imports them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEMO_FAMILIES = ("pixart", "flux-dev", "flux-schnell", "sd3", "chroma")  # what `--family` chooses
+
+
+def write_demo_models(folder: str | Path, family: str = "pixart", **options) -> Path:
+    """The tiny model folder of `family` (one of DEMO_FAMILIES): PixArt-Σ's (`models`) or a
+    flow-matching family's (`flow_models`), with the writer's options (seed, vae_steps)."""
+    if family == "pixart":
+        from tasks.demo.models import write_tiny_models
+
+        return write_tiny_models(folder, **options)
+    from tasks.demo.flow_models import write_tiny_family
+
+    return write_tiny_family(folder, family, **options)

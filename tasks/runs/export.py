@@ -1,5 +1,8 @@
 """A run's adapter in the layout another program loads.
 
+`diffusers`: the file the family's pipeline writes with `save_lora_weights` and reads with
+`load_lora_weights` (rank and alpha in its metadata), written by that function itself.
+
 `comfyui`: one safetensors file that ComfyUI's LoRA loader maps onto the family's model: diffusers
 module names under the family's prefix, `lora_A`/`lora_B` weights and, for every module,
 `alpha`. ComfyUI reads no adapter_config.json and scales an update by alpha / rank (1.0 without
@@ -9,12 +12,16 @@ act twice as strongly there.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import torch
 from safetensors.torch import load, save
 
+from tasks.families import Family
 from tasks.runs.folder import FinishedRun
 
-FORMATS = ("comfyui",)
+FORMATS = ("comfyui", "diffusers")
 PEFT_PREFIX = "base_model.model."
 
 
@@ -36,11 +43,26 @@ def comfyui_lora(tensors: dict[str, torch.Tensor], adapter_config: dict, prefix:
     return out
 
 
+def save_diffusers_lora(family: Family, tensors: dict[str, torch.Tensor], adapter_config: dict, folder: str) -> Path:
+    """PEFT adapter tensors written to `folder` by the family's pipeline's own `save_lora_weights`
+    (what its `load_lora_weights` reads); the file's path."""
+    pipeline = family.pipeline_class()
+    if not hasattr(pipeline, "save_lora_weights"):
+        raise ValueError(f"{family.name}'s pipeline ({family.pipeline_name}) has no LoRA loader; "
+                         f"export --format comfyui, or load the adapter with PEFT")
+    layers = {key.removeprefix(PEFT_PREFIX): tensor for key, tensor in tensors.items()}
+    pipeline.save_lora_weights(folder, transformer_lora_layers=layers, transformer_lora_adapter_metadata=adapter_config)
+    return Path(folder) / "pytorch_lora_weights.safetensors"
+
+
 def export_adapter(url: str, format: str, options: dict | None = None) -> bytes:
     """The adapter of a finished run (`<root>/runs/<id>` or its adapter URL) in `format`, as file bytes."""
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}: one of {', '.join(FORMATS)}")
     run = FinishedRun.at(url, options)
     config, data = run.adapter()
+    if format == "diffusers":
+        with tempfile.TemporaryDirectory() as folder:
+            return save_diffusers_lora(run.family, load(data), config, folder).read_bytes()
     return save(comfyui_lora(load(data), config, run.family.comfyui_prefix()),
                 metadata={"format": "pt", "precast.source": url})

@@ -11,12 +11,14 @@ import tempfile
 
 import torch
 from PIL import Image
+from safetensors.torch import load
 
 from configs.schema import ModelConfig, TextEncodingConfig
 from storage.shards import collate
 from tasks.encode.models import load_vae
 from tasks.loading import resolve_device
 from tasks.families import family_of
+from tasks.runs.export import save_diffusers_lora
 from tasks.runs.folder import FinishedRun
 
 
@@ -37,8 +39,10 @@ def sample_grid(
     steps: int,
     guidance_scale: float,
     seed: int,
+    side: int,
 ) -> Image.Image:
-    """One image per prompt, side by side, by the family's pipeline from pre-encoded prompts."""
+    """One image per prompt of `side` × `side` pixels, side by side, by the family's pipeline from
+    pre-encoded prompts."""
     device = next(transformer.parameters()).device
     family = family_of(model)
     pipeline = family.embedding_pipeline(model, load_vae(model, "fp32", str(device)), transformer)
@@ -48,7 +52,7 @@ def sample_grid(
     text = collate(prompt_features + [empty_features] * count)
     dtype = next(transformer.parameters()).dtype  # the features in the transformer's, masks as they are
     text = {name: value.to(device, dtype if value.is_floating_point() else value.dtype) for name, value in text.items()}
-    images = pipeline(**family.embedding_kwargs(text, count),
+    images = pipeline(**family.embedding_kwargs(text, count), height=side, width=side,
                       num_inference_steps=steps, guidance_scale=guidance_scale,
                       generator=torch.Generator(device="cpu").manual_seed(seed)).images
     return side_by_side(images)
@@ -60,20 +64,28 @@ def sample_run(
 ) -> Image.Image:
     """Images for `prompts` from a finished run (`<root>/runs/<id>`, or its `adapter`/`transformer`
     URL) through its family's pipeline `from_pretrained` with the trained weights: a LoRA adapter
-    merged into the transformer, or the fully trained transformer. The model is the run's unless
+    loaded by the pipeline's `load_lora_weights` (merged by PEFT where the pipeline has no LoRA
+    loader: PixArt's), or the fully trained transformer. The model is the run's unless
     given."""
     run = FinishedRun.at(url, options)
     model = model or ModelConfig.model_validate(run.record["model"])
     family = family_of(model)
     with tempfile.TemporaryDirectory() as local:
-        transformer = run.trained_transformer(model, local)
-    pipeline = family.pipeline_class().from_pretrained(model.path, revision=model.revision,
-                                                           transformer=transformer)
+        if run.weights == "adapter" and hasattr(family.pipeline_class(), "load_lora_weights"):
+            # the adapter as the family's users load it: the pipeline's own LoRA loader
+            pipeline = family.pipeline_class().from_pretrained(model.path, revision=model.revision)
+            config, data = run.adapter()
+            pipeline.load_lora_weights(str(save_diffusers_lora(family, load(data), config, local)))
+        else:
+            pipeline = family.pipeline_class().from_pretrained(model.path, revision=model.revision,
+                                                               transformer=run.trained_transformer(model, local))
     pipeline.to(resolve_device(device)).set_progress_bar_config(disable=True)
     # the prompt text the encoder reads, as it read the run's captions
     text = run.lineage.get("text") or {"caption_preprocessing": TextEncodingConfig().caption_preprocessing,
                                        "max_length": family.default_max_length(model)}
     options = family.prompt_options(pipeline, text)
+    if "resolution" in run.lineage:  # the side it trained at (runs before it was recorded: the pipeline's default)
+        options.update(height=run.lineage["resolution"], width=run.lineage["resolution"])
     images = pipeline(prompts, num_inference_steps=steps, guidance_scale=guidance_scale,
                       generator=torch.Generator(device="cpu").manual_seed(seed), **options).images
     return side_by_side(images)

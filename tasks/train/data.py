@@ -75,6 +75,7 @@ class CachedFeatures:
         self._latents = {key: LatentShard(store.local_path(key, checksums[key])) for key in sorted(latent_keys)}
         first = next(iter(self._latents.values())).meta
         self.scaling_factor, self.shift_factor = first["scaling_factor"], first["shift_factor"]
+        self.resolution = first["resolution"]  # the side of the square the buckets keep the area of
         self.buckets: dict[str, list[str]] = defaultdict(list)
         for sample_id, row in sorted(self.samples.items()):
             self.buckets[row["bucket"]].append(sample_id)

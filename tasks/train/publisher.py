@@ -28,8 +28,9 @@ from tasks.train.trackers import Trackers
 
 class RunPublisher:
     def __init__(self, store: Store, run: str, model: ModelConfig, training: TrainingConfig, manifest: dict[str, Any],
-                 init: dict | None, prompts: TextCaches):
+                 init: dict | None, prompts: TextCaches, resolution: int):
         self.store, self.run, self.model, self.training = store, run, model, training
+        self.resolution = resolution  # the latents' (`latent_encoding.resolution`): the samples' side
         self.manifest, self.init, self.prompts = manifest, init, prompts
         self.output = output_name(training)
         # the training config as it ran: LoRA's target modules resolved (the family's, when unset)
@@ -44,6 +45,7 @@ class RunPublisher:
             "init_from": self.init and {"url": self.init["url"], "sha256": self.init["sha256"]},
             # the first encoder's (T5's: the one whose max_length users set)
             "text": {k: self.prompts.prompts[0].meta[k] for k in ("caption_preprocessing", "max_length")},
+            "resolution": self.resolution,
             "fingerprints": {k: self.manifest[k] for k in ("text_fingerprint", "vae_fingerprint") if k in self.manifest},
             "versions": package_versions(), "code": code_version(), "python": platform.python_version(),
         }
@@ -72,7 +74,7 @@ class RunPublisher:
         with torch.no_grad():
             grid = sample_grid(self.model, sampling_module(network, training),
                                [self.prompts.prompt(p) for p in training.sample_prompts], self.prompts.prompt(""),
-                               training.sample_steps, training.guidance_scale, training.seed)
+                               training.sample_steps, training.guidance_scale, training.seed, self.resolution)
         network.train()
         buffer = io.BytesIO()
         grid.save(buffer, format="PNG")

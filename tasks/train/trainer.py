@@ -107,7 +107,7 @@ class Trainer:
         state = TrainingState(self.network, self.optimizer, self.schedule, self.ema, self.scaler)
         self.checkpointer = Checkpointer.from_config(training, store, job.run, lease, state)
         self.publisher = RunPublisher(store, job.run, job.model, training, job.manifest, job.init,
-                                      features.text) if self.dist.leader else None
+                                      features.text, features.resolution) if self.dist.leader else None
         self.metrics = Metrics(training, self.dist, self.publisher, progress)
 
         # derived once: the autocast dtype (None: fp32) and the micro-batches of a step

@@ -1,0 +1,145 @@
+"""ComfyUI's FLUX.1, Chroma and SD3/SD3.5 LoRA loading, restated for tests (ComfyUI is not a pip package).
+
+From ComfyUI at commit a125cd84 (2025-10-12), as tests/comfyui_pixart.py restates PixArt's:
+`comfy/utils.py::flux_to_diffusers` and `mmdit_to_diffusers` (diffusers key -> ComfyUI model key;
+Flux fuses q/k/v into `img_attn.qkv` / `txt_attn.qkv` and, in a single block, q/k/v and `proj_mlp`
+into `linear1`; SD3 fuses q/k/v into `x_block.attn.qkv`, `context_block.attn.qkv` and
+`x_block.attn2.qkv`; slices are (key, (dim, start, length))), the Flux and SD3 branches of
+`comfy/lora.py::model_lora_keys_unet` (`comfy.model_base.Chroma` subclasses `Flux`, so Chroma takes
+Flux's branch), `load_lora`'s `<name>.alpha` and `LoRAAdapter.load`'s key pairs, and
+`calculate_weight`'s rule `weight += strength * (alpha / rank) * up @ down` on the slice.
+Only the transformer blocks' linear layers are restated: what a LoRA on them needs. ComfyUI's other
+names (`diffusion_model.<its key>`, `lora_unet_<its key>`, Flux's `...linear1_qkv`) use its own
+layout, not diffusers', and are left out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.comfyui_pixart import apply_lora  # noqa: F401  (calculate_weight is the same for every model)
+
+Target = str | tuple[str, tuple[int, int, int]]
+
+FLUX_DOUBLE = {  # diffusers name -> ComfyUI name, inside `transformer_blocks.N` / `double_blocks.N`
+    "attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj",
+    "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
+    "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
+}
+MMDIT_BLOCK = {  # diffusers name -> ComfyUI name, inside `transformer_blocks.N` / `joint_blocks.N`
+    "attn.to_out.0": "x_block.attn.proj", "attn.to_add_out": "context_block.attn.proj",
+    "attn2.to_out.0": "x_block.attn2.proj",
+    "ff.net.0.proj": "x_block.mlp.fc1", "ff.net.2": "x_block.mlp.fc2",
+    "ff_context.net.0.proj": "context_block.mlp.fc1", "ff_context.net.2": "context_block.mlp.fc2",
+}
+FLUX_PREFIXES = ("transformer.", "lycoris_", "lora_transformer_")  # the last two with "." -> "_"
+MMDIT_PREFIXES = ("transformer.", "base_model.model.", "lora_transformer_", "lycoris_")
+
+
+def _qkv(out: dict, src: str, names: tuple[str, str, str], key: str, width: int) -> None:
+    for n, name in enumerate(names):
+        out[f"{src}.{name}.weight"] = (key, (0, n * width, width))
+
+
+def flux_to_diffusers(depth: int, single_depth: int, hidden: int) -> dict[str, Target]:
+    """diffusers weight key -> ComfyUI key or slice, for FLUX.1 and Chroma (their blocks are alike).
+    A single block's `proj_mlp` is ComfyUI's slice (3 * hidden, 4 * hidden) of `linear1`: mlp_ratio 4."""
+    keys: dict[str, Target] = {}
+    for i in range(depth):
+        src, dst = f"transformer_blocks.{i}", f"diffusion_model.double_blocks.{i}"
+        _qkv(keys, src, ("attn.to_q", "attn.to_k", "attn.to_v"), f"{dst}.img_attn.qkv.weight", hidden)
+        _qkv(keys, src, ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), f"{dst}.txt_attn.qkv.weight", hidden)
+        for diffusers, comfy in FLUX_DOUBLE.items():
+            keys[f"{src}.{diffusers}.weight"] = f"{dst}.{comfy}.weight"
+    for i in range(single_depth):
+        src, dst = f"single_transformer_blocks.{i}", f"diffusion_model.single_blocks.{i}"
+        _qkv(keys, src, ("attn.to_q", "attn.to_k", "attn.to_v"), f"{dst}.linear1.weight", hidden)
+        keys[f"{src}.proj_mlp.weight"] = (f"{dst}.linear1.weight", (0, 3 * hidden, 4 * hidden))
+        keys[f"{src}.proj_out.weight"] = f"{dst}.linear2.weight"
+    return keys
+
+
+def mmdit_to_diffusers(depth: int, hidden: int) -> dict[str, Target]:
+    """diffusers weight key -> ComfyUI key or slice, for SD3/SD3.5. ComfyUI's slice width is
+    `64 * (x_embedder width // 64)`, the width itself for every published SD3 (width = 64 * depth);
+    `hidden` stands for it (a tiny test model's width need not be a multiple of 64). `attn2` (SD3.5's
+    dual attention) and the last block's context output layers are mapped for every block, as
+    ComfyUI maps them; a model lacks those it does not have."""
+    keys: dict[str, Target] = {}
+    for i in range(depth):
+        src, dst = f"transformer_blocks.{i}", f"diffusion_model.joint_blocks.{i}"
+        _qkv(keys, src, ("attn.to_q", "attn.to_k", "attn.to_v"), f"{dst}.x_block.attn.qkv.weight", hidden)
+        _qkv(keys, src, ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+             f"{dst}.context_block.attn.qkv.weight", hidden)
+        _qkv(keys, src, ("attn2.to_q", "attn2.to_k", "attn2.to_v"), f"{dst}.x_block.attn2.qkv.weight", hidden)
+        for diffusers, comfy in MMDIT_BLOCK.items():
+            keys[f"{src}.{diffusers}.weight"] = f"{dst}.{comfy}.weight"
+    return keys
+
+
+def _lora_key_map(diffusers_keys: dict[str, Target], prefixes: tuple[str, ...]) -> dict[str, Target]:
+    key_map = {}
+    for key, target in diffusers_keys.items():
+        base = key.removesuffix(".weight")
+        for prefix in prefixes:
+            key_map[prefix + (base if prefix.endswith(".") else base.replace(".", "_"))] = target
+    return key_map
+
+
+def flux_lora_key_map(depth: int, single_depth: int, hidden: int, mlp_hidden: int | None = None) -> dict[str, Target]:
+    """LoRA module name -> target, as model_lora_keys_unet builds it for FLUX.1 or Chroma."""
+    if mlp_hidden is not None and mlp_hidden != 4 * hidden:
+        raise ValueError(f"ComfyUI slices proj_mlp as 4 * hidden = {4 * hidden} rows, not {mlp_hidden}")
+    return _lora_key_map(flux_to_diffusers(depth, single_depth, hidden), FLUX_PREFIXES)
+
+
+def mmdit_lora_key_map(depth: int, hidden: int) -> dict[str, Target]:
+    """LoRA module name -> target, as model_lora_keys_unet builds it for SD3/SD3.5."""
+    return _lora_key_map(mmdit_to_diffusers(depth, hidden), MMDIT_PREFIXES)
+
+
+def maps_for(transformer) -> tuple[dict[str, Target], dict[str, Target]]:
+    """(diffusers key -> target, LoRA module name -> target) for a diffusers Flux, Chroma or SD3
+    transformer, or its saved config (a dict with `_class_name`)."""
+    config = dict(getattr(transformer, "config", transformer))
+    config.setdefault("_class_name", type(transformer).__name__)
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    if config["_class_name"] in ("FluxTransformer2DModel", "ChromaTransformer2DModel"):
+        args = (config["num_layers"], config["num_single_layers"], hidden)
+        return flux_to_diffusers(*args), flux_lora_key_map(*args)
+    if config["_class_name"] == "SD3Transformer2DModel":
+        return mmdit_to_diffusers(config["num_layers"], hidden), mmdit_lora_key_map(config["num_layers"], hidden)
+    raise ValueError(f"no ComfyUI map restated for {config['_class_name']}")
+
+
+def comfy_weights(diffusers_state: dict[str, torch.Tensor],
+                  diffusers_keys: dict[str, Target]) -> dict[str, torch.Tensor]:
+    """The mapped linear weights in ComfyUI's layout (fused where ComfyUI fuses); keys the model
+    lacks (SD3's attn2 outside dual-attention blocks, its last block's context outputs) are skipped."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for key, target in diffusers_keys.items():
+        if key not in diffusers_state:
+            continue
+        if isinstance(target, tuple):
+            parts.setdefault(target[0], []).append((target[1][1], diffusers_state[key]))
+        else:
+            out[target] = diffusers_state[key].clone()
+    for key, slices in parts.items():
+        slices.sort(key=lambda s: s[0])
+        ends = [0] + [start + len(t) for start, t in slices]
+        if [start for start, _ in slices] != ends[:-1]:
+            raise ValueError(f"{key}: the slices ComfyUI fuses are not all in the model")
+        out[key] = torch.cat([t for _, t in slices])
+    return out
+
+
+def diffusers_weights(weights: dict[str, torch.Tensor],
+                      diffusers_keys: dict[str, Target]) -> dict[str, torch.Tensor]:
+    """comfy_weights' inverse: each diffusers key whose ComfyUI weight (or slice of it) is in `weights`."""
+    out = {}
+    for key, target in diffusers_keys.items():
+        name, (dim, start, length) = target if isinstance(target, tuple) else (target, (0, 0, None))
+        if name in weights:
+            out[key] = weights[name] if length is None else weights[name].narrow(dim, start, length)
+    return out
