@@ -4,7 +4,7 @@
 family's own pipeline (FluxPipeline, StableDiffusion3Pipeline, ChromaPipeline) load as they load the
 published repositories (black-forest-labs/FLUX.1-dev and FLUX.1-schnell,
 stabilityai/stable-diffusion-3.5-medium, lodestones/Chroma1-HD: Chroma's diffusers folder): the same
-component names, classes and `model_index.json`, with no part over about 100k parameters (1-2 MB a
+component names, classes and `model_index.json`, with no part over about 700k parameters (3 MB a
 folder), so that a training step on a CPU takes milliseconds.
 
 - Text: T5 (`build_tokenizer`'s tokenizer, saved as the PixArt writer saves it) with the PixArt
@@ -22,7 +22,8 @@ folder), so that a training step on a CPU takes milliseconds.
   (`vae_steps=0`, for tests of shapes and loading) it carries the published factors. It keeps
   `quant_conv`, which the published Flux and SD3 VAEs drop, because `train_vae` starts the posterior
   std small through its bias. One training can serve several folders (`vae_from`).
-- Transformers: random (the demo trains them), one or two blocks of two 16-wide heads, with the
+- Transformers: random (the demo trains them), one or two blocks of six 16-wide heads (wider than a
+  token's 64 latent values, as the published ones are), with the
   published layout of inputs: Flux and Chroma take 2x2-packed latents (64 channels) and 3-axis RoPE,
   Flux-dev embeds its guidance, SD3.5 has patch size 2, RMS qk-norm and a dual-attention block.
 - Schedulers: FlowMatchEulerDiscreteScheduler as each published `scheduler_config.json` has it:
@@ -54,9 +55,11 @@ CLIP_SHAPES = {
 }
 CLIP_PADS = {"clip-l": EOS, "clip-g": "!"}
 
-# head width 16 split over RoPE's (text/index, row, column) axes, as the published 128 is (16, 56, 56)
+# head width 16 split over RoPE's (text/index, row, column) axes, as the published 128 is (16, 56, 56);
+# 6 heads, so the width (96) exceeds a token's 64 latent values, as the published 3072 does: through
+# a narrower width the network could not carry a token's noise to its output, and would not denoise
 _FLUX_BLOCKS = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                    num_attention_heads=2, joint_attention_dim=T5_SHAPE["d_model"], axes_dims_rope=(4, 6, 6))
+                    num_attention_heads=6, joint_attention_dim=T5_SHAPE["d_model"], axes_dims_rope=(4, 6, 6))
 _FLUX = dict(_FLUX_BLOCKS, pooled_projection_dim=CLIP_SHAPES["clip-l"]["hidden_size"])
 # the published Flux-dev scheduler; the Flux pipelines read the same keys for mu
 _DYNAMIC_SHIFT = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
@@ -85,7 +88,7 @@ FAMILIES = {
          ("_3", "t5", "T5EncoderModel")),
         "SD3Transformer2DModel",
         dict(sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
-             num_attention_heads=2, caption_projection_dim=32, joint_attention_dim=T5_SHAPE["d_model"],
+             num_attention_heads=6, caption_projection_dim=96, joint_attention_dim=T5_SHAPE["d_model"],
              pooled_projection_dim=sum(shape["projection_dim"] for shape in CLIP_SHAPES.values()),
              pos_embed_max_size=64, dual_attention_layers=(0,), qk_norm="rms_norm"),
         dict(shift=3.0), (0.0609, 1.5305)),
