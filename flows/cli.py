@@ -38,12 +38,10 @@ def _print_result(result: dict, as_json: bool) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from configs.schema import QUICKSTART, load_config
-    from tasks.demo import write_demo_models
+    from tasks.demo import demo_settings, write_demo_models
     from tasks.demo.data import write_demo_data
 
-    # each family's tiny models in a folder of their own; --set model.path=… still decides
-    models = [] if args.family == "pixart" else [f"model.path=precast-demo/models/{args.family}"]
-    config = load_config(QUICKSTART, [*models, *args.set])
+    config = load_config(QUICKSTART, [*demo_settings(args.family), *args.set])  # --set model.path=… still decides
     write_demo_models(config.model.path, args.family)
     for source in config.dataset.sources:
         if not Path(source.path).exists():
@@ -216,8 +214,8 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser("demo", help="make tiny models and demo data, then run configs/quickstart.yaml")
     with_config(demo, required=False)
     demo.add_argument("--count", type=int, default=1000, help="demo images to generate when missing")
-    demo.add_argument("--family", choices=DEMO_FAMILIES, default="pixart",
-                      help="the model family of the tiny models (pixart: PixArt-Σ; each other in precast-demo/models/<family>)")
+    demo.add_argument("--family", choices=DEMO_FAMILIES, default=DEMO_FAMILIES[0],
+                      help="the tiny models' family (each but the first in precast-demo/models/<family>)")
     demo.set_defaults(func=cmd_demo)
 
     run = commands.add_parser("run", help="run the whole pipeline")
@@ -293,8 +291,7 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
 
     tiny = commands.add_parser("tiny-models", help="write the demo's tiny models in the hub layout")
     tiny.add_argument("dir")
-    tiny.add_argument("--family", choices=DEMO_FAMILIES, default="pixart",
-                      help="pixart (PixArt-Σ), flux-dev, flux-schnell, sd3 (SD3.5) or chroma")
+    tiny.add_argument("--family", choices=DEMO_FAMILIES, default=DEMO_FAMILIES[0], help="the tiny models' family")
     tiny.add_argument("--vae-steps", type=int, default=None,
                       help="training steps of the tiny VAE (default 2000, about 40 s; 0: random, for checks of "
                            "the loading path)")

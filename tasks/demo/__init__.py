@@ -10,6 +10,12 @@ from pathlib import Path
 DEMO_FAMILIES = ("pixart", "flux-dev", "flux-schnell", "sd3", "chroma")  # what `--family` chooses
 
 
+def demo_settings(family: str) -> list[str]:
+    """The quickstart's settings for `family`'s demo: its tiny models in a folder of their own (the
+    first family's are the quickstart's own `model.path`)."""
+    return [] if family == DEMO_FAMILIES[0] else [f"model.path=precast-demo/models/{family}"]
+
+
 def write_demo_models(folder: str | Path, family: str = "pixart", **options) -> Path:
     """The tiny model folder of `family` (one of DEMO_FAMILIES): PixArt-Σ's (`models`) or a
     flow-matching family's (`flow_models`), with the writer's options (seed, vae_steps)."""

@@ -65,7 +65,7 @@ def sample_run(
     """Images for `prompts` from a finished run (`<root>/runs/<id>`, or its `adapter`/`transformer`
     URL) through its family's pipeline `from_pretrained` with the trained weights: a LoRA adapter
     loaded by the pipeline's `load_lora_weights` (merged by PEFT where the pipeline has no LoRA
-    loader: PixArt's), or the fully trained transformer. The model is the run's unless
+    loader), or the fully trained transformer. The model is the run's unless
     given."""
     run = FinishedRun.at(url, options)
     model = model or ModelConfig.model_validate(run.record["model"])
