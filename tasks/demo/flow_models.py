@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 
-from tasks.demo.models import VAE_STEPS, WORDS, build_tokenizer, trained_vae
+from tasks.demo.models import VAE_STEPS, WORDS, build_tokenizer, position_heads, trained_vae
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 # published: T5 v1.1 XXL d_model 4096; CLIP-L 768 (quick_gelu); CLIP-G 1280 (gelu); each CLIP 77 tokens
@@ -157,14 +157,7 @@ def _write_t5(tokenizer_folder: Path, encoder_folder: Path) -> None:
                       dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                       decoder_start_token_id=0, **T5_SHAPE)
     encoder = T5EncoderModel(config)
-    # the PixArt writer's position heads (see write_tiny_models): random position biases are near
-    # zero, so without them each token would read as an average of its caption's words
-    attention = encoder.encoder.block[0].layer[0].SelfAttention
-    buckets = attention._relative_position_bucket(torch.tensor([1, -1]),
-                                                  num_buckets=config.relative_attention_num_buckets,
-                                                  max_distance=config.relative_attention_max_distance)
-    with torch.no_grad():
-        attention.relative_attention_bias.weight[buckets, torch.arange(2)] = 8.0
+    position_heads(encoder)  # so word order reaches the transformer
     encoder.save_pretrained(encoder_folder)
 
 

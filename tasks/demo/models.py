@@ -130,6 +130,19 @@ def train_vae(vae, seed: int, steps: int) -> float:
         return 1.0 / vae.encode(pool[:64]).latent_dist.mean.std().item()
 
 
+def position_heads(encoder) -> None:
+    """Two heads of a T5 encoder's first layer set to look at the next and the previous word. A
+    trained T5 attends by position; random position biases are near zero, so each token would come
+    out as an average of its caption's words, and "a red circle on a blue background" would read
+    like "a blue circle on a red background"."""
+    config = encoder.config
+    attention = encoder.encoder.block[0].layer[0].SelfAttention
+    buckets = attention._relative_position_bucket(torch.tensor([1, -1]), num_buckets=config.relative_attention_num_buckets,
+                                                  max_distance=config.relative_attention_max_distance)
+    with torch.no_grad():
+        attention.relative_attention_bias.weight[buckets, torch.arange(2)] = 8.0
+
+
 def perturb_last_bits(module: torch.nn.Module, seed: int) -> None:
     """Move every floating-point weight of `module` one representable value up or down, at random:
     what another CPU's rounding does to a computation, the robustness benchmark's stand-in for
@@ -167,15 +180,7 @@ def write_tiny_models(folder: str | Path, seed: int = 0, vae_steps: int = VAE_ST
     text_encoder = T5EncoderModel(text_config)
     if perturb is not None:
         perturb_last_bits(text_encoder, perturb)
-    # A trained T5 attends by position. Random position biases are near zero, so each token would
-    # come out as an average of its caption's words, and "a red circle on a blue background" would
-    # read like "a blue circle on a red background". Two heads look at the next and previous word.
-    attention = text_encoder.encoder.block[0].layer[0].SelfAttention
-    buckets = attention._relative_position_bucket(torch.tensor([1, -1]),
-                                                  num_buckets=text_config.relative_attention_num_buckets,
-                                                  max_distance=text_config.relative_attention_max_distance)
-    with torch.no_grad():
-        attention.relative_attention_bias.weight[buckets, torch.arange(2)] = 8.0
+    position_heads(text_encoder)
     text_encoder.save_pretrained(folder / "text_encoder")
 
     with torch.random.fork_rng():
