@@ -141,9 +141,10 @@ class TextEncodingConfig(Section):
 
 
 class LatentEncodingConfig(Section):
-    resolution: Literal[256, 512, 1024, 2048] = Field(
-        512, description="Base resolution; picks the model family's aspect-ratio bucket table (as its diffusers "
-        "pipeline has it)."
+    resolution: int = Field(
+        512, ge=64, le=4096, multiple_of=16, description="Base resolution in pixels: the model family's aspect-ratio "
+        "buckets for it (as its diffusers pipeline or its trainers bucket). A family with fixed tables has them for "
+        "256, 512, 1024 and 2048 and refuses other sizes before any stage runs; area buckets take any multiple of 16."
     )
     crop: Literal["center", "random"] = Field(
         "center", description="Crop after resizing to cover the bucket: centre (the families' own recipes) or "
@@ -221,10 +222,11 @@ class TrainingConfig(Section):
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
         "no", description="Autocast precision of the forward pass; fp16 also scales the loss (GradScaler)."
     )
-    base_precision: Literal["fp32", "bf16", "fp16", "int8"] = Field(
+    base_precision: Literal["fp32", "bf16", "fp16", "int8", "fp8"] = Field(
         "fp32", description="How the frozen transformer weights are held for LoRA (the LoRA weights, optimizer state "
         "and loss stay fp32): fp32; bf16 or fp16 (half the memory; needs mixed_precision of the same type); int8 "
-        "(weight-only, torchao: a quarter). method full trains in fp32.")
+        "or fp8 (e4m3, weight-only, torchao: a quarter; each weight is widened as its layer runs). method full "
+        "trains in fp32.")
     timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
         "uniform", description="How training timesteps are drawn (diffusers' compute_density_for_timestep_sampling): "
         "uniform over the schedule; logit_normal: sigmoid of N(logit_mean, logit_std), favouring the middle of the "
@@ -263,7 +265,12 @@ class TrainingConfig(Section):
         "loss curve and the run's progress."
     )
     sample_steps: int = Field(20, ge=1, description="Denoising steps per sample image.")
-    guidance_scale: float = Field(4.5, ge=1, description="Classifier-free guidance scale of the samples.")
+    guidance_scale: float = Field(4.5, ge=1, description="Guidance scale of the samples: classifier-free guidance, "
+                                  "or the guidance input of a guidance-distilled transformer (which training gives it too).")
+    true_cfg_scale: float = Field(1.0, ge=1, description="Classifier-free guidance of the samples on top of the "
+                                  "guidance input of a guidance-distilled transformer (its pipeline's true_cfg_scale): "
+                                  "for a transformer trained on dropped captions; 1: none. Unused where guidance_scale "
+                                  "is the classifier-free guidance.")
     processes: int = Field(
         1, ge=1, description="Data-parallel training processes per node: one per GPU (NCCL), or CPU processes "
         "(gloo). Each takes every n-th micro-batch of the global batch; gradients are averaged."

@@ -159,7 +159,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     options = storage_options(args.option)
     model = ModelConfig(path=args.model) if args.model else None
     grid = sample_run(args.url, args.prompt, model=model, options=options, steps=args.steps,
-                          guidance_scale=args.guidance_scale, seed=args.seed, device=args.device)
+                          guidance_scale=args.guidance_scale, seed=args.seed, device=args.device,
+                          true_cfg_scale=args.true_cfg_scale)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     grid.save(args.out)
     print(Path(args.out).resolve())
@@ -264,7 +265,10 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
     sample.add_argument("--out", required=True, help="PNG file to write (images side by side)")
     sample.add_argument("--model", help="model path or hub id (default: the run's lineage)")
     sample.add_argument("--steps", type=int, default=20)
-    sample.add_argument("--guidance-scale", type=float, default=4.5)
+    sample.add_argument("--guidance-scale", type=float, default=4.5,
+                        help="classifier-free guidance, or a guidance-distilled transformer's guidance input")
+    sample.add_argument("--true-cfg-scale", type=float, default=1.0,
+                        help="classifier-free guidance on top of a guidance-distilled transformer's input (1: none)")
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--device", default="auto")
     sample.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",

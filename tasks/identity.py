@@ -76,8 +76,10 @@ def vae_fingerprint(model: ModelConfig, latents: LatentEncodingConfig) -> str:
     settings: dict[str, Any] = latents.model_dump(exclude={"device", "batch_size", "slicing"})
     if latents.crop == "center":
         settings.pop("crop_seed")  # unused: changing it must not re-encode
-    if rule := family_of(model).bucket_rule:
-        settings["buckets"] = rule
+    family = family_of(model)
+    family.bucket_table(latents.resolution)  # a resolution the family has no buckets for is refused before any stage
+    if family.bucket_rule:
+        settings["buckets"] = family.bucket_rule
     return hash_json({"files": files, **settings, "format": LATENT_FORMAT})
 
 
@@ -103,8 +105,10 @@ def run_id_for(manifest: str, model: ModelConfig, training: TrainingConfig, init
     # over an unchanged manifest is the same run, and new data continues from the newest run
     init_id = init["sha256"] if init and training.init_from not in ("none", "latest") else None
     # the modules LoRA adapts, resolved: the family's defaults count as if spelled in the config
-    # mode_scale shapes only the mode density: other runs' ids do not hold it (nor change with it)
-    unused = NOT_IN_RUN_ID | ({"mode_scale"} if training.timestep_sampling != "mode" else set())
+    # mode_scale shapes only the mode density: other runs' ids do not hold it (nor change with it);
+    # so do true_cfg_scale's default and the runs from before it
+    unused = (NOT_IN_RUN_ID | ({"mode_scale"} if training.timestep_sampling != "mode" else set())
+              | ({"true_cfg_scale"} if training.true_cfg_scale == 1 else set()))
     settings = {**training.model_dump(exclude=unused), "micro_batches": training.micro_batches,
                 "target_modules": family_of(model).target_modules(training)}
     return hash_json({"manifest": manifest, "transformer": transformer_fingerprint(model), "training": settings,

@@ -77,3 +77,13 @@ def test_a_finished_run_knows_its_family_from_its_lineage_alone(tmp_path):
     store.commit_json(layout.run_part(run, "lineage"), {"model": model, "pipeline": "PixArtAlphaPipeline"},
                       model=model, adapter=None, transformer=None, weights="transformer")
     assert isinstance(FinishedRun.at(store.url(run) + "/transformer").family, PixArtAlpha)
+
+
+def test_a_resolution_the_family_has_no_buckets_for_is_refused_before_any_stage(make_config, tmp_path):
+    from tasks.runner import run_direct
+
+    config = make_config(latent_encoding={"resolution": 768})  # area buckets would take it; PixArt's tables do not
+    with pytest.raises(ValueError, match=r"latent_encoding.resolution 768: PixArt-Σ has aspect-ratio buckets for "
+                                         r"256, 512, 1024, 2048 only"):
+        run_direct(config)
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*.json"))  # nothing ingested

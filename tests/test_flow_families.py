@@ -5,12 +5,18 @@ same weights."""
 
 from __future__ import annotations
 
+import io
+import json
+
+import numpy as np
 import pytest
 import torch
 from peft import PeftModel
+from PIL import Image
 from safetensors.torch import load_file
 
 from flows.cli import main
+from storage.shards import RaggedShard
 from storage.store import Store
 from tasks.families import family_of
 from tasks.runner import run_direct
@@ -18,7 +24,19 @@ from tasks.runs.folder import FinishedRun
 from tasks.runs.sampling import sample_run
 from tests.comfyui_flow import apply_lora, comfy_weights, maps_for
 
-FAMILIES = ("flux-dev", "sd3", "chroma")
+FAMILIES = ("flux", "sd3", "chroma")
+
+
+def _options(config) -> list[str]:
+    """The CLI's storage options of `config`'s root (the S3 endpoint of an S3 root)."""
+    return [f"--option={key}={value}" for key, value in config.storage.options.items()]
+
+
+def _adapter_folder(config, records, tmp_path) -> str:
+    """The run's PEFT adapter folder on this machine (a copy, from an S3 root)."""
+    store = Store(config.storage)
+    store.fs.get(store.path(store.key(records["train"]["url"])) + "/", str(tmp_path / "adapter") + "/", recursive=True)
+    return str(tmp_path / "adapter")
 
 
 @pytest.fixture(scope="module")
@@ -27,28 +45,53 @@ def models(tmp_path_factory):
     from tasks.demo.flow_models import write_tiny_family
 
     root = tmp_path_factory.mktemp("flow-families")
-    flux = write_tiny_family(root / "flux-dev", "flux-dev", vae_steps=0)
-    return {"flux-dev": flux, "sd3": write_tiny_family(root / "sd3", "sd3", vae_steps=0),
+    flux = write_tiny_family(root / "flux", "flux", vae_steps=0)
+    return {"flux": flux, "sd3": write_tiny_family(root / "sd3", "sd3", vae_steps=0),
             "chroma": write_tiny_family(root / "chroma", "chroma", vae_from=flux)}
 
 
+# the configurations users run, one per family: Flux through the Prefect flow on an S3 root with
+# bf16 encoders, parallel shards and a bf16 base; SD3 with fp16 encoders (T5's wo kept fp32) and an
+# int8 base; Chroma in fp32 through the direct runner
+SETTINGS = {
+    "flux": dict(flow=True, s3=True, text={"dtype": "bf16"}, shards=3,
+                 training={"mixed_precision": "bf16", "base_precision": "bf16"}),
+    "sd3": dict(flow=False, s3=False, text={"dtype": "fp16"}, shards=2, training={"base_precision": "int8"}),
+    "chroma": dict(flow=False, s3=False, text={"dtype": "fp32"}, shards=1, training={}),
+}
+
+
 @pytest.fixture(scope="module")
-def runs(models, demo_data, tmp_path_factory):
-    """Each family's LoRA run on the demo data, with its defaults (encoders, max lengths, targets)."""
+def runs(models, demo_data, tmp_path_factory, request):
+    """Each family's LoRA run on the demo data, with its defaults (encoders, max lengths, targets)
+    and its SETTINGS."""
     from configs.schema import PipelineConfig
+    from flows.pipeline import pipeline
 
     out = {}
     for family, folder in models.items():
+        settings = SETTINGS[family]
+        storage = {"root": str(tmp_path_factory.mktemp(family) / "store")}
+        if settings["s3"]:
+            import s3fs
+
+            endpoint = request.getfixturevalue("s3_endpoint")
+            s3fs.S3FileSystem(endpoint_url=endpoint).mkdir(f"precast-{family}")
+            storage = {"root": f"s3://precast-{family}/store", "options": {"endpoint_url": endpoint}}
+        if settings["flow"]:
+            request.getfixturevalue("prefect_server")
         config = PipelineConfig.model_validate({
-            "storage": {"root": str(tmp_path_factory.mktemp(family) / "store")},
-            "dataset": {"sources": [{"path": demo_data}], "shard_size": 10},
-            "model": {"path": str(folder)}, "text_encoding": {"dtype": "fp32"},
+            "storage": storage, "dataset": {"sources": [{"path": demo_data}], "shard_size": 10},
+            "model": {"path": str(folder)}, "text_encoding": settings["text"],
             "latent_encoding": {"resolution": 256, "storage_dtype": "fp32", "batch_size": 4},
             "training": {"rank": 4, "alpha": 2, "steps": 4, "batch_size": 2, "learning_rate": 1e-2,
                          "validation_samples": 4, "validation_every": 2,
-                         "sample_prompts": ["a red circle on a blue background"], "sample_steps": 2},
-            "execution": {"retries": 0, "retry_delay_seconds": 0}})
-        out[family] = config, run_direct(config)
+                         "sample_prompts": ["a red circle on a blue background"], "sample_steps": 2,
+                         **settings["training"]},
+            "execution": {"retries": 0, "retry_delay_seconds": 0, "max_parallel_shards": settings["shards"]}})
+        flowed = pipeline(config=config) if settings["flow"] else None
+        out[family] = config, run_direct(config)  # after the flow: its records, every stage found done
+        assert flowed is None or flowed["run"] == out[family][1]["train"]["run"]
     return out
 
 
@@ -57,10 +100,19 @@ def test_each_family_trains_its_default_lora_on_its_own_caches(runs, family):
     config, records = runs[family]
     spec = family_of(config.model)
     assert set(records["text_fingerprints"]) == {encoder.name for encoder in spec.text_encoders}
-    lineage = FinishedRun.at(records["train"]["run"]).lineage
+    lineage = FinishedRun.at(records["train"]["run"], config.storage.options).lineage
     assert lineage["training"]["target_modules"] == list(spec.lora_targets)
     assert records["train"]["final_loss"] == records["train"]["final_loss"]  # finite: not NaN
     assert records["train"]["samples"], "the run drew its sample grid"
+    assert lineage["training"]["base_precision"] == config.training.base_precision
+    if config.text_encoding.dtype != "fp32":  # each encoder's parallel shards carry its one precision record
+        store = Store(config.storage)
+        for encoder, fingerprint in records["text_fingerprints"].items():
+            numerics = json.loads(store.read_verified(f"cache/text/{fingerprint}/numerics.json"))
+            shards = store.list(f"cache/text/{fingerprint}", ".safetensors")
+            assert len(shards) == 3 and all(RaggedShard(store.local_path(key)).meta["numerics"] == numerics
+                                            for key in shards), encoder
+            assert numerics["dtype"] == config.text_encoding.dtype and numerics["cosine_min"] > 0.99, encoder
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -68,21 +120,21 @@ def test_the_adapter_loads_with_load_lora_weights_as_peft_merges_it(runs, models
     config, records = runs[family]
     spec = family_of(config.model)
     out = tmp_path / "lora.safetensors"
-    assert main(["export", records["train"]["run"], "--format", "diffusers", "--out", str(out)]) == 0
+    assert main(["export", records["train"]["run"], "--format", "diffusers", "--out", str(out), *_options(config)]) == 0
     pipeline = spec.pipeline_class().from_pretrained(models[family])
     before = {k: v.clone() for k, v in pipeline.transformer.state_dict().items()}
     pipeline.load_lora_weights(str(out))
     pipeline.fuse_lora()
     pipeline.unload_lora_weights()
     loaded = pipeline.transformer.state_dict()
-    store = Store(config.storage)
     merged = PeftModel.from_pretrained(spec.load_transformer(config.model),
-                                       store.path(store.key(records["train"]["url"]))).merge_and_unload().state_dict()
+                                       _adapter_folder(config, records, tmp_path)).merge_and_unload().state_dict()
     assert set(loaded) == set(merged)
     assert any(not torch.equal(loaded[k], before[k]) for k in before)  # the adapter changed the weights
     for key in merged:
         torch.testing.assert_close(loaded[key], merged[key], rtol=1e-5, atol=1e-6)
-    grid = sample_run(records["train"]["run"], ["a red circle on a blue background"], steps=2, device="cpu")
+    grid = sample_run(records["train"]["run"], ["a red circle on a blue background"], steps=2, device="cpu",
+                      options=config.storage.options)
     assert grid.size == (256, 256)
 
 
@@ -90,15 +142,44 @@ def test_the_adapter_loads_with_load_lora_weights_as_peft_merges_it(runs, models
 def test_comfyui_export_patches_what_peft_merges(runs, family, tmp_path):
     config, records = runs[family]
     out = tmp_path / "lora.safetensors"
-    assert main(["export", records["train"]["run"], "--format", "comfyui", "--out", str(out)]) == 0
+    assert main(["export", records["train"]["run"], "--format", "comfyui", "--out", str(out), *_options(config)]) == 0
     spec = family_of(config.model)
     base = spec.load_transformer(config.model)
     diffusers_map, key_map = maps_for(base)
     weights = comfy_weights(base.state_dict(), diffusers_map)
     assert apply_lora(weights, load_file(out), key_map) == []  # every key is read
-    store = Store(config.storage)
-    merged = PeftModel.from_pretrained(base, store.path(store.key(records["train"]["url"]))).merge_and_unload()
+    merged = PeftModel.from_pretrained(base, _adapter_folder(config, records, tmp_path)).merge_and_unload()
     expected = comfy_weights(merged.state_dict(), diffusers_map)
     assert set(weights) == set(expected)
     for key in weights:
         torch.testing.assert_close(weights[key], expected[key], rtol=1e-5, atol=1e-6)
+
+
+def test_true_cfg_scale_guides_flux_samples_as_the_pipeline_does(runs, models, tmp_path):
+    """FLUX.1-dev's guidance_scale is its guidance input; true_cfg_scale adds classifier-free
+    guidance with empty negatives, as FluxPipeline's own call with the adapter loaded does."""
+    config, records = runs["flux"]
+    out = tmp_path / "lora.safetensors"
+    assert main(["export", records["train"]["run"], "--format", "diffusers", "--out", str(out), *_options(config)]) == 0
+    pipeline = family_of(config.model).pipeline_class().from_pretrained(models["flux"])
+    pipeline.load_lora_weights(str(out))
+    prompt = "a red circle on a blue background"
+    expected = pipeline([prompt], negative_prompt=[""], true_cfg_scale=3.0, guidance_scale=4.5, height=256, width=256,
+                        num_inference_steps=2, max_sequence_length=512, generator=torch.Generator().manual_seed(0)).images[0]
+    guided = sample_run(records["train"]["run"], [prompt], steps=2, true_cfg_scale=3.0, device="cpu",
+                        options=config.storage.options)
+    plain = sample_run(records["train"]["run"], [prompt], steps=2, device="cpu", options=config.storage.options)
+    np.testing.assert_array_equal(np.asarray(guided), np.asarray(expected))
+    assert not np.array_equal(np.asarray(plain), np.asarray(guided))
+
+
+def test_a_chroma_runs_samples_drawn_from_prompts_are_its_sample_grid(runs):
+    """`precast sample` reads prompts as the run's sample grid read its cache: T5 masked, and the
+    transformer given a boolean mask (the pipeline's own float mask would not mask)."""
+    config, records = runs["chroma"]
+    store = Store(config.storage)
+    grid = Image.open(io.BytesIO(store.read_bytes(store.key(records["train"]["samples"][-1]))))
+    drawn = sample_run(records["train"]["run"], config.training.sample_prompts, steps=config.training.sample_steps,
+                       guidance_scale=config.training.guidance_scale, seed=config.training.seed, device="cpu")
+    difference = np.abs(np.asarray(grid, dtype=float) - np.asarray(drawn, dtype=float))
+    assert difference.mean() < 0.5, f"{difference.mean():.2f} RGB units apart on average"

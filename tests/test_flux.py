@@ -41,7 +41,7 @@ def test_area_buckets_have_sides_of_whole_tokens_and_the_target_area():
 def flux_dev(tmp_path_factory) -> ModelConfig:
     from tasks.demo.flow_models import write_tiny_family
 
-    return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("flux") / "flux-dev", "flux-dev",
+    return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("flux") / "flux", "flux",
                                                   vae_steps=0)))
 
 

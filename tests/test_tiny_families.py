@@ -23,11 +23,11 @@ D_T5, D_L, D_G = T5_SHAPE["d_model"], CLIP_SHAPES["clip-l"]["hidden_size"], CLIP
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """Each family with an untrained VAE (training it takes about 40 s on 2 cores: the tests below
-    stub it), flux-dev's lent to flux-schnell and chroma."""
+    stub it), flux's lent to flux-schnell and chroma."""
     root = tmp_path_factory.mktemp("families")
-    flux = write_tiny_family(root / "flux-dev", "flux-dev", vae_steps=0)
+    flux = write_tiny_family(root / "flux", "flux", vae_steps=0)
     written = {family: write_tiny_family(root / family, family, vae_from=flux) for family in ("flux-schnell", "chroma")}
-    return {"flux-dev": flux, "sd3": write_tiny_family(root / "sd3", "sd3", vae_steps=0), **written}
+    return {"flux": flux, "sd3": write_tiny_family(root / "sd3", "sd3", vae_steps=0), **written}
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +50,12 @@ def test_model_index_names_the_pipeline_that_loads_it(folders, family):
     assert all(getattr(loaded, name) is not None for name in required)
 
 
-@pytest.mark.parametrize("family", ["flux-dev", "flux-schnell"])
+@pytest.mark.parametrize("family", ["flux", "flux-schnell"])
 def test_flux_encode_prompt_gives_t5_states_a_clip_pooled_vector_and_text_ids(pipes, family):
     embeds, pooled, text_ids = pipes[family].encode_prompt(PROMPTS, prompt_2=None, max_sequence_length=32)
     assert embeds.shape == (2, 32, D_T5) and pooled.shape == (2, D_L) and text_ids.shape == (32, 3)
     assert not torch.equal(pooled[0], pooled[1])  # read at each prompt's own end token
-    assert pipes[family].transformer.config.guidance_embeds == (family == "flux-dev")
+    assert pipes[family].transformer.config.guidance_embeds == (family == "flux")
 
 
 def test_sd3_encode_prompt_pads_both_clips_to_t5s_width_before_t5s_tokens(pipes):
@@ -76,7 +76,7 @@ def test_chroma_encode_prompt_masks_all_padding_but_the_first_token(pipes):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_pipeline_samples_a_picture(pipes, family):
-    options = {"guidance_scale": 3.5} if family == "flux-dev" else {}
+    options = {"guidance_scale": 3.5} if family == "flux" else {}
     images = pipes[family](PROMPTS[0], num_inference_steps=2, height=64, width=64, output_type="pt",
                            generator=torch.Generator().manual_seed(0), **options).images
     assert images.shape == (1, 3, 64, 64) and not images.isnan().any()
@@ -84,8 +84,8 @@ def test_the_pipeline_samples_a_picture(pipes, family):
 
 def test_schedulers_are_the_published_ones(pipes):
     configs = {family: pipe.scheduler.config for family, pipe in pipes.items()}
-    assert configs["flux-dev"].use_dynamic_shifting and configs["flux-dev"].base_shift == 0.5
-    assert configs["flux-dev"].max_shift == 1.15 and configs["flux-dev"].max_image_seq_len == 4096
+    assert configs["flux"].use_dynamic_shifting and configs["flux"].base_shift == 0.5
+    assert configs["flux"].max_shift == 1.15 and configs["flux"].max_image_seq_len == 4096
     for family in ("flux-schnell", "chroma"):
         assert not configs[family].use_dynamic_shifting and configs[family].shift == 1.0
     assert not configs["sd3"].use_dynamic_shifting and configs["sd3"].shift == 3.0
@@ -108,10 +108,10 @@ def test_the_vae_has_16_channels_and_an_untrained_one_the_published_factors(fold
     for family, folder in folders.items():
         config = AutoencoderKL.from_pretrained(folder / "vae").config
         assert config.latent_channels == 16 and (config.shift_factor, config.scaling_factor) == (
-            FAMILIES["flux-dev" if family != "sd3" else "sd3"].vae_factors)
+            FAMILIES["flux" if family != "sd3" else "sd3"].vae_factors)
     for family in ("flux-schnell", "chroma"):  # lent, not written again
         assert (folders[family] / "vae" / "diffusion_pytorch_model.safetensors").read_bytes() == \
-            (folders["flux-dev"] / "vae" / "diffusion_pytorch_model.safetensors").read_bytes()
+            (folders["flux"] / "vae" / "diffusion_pytorch_model.safetensors").read_bytes()
 
 
 def test_a_trained_vae_gets_the_shift_and_scale_that_normalise_its_latents(tmp_path, monkeypatch):
@@ -145,5 +145,5 @@ def test_a_vae_that_confuses_palette_colours_fails_the_write_after_every_seed(tm
 
 
 def test_an_unknown_family_is_refused_naming_the_families(tmp_path):
-    with pytest.raises(ValueError, match="flux-dev, flux-schnell, sd3, chroma"):
+    with pytest.raises(ValueError, match="flux, flux-schnell, sd3, chroma"):
         write_tiny_family(tmp_path / "x", "sdxl")

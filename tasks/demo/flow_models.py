@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 
-from tasks.demo.models import VAE_STEPS, WORDS, build_tokenizer, position_heads, trained_vae
+from tasks.demo.models import VAE_STEPS, WORDS, build_tokenizer, perturb_last_bits, position_heads, trained_vae
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 # published: T5 v1.1 XXL d_model 4096; CLIP-L 768 (quick_gelu); CLIP-G 1280 (gelu); each CLIP 77 tokens
@@ -78,7 +78,7 @@ class TinyFamily(NamedTuple):
 
 _FLUX_TEXT = (("", "clip-l", "CLIPTextModel"), ("_2", "t5", "T5EncoderModel"))
 FAMILIES = {
-    "flux-dev": TinyFamily("FluxPipeline", _FLUX_TEXT, "FluxTransformer2DModel", dict(_FLUX, guidance_embeds=True),
+    "flux": TinyFamily("FluxPipeline", _FLUX_TEXT, "FluxTransformer2DModel", dict(_FLUX, guidance_embeds=True),
                            _DYNAMIC_SHIFT, (0.1159, 0.3611)),
     "flux-schnell": TinyFamily("FluxPipeline", _FLUX_TEXT, "FluxTransformer2DModel",
                                dict(_FLUX, guidance_embeds=False), _NO_SHIFT, (0.1159, 0.3611)),
@@ -102,11 +102,13 @@ FAMILIES = {
 
 
 def write_tiny_family(folder: str | Path, family: str, seed: int = 0, vae_steps: int = VAE_STEPS,
-                      vae_from: str | Path | None = None) -> Path:
+                      vae_from: str | Path | None = None, perturb: int | None = None) -> Path:
     """Write the tiny model folder of `family` (one of FAMILIES) to `folder` (idempotent: returns
     early if complete). `vae_steps` trains the VAE as `write_tiny_models` does (0: untrained, for
     tests of shapes and loading; too few steps fail the palette check and the write). `vae_from`, a
-    folder this wrote before, lends its `vae/` instead: one training for several families."""
+    folder this wrote before, lends its `vae/` instead: one training for several families.
+    `perturb` (a seed) moves every initial weight by one representable value, as
+    `write_tiny_models` does."""
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -118,13 +120,16 @@ def write_tiny_family(folder: str | Path, family: str, seed: int = 0, vae_steps:
     if marker.exists():
         return folder
     torch.manual_seed(seed)
-    components = _write_text_encoders(folder, spec.encoders)
+    components = _write_text_encoders(folder, spec.encoders, perturb)
     if vae_from is not None:
         shutil.copytree(Path(vae_from) / "vae", folder / "vae", dirs_exist_ok=True)
     else:
         with torch.random.fork_rng():  # the transformer's draws do not depend on the VAE's training
-            trained_vae(seed, vae_steps, channels=16, factors=spec.vae_factors).save_pretrained(folder / "vae")
-    getattr(diffusers, spec.transformer)(**spec.transformer_shape).save_pretrained(folder / "transformer")
+            trained_vae(seed, vae_steps, perturb, 16, spec.vae_factors).save_pretrained(folder / "vae")
+    transformer = getattr(diffusers, spec.transformer)(**spec.transformer_shape)
+    if perturb is not None:
+        perturb_last_bits(transformer, perturb + 2)
+    transformer.save_pretrained(folder / "transformer")
     FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **spec.scheduler).save_pretrained(folder / "scheduler")
     components.update(vae=["diffusers", "AutoencoderKL"], transformer=["diffusers", spec.transformer],
                       scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"])
@@ -133,22 +138,22 @@ def write_tiny_family(folder: str | Path, family: str, seed: int = 0, vae_steps:
     return folder
 
 
-def _write_text_encoders(folder: Path, encoders) -> dict[str, list[str]]:
+def _write_text_encoders(folder: Path, encoders, perturb: int | None) -> dict[str, list[str]]:
     """Each text encoder and its tokenizer under their pipeline names; their model_index.json entries."""
     components = {}
     for suffix, encoder, model_class in encoders:
         if encoder == "t5":
-            _write_t5(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}")
+            _write_t5(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb)
             tokenizer_class = "T5TokenizerFast"  # what the published folders name, the class T5 loads as
         else:
-            _write_clip(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", encoder, model_class)
+            _write_clip(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", encoder, model_class, perturb)
             tokenizer_class = "CLIPTokenizer"
         components[f"tokenizer{suffix}"] = ["transformers", tokenizer_class]
         components[f"text_encoder{suffix}"] = ["transformers", model_class]
     return components
 
 
-def _write_t5(tokenizer_folder: Path, encoder_folder: Path) -> None:
+def _write_t5(tokenizer_folder: Path, encoder_folder: Path, perturb: int | None) -> None:
     from transformers import T5Config, T5EncoderModel
 
     tokenizer = build_tokenizer()
@@ -157,11 +162,14 @@ def _write_t5(tokenizer_folder: Path, encoder_folder: Path) -> None:
                       dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                       decoder_start_token_id=0, **T5_SHAPE)
     encoder = T5EncoderModel(config)
+    if perturb is not None:
+        perturb_last_bits(encoder, perturb)
     position_heads(encoder)  # so word order reaches the transformer
     encoder.save_pretrained(encoder_folder)
 
 
-def _write_clip(tokenizer_folder: Path, encoder_folder: Path, encoder: str, model_class: str) -> None:
+def _write_clip(tokenizer_folder: Path, encoder_folder: Path, encoder: str, model_class: str,
+                perturb: int | None) -> None:
     """A CLIP text model and its BPE tokenizer, stored as the published ones are: vocab.json,
     merges.txt and tokenizer_config.json (transformers builds the fast tokenizer from the first two)."""
     import transformers
@@ -179,7 +187,10 @@ def _write_clip(tokenizer_folder: Path, encoder_folder: Path, encoder: str, mode
     # the pooled output is read at the first end token: eos_token_id must be the tokenizer's
     config = CLIPTextConfig(vocab_size=len(vocab), max_position_embeddings=77, bos_token_id=vocab[BOS],
                             eos_token_id=vocab[EOS], pad_token_id=vocab[pad], **CLIP_SHAPES[encoder])
-    getattr(transformers, model_class)(config).save_pretrained(encoder_folder)
+    model = getattr(transformers, model_class)(config)
+    if perturb is not None:
+        perturb_last_bits(model, perturb)
+    model.save_pretrained(encoder_folder)
 
 
 @functools.cache  # SD3 writes two CLIP tokenizers from one vocabulary

@@ -17,7 +17,7 @@ import torch
 
 from configs.schema import ModelConfig, TrainingConfig
 from tasks.families.flux import Flux, image_ids, pack, unpack
-from tasks.families.spec import Conditioning, TextEncoderSpec
+from tasks.families.spec import Conditioning, Family, TextEncoderSpec
 
 
 def attention_mask(text_mask: torch.Tensor, image_tokens: int) -> torch.Tensor:
@@ -52,6 +52,18 @@ class Chroma(Flux):
             img_ids=image_ids(height, width, noisy.device, embeds.dtype),
             attention_mask=attention_mask(text["t5_hidden_mask"], packed.shape[1])).sample
         return unpack(prediction, height, width)
+
+    def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
+        """The prompts and their empty negatives encoded by the pipeline's own `encode_prompt`, with
+        their masks made boolean: its float masks would not mask."""
+        embeds, _, mask, negatives, _, negative_mask = pipeline.encode_prompt(
+            prompts, negative_prompt=[""] * len(prompts), device=pipeline._execution_device,
+            do_classifier_free_guidance=True, max_sequence_length=text["max_length"])
+        return {"prompt_embeds": embeds, "prompt_attention_mask": mask.bool(),
+                "negative_prompt_embeds": negatives, "negative_prompt_attention_mask": negative_mask.bool()}
+
+    # its guidance_scale is classifier-free guidance: it has no guidance input (nor true_cfg_scale)
+    guidance = Family.guidance
 
     def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
         """Prompt embeddings with their boolean masks, negatives the same (Chroma uses true CFG)."""

@@ -99,8 +99,13 @@ class Flux(Family):
             img_ids=image_ids(height, width, noisy.device, embeds.dtype)).sample
         return unpack(prediction, height, width)
 
-    def prompt_options(self, pipeline: Any, text: dict[str, Any]) -> dict[str, Any]:
-        return {"max_sequence_length": text["max_length"]}
+    def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
+        return {**super().prompt_options(pipeline, prompts, text), "max_sequence_length": text["max_length"]}
+
+    def guidance(self, guidance_scale: float, true_cfg_scale: float) -> dict[str, Any]:
+        """`guidance_scale` is dev's guidance input (schnell ignores it); `true_cfg_scale` > 1 adds
+        classifier-free guidance with the negative prompts, as FluxPipeline does."""
+        return {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}
 
     def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
         """Prompt embeddings and pooled vectors; the negatives for true CFG (`true_cfg_scale` > 1)."""

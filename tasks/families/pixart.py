@@ -82,8 +82,8 @@ class PixArt(Family):
 
     def bucket_table(self, resolution: int) -> dict[str, list[float]]:
         if resolution not in self.resolutions:
-            raise ValueError(f"{self.name} has aspect-ratio buckets for resolutions "
-                             f"{', '.join(map(str, self.resolutions))}, not {resolution}")
+            raise ValueError(f"latent_encoding.resolution {resolution}: {self.name} has aspect-ratio buckets for "
+                             f"{', '.join(map(str, self.resolutions))} only")
         return bucket_tables()[resolution]
 
     def schedule(self, model: ModelConfig, training: TrainingConfig | None = None) -> Ddpm:
@@ -108,11 +108,12 @@ class PixArt(Family):
 
         return DPMSolverMultistepScheduler.from_pretrained(model.path, subfolder="scheduler", revision=model.revision)
 
-    def prompt_options(self, pipeline: Any, text: dict[str, Any]) -> dict[str, Any]:
+    def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
         if text["caption_preprocessing"] == "none":  # the pipeline lowercases even without clean_caption
             pipeline._text_preprocessing = lambda texts, clean_caption=False: (
                 [texts] if isinstance(texts, str) else list(texts))
-        return {"clean_caption": True, "max_sequence_length": text["max_length"]}
+        return {**super().prompt_options(pipeline, prompts, text), "clean_caption": True,
+                "max_sequence_length": text["max_length"]}
 
     def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
         """The pipeline's arguments for pre-encoded prompts (the first `count` rows) and negative

@@ -63,8 +63,8 @@ class StableDiffusion3(Family):
         return network(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=embeds,
                        pooled_projections=pooled).sample
 
-    def prompt_options(self, pipeline: Any, text: dict[str, Any]) -> dict[str, Any]:
-        return {"max_sequence_length": text["max_length"]}
+    def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
+        return {**super().prompt_options(pipeline, prompts, text), "max_sequence_length": text["max_length"]}
 
     def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
         embeds, pooled = joined(text)

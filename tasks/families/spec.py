@@ -171,10 +171,16 @@ class Family:
         return self.pipeline_class()(**dict.fromkeys(encoders), vae=vae, transformer=transformer,
                                           scheduler=self.sampling_scheduler(model))
 
-    def prompt_options(self, pipeline: Any, text: dict[str, Any]) -> dict[str, Any]:
-        """Arguments of the pipeline's call (and settings of `pipeline`) that make it read prompts
-        as the run's text cache read captions (`text`: its caption_preprocessing and max_length)."""
-        return {}
+    def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
+        """The pipeline's prompt arguments for `prompts`, their negatives empty as the run's sample
+        grids' are, with whatever else of its call (and settings of `pipeline`) makes it read them as
+        the run's text cache read captions (`text`: its caption_preprocessing and max_length)."""
+        return {"prompt": prompts, "negative_prompt": [""] * len(prompts)}
+
+    def guidance(self, guidance_scale: float, true_cfg_scale: float) -> dict[str, Any]:
+        """The pipeline's guidance arguments: `guidance_scale` is its classifier-free guidance, and
+        there is nothing for `true_cfg_scale` to add."""
+        return {"guidance_scale": guidance_scale}
 
     def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
         """The pipeline's arguments for pre-encoded prompts (the first `count` rows of `text`)

@@ -38,14 +38,18 @@ def sample_grid(
     empty_features: dict[str, torch.Tensor],
     steps: int,
     guidance_scale: float,
+    true_cfg_scale: float,
     seed: int,
     side: int,
 ) -> Image.Image:
     """One image per prompt of `side` × `side` pixels, side by side, by the family's pipeline from
-    pre-encoded prompts."""
+    pre-encoded prompts, the empty caption's the negatives."""
     device = next(transformer.parameters()).device
     family = family_of(model)
-    pipeline = family.embedding_pipeline(model, load_vae(model, "fp32", str(device)), transformer)
+    vae = load_vae(model, "fp32", str(device))
+    decode = vae.decode  # latents leave a half-precision transformer in its dtype: the fp32 VAE takes them in its own
+    vae.decode = lambda latents, *args, **kwargs: decode(latents.to(vae.dtype), *args, **kwargs)
+    pipeline = family.embedding_pipeline(model, vae, transformer)
     pipeline.set_progress_bar_config(disable=True)
     # positive and negative embeddings must share one length for classifier-free guidance
     count = len(prompt_features)
@@ -53,14 +57,14 @@ def sample_grid(
     dtype = next(transformer.parameters()).dtype  # the features in the transformer's, masks as they are
     text = {name: value.to(device, dtype if value.is_floating_point() else value.dtype) for name, value in text.items()}
     images = pipeline(**family.embedding_kwargs(text, count), height=side, width=side,
-                      num_inference_steps=steps, guidance_scale=guidance_scale,
+                      num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
                       generator=torch.Generator(device="cpu").manual_seed(seed)).images
     return side_by_side(images)
 
 
 def sample_run(
     url: str, prompts: list[str], model: ModelConfig | None = None, options: dict | None = None,
-    steps: int = 20, guidance_scale: float = 4.5, seed: int = 0, device: str = "auto",
+    steps: int = 20, guidance_scale: float = 4.5, seed: int = 0, device: str = "auto", true_cfg_scale: float = 1.0,
 ) -> Image.Image:
     """Images for `prompts` from a finished run (`<root>/runs/<id>`, or its `adapter`/`transformer`
     URL) through its family's pipeline `from_pretrained` with the trained weights: a LoRA adapter
@@ -80,12 +84,12 @@ def sample_run(
             pipeline = family.pipeline_class().from_pretrained(model.path, revision=model.revision,
                                                                transformer=run.trained_transformer(model, local))
     pipeline.to(resolve_device(device)).set_progress_bar_config(disable=True)
-    # the prompt text the encoder reads, as it read the run's captions
+    # the prompts read as the run's text cache read its captions
     text = run.lineage.get("text") or {"caption_preprocessing": TextEncodingConfig().caption_preprocessing,
                                        "max_length": family.default_max_length(model)}
-    options = family.prompt_options(pipeline, text)
+    options = family.prompt_options(pipeline, prompts, text)
     if "resolution" in run.lineage:  # the side it trained at (runs before it was recorded: the pipeline's default)
         options.update(height=run.lineage["resolution"], width=run.lineage["resolution"])
-    images = pipeline(prompts, num_inference_steps=steps, guidance_scale=guidance_scale,
+    images = pipeline(num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
                       generator=torch.Generator(device="cpu").manual_seed(seed), **options).images
     return side_by_side(images)

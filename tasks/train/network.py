@@ -37,13 +37,13 @@ def trainable_network(model: ModelConfig, training: TrainingConfig, init: dict |
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
         transformer.requires_grad_(False)
-        if training.base_precision == "int8":
-            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        if training.base_precision in ("int8", "fp8"):
+            from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
-            quantize_(transformer, Int8WeightOnlyConfig())
+            quantize_(transformer, {"int8": Int8WeightOnlyConfig, "fp8": Float8WeightOnlyConfig}[training.base_precision]())
         lora = LoraConfig(r=training.rank, lora_alpha=training.alpha, lora_dropout=training.lora_dropout,
                           target_modules=family.target_modules(training), bias="none")
-        with warnings.catch_warnings():  # int8: PEFT warns that merging needs the quantisation recipe; never merged here
+        with warnings.catch_warnings():  # int8/fp8: PEFT warns that merging needs the quantisation recipe; never merged here
             warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated without")
             network = get_peft_model(transformer, lora)  # the adapter in fp32 on any base (autocast_adapter_dtype)
         if init is not None:

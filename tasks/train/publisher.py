@@ -74,7 +74,8 @@ class RunPublisher:
         with torch.no_grad():
             grid = sample_grid(self.model, sampling_module(network, training),
                                [self.prompts.prompt(p) for p in training.sample_prompts], self.prompts.prompt(""),
-                               training.sample_steps, training.guidance_scale, training.seed, self.resolution)
+                               training.sample_steps, training.guidance_scale, training.true_cfg_scale, training.seed,
+                               self.resolution)
         network.train()
         buffer = io.BytesIO()
         grid.save(buffer, format="PNG")

@@ -1,0 +1,45 @@
+"""Each flow-matching family learns what the captions say, as tests/test_learning.py shows for
+PixArt: its tiny world, trained end to end as `precast demo --family F` trains it (the family's
+encoders, its 16-channel latents packed as its transformer reads them, its flow-matching schedule
+and its pipeline for the samples), draws the background colour each held-out prompt names, and does
+not without the text. One trained VAE serves the three (`vae_from`); the thresholds sit below the
+worst case of each family's table in `python -m benchmarks --only demo_world` (docs/design.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+from diffusers import AutoencoderKL
+
+from benchmarks.demo_world import PROMPTS, THRESHOLDS, colour_scores, train_demo
+from tasks.demo import write_demo_models
+from tasks.demo.data import write_demo_data
+from tasks.demo.models import palette_confusions
+
+FAMILIES = ("flux", "sd3", "chroma")
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    """Each family's demo models (the first family's VAE trained as `precast demo` trains it, lent
+    to the others) and its quickstart run, on one dataset and one store: {family: (models, run URL)}."""
+    folder = tmp_path_factory.mktemp("flow-worlds")
+    data = write_demo_data(folder / "data", count=1000)
+    first = write_demo_models(folder / FAMILIES[0], FAMILIES[0])
+    out = {}
+    for family in FAMILIES:
+        models = write_demo_models(folder / family, family, vae_from=first)
+        out[family] = models, train_demo(folder, models, data, family=family)["train"]["url"]
+    return out
+
+
+def test_the_16_channel_vae_gives_back_every_palette_colour(worlds):
+    assert palette_confusions(AutoencoderKL.from_pretrained(worlds[FAMILIES[0]][0] / "vae")) == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_samples_follow_the_colours_their_prompts_name(worlds, family):
+    hits, blind = colour_scores(worlds[family][1], seed=0)
+    least, most = THRESHOLDS[family]
+    assert hits >= least, f"{family}: {hits} of {len(PROMPTS)} samples have the background colour their prompt names"
+    assert blind <= most, f"{family}: {blind} of {len(PROMPTS)} samples match a colour no prompt named: the test cannot tell"
