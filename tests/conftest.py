@@ -32,24 +32,47 @@ def demo_data(tmp_path_factory) -> str:
 SAMPLE_PROMPT = "a red circle on a blue background"
 
 
-@pytest.fixture(scope="session")
-def cached_manifest(tmp_path_factory, tiny_models, demo_data):
-    """A store whose manifest is built (every feature cached, SAMPLE_PROMPT encoded): (its config,
-    the manifest's key). Tests copy the store to a root of their own before training on it."""
+def _cached(root, models: str, data: str) -> tuple[PipelineConfig, str]:
+    """A store under `root` whose manifest for `models` is built (every feature cached,
+    SAMPLE_PROMPT encoded): (its config, the manifest's key)."""
     from storage.store import Store
     from tasks.manifest import build_manifest
     from tasks.runner import run_direct
 
-    root = tmp_path_factory.mktemp("cached") / "store"
     config = PipelineConfig.model_validate({
-        "storage": {"root": str(root)}, "dataset": {"sources": [{"path": demo_data}], "shard_size": 10},
-        "model": {"path": tiny_models}, "text_encoding": {"dtype": "fp32"},
+        "storage": {"root": str(root)}, "dataset": {"sources": [{"path": data}], "shard_size": 10},
+        "model": {"path": models}, "text_encoding": {"dtype": "fp32"},
         "latent_encoding": {"resolution": 256, "storage_dtype": "fp32"},
         "training": {"sample_prompts": [SAMPLE_PROMPT]}})
     done = run_direct(config, until="encode-latents")
     manifest = build_manifest(config.storage, done["ingest"]["id"], done["text_fingerprints"],
                               done["vae_fingerprint"], [SAMPLE_PROMPT])
     return config, Store(config.storage).key(manifest["url"])
+
+
+@pytest.fixture(scope="session")
+def cached_manifest(tmp_path_factory, tiny_models, demo_data):
+    """PixArt's cached store (`_cached`). Tests copy the store to a root of their own before
+    training on it."""
+    return _cached(tmp_path_factory.mktemp("cached") / "store", tiny_models, demo_data)
+
+
+@pytest.fixture(scope="session")
+def family_manifests(tmp_path_factory, demo_data):
+    """A flow-matching family's cached store (`_cached`) by its demo name, built when first asked
+    for (its tiny models' VAE untrained: these check the math, not the pictures)."""
+    from tasks.demo.flow_models import write_tiny_family
+
+    built = {}
+
+    def cached(family: str) -> tuple[PipelineConfig, str]:
+        if family not in built:
+            folder = tmp_path_factory.mktemp(f"cached-{family}")
+            built[family] = _cached(folder / "store", str(write_tiny_family(folder / "models", family, vae_steps=0)),
+                                    demo_data)
+        return built[family]
+
+    return cached
 
 
 @pytest.fixture
