@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import (
-    demo_world, encoder_workers, end_to_end, gpu, ingest_memory, ingest_throughput, ingest_workers, latent_encoding, s3_ingest,
-    text_encoding, training, training_modes,
+    demo_world, encoder_workers, end_to_end, family_costs, gpu, ingest_memory, ingest_throughput, ingest_workers,
+    latent_encoding, s3_ingest, text_encoding, training, training_modes,
 )
 
 RESULTS = Path(__file__).parent / "results"
@@ -40,6 +40,7 @@ SUITE = {
     "end_to_end": (end_to_end, {"count": 4000, "steps": 2000, "repeat": 3}, {"count": 2000, "steps": 600, "repeat": 1}),  # one run a side, not best of 2
     "gpu": (gpu, {}, {"captions": 128, "repeat": 3}),
     "demo_world": (demo_world, {}, None),  # seven demo trainings per family, about 75 minutes for the five
+    "family_costs": (family_costs, {}, {}),  # published shapes on the meta device: about 15 s either way
 }
 
 

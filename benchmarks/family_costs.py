@@ -1,0 +1,412 @@
+"""Cost model per family at the published shapes: parameters, LoRA r=32 parameters, cache bytes per
+sample and the memory a LoRA training step needs, for PixArt-Σ XL/2, FLUX.1-dev and -schnell, SD3.5
+Large and Medium and Chroma1-HD.
+
+Why: whether a family trains on a 24 GB card, and what its caches cost per million samples, decide
+a run's base precision and storage, and neither can be measured without the weights and a GPU. So
+every model is built from its published config on the meta device (no weights, no hub: about 15 s
+on 2 CPU cores), which counts every parameter exactly, and the family's own `lora_targets`,
+`text_encoders` and T5 length decide the rest. docs/benchmarks.md ("Cost model per family") states
+these figures and how they add up.
+
+For one 1024×1024 image and one caption of 40 T5 tokens (Chroma also at its 512-token cap):
+- parameters of each transformer, text encoder and VAE; LoRA parameters on the family's targets;
+- text cache bytes per caption: each encoder's cached outputs in bf16, as its `TextEncoderSpec`
+  says (a masked encoder keeps the real tokens and its kept pads, an unmasked one all of T5's
+  length); latent cache bytes per image;
+- activations: the transformer's forward runs on meta with LoRA injected (bf16 base; each adapted
+  linear keeps its own bf16 copy of its input, as PEFT's fp32 adapters under bf16 autocast do:
+  x.to(fp32), then autocast's cast back to bf16 for lora_A), attention replaced by a flash-like op
+  (it keeps q, k, v, out and an fp32 logsumexp, never the T×T matrix), and
+  `torch.autograd.graph.saved_tensors_hooks` counts the unique storages autograd keeps, bar the
+  parameters. Hooks on each block attribute them to blocks and record each block's inputs (what
+  gradient checkpointing keeps). `memory` adds them up for a bf16, an int8 and an fp8 base.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from configs.schema import ModelConfig, TextEncodingConfig
+from tasks.families.chroma import Chroma
+from tasks.families.flux import Flux
+from tasks.families.pixart import PixArt, PixArtSigma
+from tasks.families.sd3 import StableDiffusion3
+from tasks.families.spec import Conditioning, Family, TextEncoderSpec
+
+# --- published configs: each model's config.json, checked against diffusers' conversion scripts
+# black-forest-labs/FLUX.1-dev transformer (convert_flux_to_diffusers.py: 19 double + 38 single blocks)
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+# black-forest-labs/FLUX.1-schnell transformer: dev's without the guidance embedding
+FLUX_SCHNELL = dict(FLUX_DEV, guidance_embeds=False)
+# lodestones/Chroma1-HD transformer (ChromaTransformer2DModel's defaults)
+CHROMA_HD = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                 num_attention_heads=24, joint_attention_dim=4096, axes_dims_rope=(16, 56, 56),
+                 approximator_num_channels=64, approximator_hidden_dim=5120, approximator_layers=5)
+# stabilityai/stable-diffusion-3.5-large transformer (convert_sd3_to_diffusers.py: heads = layers,
+# pos_embed_max_size 192)
+SD35_LARGE = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+                  num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+                  pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192,
+                  dual_attention_layers=(), qk_norm="rms_norm")
+# stabilityai/stable-diffusion-3.5-medium transformer (pos_embed_max_size 384, attn2 in blocks 0–12)
+SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                   pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                   dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+# PixArt-alpha/PixArt-Sigma-XL-2-1024-MS transformer
+PIXART_SIGMA_XL2_1024 = dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8,
+                             num_layers=28, cross_attention_dim=1152, attention_bias=True, sample_size=128,
+                             patch_size=2, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
+                             norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+                             caption_channels=4096, interpolation_scale=2, use_additional_conditions=False)
+# google/t5-v1_1-xxl's encoder: every family's T5 (FLUX.1's text_encoder_2, SD3.5's text_encoder_3)
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+              feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
+# openai/clip-vit-large-patch14: FLUX.1's and SD3.5's text_encoder
+CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+              num_attention_heads=12, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
+# laion/CLIP-ViT-bigG-14 (OpenCLIP bigG): SD3.5's text_encoder_2
+CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+              num_attention_heads=20, max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")
+# FLUX.1's vae (SD3.5's and Chroma's have the same shape)
+VAE16 = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+             down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+             layers_per_block=2, use_quant_conv=False, use_post_quant_conv=False)
+VAE4 = dict(VAE16, latent_channels=4, use_quant_conv=True, use_post_quant_conv=True)  # SDXL's: PixArt-Σ's vae
+
+# the text encoders (their classes as `TextEncoderSpec.model_class` names them) and the VAEs: name: (library,
+# class, config)
+ENCODERS = {
+    "T5 v1.1 XXL encoder": ("transformers", "T5EncoderModel", T5_XXL),
+    "CLIP-L (CLIPTextModel, FLUX)": ("transformers", "CLIPTextModel", CLIP_L),
+    "CLIP-L (WithProjection, SD3)": ("transformers", "CLIPTextModelWithProjection", CLIP_L),
+    "CLIP-G (WithProjection, SD3)": ("transformers", "CLIPTextModelWithProjection", CLIP_G),
+    "VAE 16-ch (FLUX/SD3.5/Chroma)": ("diffusers", "AutoencoderKL", VAE16),
+    "VAE 4-ch (SDXL, PixArt-Σ)": ("diffusers", "AutoencoderKL", VAE4),
+}
+TEXT_CONFIGS = {"t5": T5_XXL, "clip_l": CLIP_L, "clip_g": CLIP_G}  # by `TextEncoderSpec.name`
+
+IMAGE = 1024  # pixels a side
+CAPTION_TOKENS = 40  # real T5 tokens of a typical caption, </s> included
+RANK = 32
+BF16 = torch.bfloat16
+GIB24 = 24 * 2**30  # a "24 GB" card
+# name: (family, transformer config, VAE config, the caption's real T5 tokens; None: as many as T5's limit)
+FAMILIES = {
+    "PixArt-Σ XL/2": (PixArtSigma(), PIXART_SIGMA_XL2_1024, VAE4, CAPTION_TOKENS),
+    "FLUX.1-dev": (Flux(), FLUX_DEV, VAE16, CAPTION_TOKENS),
+    "FLUX.1-schnell": (Flux(), FLUX_SCHNELL, VAE16, CAPTION_TOKENS),
+    "SD3.5 Large": (StableDiffusion3(), SD35_LARGE, VAE16, CAPTION_TOKENS),
+    "SD3.5 Medium": (StableDiffusion3(), SD35_MEDIUM, VAE16, CAPTION_TOKENS),
+    "Chroma1-HD (40-token caption)": (Chroma(), CHROMA_HD, VAE16, CAPTION_TOKENS),
+    "Chroma1-HD (512 cap)": (Chroma(), CHROMA_HD, VAE16, None),
+}
+
+
+# --- sizes -------------------------------------------------------------------------------
+def count(model: torch.nn.Module) -> dict[str, int]:
+    """Parameters, buffers (SD3's persistent pos_embed table is on the GPU too), and what of the
+    parameters is `nn.Linear` weights and their output rows (what a weight-only quantization takes)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    total = sum(p.numel() for p in model.parameters())
+    linear_weight = sum(m.weight.numel() for m in linears)
+    return dict(params=total, buffers=sum(b.numel() for b in model.buffers()), linear_weight=linear_weight,
+                linear_rows=sum(m.out_features for m in linears), other=total - linear_weight)
+
+
+def base_bytes(c: dict[str, int]) -> dict[str, int]:
+    """Frozen base: bf16; int8 weight-only (torchao: int8 weights + a bf16 scale per output row,
+    everything outside nn.Linear weights in bf16); fp8 weight-only (1 B + a per-row scale, rest bf16)."""
+    rest = (c["other"] + c["buffers"]) * 2
+    quantized = c["linear_weight"] + c["linear_rows"] * 2 + rest
+    return dict(bf16=(c["params"] + c["buffers"]) * 2, int8=quantized, fp8=quantized)
+
+
+def encoder_params() -> dict[str, int]:
+    params = {}
+    for name, (library, cls, config) in ENCODERS.items():
+        model_class = getattr(importlib.import_module(library), cls)
+        with torch.device("meta"):  # a transformers model takes its config object, a diffusers one keywords
+            if library == "transformers":
+                model = model_class(model_class.config_class(**config))
+            else:
+                model = model_class(**config)
+        params[name] = count(model)["params"]
+    return params
+
+
+# --- caches ------------------------------------------------------------------------------
+def model_folder(config: dict[str, Any], folder: Path) -> ModelConfig:
+    """A model folder holding only the transformer's config.json: what the family's default T5
+    length reads (FLUX.1's: 512 with a guidance embedding, 256 without)."""
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "transformer" / "config.json").write_text(json.dumps(config))
+    return ModelConfig(path=str(folder))
+
+
+def width(spec: TextEncoderSpec, output: str) -> int:
+    """The width of one of an encoder's outputs: a projection model's pooled vector is projected."""
+    config = TEXT_CONFIGS[spec.name]
+    if output == "pooled" and spec.model_class.endswith("WithProjection"):
+        return config["projection_dim"]
+    return config.get("d_model") or config["hidden_size"]  # T5's name for it, CLIP's
+
+
+def conditioning(family: Family, model: ModelConfig, caption_tokens: int | None) -> Conditioning:
+    """One caption's cached text features, on meta, as the text cache holds them under the default
+    `text_encoding` (T5 at the family's own length)."""
+    text = {}
+    for spec in family.text_encoders:
+        length = family.text_length(model, spec, TextEncodingConfig())
+        if spec.masked:  # ragged: the real tokens and the pads the transformer attends to
+            length = min(length, (caption_tokens or length) + spec.pads_kept)
+        for output, key in zip(spec.outputs, spec.keys()):
+            if output == "pooled":
+                text[key] = torch.empty(1, width(spec, output), dtype=BF16, device="meta")
+            else:
+                text[key] = torch.empty(1, length, width(spec, output), dtype=BF16, device="meta")
+                text[f"{key}_mask"] = torch.ones(1, length, dtype=torch.bool, device="meta")
+    return text
+
+
+def text_cache(text: Conditioning) -> dict[str, Any]:
+    parts = {key: t.numel() * t.element_size() for key, t in text.items() if not key.endswith("_mask")}
+    return dict(parts=parts, total=sum(parts.values()))
+
+
+def latent_cache(vae: dict[str, Any]) -> dict[str, int]:
+    """precast stores the posterior's mean and std (or the mean only), C × (H/8) × (W/8) each."""
+    values = vae["latent_channels"] * latent_side(vae) ** 2
+    return {"mean+std fp16/bf16": 2 * values * 2, "mean+std fp32": 2 * values * 4, "mean only fp16/bf16": values * 2}
+
+
+def latent_side(vae: dict[str, Any]) -> int:
+    return IMAGE // 2 ** (len(vae["block_out_channels"]) - 1)  # each down block but the last halves it
+
+
+# --- LoRA and the activations it keeps, on meta --------------------------------------------
+def inject_lora(model: torch.nn.Module, targets: list[str]) -> tuple[int, dict[str, dict[str, int]]]:
+    """LoRA on `targets` into the bf16 base, its adapters bf16 and trained, each given its own copy
+    of its input; returns the LoRA parameters and the modules matched, by block kind."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    with torch.device("meta"):
+        inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=RANK, target_modules=targets), model)
+    matched = {}
+    for name, module in model.named_modules():
+        if name.endswith("lora_dropout"):
+            for key in list(module.keys()):
+                module[key] = CastCopy()
+        elif name.endswith(("lora_A", "lora_B")):
+            for linear in module.values():
+                linear.to(BF16).requires_grad_(True)
+        elif hasattr(module, "lora_A") and isinstance(getattr(module, "base_layer", None), torch.nn.Linear):
+            top = name.split(".")[0]
+            leaf = ".".join(name.split(".")[2:]) if top.endswith("blocks") else name
+            matched.setdefault(top, {}).setdefault(leaf, 0)
+            matched[top][leaf] += 1
+    return sum(p.numel() for name, p in model.named_parameters() if "lora_" in name), matched
+
+
+class FlashLike(torch.autograd.Function):
+    """Attention as a flash kernel keeps it for backward: q, k, v, out and an fp32 logsumexp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return FlashLike.apply(query, key, value)
+
+
+class CastCopy(torch.nn.Module):
+    """Stands in for lora_dropout: PEFT's fp32 adapter under bf16 autocast gets its own bf16 copy of x."""
+
+    def forward(self, x):
+        return x.clone()
+
+
+class Saved:
+    """The unique storages autograd keeps, bar the model's parameters and buffers: in all, per
+    block (kind, bytes, largest storage) and the blocks' inputs (what checkpointing keeps)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.exclude = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+        self.seen, self.inputs_seen = set(), set()
+        self.bytes = self.largest = self.block_inputs = 0
+        self.blocks, self.start = [], (0, 0)
+
+    def pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage._cdata not in self.exclude and storage._cdata not in self.seen:
+            self.seen.add(storage._cdata)
+            self.bytes += storage.nbytes()
+            self.largest = max(self.largest, storage.nbytes())
+        return tensor
+
+    def unpack(self, tensor):
+        return tensor
+
+    def enter(self, block, args, kwargs):
+        self.start, self.largest = (self.bytes, self.largest), 0
+        for tensor in tensors_in((args, kwargs)):
+            storage = tensor.untyped_storage()
+            if storage._cdata not in self.inputs_seen and storage._cdata not in self.exclude:
+                self.inputs_seen.add(storage._cdata)
+                self.block_inputs += storage.nbytes()
+
+    def leave(self, block, args, kwargs, out):
+        start, largest_before = self.start
+        self.blocks.append((type(block).__name__, self.bytes - start, self.largest))
+        self.largest = max(largest_before, self.largest)
+
+
+def tensors_in(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from tensors_in(item)
+
+
+def transformer_inputs(family: Family, config: dict[str, Any], vae: dict[str, Any], text: Conditioning) -> dict:
+    """The transformer's call for one image and caption, as the family's `predict` makes it: the
+    text as `embedding_kwargs` joins it, the latents the leaf gradients reach."""
+    embeddings = family.embedding_kwargs(text, 1)
+    embeds, side = embeddings["prompt_embeds"], latent_side(vae)
+    with torch.device("meta"):
+        inputs = dict(encoder_hidden_states=embeds, timestep=torch.empty(1, dtype=BF16))
+        if "pooled_prompt_embeds" in embeddings:
+            inputs["pooled_projections"] = embeddings["pooled_prompt_embeds"]
+        if isinstance(family, Flux):  # and Chroma: packed latents, 2×2 latent pixels a token, with ids
+            tokens = family.image_tokens(config, side, side)
+            inputs.update(hidden_states=torch.empty(1, tokens, config["in_channels"], dtype=BF16, requires_grad=True),
+                          img_ids=torch.empty(tokens, 3, dtype=BF16),
+                          txt_ids=torch.empty(embeds.shape[1], 3, dtype=BF16))
+            if config.get("guidance_embeds"):
+                inputs["guidance"] = torch.empty(1, dtype=BF16)
+        else:
+            inputs["hidden_states"] = torch.empty(1, config["in_channels"], side, side, dtype=BF16, requires_grad=True)
+        if isinstance(family, PixArt):
+            inputs["added_cond_kwargs"] = family.micro_conditions(inputs["hidden_states"], embeds)
+    return inputs
+
+
+def activations(family: Family, model: torch.nn.Module, inputs: dict) -> dict[str, Any]:
+    """What one forward keeps for backward: in all, in and outside the blocks, the blocks' inputs,
+    and per block kind its count, the most bytes one keeps and its largest storage."""
+    saved = Saved(model)
+    for block in family.blocks(model):
+        block.register_forward_pre_hook(saved.enter, with_kwargs=True)
+        block.register_forward_hook(saved.leave, with_kwargs=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = flash_sdpa  # diffusers' attention processors call it
+    try:
+        with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            model(**inputs, return_dict=False)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    kinds = {}
+    for kind, nbytes, largest in saved.blocks:
+        k = kinds.setdefault(kind, dict(n=0, max_saved=0, largest_tensor=0))
+        k["n"] += 1
+        k["max_saved"] = max(k["max_saved"], nbytes)
+        k["largest_tensor"] = max(k["largest_tensor"], largest)
+    in_blocks = sum(nbytes for _, nbytes, _ in saved.blocks)
+    return dict(total_saved=saved.bytes, in_blocks=in_blocks, outside_blocks=saved.bytes - in_blocks,
+                block_inputs=saved.block_inputs, block_kinds=kinds)
+
+
+def memory(row: dict[str, Any]) -> dict[str, Any]:
+    """Training memory at batch 1, gradient checkpointing, bf16 activations:
+    base + 16 B x LoRA params + kept block inputs + outside-block activations
+    + one block's recompute (its saved activations, the largest block kind) + backward transient
+    (2 x that block's largest saved tensor)."""
+    act = row["act"]
+    worst = max(act["block_kinds"].values(), key=lambda k: k["max_saved"])
+    recompute = worst["max_saved"] + 2 * worst["largest_tensor"]
+    activations = act["block_inputs"] + act["outside_blocks"] + recompute
+    lora = 16 * row["lora_params"]  # fp32 weights, grads and AdamW's m and v
+    out = dict(lora_states=lora, kept_inputs=act["block_inputs"], outside=act["outside_blocks"],
+               recompute_peak=recompute, activations=activations)
+    for precision, weights in row["base"].items():
+        out[f"total_{precision}"] = weights + lora + activations
+        out[f"fits_24GiB_{precision}"] = weights + lora + activations + 2**30 < GIB24  # ~1 GiB CUDA context, allocator
+    return out
+
+
+def family_costs(family: Family, config: dict[str, Any], vae: dict[str, Any], caption_tokens: int | None,
+                 folder: Path) -> dict[str, Any]:
+    text, side = conditioning(family, model_folder(config, folder), caption_tokens), latent_side(vae)
+    with torch.device("meta"):
+        model = family.transformer_class()(**config)
+    sizes = count(model)
+    model = model.to(BF16).requires_grad_(False)
+    lora_params, matched = inject_lora(model, list(family.lora_targets))
+    inputs = transformer_inputs(family, config, vae, text)
+    text_tokens, image_tokens = inputs["encoder_hidden_states"].shape[1], family.image_tokens(config, side, side)
+    # T, the sequence a block runs over: PixArt's text is only cross-attended, the others' joins the image's
+    tokens = image_tokens if isinstance(family, PixArt) else image_tokens + text_tokens
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    act = activations(family, model, inputs)
+    for kind in act["block_kinds"].values():  # c: what one block keeps, in T×H bf16 tensors
+        kind["c"] = kind["max_saved"] / (tokens * hidden * 2)
+    row = dict(cls=family.transformer_name, text_tokens=text_tokens, **sizes, base=base_bytes(sizes),
+               lora_params=lora_params, matched=matched, hidden=hidden, act=act, text_cache=text_cache(text),
+               latent_cache=latent_cache(vae))
+    row["memory"] = memory(row)
+    return row
+
+
+def run() -> dict[str, Any]:
+    import diffusers
+    import peft
+    import transformers
+
+    result = {"versions": dict(torch=torch.__version__, diffusers=diffusers.__version__,
+                               transformers=transformers.__version__, peft=peft.__version__),
+              "encoders": encoder_params(), "families": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, (family, config, vae, caption_tokens)) in enumerate(FAMILIES.items()):
+            result["families"][name] = family_costs(family, config, vae, caption_tokens, Path(tmp) / str(i))
+    return result
+
+
+def rows(result: dict) -> list[tuple[str, str, str, str]]:
+    out = [("family costs: encoders' parameters", "; ".join(f"{name} {n:,}" for name, n in result["encoders"].items()),
+            "", "")]
+    for name, row in result["families"].items():
+        m, act = row["memory"], row["act"]
+        fits = {precision: "fits" if m[f"fits_24GiB_{precision}"] else "over" for precision in ("bf16", "int8")}
+        c = " / ".join(f"{k['c']:.1f}" for k in act["block_kinds"].values())
+        out += [
+            (f"family costs: {name}", f"{row['params']:,} params; LoRA r={RANK}: {row['lora_params']:,}",
+             f"text cache {row['text_cache']['total']:,} B/caption ({row['text_tokens']} tokens), latents "
+             f"{row['latent_cache']['mean+std fp16/bf16']:,} B/image (fp16 mean+std, {IMAGE}²)", ""),
+            (f"family costs: {name}, LoRA step", f"{m['total_bf16'] / 1e9:.1f} GB bf16 base ({fits['bf16']}), "
+             f"{m['total_int8'] / 1e9:.1f} GB int8/fp8 ({fits['int8']})",
+             f"activations {m['activations'] / 1e9:.2f} GB (c per block {c}); "
+             f"{act['total_saved'] / 1e9:.1f} GB without checkpointing", "< 24.7 GB: a 24 GB card less 1 GiB"),
+        ]
+    return out
+
