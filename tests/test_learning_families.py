@@ -16,6 +16,8 @@ from tasks.demo import write_demo_models
 from tasks.demo.data import write_demo_data
 from tasks.demo.models import palette_confusions
 
+pytestmark = pytest.mark.slow
+
 FAMILIES = ("flux", "sd3", "chroma")
 
 

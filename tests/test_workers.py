@@ -16,6 +16,8 @@ from flows.pipeline import stage
 from storage.store import Store
 from tasks.demo.data import write_demo_data
 
+pytestmark = pytest.mark.slow
+
 SHARDS = 16
 
 
