@@ -9,4 +9,4 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup-venv.sh"
 processes="${PRECAST_TEST_PROCESSES:-2}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) > processes ? $(nproc) / processes : 1 ))}"
-python -m pytest --numprocesses "$processes" --dist loadfile "$@"
+python -m pytest --numprocesses "$processes" --dist loadfile --no-loadscope-reorder "$@"

@@ -24,7 +24,7 @@ ROOT = Path(__file__).parent.parent
 # distinctive credentials: the test searches every object and log line for them
 SECRETS = {"AWS_ACCESS_KEY_ID": "AKIAPRECASTTESTKEY7", "AWS_SECRET_ACCESS_KEY": "precast-secret-4f1c9e2b7a"}
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(minutes=7)
 
 
 def _free_port() -> int:

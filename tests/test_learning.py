@@ -17,7 +17,7 @@ from benchmarks.demo_world import PROMPTS, colour_scores, train_demo
 from tasks.demo.data import write_demo_data
 from tasks.demo.models import palette_confusions, palette_round_trip, write_tiny_models
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(minutes=3)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from tasks.demo import write_demo_models
 from tasks.demo.data import write_demo_data
 from tasks.demo.models import palette_confusions
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(minutes=5)
 
 FAMILIES = ("flux", "sd3", "chroma")
 

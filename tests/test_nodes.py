@@ -22,7 +22,7 @@ from storage.store import Store
 from tasks.train import train
 
 ROOT = Path(__file__).parent.parent
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(minutes=2)
 
 
 def _config(cached_manifest, root: Path, **training):

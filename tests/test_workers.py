@@ -16,7 +16,7 @@ from flows.pipeline import stage
 from storage.store import Store
 from tasks.demo.data import write_demo_data
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(minutes=3)
 
 SHARDS = 16
 
