@@ -2,7 +2,11 @@
 # Set everything up, then run the whole test suite: two pytest processes (PRECAST_TEST_PROCESSES),
 # each taking whole test files, so a module's fixtures (the cluster stack, the learned world) are
 # built once. Much of the suite waits on servers, workers and child processes; two at once fill
-# two cores. Plain `python -m pytest` runs it in one process.
+# two cores. Plain `python -m pytest` runs it in one process. Each process (and what it starts)
+# computes on its share of the cores: two trainings of two torch threads each on two cores spin
+# against each other (OpenMP) and took four times as long as one after the other.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup-venv.sh"
-python -m pytest --numprocesses "${PRECAST_TEST_PROCESSES:-2}" --dist loadfile --no-loadscope-reorder "$@"
+processes="${PRECAST_TEST_PROCESSES:-2}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) > processes ? $(nproc) / processes : 1 ))}"
+python -m pytest --numprocesses "$processes" --dist loadfile --no-loadscope-reorder "$@"
