@@ -279,7 +279,7 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
     export.add_argument("url", help="a run URL (<root>/runs/<id>) or its adapter URL")
     export.add_argument("--format", required=True, choices=["comfyui", "diffusers"],
                         help="comfyui: one .safetensors for ComfyUI's LoRA loader; diffusers: the file the family's "
-                             "pipeline's load_lora_weights reads (FLUX.1, SD3, Chroma)")
+                             "pipeline's load_lora_weights reads (where the pipeline has a LoRA loader)")
     export.add_argument("--out", required=True, help="file to write")
     export.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec storage option for the URL (repeatable)")
