@@ -117,22 +117,23 @@ class RaggedShard:
         return embeddings[int(offsets[row]) : int(offsets[row + 1])]
 
 
-def bucket_name(height: int, width: int) -> str:
-    return f"{height}x{width}"
+def bucket_name(*sides: int) -> str:
+    """A bucket by its latents' sides: "<height>x<width>", or "<frames>x<height>x<width>"."""
+    return "x".join(str(side) for side in sides)
 
 
 def pack_latents(
     buckets: dict[str, dict[str, torch.Tensor]], rows: dict[str, tuple[str, int]], metadata: dict[str, Any]
 ) -> bytes:
     """Latent cache shard: `buckets[name]` holds `mean` and, per the posterior layout, `std` or
-    `logvar` (and `flip_*` twins) [n, C, h, w]; `rows` maps a sample id to (bucket name, index)."""
+    `logvar` (and `flip_*` twins) [n, C, h, w] or [n, C, F, h, w]; `rows` maps a sample id to (bucket name, index)."""
     tensors = {f"{part}/{name}": t.contiguous() for name, parts in buckets.items() for part, t in parts.items()}
     return save_deterministic(tensors, rows, metadata)
 
 
 class LatentShard:
     """Reader of a latent cache shard; `shard.get(sample_id, flipped)` is (mean, std or None),
-    each [C, h, w], whatever posterior layout the shard stores."""
+    each [C, h, w] (or [C, F, h, w]), whatever posterior layout the shard stores."""
 
     def __init__(self, path: str):
         self._file = safe_open(path, framework="pt")

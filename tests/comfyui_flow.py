@@ -1,4 +1,4 @@
-"""ComfyUI's FLUX.1, Chroma and SD3/SD3.5 LoRA loading, restated for tests (ComfyUI is not a pip package).
+"""ComfyUI's FLUX.1, Chroma, SD3/SD3.5 and Wan LoRA loading, restated for tests (ComfyUI is not a pip package).
 
 From ComfyUI at commit a125cd84 (2025-10-12), as tests/comfyui_pixart.py restates PixArt's:
 `comfy/utils.py::flux_to_diffusers` and `mmdit_to_diffusers` (diffusers key -> ComfyUI model key;
@@ -11,6 +11,12 @@ Flux's branch), `load_lora`'s `<name>.alpha` and `LoRAAdapter.load`'s key pairs,
 Only the transformer blocks' linear layers are restated: what a LoRA on them needs. ComfyUI's other
 names (`diffusion_model.<its key>`, `lora_unet_<its key>`, Flux's `...linear1_qkv`) use its own
 layout, not diffusers', and are left out.
+
+Wan has no branch in `model_lora_keys_unet` and no diffusers conversion in ComfyUI: only the generic
+names of its own model's keys (`diffusion_model.<key>` and `lora_unet_<key with . as _>`, lora.py's
+first loop), its model being `comfy/ldm/wan/model.py::WanModel` (blocks' `self_attn.q/k/v/o`,
+`cross_attn.q/k/v/o`, `ffn.0`, `ffn.2`), whose names diffusers' `scripts/convert_wan_to_diffusers.py`
+(`TRANSFORMER_KEYS_RENAME_DICT`) renames to its own.
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ MMDIT_BLOCK = {  # diffusers name -> ComfyUI name, inside `transformer_blocks.N`
     "ff.net.0.proj": "x_block.mlp.fc1", "ff.net.2": "x_block.mlp.fc2",
     "ff_context.net.0.proj": "context_block.mlp.fc1", "ff_context.net.2": "context_block.mlp.fc2",
 }
+# Wan's own block names -> diffusers', as TRANSFORMER_KEYS_RENAME_DICT renames them
+WAN_RENAMES = {"self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v",
+               "self_attn.o": "attn1.to_out.0", "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k",
+               "cross_attn.v": "attn2.to_v", "cross_attn.o": "attn2.to_out.0", "ffn.0": "ffn.net.0.proj",
+               "ffn.2": "ffn.net.2"}
 FLUX_PREFIXES = ("transformer.", "lycoris_", "lora_transformer_")  # the last two with "." -> "_"
 MMDIT_PREFIXES = ("transformer.", "base_model.model.", "lora_transformer_", "lycoris_")
 
@@ -98,9 +109,24 @@ def mmdit_lora_key_map(depth: int, hidden: int) -> dict[str, Target]:
     return _lora_key_map(mmdit_to_diffusers(depth, hidden), MMDIT_PREFIXES)
 
 
+def wan_to_diffusers(depth: int) -> dict[str, Target]:
+    """diffusers weight key -> ComfyUI key, for Wan's blocks."""
+    return {f"blocks.{i}.{diffusers}.weight": f"diffusion_model.blocks.{i}.{wan}.weight"
+            for i in range(depth) for wan, diffusers in WAN_RENAMES.items()}
+
+
+def generic_lora_key_map(model_keys: dict[str, Target]) -> dict[str, Target]:
+    """LoRA module name -> target by lora.py's generic loop over the model's own `.weight` keys."""
+    key_map = {}
+    for key in model_keys.values():
+        base = key[len("diffusion_model."):-len(".weight")]
+        key_map[f"lora_unet_{base.replace('.', '_')}"] = key_map[f"diffusion_model.{base}"] = key
+    return key_map
+
+
 def maps_for(transformer) -> tuple[dict[str, Target], dict[str, Target]]:
-    """(diffusers key -> target, LoRA module name -> target) for a diffusers Flux, Chroma or SD3
-    transformer, or its saved config (a dict with `_class_name`)."""
+    """(diffusers key -> target, LoRA module name -> target) for a diffusers Flux, Chroma, SD3 or
+    Wan transformer, or its saved config (a dict with `_class_name`)."""
     config = dict(getattr(transformer, "config", transformer))
     config.setdefault("_class_name", type(transformer).__name__)
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
@@ -109,6 +135,9 @@ def maps_for(transformer) -> tuple[dict[str, Target], dict[str, Target]]:
         return flux_to_diffusers(*args), flux_lora_key_map(*args)
     if config["_class_name"] == "SD3Transformer2DModel":
         return mmdit_to_diffusers(config["num_layers"], hidden), mmdit_lora_key_map(config["num_layers"], hidden)
+    if config["_class_name"] == "WanTransformer3DModel":
+        keys = wan_to_diffusers(config["num_layers"])
+        return keys, generic_lora_key_map(keys)
     raise ValueError(f"no ComfyUI map restated for {config['_class_name']}")
 
 

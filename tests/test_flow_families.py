@@ -1,4 +1,4 @@
-"""FLUX.1, SD3 and Chroma through the whole pipeline: the stages cache each family's encoders and
+"""FLUX.1, SD3, Chroma and Wan (pictures as one-frame clips) through the whole pipeline: the stages cache each family's encoders and
 latents and train its default LoRA; the adapter loads with the pipeline's own `load_lora_weights`
 as PEFT merges it, samples, and ComfyUI's key map (restated in tests/comfyui_flow.py) patches the
 same weights."""
@@ -24,7 +24,7 @@ from tasks.runs.folder import FinishedRun
 from tasks.runs.sampling import sample_run
 from tests.comfyui_flow import apply_lora, comfy_weights, maps_for
 
-FAMILIES = ("flux", "sd3", "chroma")
+FAMILIES = ("flux", "sd3", "chroma", "wan")
 
 
 def _options(config) -> list[str]:
@@ -47,17 +47,21 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("flow-families")
     flux = write_tiny_family(root / "flux", "flux", vae_steps=0)
     return {"flux": flux, "sd3": write_tiny_family(root / "sd3", "sd3", vae_steps=0),
-            "chroma": write_tiny_family(root / "chroma", "chroma", vae_from=flux)}
+            "chroma": write_tiny_family(root / "chroma", "chroma", vae_from=flux),
+            "wan": write_tiny_family(root / "wan", "wan", vae_steps=0)}
 
 
 # the configurations users run, one per family: Flux through the Prefect flow on an S3 root with
 # bf16 encoders, parallel shards and a bf16 base; SD3 with fp16 encoders (T5's wo kept fp32) and an
-# int8 base; Chroma in fp32 through the direct runner
+# int8 base; Chroma in fp32 through the direct runner; Wan with bf16 umT5, parallel shards and a
+# bf16 base
 SETTINGS = {
     "flux": dict(flow=True, s3=True, text={"dtype": "bf16"}, shards=3,
                  training={"mixed_precision": "bf16", "base_precision": "bf16"}),
     "sd3": dict(flow=False, s3=False, text={"dtype": "fp16"}, shards=2, training={"base_precision": "int8"}),
     "chroma": dict(flow=False, s3=False, text={"dtype": "fp32"}, shards=1, training={}),
+    "wan": dict(flow=False, s3=False, text={"dtype": "bf16"}, shards=2,
+                training={"mixed_precision": "bf16", "base_precision": "bf16"}),
 }
 
 
@@ -183,3 +187,24 @@ def test_a_chroma_runs_samples_drawn_from_prompts_are_its_sample_grid(runs):
                        guidance_scale=config.training.guidance_scale, seed=config.training.seed, device="cpu")
     difference = np.abs(np.asarray(grid, dtype=float) - np.asarray(drawn, dtype=float))
     assert difference.mean() < 0.5, f"{difference.mean():.2f} RGB units apart on average"
+
+
+def test_a_wan_comfyui_export_is_wans_own_layout_which_wan_pipeline_loads_as_peft_merges_it(runs, models, tmp_path):
+    """ComfyUI converts no diffusers names for Wan: the export names Wan's own modules, and
+    diffusers' loader of that layout (`_convert_non_diffusers_wan_lora_to_diffusers`, alphas
+    folded in) gives the weights PEFT merges."""
+    config, records = runs["wan"]
+    out = tmp_path / "lora.safetensors"
+    assert main(["export", records["train"]["run"], "--format", "comfyui", "--out", str(out), *_options(config)]) == 0
+    tensors = load_file(out)
+    assert all(key.startswith("diffusion_model.blocks.") and ".attn1." not in key for key in tensors)
+    assert "diffusion_model.blocks.0.self_attn.q.lora_A.weight" in tensors
+    pipeline = family_of(config.model).pipeline_class().from_pretrained(models["wan"])
+    pipeline.load_lora_weights(str(out))
+    pipeline.fuse_lora()
+    pipeline.unload_lora_weights()
+    merged = PeftModel.from_pretrained(family_of(config.model).load_transformer(config.model),
+                                       _adapter_folder(config, records, tmp_path)).merge_and_unload().state_dict()
+    loaded = pipeline.transformer.state_dict()
+    for key in merged:
+        torch.testing.assert_close(loaded[key], merged[key], rtol=1e-5, atol=1e-6)

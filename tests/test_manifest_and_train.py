@@ -129,7 +129,7 @@ def test_training_reader_draws_seeded_latents_from_one_bucket(make_config):
     assert not torch.equal(first[0], other[0])  # a fresh posterior sample per draw
     shard = features._latents[features.samples[batch[0]]["latent_shard"]]
     mean, _ = shard.get(batch[0])
-    scaled_mean = (mean.float() - features.shift_factor) * features.scaling_factor
+    scaled_mean = (mean.float() - features.shift) * features.scale
     assert not torch.equal(first[0][0], scaled_mean)  # sampled, not the mean
 
 

@@ -62,18 +62,29 @@ def _outputs(store: Store, run: str) -> tuple[list[float], dict[str, torch.Tenso
     return [m["loss"] for m in metrics], adapter, [m["validation_loss"] for m in metrics if "validation_loss" in m]
 
 
-def test_two_nodes_of_two_processes_train_what_one_process_trains_with_the_same_global_batch(cached_manifest, tmp_path):
+# FLUX.1-dev with its flow-matching objective, its packed tokens and guidance input, and an EMA
+# of its adapter carried through the checkpoint the nodes resume from
+FAMILY_SETTINGS = {"pixart": {}, "flux": {"ema_decay": 0.9}}
+
+
+@pytest.mark.parametrize("family", FAMILY_SETTINGS)
+def test_two_nodes_of_two_processes_train_what_one_process_trains_with_the_same_global_batch(
+        cached_manifest, family_manifests, family, tmp_path):
     """2 nodes × 2 processes (world 4, no accumulation) against 1 process accumulating 4
-    micro-batches: the same global batch of 8, so the same run id, the same losses and the same
-    adapter within float tolerance. The two nodes resume a run one process started and stopped
-    after its step-3 checkpoint; rank 0 alone writes the run (one lineage, one adapter)."""
+    micro-batches: the same global batch of 8, so the same run id, the same losses and validation
+    losses and the same adapter within float tolerance. The two nodes resume a run one process
+    started and stopped after its step-3 checkpoint; rank 0 alone writes the run (one lineage, one
+    adapter)."""
     from tests.test_manifest_and_train import kill_training_at
 
-    one = _config(cached_manifest, tmp_path / "one", steps=6, global_batch=8, checkpoint_every=3)
-    nodes = _config(cached_manifest, tmp_path / "nodes", steps=6, global_batch=8, checkpoint_every=3, nodes=2, processes=2)
+    if family != "pixart":
+        cached_manifest = family_manifests(family)
+    settings = dict(steps=6, global_batch=8, checkpoint_every=3, **FAMILY_SETTINGS[family])
+    one = _config(cached_manifest, tmp_path / "one", **settings)
+    nodes = _config(cached_manifest, tmp_path / "nodes", nodes=2, processes=2, **settings)
     assert (one.training.accumulation, nodes.training.accumulation) == (4, 1)
     reference = train(one.storage, one.model, one.training, _manifest(cached_manifest, one))
-    stopped = _config(cached_manifest, tmp_path / "nodes", steps=6, global_batch=8, checkpoint_every=3)
+    stopped = _config(cached_manifest, tmp_path / "nodes", **settings)
     kill_training_at(stopped, _manifest(cached_manifest, stopped), 20)  # in step 5, after the step-3 checkpoint
 
     started = [_start(nodes, _manifest(cached_manifest, nodes), node, "attempt-1") for node in (0, 1)]

@@ -1,5 +1,5 @@
 """The tiny flow-matching families load and run through their own diffusers pipelines, as the
-published FLUX.1 [dev]/[schnell], SD3.5 and Chroma repositories do."""
+published FLUX.1 [dev]/[schnell], SD3.5, Chroma and Wan 2.1 T2V repositories do."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     flux = write_tiny_family(root / "flux", "flux", vae_steps=0)
     written = {family: write_tiny_family(root / family, family, vae_from=flux) for family in ("flux-schnell", "chroma")}
-    return {"flux": flux, "sd3": write_tiny_family(root / "sd3", "sd3", vae_steps=0), **written}
+    return {"flux": flux, "sd3": write_tiny_family(root / "sd3", "sd3", vae_steps=0), **written,
+            "wan": write_tiny_family(root / "wan", "wan", vae_steps=0)}
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +44,12 @@ def test_model_index_names_the_pipeline_that_loads_it(folders, family):
     assert index["_class_name"] == pipeline
     loaded = DiffusionPipeline.from_pretrained(folders[family])
     assert type(loaded).__name__ == pipeline
-    # every component the pipeline's __init__ requires is in the folder, and nothing else
-    required = {name for name, parameter in inspect.signature(type(loaded).__init__).parameters.items()
-                if name != "self" and parameter.default is inspect.Parameter.empty}
-    assert set(index) - {"_class_name", "_diffusers_version"} == required
+    # every component the pipeline's __init__ requires is in the folder, and nothing else but the
+    # transformer where it is optional (WanPipeline's: Wan 2.2 A14B has two, either may be absent)
+    parameters = inspect.signature(type(loaded).__init__).parameters.items()
+    required = {name for name, parameter in parameters if name != "self" and parameter.default is inspect.Parameter.empty}
+    assert set(index) - {"_class_name", "_diffusers_version"} - required <= {"transformer"}
+    assert required <= set(index)
     assert all(getattr(loaded, name) is not None for name in required)
 
 
@@ -76,9 +79,10 @@ def test_chroma_encode_prompt_masks_all_padding_but_the_first_token(pipes):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_pipeline_samples_a_picture(pipes, family):
-    options = {"guidance_scale": 3.5} if family == "flux" else {}
-    images = pipes[family](PROMPTS[0], num_inference_steps=2, height=64, width=64, output_type="pt",
-                           generator=torch.Generator().manual_seed(0), **options).images
+    options = {"guidance_scale": 3.5} if family == "flux" else {"num_frames": 1} if family == "wan" else {}
+    output = pipes[family](PROMPTS[0], num_inference_steps=2, height=64, width=64, output_type="pt",
+                           generator=torch.Generator().manual_seed(0), **options)
+    images = output.frames[:, 0] if family == "wan" else output.images  # a video's first frame
     assert images.shape == (1, 3, 64, 64) and not images.isnan().any()
 
 
@@ -89,6 +93,9 @@ def test_schedulers_are_the_published_ones(pipes):
     for family in ("flux-schnell", "chroma"):
         assert not configs[family].use_dynamic_shifting and configs[family].shift == 1.0
     assert not configs["sd3"].use_dynamic_shifting and configs["sd3"].shift == 3.0
+    assert type(pipes["wan"].scheduler).__name__ == "UniPCMultistepScheduler"
+    assert configs["wan"].use_flow_sigmas and configs["wan"].flow_shift == 3.0
+    assert configs["wan"].prediction_type == "flow_prediction"
 
 
 def test_clip_tokenizers_read_demo_words_whole_and_any_text_by_bytes(pipes):
@@ -106,6 +113,12 @@ def test_clip_tokenizers_read_demo_words_whole_and_any_text_by_bytes(pipes):
 
 def test_the_vae_has_16_channels_and_an_untrained_one_the_published_factors(folders):
     for family, folder in folders.items():
+        if family == "wan":  # the 3-D VAE, normalised by the published per-channel mean and std
+            config = diffusers.AutoencoderKLWan.from_pretrained(folder / "vae").config
+            published = inspect.signature(diffusers.AutoencoderKLWan).parameters
+            assert config.z_dim == 16 and config.latents_mean == published["latents_mean"].default
+            assert config.latents_std == published["latents_std"].default
+            continue
         config = AutoencoderKL.from_pretrained(folder / "vae").config
         assert config.latent_channels == 16 and (config.shift_factor, config.scaling_factor) == (
             FAMILIES["flux" if family != "sd3" else "sd3"].vae_factors)

@@ -72,8 +72,10 @@ class TinyFamily(NamedTuple):
     encoders: tuple[tuple[str, str, str], ...]  # per text encoder: its folders' suffix, its shape, its class
     transformer: str
     transformer_shape: dict
-    scheduler: dict  # FlowMatchEulerDiscreteScheduler's settings, as the published scheduler_config.json's
+    scheduler: dict  # the scheduler's settings, as the published scheduler_config.json's
     vae_factors: tuple[float, float]  # the published VAE's (shift_factor, scaling_factor)
+    scheduler_class: str = "FlowMatchEulerDiscreteScheduler"
+    vae: str = "AutoencoderKL"
 
 
 _FLUX_TEXT = (("", "clip-l", "CLIPTextModel"), ("_2", "t5", "T5EncoderModel"))
@@ -98,6 +100,15 @@ FAMILIES = {
                          dict(_FLUX_BLOCKS, approximator_num_channels=16, approximator_hidden_dim=32,
                               approximator_layers=2),
                          _NO_SHIFT, (0.1159, 0.3611)),
+    # Wan 2.1 T2V: umT5 (T5's shape, its own class), the causal 3-D VAE (4x in time, 8x in space,
+    # normalised per channel by the published latents_mean / latents_std), 1x2x2 patches, RoPE over
+    # (frame, row, column), and UniPC sampling on flow sigmas shifted by 3.0, as published
+    "wan": TinyFamily("WanPipeline", (("", "umt5", "UMT5EncoderModel"),), "WanTransformer3DModel",
+                      dict(patch_size=(1, 2, 2), num_attention_heads=6, attention_head_dim=16, in_channels=16,
+                           out_channels=16, text_dim=T5_SHAPE["d_model"], freq_dim=32, ffn_dim=128, num_layers=2,
+                           rope_max_seq_len=1024),
+                      dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0), (0.0, 1.0),
+                      "UniPCMultistepScheduler", "AutoencoderKLWan"),
 }
 
 
@@ -110,7 +121,6 @@ def write_tiny_family(folder: str | Path, family: str, seed: int = 0, vae_steps:
     `perturb` (a seed) moves every initial weight by one representable value, as
     `write_tiny_models` does."""
     import diffusers
-    from diffusers import FlowMatchEulerDiscreteScheduler
 
     if family not in FAMILIES:
         raise ValueError(f"no tiny model family {family!r}: choose one of {', '.join(FAMILIES)}")
@@ -123,6 +133,11 @@ def write_tiny_family(folder: str | Path, family: str, seed: int = 0, vae_steps:
     components = _write_text_encoders(folder, spec.encoders, perturb)
     if vae_from is not None:
         shutil.copytree(Path(vae_from) / "vae", folder / "vae", dirs_exist_ok=True)
+    elif spec.vae == "AutoencoderKLWan":
+        if vae_steps:
+            raise ValueError("the tiny Wan VAE is written untrained only (vae_steps=0): its family has no demo yet")
+        with torch.random.fork_rng():
+            wan_vae(seed, perturb).save_pretrained(folder / "vae")
     else:
         with torch.random.fork_rng():  # the transformer's draws do not depend on the VAE's training
             trained_vae(seed, vae_steps, perturb, 16, spec.vae_factors).save_pretrained(folder / "vae")
@@ -130,9 +145,10 @@ def write_tiny_family(folder: str | Path, family: str, seed: int = 0, vae_steps:
     if perturb is not None:
         perturb_last_bits(transformer, perturb + 2)
     transformer.save_pretrained(folder / "transformer")
-    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **spec.scheduler).save_pretrained(folder / "scheduler")
-    components.update(vae=["diffusers", "AutoencoderKL"], transformer=["diffusers", spec.transformer],
-                      scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"])
+    getattr(diffusers, spec.scheduler_class)(num_train_timesteps=1000, **spec.scheduler).save_pretrained(
+        folder / "scheduler")
+    components.update(vae=["diffusers", spec.vae], transformer=["diffusers", spec.transformer],
+                      scheduler=["diffusers", spec.scheduler_class])
     index = {"_class_name": spec.pipeline, "_diffusers_version": diffusers.__version__, **components}
     marker.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")  # last: its presence means complete
     return folder
@@ -142,8 +158,8 @@ def _write_text_encoders(folder: Path, encoders, perturb: int | None) -> dict[st
     """Each text encoder and its tokenizer under their pipeline names; their model_index.json entries."""
     components = {}
     for suffix, encoder, model_class in encoders:
-        if encoder == "t5":
-            _write_t5(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb)
+        if encoder in ("t5", "umt5"):
+            _write_t5(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", model_class, perturb)
             tokenizer_class = "T5TokenizerFast"  # what the published folders name, the class T5 loads as
         else:
             _write_clip(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", encoder, model_class, perturb)
@@ -153,15 +169,17 @@ def _write_text_encoders(folder: Path, encoders, perturb: int | None) -> dict[st
     return components
 
 
-def _write_t5(tokenizer_folder: Path, encoder_folder: Path, perturb: int | None) -> None:
-    from transformers import T5Config, T5EncoderModel
+def _write_t5(tokenizer_folder: Path, encoder_folder: Path, model_class: str, perturb: int | None) -> None:
+    """T5 v1.1 (`T5EncoderModel`) or umT5 (`UMT5EncoderModel`: a position bias in every layer)."""
+    import transformers
 
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(tokenizer_folder)
-    config = T5Config(vocab_size=len(tokenizer), feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
-                      dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                      decoder_start_token_id=0, **T5_SHAPE)
-    encoder = T5EncoderModel(config)
+    config_class = transformers.UMT5Config if model_class == "UMT5EncoderModel" else transformers.T5Config
+    config = config_class(vocab_size=len(tokenizer), feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
+                          dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                          decoder_start_token_id=0, **T5_SHAPE)
+    encoder = getattr(transformers, model_class)(config)
     if perturb is not None:
         perturb_last_bits(encoder, perturb)
     position_heads(encoder)  # so word order reaches the transformer
@@ -222,3 +240,16 @@ def _merge(symbols: list[str], pair: tuple[str, str]) -> list[str]:
             merged.append(symbols[i])
             i += 1
     return merged
+
+
+def wan_vae(seed: int, perturb: int | None = None):
+    """A random `AutoencoderKLWan` of the published layout (z_dim 16; 4x in time, 8x in space), 8
+    channels wide at the top, with the published `latents_mean` / `latents_std`."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
+                           temperal_downsample=[False, True, True])
+    if perturb is not None:
+        perturb_last_bits(vae, perturb + 1)
+    return vae

@@ -137,8 +137,11 @@ def position_heads(encoder) -> None:
     like "a blue circle on a red background"."""
     config = encoder.config
     attention = encoder.encoder.block[0].layer[0].SelfAttention
-    buckets = attention._relative_position_bucket(torch.tensor([1, -1]), num_buckets=config.relative_attention_num_buckets,
-                                                  max_distance=config.relative_attention_max_distance)
+    if type(attention).__name__ == "UMT5Attention":  # a position bias in every layer, its own bucket method
+        buckets = attention._relative_position_bucket(torch.tensor([1, -1]))
+    else:
+        buckets = attention._relative_position_bucket(torch.tensor([1, -1]), num_buckets=config.relative_attention_num_buckets,
+                                                      max_distance=config.relative_attention_max_distance)
     with torch.no_grad():
         attention.relative_attention_bias.weight[buckets, torch.arange(2)] = 8.0
 

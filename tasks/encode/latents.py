@@ -65,7 +65,7 @@ def preprocess(image_bytes: bytes, box: list[int]) -> torch.Tensor:
 
 
 def encode_pixels(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Posterior mean and log-variance [B, C, h, w] in fp32 on the CPU."""
+    """Posterior mean and log-variance [B, C, (F,) h, w] in fp32 on the CPU."""
     posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
     return posterior.mean.float().cpu(), posterior.logvar.float().cpu()
 
@@ -120,7 +120,8 @@ def encode_latents_shard(
         return record
     samples = read_image_shard(store.read_verified(store.key(shard_url)),
                                columns=["sample_id", "image", "width", "height"]).to_pylist()
-    table = family_of(model).bucket_table(latents.resolution)
+    family = family_of(model)
+    table = family.bucket_table(latents.resolution)
     boxes = {s["sample_id"]: crop_box(table, s["width"], s["height"], latents.crop, latents.crop_seed, s["sample_id"])
              for s in samples}
     batches = same_size_batches(samples, boxes, latents.batch_size)
@@ -136,7 +137,7 @@ def encode_latents_shard(
     quarantined: list[dict[str, str]] = []
 
     def load_pixels(batch: list[dict]) -> torch.Tensor:
-        return torch.stack([preprocess(s["image"], boxes[s["sample_id"]]) for s in batch])
+        return family.vae_pixels(torch.stack([preprocess(s["image"], boxes[s["sample_id"]]) for s in batch]))
 
     # with an accelerator, decoding the next batch overlaps the VAE; on a CPU they would only
     # compete for the same cores
@@ -163,12 +164,13 @@ def encode_latents_shard(
             for part, tensor in parts.items():
                 encoded[name][part].append(tensor.to(store_dtype))
             rows[sample_id] = (name, len(encoded[name]["mean"]) - 1)
+    shift, scale = family.latent_factors(vae.config)
     buckets = {name: {part: torch.cat(ts) for part, ts in parts.items()} for name, parts in encoded.items()}
     meta = {
         "format": LATENT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "resolution": latents.resolution,
         "posterior": latents.posterior, "flip": latents.flip, "crop": latents.crop,
         "crop_boxes": {sid: boxes[sid] for sid in rows}, "quarantined": quarantined,
-        "scaling_factor": vae.config.scaling_factor, "shift_factor": vae.config.get("shift_factor") or 0.0,
+        "scaling_factor": scale, "shift_factor": shift,
     }
     record = store.commit(
         key, pack_latents(buckets, rows, meta), shard=shard_id, samples=len(rows), quarantined=quarantined,

@@ -100,9 +100,10 @@ def reference_placement(device: str) -> tuple[str, str]:
 
 @serialised
 def build_vae(model: ModelConfig, dtype: str, device: str):
-    from diffusers import AutoencoderKL
+    import diffusers
 
-    vae = AutoencoderKL.from_pretrained(model.path, subfolder="vae", revision=model.revision, torch_dtype=DTYPES[dtype])
+    vae_class = getattr(diffusers, family_of(model).vae_name)
+    vae = vae_class.from_pretrained(model.path, subfolder="vae", revision=model.revision, torch_dtype=DTYPES[dtype])
     return vae.to(resolve_device(device)).eval().requires_grad_(False)
 
 

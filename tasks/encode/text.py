@@ -196,7 +196,7 @@ def encode_shard(store: Store, model: ModelConfig, text: TextEncodingConfig, spe
     numerics = json.loads(store.read_verified(layout.text_numerics(fingerprint)))
     outputs, truncated = encode_captions(texts, model, text, spec)
     meta = {"format": TEXT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "truncated": truncated,
-            "numerics": numerics}
+            "numerics": numerics, "max_length": family_of(model).text_length(model, spec, text)}
     record = store.commit(
         key, packed(rows, outputs, spec, meta), shard=shard_id, rows=len(rows), captions=len(texts),
         samples=len({row.rsplit("/", 1)[0] for row in rows}),

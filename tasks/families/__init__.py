@@ -13,12 +13,12 @@ import os
 
 from configs.schema import ModelConfig
 from storage.fingerprint import check_hub_id
-from tasks.families import chroma, flux, pixart, sd3
+from tasks.families import chroma, flux, pixart, sd3, wan
 from tasks.families.spec import Family
 
 __all__ = ["FAMILIES", "Family", "family_named", "family_of"]
 
-FAMILIES: tuple[Family, ...] = (*pixart.FAMILIES, *flux.FAMILIES, *sd3.FAMILIES, *chroma.FAMILIES)
+FAMILIES: tuple[Family, ...] = (*pixart.FAMILIES, *flux.FAMILIES, *sd3.FAMILIES, *chroma.FAMILIES, *wan.FAMILIES)
 # the pipeline of runs published before their lineage recorded one: precast then trained one family
 UNRECORDED_PIPELINE = pixart.PixArtSigma.pipelines[0]
 

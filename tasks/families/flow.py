@@ -41,7 +41,13 @@ class FlowMatching:
         if not config.get("_class_name", "").startswith("FlowMatch"):
             raise ValueError(f"{model.path}: its scheduler ({config.get('_class_name', 'unknown')}) cannot train "
                              f"{family}, which trains by flow matching")
-        schedule = cls(FlowMatchEulerDiscreteScheduler.from_config(config), tokens)
+        return cls.of(FlowMatchEulerDiscreteScheduler.from_config(config), family, tokens, training)
+
+    @classmethod
+    def of(cls, scheduler: Any, family: str, tokens: Callable[[int, int], int],
+           training: TrainingConfig | None = None) -> FlowMatching:
+        """Flow matching on `scheduler`'s sigmas with the run's sampling and weighting (None: plain)."""
+        schedule = cls(scheduler, tokens)
         if training is None:
             return schedule
         return replace(schedule, **run_sampling(training, family, "flow-matching schedule", WEIGHTINGS))
@@ -51,7 +57,7 @@ class FlowMatching:
         return FlowMatching(self.scheduler, self.tokens)
 
     def draw(self, count: int, generator: torch.Generator, shape: torch.Size) -> torch.Tensor:
-        """σ of `count` samples of latents of `shape` [B, C, h, w], on the generator's device."""
+        """σ of `count` samples of latents of `shape` [B, C, (F,) h, w], on the generator's device."""
         from diffusers.training_utils import compute_density_for_timestep_sampling
 
         steps = self.scheduler.config.num_train_timesteps

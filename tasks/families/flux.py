@@ -73,8 +73,8 @@ class Flux(Family):
     def schedule(self, model: ModelConfig, training: TrainingConfig | None = None) -> FlowMatching:
         return FlowMatching.load(model, self.name, lambda height, width: (height // 2) * (width // 2), training)
 
-    def image_tokens(self, config: Any, height: int, width: int) -> int:
-        return (height // 2) * (width // 2)  # 2×2 latent pixels a token
+    def image_tokens(self, config: Any, *sides: int) -> int:
+        return (sides[-2] // 2) * (sides[-1] // 2)  # 2×2 latent pixels a token
 
     def blocks(self, transformer: torch.nn.Module) -> list[torch.nn.Module]:
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
@@ -90,7 +90,7 @@ class Flux(Family):
         text ids, CLIP's pooled vector, timestep / 1000 and, for dev, the guidance value."""
         height, width = noisy.shape[2:]
         embeds = text["t5_hidden"]
-        with_guidance = network.config.guidance_embeds
+        with_guidance = getattr(network, "module", network).config.guidance_embeds  # DDP wraps it on several processes
         prediction = network(
             hidden_states=pack(noisy), timestep=timesteps / 1000,
             guidance=torch.full((len(noisy),), guidance, device=noisy.device) if with_guidance else None,

@@ -44,6 +44,10 @@ class TextEncoderSpec:
     # masked: padding positions kept after the real tokens, encoded under the mask like them, for a
     # transformer that attends to them too (Chroma's attends to the first)
     pads_kept: int = 0
+    # masked: the pipeline trims the states to the real tokens and zero-pads them to max_length, and
+    # its transformer attends to every position (Wan's): the cache keeps the real tokens, the reader
+    # rebuilds the zeros
+    zero_padded: bool = False
     # hidden: the last hidden state; penultimate: the hidden states before the last layer;
     # pooled: the pooled (for a projection model, projected) vector. The first is the cache's main
     # tensor; the pooled one is stored as one row of one token
@@ -77,6 +81,7 @@ class Family:
     pipelines: tuple[str, ...] = ()  # the `_class_name`s of model_index.json this family reads
     pipeline_name: str = ""  # the diffusers pipeline that samples from it
     transformer_name: str = ""  # the diffusers class of its transformer
+    vae_name: str = "AutoencoderKL"  # the diffusers class of its VAE
     text_encoders: tuple[TextEncoderSpec, ...] = ()  # in the order the family's pipeline joins them
     lora_targets: tuple[str, ...] = ()  # the modules LoRA adapts when training.target_modules is None
     # names the bucket tables in the latent cache's fingerprint; None: diffusers' PixArt tables,
@@ -108,6 +113,15 @@ class Family:
         """height/width ratio → [height, width] in pixels, for `latent_encoding.resolution`."""
         raise NotImplementedError
 
+    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """What the VAE encodes of a batch of pictures [B, 3, H, W] in [-1, 1]: the pictures."""
+        return pixels
+
+    def latent_factors(self, config: Any) -> tuple[float | list[float], float | list[float]]:
+        """(shift, scale) that normalise the VAE's latents, `(z − shift) · scale`, per channel where
+        lists, `config` being the VAE's config: its `shift_factor` (none: 0) and `scaling_factor`."""
+        return config.get("shift_factor") or 0.0, config.scaling_factor
+
     # --- the transformer: loading, the call, the objective -------------------------------
     @serialised
     def load_transformer(self, model: ModelConfig, dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -126,11 +140,11 @@ class Family:
         run's timestep sampling and loss weighting (None: the family's own)."""
         raise NotImplementedError
 
-    def image_tokens(self, config: Any, height: int, width: int) -> int:
-        """The transformer's tokens for latents of height × width, `config` being its config
-        (`training.batch_tokens` counts them)."""
+    def image_tokens(self, config: Any, *sides: int) -> int:
+        """The transformer's tokens for latents of `sides` (height, width; or frames, height, width),
+        `config` being its config (`training.batch_tokens` counts them)."""
         patch = config["patch_size"]
-        return (height // patch) * (width // patch)
+        return (sides[-2] // patch) * (sides[-1] // patch)
 
     def target_modules(self, training: TrainingConfig) -> list[str]:
         """The transformer modules that get LoRA layers: the config's, else the family's."""
@@ -182,11 +196,20 @@ class Family:
         there is nothing for `true_cfg_scale` to add."""
         return {"guidance_scale": guidance_scale}
 
+    def picture_options(self) -> dict[str, Any]:
+        """What else the pipeline is called with to draw pictures (none by default)."""
+        return {}
+
+    def pictures(self, output: Any) -> list[Any]:
+        """The PIL pictures of the pipeline's output."""
+        return output.images
+
     def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
         """The pipeline's arguments for pre-encoded prompts (the first `count` rows of `text`)
         and their negative prompts (the rest)."""
         raise NotImplementedError
 
-    def comfyui_prefix(self) -> str:
-        """The prefix of the transformer's module names in ComfyUI's LoRA key map."""
-        return "transformer."
+    def comfyui_key(self, module: str) -> str:
+        """A transformer module's name (diffusers') in ComfyUI's LoRA key map: under `transformer.`,
+        which ComfyUI maps onto its own names for the families it converts from diffusers."""
+        return f"transformer.{module}"

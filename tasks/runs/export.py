@@ -3,9 +3,10 @@
 `diffusers`: the file the family's pipeline writes with `save_lora_weights` and reads with
 `load_lora_weights` (rank and alpha in its metadata), written by that function itself.
 
-`comfyui`: one safetensors file that ComfyUI's LoRA loader maps onto the family's model: diffusers
-module names under the family's prefix, `lora_A`/`lora_B` weights and, for every module,
-`alpha`. ComfyUI reads no adapter_config.json and scales an update by alpha / rank (1.0 without
+`comfyui`: one safetensors file that ComfyUI's LoRA loader maps onto the family's model: each
+module by the name ComfyUI's key map gives it (`Family.comfyui_key`: diffusers' names under
+`transformer.` where ComfyUI converts them, the model's own names where it does not), `lora_A`/
+`lora_B` weights and, for every module, `alpha`. ComfyUI reads no adapter_config.json and scales an update by alpha / rank (1.0 without
 an alpha), while PEFT scales by lora_alpha / r: without the alphas an r=32, alpha=16 adapter would
 act twice as strongly there.
 """
@@ -13,6 +14,7 @@ act twice as strongly there.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,8 +27,10 @@ FORMATS = ("comfyui", "diffusers")
 PEFT_PREFIX = "base_model.model."
 
 
-def comfyui_lora(tensors: dict[str, torch.Tensor], adapter_config: dict, prefix: str) -> dict[str, torch.Tensor]:
-    """PEFT adapter tensors → ComfyUI's LoRA layout, the transformer's modules under `prefix`."""
+def comfyui_lora(tensors: dict[str, torch.Tensor], adapter_config: dict, name: Callable[[str], str]
+                 ) -> dict[str, torch.Tensor]:
+    """PEFT adapter tensors → ComfyUI's LoRA layout, each transformer module by `name(module)` (the
+    family's `comfyui_key`)."""
     for option in ("use_dora", "use_rslora"):
         if adapter_config.get(option):
             raise ValueError(f"the adapter uses {option}, which ComfyUI's LoRA loader does not read")
@@ -38,8 +42,8 @@ def comfyui_lora(tensors: dict[str, torch.Tensor], adapter_config: dict, prefix:
         if not key.startswith(PEFT_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
             raise ValueError(f"adapter key {key!r} is not a PEFT LoRA weight of the transformer")
         module = key[len(PEFT_PREFIX) : -len(".lora_A.weight")]
-        out[f"{prefix}{module}{key[-len('.lora_A.weight'):]}"] = tensor
-        out[f"{prefix}{module}.alpha"] = torch.tensor(float(adapter_config["lora_alpha"]))
+        out[f"{name(module)}{key[-len('.lora_A.weight'):]}"] = tensor
+        out[f"{name(module)}.alpha"] = torch.tensor(float(adapter_config["lora_alpha"]))
     return out
 
 
@@ -64,5 +68,5 @@ def export_adapter(url: str, format: str, options: dict | None = None) -> bytes:
     if format == "diffusers":
         with tempfile.TemporaryDirectory() as folder:
             return save_diffusers_lora(run.family, load(data), config, folder).read_bytes()
-    return save(comfyui_lora(load(data), config, run.family.comfyui_prefix()),
+    return save(comfyui_lora(load(data), config, run.family.comfyui_key),
                 metadata={"format": "pt", "precast.source": url})

@@ -56,9 +56,9 @@ def sample_grid(
     text = collate(prompt_features + [empty_features] * count)
     dtype = next(transformer.parameters()).dtype  # the features in the transformer's, masks as they are
     text = {name: value.to(device, dtype if value.is_floating_point() else value.dtype) for name, value in text.items()}
-    images = pipeline(**family.embedding_kwargs(text, count), height=side, width=side,
-                      num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
-                      generator=torch.Generator(device="cpu").manual_seed(seed)).images
+    images = family.pictures(pipeline(**family.embedding_kwargs(text, count), height=side, width=side,
+                                      num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
+                                      **family.picture_options(), generator=torch.Generator(device="cpu").manual_seed(seed)))
     return side_by_side(images)
 
 
@@ -90,6 +90,7 @@ def sample_run(
     options = family.prompt_options(pipeline, prompts, text)
     if "resolution" in run.lineage:  # the side it trained at (runs before it was recorded: the pipeline's default)
         options.update(height=run.lineage["resolution"], width=run.lineage["resolution"])
-    images = pipeline(num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
-                      generator=torch.Generator(device="cpu").manual_seed(seed), **options).images
+    images = family.pictures(pipeline(num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
+                                      generator=torch.Generator(device="cpu").manual_seed(seed),
+                                      **family.picture_options(), **options))
     return side_by_side(images)

@@ -43,11 +43,14 @@ class TextCaches:
         self.prompts = [self._shards[key] for key in (prompts or {}).values()]
 
     def features(self, shards: list[RaggedShard], row: str) -> dict[str, torch.Tensor]:
-        """Each encoder's outputs for `row` of its shard: sequences [len, D], pooled vectors [D]."""
+        """Each encoder's outputs for `row` of its shard: sequences [len, D] (a zero-padded
+        encoder's with its zeros to the shard's max_length), pooled vectors [D]."""
         features = {}
         for spec, shard in zip(self.encoders, shards):
             for index, (output, key) in enumerate(zip(spec.outputs, spec.keys())):
                 value = shard.get(row, None if index == 0 else output)
+                if spec.zero_padded:
+                    value = torch.nn.functional.pad(value, (0, 0, 0, shard.meta["max_length"] - len(value)))
                 features[key] = value[0] if output == "pooled" else value
         return features
 
@@ -74,7 +77,8 @@ class CachedFeatures:
         self.text = TextCaches(store, encoders, {key: checksums[key] for key in {*text_keys, *named.values()}}, named)
         self._latents = {key: LatentShard(store.local_path(key, checksums[key])) for key in sorted(latent_keys)}
         first = next(iter(self._latents.values())).meta
-        self.scaling_factor, self.shift_factor = first["scaling_factor"], first["shift_factor"]
+        # the family's normalisation (`Family.latent_factors`): numbers, or one per channel
+        self.shift, self.scale = (torch.tensor(first[key], dtype=torch.float32) for key in ("shift_factor", "scaling_factor"))
         self.resolution = first["resolution"]  # the side of the square the buckets keep the area of
         self.buckets: dict[str, list[str]] = defaultdict(list)
         for sample_id, row in sorted(self.samples.items()):
@@ -83,7 +87,7 @@ class CachedFeatures:
     def batch(
         self, sample_ids: list[str], generator: torch.Generator, caption_dropout: float
     ) -> tuple[torch.Tensor, Conditioning]:
-        """Scaled latents [B, C, h, w] drawn from the stored posteriors (of the flipped image half of
+        """Normalised latents [B, C, (F,) h, w] drawn from the stored posteriors (of the flipped image half of
         the time when flips are stored) and the text features of a caption variant of each (the
         empty caption's, at the rate of `caption_dropout`), collated (`storage.shards.collate`)."""
         latents, texts = [], []
@@ -95,7 +99,8 @@ class CachedFeatures:
             latent = mean.float()
             if std is not None:  # a fresh draw from the posterior every time the sample is seen
                 latent = latent + std.float() * torch.randn(mean.shape, generator=generator)
-            latents.append((latent - self.shift_factor) * self.scaling_factor)
+            per_channel = (-1, *[1] * (latent.ndim - 1))
+            latents.append((latent - self.shift.view(per_channel)) * self.scale.view(per_channel))
             if torch.rand((), generator=generator).item() < caption_dropout:
                 texts.append(self.text.prompt(""))
             else:
@@ -111,7 +116,7 @@ class Batches:
     `batch_size`, `batch_tokens`, `caption_dropout`, `accumulation` and `prefetch`."""
 
     def __init__(self, training: TrainingConfig, features: CachedFeatures, buckets: dict[str, list[str]],
-                 dist: Distributed, tokens: Callable[[int, int], int]):
+                 dist: Distributed, tokens: Callable[..., int]):
         self.features, self.training, self.device = features, training, dist.device
         sizes = batch_sizes(buckets, training.batch_size, training.batch_tokens, tokens)
         self.stream = islice(enumerate(bucket_batches(buckets, sizes, training.seed)), dist.rank, None, dist.world)
@@ -149,17 +154,13 @@ class Batches:
 
 
 def batch_sizes(buckets: dict[str, list[str]], batch_size: int, batch_tokens: int | None,
-                tokens: Callable[[int, int], int]) -> dict[str, int]:
-    """Samples per micro-batch of each bucket (named "<height>x<width>" of its latents): batch_size,
-    or as many images as `batch_tokens` image tokens hold (at least one), `tokens(height, width)`
-    being an image's (the family's `image_tokens`)."""
+                tokens: Callable[..., int]) -> dict[str, int]:
+    """Samples per micro-batch of each bucket (named by its latents' sides, `bucket_name`):
+    batch_size, or as many samples as `batch_tokens` tokens hold (at least one), `tokens(*sides)`
+    being a sample's (the family's `image_tokens`)."""
     if batch_tokens is None:
         return {name: batch_size for name in buckets}
-    sizes = {}
-    for name in buckets:
-        height, width = (int(side) for side in name.split("x"))
-        sizes[name] = max(1, batch_tokens // tokens(height, width))
-    return sizes
+    return {name: max(1, batch_tokens // tokens(*(int(side) for side in name.split("x")))) for name in buckets}
 
 
 def bucket_batches(buckets: dict[str, list[str]], sizes: dict[str, int] | int, seed: int) -> Iterator[list[str]]:

@@ -93,7 +93,7 @@ class Trainer:
         features = CachedFeatures(store, job.manifest, family.text_encoders)
         self.validation = Validation.from_config(training, features)
         self.data = Batches(training, features, self.validation.training_buckets(), self.dist,
-                            lambda height, width: family.image_tokens(self.network.config, height, width))
+                            lambda *sides: family.image_tokens(self.network.config, *sides))
 
         # --- optimiser: AdamW (fused on accelerators) with linear warm-up ---------------------
         self.trainable = [p for p in self.network.parameters() if p.requires_grad]

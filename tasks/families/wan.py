@@ -1,0 +1,162 @@
+"""Wan 2.x text-to-video (`WanPipeline`: Wan 2.1 T2V 1.3B and 14B, Wan 2.2 TI2V-5B): umT5-XXL's
+hidden states encoded as `WanPipeline.encode_prompt` encodes them (the prompt cleaned by its
+`prompt_clean`, encoded under the tokenizer's mask, trimmed to the real tokens and zero-padded to
+`max_sequence_length`; the transformer attends to all of them, zeros included), so the cache keeps
+the real tokens and the reader rebuilds the zeros. The causal 3-D VAE (`AutoencoderKLWan`, 4×
+in time, 8× in space) normalised per channel by its `latents_mean` / `latents_std`; latents
+[C, F, h, w], a picture one frame; 1×2×2 patches inside the transformer; flow matching with the
+shift of the model's scheduler (`flow_shift` of its UniPC config), the transformer given σ·1000.
+
+Everything here is read from diffusers' `WanPipeline`; the tests call its functions on the other side.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import torch
+
+from configs.schema import ModelConfig, TrainingConfig
+from storage.fingerprint import hash_json
+from tasks.families.buckets import area_buckets
+from tasks.families.flow import FlowMatching
+from tasks.families.spec import Conditioning, Family, TextEncoderSpec
+
+
+# diffusers' module names → Wan's own (its reference code's, ComfyUI's), as diffusers'
+# scripts/convert_wan_to_diffusers.py renames them: in each block, then outside the blocks
+BLOCK_NAMES = {
+    **{f"attn1.{ours}": f"self_attn.{theirs}" for ours, theirs in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"),
+                                                                 ("to_out.0", "o"))},
+    **{f"attn2.{ours}": f"cross_attn.{theirs}" for ours, theirs in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"),
+                                                                  ("to_out.0", "o"), ("add_k_proj", "k_img"),
+                                                                  ("add_v_proj", "v_img"))},
+    "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
+}
+TOP_NAMES = {
+    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+    "condition_embedder.time_proj": "time_projection.1", "proj_out": "head.head",
+}
+
+
+def frames_rule(frames: int, temporal: int = 4) -> int:
+    """The frame count a Wan pipeline makes of `frames`: 4N + 1 (`temporal` the VAE's time
+    compression), as `WanPipeline.__call__` rounds it (8 → 9, 7 → 5), at least 1."""
+    if frames % temporal != 1:
+        frames = frames // temporal * temporal + 1
+    return max(frames, 1)
+
+
+def latent_frames(frames: int, temporal: int = 4) -> int:
+    """Latent frames of a 4N + 1 frame clip: the first frame alone, then each 4 (the causal VAE)."""
+    return (frames - 1) // temporal + 1
+
+
+class Wan(Family):
+    name = "Wan"
+    pipelines = ("WanPipeline",)
+    pipeline_name = "WanPipeline"
+    transformer_name = "WanTransformer3DModel"
+    vae_name = "AutoencoderKLWan"
+    text_encoders = (TextEncoderSpec("umt5", model_class="UMT5EncoderModel", zero_padded=True),)
+    # every linear layer of the blocks' self- and cross-attention and feed-forward, as the Wan
+    # trainers adapt them (musubi-tuner's and diffusion-pipe's WanAttentionBlock, finetrainers)
+    lora_targets = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
+                    "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
+    bucket_rule = "area/16"
+
+    def caption_rule(self, mode: str) -> str:
+        """For `diffusers`, the source of the pipeline's `prompt_clean` (and whether ftfy, which it
+        uses when installed, is)."""
+        if mode == "none":
+            return mode
+        from diffusers.pipelines.wan import pipeline_wan
+        from diffusers.utils import is_ftfy_available
+
+        return hash_json([inspect.getsource(f) for f in (pipeline_wan.prompt_clean, pipeline_wan.basic_clean,
+                                                         pipeline_wan.whitespace_clean)] + [is_ftfy_available()])
+
+    def preprocess_captions(self, texts: list[str], mode: str) -> list[str]:
+        """As written (`none`), or through the pipeline's own `prompt_clean` (`diffusers`)."""
+        if mode == "none":
+            return list(texts)
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        return [prompt_clean(text) for text in texts]
+
+    def default_max_length(self, model: ModelConfig) -> int:
+        return 512  # the pipeline's max_sequence_length
+
+    def bucket_table(self, resolution: int) -> dict[str, list[float]]:
+        return area_buckets(resolution)
+
+    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pictures [B, 3, H, W] are one-frame clips [B, 3, 1, H, W] to the 3-D VAE."""
+        return pixels.unsqueeze(2) if pixels.ndim == 4 else pixels
+
+    def latent_factors(self, config: Any) -> tuple[list[float], list[float]]:
+        """Per channel: (z − latents_mean) / latents_std, as the Wan pipelines normalise."""
+        return list(config.latents_mean), [1.0 / std for std in config.latents_std]
+
+    def schedule(self, model: ModelConfig, training: TrainingConfig | None = None) -> FlowMatching:
+        """Flow matching shifted by the model scheduler's `flow_shift` (a fixed shift)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        config = FlowMatchEulerDiscreteScheduler.load_config(model.path, subfolder="scheduler", revision=model.revision)
+        if not config.get("use_flow_sigmas") and not config.get("_class_name", "").startswith("FlowMatch"):
+            raise ValueError(f"{model.path}: its scheduler ({config.get('_class_name', 'unknown')}) has no flow sigmas: "
+                             f"it cannot train {self.name}, which trains by flow matching")
+        shift = config.get("flow_shift") or config.get("shift") or 1.0
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=config.get("num_train_timesteps", 1000),
+                                                    shift=shift)
+        return FlowMatching.of(scheduler, self.name, lambda height, width: (height // 2) * (width // 2), training)
+
+    def image_tokens(self, config: Any, *sides: int) -> int:
+        """Latent frames × h/2 × w/2 (patches of 1×2×2)."""
+        frames, height, width = (1, *sides) if len(sides) == 2 else sides
+        patch = config["patch_size"]
+        return frames // patch[0] * (height // patch[1]) * (width // patch[2])
+
+    def blocks(self, transformer: torch.nn.Module) -> list[torch.nn.Module]:
+        return list(transformer.blocks)
+
+    def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: Conditioning,
+                timesteps: torch.Tensor, **options: Any) -> torch.Tensor:
+        """As the pipeline calls it: latents [B, C, F, h, w], timestep in [0, 1000], umT5's states
+        zero-padded to max_length, no mask."""
+        return network(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=text["umt5_hidden"]).sample
+
+    def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
+        return {**super().prompt_options(pipeline, prompts, text), "max_sequence_length": text["max_length"]}
+
+    def picture_options(self) -> dict[str, Any]:
+        """One frame, as pictures: the pipeline's frames as PIL images."""
+        return {"num_frames": 1, "output_type": "pil"}
+
+    def pictures(self, output: Any) -> list[Any]:
+        """The first frame of each video."""
+        return [frames[0] for frames in output.frames]
+
+    def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
+        embeds = text["umt5_hidden"]
+        return {"prompt_embeds": embeds[:count], "negative_prompt_embeds": embeds[count:]}
+
+    def comfyui_key(self, module: str) -> str:
+        """Wan's own name under `diffusion_model.`: ComfyUI maps no diffusers names for Wan, only
+        its model's own (which diffusers' Wan LoRA loader reads too)."""
+        block = re.fullmatch(r"blocks\.(\d+)\.(.+)", module)
+        native = f"blocks.{block[1]}.{BLOCK_NAMES.get(block[2])}" if block and block[2] in BLOCK_NAMES \
+            else TOP_NAMES.get(module)
+        if native is None:
+            raise ValueError(f"module {module} has no name in Wan's own layout, which ComfyUI loads LoRAs by: adapt "
+                             f"the blocks' attention and feed-forward ({', '.join(BLOCK_NAMES)}), the embedders or "
+                             f"proj_out")
+        return f"diffusion_model.{native}"
+
+
+FAMILIES = (Wan(),)

@@ -1,0 +1,146 @@
+"""Wan 2.x through the family seam, against `WanPipeline`'s own functions: umT5's states as
+`encode_prompt` gives them (cleaned, masked, trimmed, zero-padded to max_sequence_length) rebuilt
+from a cache of the real tokens; the VAE's per-channel normalisation and the noisy input as the
+video-to-video pipeline forms them; the 4N + 1 frame rule; the shifted flow sigmas of its UniPC
+scheduler; the transformer called as the pipeline calls it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import UniPCMultistepScheduler, WanPipeline, WanVideoToVideoPipeline
+from diffusers.training_utils import compute_density_for_timestep_sampling
+
+from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig, TrainingConfig
+from storage.store import Store
+from tasks.encode.latents import encode_pixels
+from tasks.encode.models import build_vae
+from tasks.encode.text import encode_prompts
+from tasks.families import family_of
+from tasks.families.wan import Wan, frames_rule, latent_frames
+from tasks.identity import text_fingerprints
+from tasks.train.data import TextCaches
+from tests.pipeline_calls import transformer_calls
+
+PROMPTS = ["a red circle on a blue background", "  a &amp;lt;b&amp;gt;   green\n square  ", "stripes " * 600]
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory) -> ModelConfig:
+    from tasks.demo.flow_models import write_tiny_family
+
+    return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("wan") / "wan", "wan", vae_steps=0)))
+
+
+def cached_prompts(model: ModelConfig, root, prompts: list[str], **text) -> TextCaches:
+    """The prompts encoded by the stage's own function into a store under `root`, read back as
+    training reads them."""
+    storage, config = StorageConfig(root=str(root)), TextEncodingConfig(dtype="fp32", device="cpu", **text)
+    fingerprints = text_fingerprints(model, config)
+    records = encode_prompts(storage, model, config, fingerprints, prompts)
+    keys = {name: Store(storage).key(record["url"]) for name, record in records.items()}
+    return TextCaches(Store(storage), family_of(model).text_encoders,
+                      {keys[name]: record["sha256"] for name, record in records.items()}, keys)
+
+
+@pytest.mark.parametrize("max_length", [None, 64])
+def test_the_cache_keeps_the_real_tokens_and_the_reader_gives_what_encode_prompt_gives(wan, tmp_path, max_length):
+    """fp32, each prompt cleaned by the pipeline's `prompt_clean` (HTML entities, whitespace), cut
+    at max_sequence_length (512 by default), stored as its real tokens only and read back zero-padded
+    to max_sequence_length, as `encode_prompt` gives it."""
+    family = family_of(wan)
+    assert isinstance(family, Wan) and family.default_max_length(wan) == 512
+    length = max_length or 512
+    caches = cached_prompts(wan, tmp_path, PROMPTS, **({"max_length": max_length} if max_length else {}))
+    pipeline = WanPipeline.from_pretrained(wan.path)
+    embeds, _ = pipeline.encode_prompt(PROMPTS, do_classifier_free_guidance=False, max_sequence_length=length,
+                                       device=torch.device("cpu"))
+    tokens = pipeline.tokenizer([pipeline_clean(p) for p in PROMPTS], max_length=length, truncation=True).input_ids
+    for index, prompt in enumerate(PROMPTS):
+        stored = caches.prompts[0].get(prompt)
+        assert len(stored) == len(tokens[index]) < length or len(stored) == length  # the real tokens only
+        ours = caches.prompt(prompt)["umt5_hidden"]
+        assert ours.shape == (length, 64)
+        torch.testing.assert_close(ours, embeds[index], rtol=1e-4, atol=5e-5)
+        assert not ours[len(stored):].any()  # the pipeline's zeros, rebuilt
+
+
+def pipeline_clean(text: str) -> str:
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    return prompt_clean(text)
+
+
+def test_latents_are_normalised_and_noised_as_the_video_to_video_pipeline_does(wan):
+    """A picture is a one-frame clip to the 3-D VAE; (z − latents_mean) / latents_std per channel,
+    the reader's normalisation with the factors the latent stage records, is the pipeline's; and
+    the schedule's noisy input at σ is what its scheduler's `add_noise` gives at σ's timestep."""
+    family = family_of(wan)
+    vae = build_vae(wan, "fp32", "cpu")
+    pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    mean, _ = encode_pixels(vae, family.vae_pixels(pixels))
+    assert mean.shape == (2, 16, 1, 8, 6)
+    shift, scale = (torch.tensor(f) for f in family.latent_factors(vae.config))
+    ours = (mean - shift.view(-1, 1, 1, 1)) * scale.view(-1, 1, 1, 1)
+
+    pipeline = WanVideoToVideoPipeline.from_pretrained(wan.path)
+    pipeline.scheduler.set_timesteps(4)
+    timestep = pipeline.scheduler.timesteps[1:2].repeat(2)
+    noise = torch.randn(ours.shape, generator=torch.Generator().manual_seed(1))
+    theirs = pipeline.prepare_latents(pixels.unsqueeze(2), 2, 16, 64, 48, torch.float32, torch.device("cpu"),
+                                      torch.Generator().manual_seed(1), timestep=timestep)
+    sigma = pipeline.scheduler.sigmas[1:2].repeat(2)
+    schedule = family.schedule(wan)
+    torch.testing.assert_close(schedule.noised(ours, noise, sigma), theirs, rtol=1e-5, atol=1e-5)
+    # the transformer's timestep: σ · 1000, which the scheduler truncates to a whole timestep
+    assert ((schedule.timesteps(sigma) - timestep) % 1 == schedule.timesteps(sigma) - timestep).all()
+
+
+@pytest.mark.parametrize("frames", [1, 2, 5, 8, 17, 81, 83])
+def test_clips_have_the_frame_counts_the_pipeline_makes(wan, frames):
+    """`frames_rule` is the pipeline's 4N + 1 rounding, `latent_frames` its VAE's frames."""
+    pipeline = WanPipeline.from_pretrained(wan.path)
+    pipeline.set_progress_bar_config(disable=True)
+    latents = pipeline(prompt_embeds=torch.zeros(1, 8, 64), negative_prompt_embeds=torch.zeros(1, 8, 64),
+                       num_frames=frames, height=32, width=32, num_inference_steps=1, output_type="latent").frames
+    assert latents.shape[2] == latent_frames(frames_rule(frames))
+    assert frames_rule(frames) % 4 == 1 and abs(frames_rule(frames) - frames) <= 3
+
+
+@pytest.mark.parametrize("sampling", ["uniform", "logit_normal"])
+def test_sigmas_are_the_schedulers_flow_sigmas_with_its_shift(wan, sampling):
+    """σ drawn as the flow families draw it, from the sigmas of the model scheduler's own
+    `flow_shift` (3.0 as published): the UniPC scheduler given the unshifted values shifts them to
+    the same σ and timesteps."""
+    family = family_of(wan)
+    schedule = family.schedule(wan, TrainingConfig(timestep_sampling=sampling))
+    sigmas = schedule.draw(8, torch.Generator().manual_seed(2), torch.Size((8, 16, 1, 8, 8)))
+    u = compute_density_for_timestep_sampling("none" if sampling == "uniform" else sampling, 8, 0.0, 1.0,
+                                              generator=torch.Generator().manual_seed(2))
+    unshifted = 1.0 - (u * 1000).long().clamp(max=999).double() / 1000  # the 1000 training sigmas, unshifted
+    reference = UniPCMultistepScheduler.from_pretrained(wan.path, subfolder="scheduler")
+    assert reference.config.flow_shift == 3.0
+    reference.set_timesteps(sigmas=unshifted.numpy())
+    torch.testing.assert_close(sigmas, reference.sigmas[:-1].float(), rtol=1e-5, atol=1e-6)
+    assert ((schedule.timesteps(sigmas) - reference.timesteps) % 1 == schedule.timesteps(sigmas) - reference.timesteps).all()
+
+
+def test_the_transformer_is_called_as_the_pipeline_calls_it(wan, tmp_path):
+    """Given the cached prompt through `embedding_kwargs`, the pipeline calls its transformer on
+    [B, C, F, h, w] latents with umT5's zero-padded states; `predict` gives its prediction."""
+    family = family_of(wan)
+    caches = cached_prompts(wan, tmp_path, ["a green square on a white background"])
+    from storage.shards import collate
+
+    both = collate([caches.prompt("a green square on a white background"), caches.prompt("")])
+    pipeline = WanPipeline.from_pretrained(wan.path)
+    pipeline.set_progress_bar_config(disable=True)
+    calls = transformer_calls(pipeline)
+    pipeline(**family.embedding_kwargs(both, 1), num_frames=1, output_type="latent", height=48, width=32,
+             num_inference_steps=1, guidance_scale=2.0, generator=torch.Generator().manual_seed(0))
+    (seen, output), _ = calls
+    assert seen["hidden_states"].shape == (1, 16, 1, 6, 4) and seen["encoder_hidden_states"].shape == (1, 512, 64)
+    with torch.no_grad():
+        ours = family.predict(pipeline.transformer, seen["hidden_states"], {k: v[:1] for k, v in both.items()},
+                              seen["timestep"], **family.call_options(TrainingConfig()))
+    torch.testing.assert_close(ours, output)
