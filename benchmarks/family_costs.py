@@ -1,6 +1,6 @@
 """Cost model per family at the published shapes: parameters, LoRA r=32 parameters, cache bytes per
 sample and the memory a LoRA training step needs, for PixArt-Σ XL/2, FLUX.1-dev and -schnell, SD3.5
-Large and Medium and Chroma1-HD.
+Large and Medium, Chroma1-HD and Wan 2.1 T2V 1.3B and 14B (on 81-frame clips at 480p and 720p).
 
 Why: whether a family trains on a 24 GB card, and what its caches cost per million samples, decide
 a run's base precision and storage, and neither can be measured without the weights and a GPU. So
@@ -9,7 +9,8 @@ on 2 CPU cores), which counts every parameter exactly, and the family's own `lor
 `text_encoders` and T5 length decide the rest. docs/benchmarks.md ("Cost model per family") states
 these figures and how they add up.
 
-For one 1024×1024 image and one caption of 40 T5 tokens (Chroma also at its 512-token cap):
+For one 1024×1024 image (a Wan clip: 81 frames at 480×832 or 720×1280) and one caption of 40 T5
+tokens (Chroma also at its 512-token cap):
 - parameters of each transformer, text encoder and VAE; LoRA parameters on the family's targets;
 - text cache bytes per caption: each encoder's cached outputs in bf16, as its `TextEncoderSpec`
   says (a masked encoder keeps the real tokens and its kept pads, an unmasked one all of T5's
@@ -39,6 +40,7 @@ from tasks.families.flux import Flux
 from tasks.families.pixart import PixArt, PixArtSigma
 from tasks.families.sd3 import StableDiffusion3
 from tasks.families.spec import Conditioning, Family, TextEncoderSpec
+from tasks.families.wan import Wan, latent_frames
 
 # --- published configs: each model's config.json, checked against diffusers' conversion scripts
 # black-forest-labs/FLUX.1-dev transformer (convert_flux_to_diffusers.py: 19 double + 38 single blocks)
@@ -68,6 +70,18 @@ PIXART_SIGMA_XL2_1024 = dict(num_attention_heads=16, attention_head_dim=72, in_c
                              patch_size=2, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
                              norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
                              caption_channels=4096, interpolation_scale=2, use_additional_conditions=False)
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers and -14B-Diffusers transformers (convert_wan_to_diffusers.py;
+# the 14B's are WanTransformer3DModel's defaults)
+WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+WAN_14B = dict(WAN_1_3B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
+# their vae: AutoencoderKLWan's defaults (z_dim 16; 8x in space, 4x in time)
+WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+               temperal_downsample=[False, True, True])
+# google/umt5-xxl's encoder: Wan's text_encoder
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
 # google/t5-v1_1-xxl's encoder: every family's T5 (FLUX.1's text_encoder_2, SD3.5's text_encoder_3)
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
               feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
@@ -87,28 +101,35 @@ VAE4 = dict(VAE16, latent_channels=4, use_quant_conv=True, use_post_quant_conv=T
 # class, config)
 ENCODERS = {
     "T5 v1.1 XXL encoder": ("transformers", "T5EncoderModel", T5_XXL),
+    "umT5-XXL encoder (Wan)": ("transformers", "UMT5EncoderModel", UMT5_XXL),
     "CLIP-L (CLIPTextModel, FLUX)": ("transformers", "CLIPTextModel", CLIP_L),
     "CLIP-L (WithProjection, SD3)": ("transformers", "CLIPTextModelWithProjection", CLIP_L),
     "CLIP-G (WithProjection, SD3)": ("transformers", "CLIPTextModelWithProjection", CLIP_G),
     "VAE 16-ch (FLUX/SD3.5/Chroma)": ("diffusers", "AutoencoderKL", VAE16),
     "VAE 4-ch (SDXL, PixArt-Σ)": ("diffusers", "AutoencoderKL", VAE4),
+    "VAE 3-D (Wan 2.1)": ("diffusers", "AutoencoderKLWan", WAN_VAE),
 }
-TEXT_CONFIGS = {"t5": T5_XXL, "clip_l": CLIP_L, "clip_g": CLIP_G}  # by `TextEncoderSpec.name`
+TEXT_CONFIGS = {"t5": T5_XXL, "clip_l": CLIP_L, "clip_g": CLIP_G, "umt5": UMT5_XXL}  # by `TextEncoderSpec.name`
 
-IMAGE = 1024  # pixels a side
+IMAGE = (1, 1024, 1024)  # frames, height, width of a picture
+CLIP_480P, CLIP_720P = (81, 480, 832), (81, 720, 1280)  # Wan's clips: 5 s at 16 fps
 CAPTION_TOKENS = 40  # real T5 tokens of a typical caption, </s> included
 RANK = 32
 BF16 = torch.bfloat16
 GIB24 = 24 * 2**30  # a "24 GB" card
-# name: (family, transformer config, VAE config, the caption's real T5 tokens; None: as many as T5's limit)
+# name: (family, transformer config, VAE config, the caption's real T5 tokens (None: as many as
+# T5's limit), the sample's frames, height and width)
 FAMILIES = {
-    "PixArt-Σ XL/2": (PixArtSigma(), PIXART_SIGMA_XL2_1024, VAE4, CAPTION_TOKENS),
-    "FLUX.1-dev": (Flux(), FLUX_DEV, VAE16, CAPTION_TOKENS),
-    "FLUX.1-schnell": (Flux(), FLUX_SCHNELL, VAE16, CAPTION_TOKENS),
-    "SD3.5 Large": (StableDiffusion3(), SD35_LARGE, VAE16, CAPTION_TOKENS),
-    "SD3.5 Medium": (StableDiffusion3(), SD35_MEDIUM, VAE16, CAPTION_TOKENS),
-    "Chroma1-HD (40-token caption)": (Chroma(), CHROMA_HD, VAE16, CAPTION_TOKENS),
-    "Chroma1-HD (512 cap)": (Chroma(), CHROMA_HD, VAE16, None),
+    "PixArt-Σ XL/2": (PixArtSigma(), PIXART_SIGMA_XL2_1024, VAE4, CAPTION_TOKENS, IMAGE),
+    "FLUX.1-dev": (Flux(), FLUX_DEV, VAE16, CAPTION_TOKENS, IMAGE),
+    "FLUX.1-schnell": (Flux(), FLUX_SCHNELL, VAE16, CAPTION_TOKENS, IMAGE),
+    "SD3.5 Large": (StableDiffusion3(), SD35_LARGE, VAE16, CAPTION_TOKENS, IMAGE),
+    "SD3.5 Medium": (StableDiffusion3(), SD35_MEDIUM, VAE16, CAPTION_TOKENS, IMAGE),
+    "Chroma1-HD (40-token caption)": (Chroma(), CHROMA_HD, VAE16, CAPTION_TOKENS, IMAGE),
+    "Chroma1-HD (512 cap)": (Chroma(), CHROMA_HD, VAE16, None, IMAGE),
+    "Wan 2.1 T2V 1.3B (81 × 480×832)": (Wan(), WAN_1_3B, WAN_VAE, CAPTION_TOKENS, CLIP_480P),
+    "Wan 2.1 T2V 14B (81 × 480×832)": (Wan(), WAN_14B, WAN_VAE, CAPTION_TOKENS, CLIP_480P),
+    "Wan 2.1 T2V 14B (81 × 720×1280)": (Wan(), WAN_14B, WAN_VAE, CAPTION_TOKENS, CLIP_720P),
 }
 
 
@@ -161,13 +182,14 @@ def width(spec: TextEncoderSpec, output: str) -> int:
     return config.get("d_model") or config["hidden_size"]  # T5's name for it, CLIP's
 
 
-def conditioning(family: Family, model: ModelConfig, caption_tokens: int | None) -> Conditioning:
+def conditioning(family: Family, model: ModelConfig, caption_tokens: int | None, read: bool = False) -> Conditioning:
     """One caption's cached text features, on meta, as the text cache holds them under the default
-    `text_encoding` (T5 at the family's own length)."""
+    `text_encoding` (T5 at the family's own length), or as the training reader gives them (`read`:
+    a zero-padded encoder's at its whole length)."""
     text = {}
     for spec in family.text_encoders:
         length = family.text_length(model, spec, TextEncodingConfig())
-        if spec.masked:  # ragged: the real tokens and the pads the transformer attends to
+        if spec.masked and not (read and spec.zero_padded):  # ragged: the real tokens and the pads attended to
             length = min(length, (caption_tokens or length) + spec.pads_kept)
         for output, key in zip(spec.outputs, spec.keys()):
             if output == "pooled":
@@ -183,14 +205,22 @@ def text_cache(text: Conditioning) -> dict[str, Any]:
     return dict(parts=parts, total=sum(parts.values()))
 
 
-def latent_cache(vae: dict[str, Any]) -> dict[str, int]:
-    """precast stores the posterior's mean and std (or the mean only), C × (H/8) × (W/8) each."""
-    values = vae["latent_channels"] * latent_side(vae) ** 2
+def latent_cache(vae: dict[str, Any], sample: tuple[int, int, int]) -> dict[str, int]:
+    """precast stores the posterior's mean and std (or the mean only), C × (F) × (H/8) × (W/8) each."""
+    values = torch.Size(latent_shape(vae, sample)).numel()
     return {"mean+std fp16/bf16": 2 * values * 2, "mean+std fp32": 2 * values * 4, "mean only fp16/bf16": values * 2}
 
 
-def latent_side(vae: dict[str, Any]) -> int:
-    return IMAGE // 2 ** (len(vae["block_out_channels"]) - 1)  # each down block but the last halves it
+def latent_shape(vae: dict[str, Any], sample: tuple[int, int, int]) -> tuple[int, ...]:
+    """The latents of a sample (frames, height, width): C, h, w for a picture's VAE (each down block
+    but the last halves a side); C, F, h, w for Wan's (8x in space; the first frame alone, then 4
+    frames a latent frame)."""
+    frames, height, width = sample
+    if "z_dim" in vae:
+        down = 2 ** len(vae["temperal_downsample"])
+        return vae["z_dim"], latent_frames(frames, 2 ** sum(vae["temperal_downsample"])), height // down, width // down
+    down = 2 ** (len(vae["block_out_channels"]) - 1)
+    return vae["latent_channels"], height // down, width // down
 
 
 # --- LoRA and the activations it keeps, on meta --------------------------------------------
@@ -289,24 +319,25 @@ def tensors_in(obj):
             yield from tensors_in(item)
 
 
-def transformer_inputs(family: Family, config: dict[str, Any], vae: dict[str, Any], text: Conditioning) -> dict:
-    """The transformer's call for one image and caption, as the family's `predict` makes it: the
+def transformer_inputs(family: Family, config: dict[str, Any], vae: dict[str, Any], text: Conditioning,
+                       sample: tuple[int, int, int]) -> dict:
+    """The transformer's call for one sample and caption, as the family's `predict` makes it: the
     text as `embedding_kwargs` joins it, the latents the leaf gradients reach."""
     embeddings = family.embedding_kwargs(text, 1)
-    embeds, side = embeddings["prompt_embeds"], latent_side(vae)
+    embeds, latents = embeddings["prompt_embeds"], latent_shape(vae, sample)
     with torch.device("meta"):
         inputs = dict(encoder_hidden_states=embeds, timestep=torch.empty(1, dtype=BF16))
         if "pooled_prompt_embeds" in embeddings:
             inputs["pooled_projections"] = embeddings["pooled_prompt_embeds"]
         if isinstance(family, Flux):  # and Chroma: packed latents, 2×2 latent pixels a token, with ids
-            tokens = family.image_tokens(config, side, side)
+            tokens = family.image_tokens(config, *latents[1:])
             inputs.update(hidden_states=torch.empty(1, tokens, config["in_channels"], dtype=BF16, requires_grad=True),
                           img_ids=torch.empty(tokens, 3, dtype=BF16),
                           txt_ids=torch.empty(embeds.shape[1], 3, dtype=BF16))
             if config.get("guidance_embeds"):
                 inputs["guidance"] = torch.empty(1, dtype=BF16)
         else:
-            inputs["hidden_states"] = torch.empty(1, config["in_channels"], side, side, dtype=BF16, requires_grad=True)
+            inputs["hidden_states"] = torch.empty(1, *latents, dtype=BF16, requires_grad=True)
         if isinstance(family, PixArt):
             inputs["added_cond_kwargs"] = family.micro_conditions(inputs["hidden_states"], embeds)
     return inputs
@@ -356,24 +387,27 @@ def memory(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def family_costs(family: Family, config: dict[str, Any], vae: dict[str, Any], caption_tokens: int | None,
-                 folder: Path) -> dict[str, Any]:
-    text, side = conditioning(family, model_folder(config, folder), caption_tokens), latent_side(vae)
+                 sample: tuple[int, int, int], folder: Path) -> dict[str, Any]:
+    model_config = model_folder(config, folder)
+    text, latents = conditioning(family, model_config, caption_tokens), latent_shape(vae, sample)
     with torch.device("meta"):
         model = family.transformer_class()(**config)
     sizes = count(model)
     model = model.to(BF16).requires_grad_(False)
     lora_params, matched = inject_lora(model, list(family.lora_targets))
-    inputs = transformer_inputs(family, config, vae, text)
-    text_tokens, image_tokens = inputs["encoder_hidden_states"].shape[1], family.image_tokens(config, side, side)
-    # T, the sequence a block runs over: PixArt's text is only cross-attended, the others' joins the image's
-    tokens = image_tokens if isinstance(family, PixArt) else image_tokens + text_tokens
+    inputs = transformer_inputs(family, config, vae, conditioning(family, model_config, caption_tokens, read=True),
+                                sample)
+    text_tokens, image_tokens = inputs["encoder_hidden_states"].shape[1], family.image_tokens(config, *latents[1:])
+    # T, the sequence a block runs over: PixArt's and Wan's text is only cross-attended, the others'
+    # joins the image's
+    tokens = image_tokens if isinstance(family, (PixArt, Wan)) else image_tokens + text_tokens
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
     act = activations(family, model, inputs)
     for kind in act["block_kinds"].values():  # c: what one block keeps, in T×H bf16 tensors
         kind["c"] = kind["max_saved"] / (tokens * hidden * 2)
-    row = dict(cls=family.transformer_name, text_tokens=text_tokens, **sizes, base=base_bytes(sizes),
-               lora_params=lora_params, matched=matched, hidden=hidden, act=act, text_cache=text_cache(text),
-               latent_cache=latent_cache(vae))
+    row = dict(cls=family.transformer_name, text_tokens=text_tokens, image_tokens=image_tokens, sample=sample,
+               latents=latents, **sizes, base=base_bytes(sizes), lora_params=lora_params, matched=matched,
+               hidden=hidden, act=act, text_cache=text_cache(text), latent_cache=latent_cache(vae, sample))
     row["memory"] = memory(row)
     return row
 
@@ -387,8 +421,8 @@ def run() -> dict[str, Any]:
                                transformers=transformers.__version__, peft=peft.__version__),
               "encoders": encoder_params(), "families": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, (family, config, vae, caption_tokens)) in enumerate(FAMILIES.items()):
-            result["families"][name] = family_costs(family, config, vae, caption_tokens, Path(tmp) / str(i))
+        for i, (name, (family, config, vae, caption_tokens, sample)) in enumerate(FAMILIES.items()):
+            result["families"][name] = family_costs(family, config, vae, caption_tokens, sample, Path(tmp) / str(i))
     return result
 
 
@@ -402,7 +436,8 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
         out += [
             (f"family costs: {name}", f"{row['params']:,} params; LoRA r={RANK}: {row['lora_params']:,}",
              f"text cache {row['text_cache']['total']:,} B/caption ({row['text_tokens']} tokens), latents "
-             f"{row['latent_cache']['mean+std fp16/bf16']:,} B/image (fp16 mean+std, {IMAGE}²)", ""),
+             f"{row['latent_cache']['mean+std fp16/bf16']:,} B/sample (fp16 mean+std, "
+             f"{'×'.join(str(side) for side in row['sample'] if side > 1)}; {row['image_tokens']:,} tokens)", ""),
             (f"family costs: {name}, LoRA step", f"{m['total_bf16'] / 1e9:.1f} GB bf16 base ({fits['bf16']}), "
              f"{m['total_int8'] / 1e9:.1f} GB int8/fp8 ({fits['int8']})",
              f"activations {m['activations'] / 1e9:.2f} GB (c per block {c}); "
