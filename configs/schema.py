@@ -74,6 +74,36 @@ class SourceConfig(Section):
     file_column: str = Field("file_name", description="jsonl/csv field with the image path, relative to the file.")
 
 
+class VideoConfig(Section):
+    frames: int = Field(
+        81, ge=2, le=1024, description="Frames per clip, after resampling to fps. The model family may require a "
+        "count (Wan: 4N + 1, such as 17, 33, 49, 81); clips of another count are quarantined when latents are "
+        "encoded, naming the rule.",
+    )
+    fps: float | None = Field(
+        16.0, gt=0, le=240, description="Frames per second clips are resampled to, by the frames' own timestamps "
+        "(Wan 2.1 was trained at 16). None: each video's own average rate.",
+    )
+    clips: Literal["head", "uniform", "sliding"] = Field(
+        "head", description="Where a video's clips start: head: one, at the start; uniform: max_clips spread evenly "
+        "from the start to the end; sliding: every `stride` frames from the start, at most max_clips.",
+    )
+    max_clips: int = Field(1, ge=1, le=10_000, description="Clips a video gives at most (uniform, sliding).")
+    stride: int | None = Field(
+        None, ge=1, description="sliding: frames (at fps) from one clip's start to the next. None: `frames`, clips "
+        "that do not overlap.",
+    )
+    frame_pixels: int = Field(
+        1280 * 720, ge=64 * 64, description="Frames are stored scaled down to at most this many pixels (a clip is "
+        "stored as an animated WebP); the latent stage crops and scales them to its buckets as it does pictures.",
+    )
+    quality: int = Field(92, ge=1, le=100, description="WebP quality of the stored frames.")
+    max_seconds: float = Field(
+        3600.0, gt=0, description="Videos longer than this are quarantined unread (a duration bomb).",
+    )
+    max_bytes: int = Field(2 << 30, ge=1, description="Video files larger than this are quarantined unread.")
+
+
 class DatasetConfig(Section):
     sources: list[SourceConfig] = Field(
         ..., min_length=1, description="Where the training images and captions come from (at least one source).",
@@ -92,6 +122,10 @@ class DatasetConfig(Section):
         1000, ge=1, description="When ingest runs on workers (execution.workers > 1 or execution.cluster): units (an "
         "image with its caption file or metadata row, or a whole parquet or tar file) a worker reads and examines in "
         "one task, up to 256 MiB of them. Outputs do not depend on it.",
+    )
+    video: VideoConfig = Field(
+        default_factory=VideoConfig, description="How video files (mp4, mov, webm, mkv) become clips, a sample each. "
+        "Pictures are one-frame samples.",
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from configs.schema import DatasetConfig, LatentEncodingConfig, ModelConfig, TextEncodingConfig, TrainingConfig
+from configs.schema import DatasetConfig, LatentEncodingConfig, ModelConfig, TextEncodingConfig, TrainingConfig, VideoConfig
 from storage import layout
 from storage.fingerprint import component_fingerprint, hash_json
 from tasks.families import family_of
@@ -32,7 +32,9 @@ NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints", "nodes", "pro
 
 def config_hash(dataset: DatasetConfig) -> str:
     """What names these sources and ingest rules (how many are read at once, and where, is no part of it)."""
-    return hash_json(dataset.model_dump(exclude={"read_concurrency", "partition_size"}))
+    # the clip policy where it is not the default, so the names of rules from before videos stand
+    unnamed = {"read_concurrency", "partition_size"} | ({"video"} if dataset.video == VideoConfig() else set())
+    return hash_json(dataset.model_dump(exclude=unnamed))
 
 
 def image_shard_id(rows: list[tuple[str, Any]]) -> str:

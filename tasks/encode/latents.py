@@ -3,7 +3,9 @@ mean) per aspect-ratio bucket.
 
 Each image goes to the nearest ratio of the model family's bucket table for the configured
 resolution, is resized to cover it and cropped (centred, or at a seeded position), and encoded in
-batches that never mix shapes. The posterior (mean, std) is stored unscaled so training samples a
+batches that never mix shapes. A clip (a video's, stored as an animated WebP) is cropped frame by
+frame as its first frame's box says and encoded whole, for a family that takes clips of its frame
+count (`Family.clip_problem`; others quarantine it, naming why). The posterior (mean, std) is stored unscaled so training samples a
 fresh latent each epoch; the VAE's scaling factor is recorded in the shard and applied by the reader.
 Output: `cache/latents/<vae_fp>/<shard_id>.safetensors`.
 """
@@ -26,6 +28,7 @@ from storage import layout
 from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id_of
 from storage.store import Store
 from tasks.encode.models import build_vae, load_vae
+from tasks.ingest.video import clip_frames, frame_count
 from tasks.families import family_of
 from tasks.loading import DTYPES
 from tasks.identity import LATENT_FORMAT
@@ -59,7 +62,16 @@ def crop_box(table: dict[str, list[float]], width: int, height: int, crop: str, 
 def preprocess(image_bytes: bytes, box: list[int]) -> torch.Tensor:
     """Pixels the VAE sees: resized (bicubic) and cropped by `box`, scaled to [-1, 1], [3, H, W]."""
     with Image.open(io.BytesIO(image_bytes)) as opened:
-        image = opened.convert("RGB").resize(tuple(box[:2]), Image.Resampling.BICUBIC).crop(tuple(box[2:]))
+        return pixels_of(opened.convert("RGB"), box)
+
+
+def preprocess_clip(clip_bytes: bytes, box: list[int]) -> torch.Tensor:
+    """A clip's pixels, each frame as `preprocess` makes a picture's: [3, F, H, W]."""
+    return torch.stack([pixels_of(frame, box) for frame in clip_frames(clip_bytes)], dim=1)
+
+
+def pixels_of(image: Image.Image, box: list[int]) -> torch.Tensor:
+    image = image.resize(tuple(box[:2]), Image.Resampling.BICUBIC).crop(tuple(box[2:]))
     pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
     return pixels.float().div(127.5).sub(1.0)
 
@@ -82,12 +94,14 @@ def stored_parts(mean: torch.Tensor, logvar: torch.Tensor, posterior: str) -> di
     return {"mean": mean, "std": torch.exp(0.5 * logvar)}
 
 
-def same_size_batches(samples: list[dict], boxes: dict[str, list[int]], batch_size: int) -> list[list[dict]]:
-    """Batches of at most `batch_size` samples whose crops share one size, bucket by bucket."""
-    by_bucket: dict[tuple[int, int], list[dict]] = defaultdict(list)
+def same_size_batches(samples: list[dict], boxes: dict[str, list[int]], batch_size: int,
+                      frames: dict[str, int] | None = None) -> list[list[dict]]:
+    """Batches of at most `batch_size` samples whose crops share one size (and clips one frame
+    count, `frames` by sample id), bucket by bucket."""
+    by_bucket: dict[tuple[int, int, int], list[dict]] = defaultdict(list)
     for sample in samples:
         box = boxes[sample["sample_id"]]
-        by_bucket[(box[5] - box[3], box[4] - box[2])].append(sample)
+        by_bucket[((frames or {}).get(sample["sample_id"], 1), box[5] - box[3], box[4] - box[2])].append(sample)
     return [items[i : i + batch_size] for _, items in sorted(by_bucket.items()) for i in range(0, len(items), batch_size)]
 
 
@@ -121,10 +135,17 @@ def encode_latents_shard(
     samples = read_image_shard(store.read_verified(store.key(shard_url)),
                                columns=["sample_id", "image", "width", "height"]).to_pylist()
     family = family_of(model)
+    quarantined: list[dict[str, str]] = []
+    frames = {s["sample_id"]: frame_count(s["image"]) for s in samples}  # a picture is one frame
+    problems = {s["sample_id"]: problem for s in samples if (problem := family.clip_problem(frames[s["sample_id"]]))}
+    for sample_id, problem in problems.items():
+        quarantined.append({"sample_id": sample_id, "reason": "frames", "message": problem})
+        log.warning("quarantined sample %s of shard %s: %s", sample_id, shard_id, problem)
+    samples = [s for s in samples if s["sample_id"] not in problems]
     table = family.bucket_table(latents.resolution)
     boxes = {s["sample_id"]: crop_box(table, s["width"], s["height"], latents.crop, latents.crop_seed, s["sample_id"])
              for s in samples}
-    batches = same_size_batches(samples, boxes, latents.batch_size)
+    batches = same_size_batches(samples, boxes, latents.batch_size, frames)
 
     vae = load_vae(model, latents.dtype, latents.device)
     # the cached VAE is shared by shards of any config: set both switches every time
@@ -134,9 +155,10 @@ def encode_latents_shard(
     store_dtype = DTYPES[latents.storage_dtype]
     encoded: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
     rows: dict[str, tuple[str, int]] = {}
-    quarantined: list[dict[str, str]] = []
 
     def load_pixels(batch: list[dict]) -> torch.Tensor:
+        if frames[batch[0]["sample_id"]] > 1:
+            return torch.stack([preprocess_clip(s["image"], boxes[s["sample_id"]]) for s in batch])
         return family.vae_pixels(torch.stack([preprocess(s["image"], boxes[s["sample_id"]]) for s in batch]))
 
     # with an accelerator, decoding the next batch overlaps the VAE; on a CPU they would only

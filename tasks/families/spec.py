@@ -117,6 +117,11 @@ class Family:
         """What the VAE encodes of a batch of pictures [B, 3, H, W] in [-1, 1]: the pictures."""
         return pixels
 
+    def clip_problem(self, frames: int) -> str | None:
+        """Why a sample of `frames` frames (a picture is one) cannot be encoded, None when it can:
+        by default the family trains on pictures."""
+        return None if frames == 1 else f"a clip of {frames} frames: {self.name} trains on pictures"
+
     def latent_factors(self, config: Any) -> tuple[float | list[float], float | list[float]]:
         """(shift, scale) that normalise the VAE's latents, `(z − shift) · scale`, per channel where
         lists, `config` being the VAE's config: its `shift_factor` (none: 0) and `scaling_factor`."""

@@ -95,6 +95,13 @@ class Wan(Family):
     def bucket_table(self, resolution: int) -> dict[str, list[float]]:
         return area_buckets(resolution)
 
+    def clip_problem(self, frames: int) -> str | None:
+        """Clips of 4N + 1 frames: the causal VAE encodes the first alone and then 4 a latent frame."""
+        if frames % 4 == 1:
+            return None
+        return (f"a clip of {frames} frames: Wan's VAE takes 4N + 1 (such as {frames_rule(frames - 2)} or "
+                f"{frames_rule(frames + 2)}; dataset.video.frames sets it)")
+
     def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """Pictures [B, 3, H, W] are one-frame clips [B, 3, 1, H, W] to the 3-D VAE."""
         return pixels.unsqueeze(2) if pixels.ndim == 4 else pixels

@@ -1,9 +1,11 @@
-"""Examining a candidate: what it becomes (an `Outcome`), a sample or quarantined with a reason.
+"""Examining a candidate: what it becomes (`Outcome`s), a sample or quarantined with a reason.
 
 Each image is hashed and checked in the thread that read it (Pillow decodes without holding the
 GIL), by the rules of tasks/ingest/untrusted.py; a new image is normalised and spilled to local
-disk, where its shard is written from, so it does not wait in memory. The same code examines a
-unit in the ingest's process and on a worker (tasks/ingest/staging.py).
+disk, where its shard is written from, so it does not wait in memory. A video becomes its clips,
+a sample each (tasks/ingest/video.py; FFmpeg decodes without holding the GIL either), or is
+quarantined whole. The same code examines a unit in the ingest's process and on a worker
+(tasks/ingest/staging.py).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import fsspec
 
 from configs.schema import DatasetConfig, SourceConfig
 from storage.fingerprint import sha256_bytes
-from tasks.ingest.formats import Candidate, read_unit
+from tasks.ingest.formats import Candidate, is_video_name, read_unit
 from tasks.ingest.listing import is_remote
-from tasks.ingest.untrusted import Rejected, check_geometry, max_image_bytes, normalise_image, printable
+from tasks.ingest.untrusted import Rejected, check_geometry, max_bytes, normalise_image, printable
+from tasks.ingest.video import is_video, read_video
 
 
 @dataclass
@@ -39,16 +42,22 @@ class Outcome:
 
 
 def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str], tuple[int, int] | None],
-            keep: Callable[[str, bytes], None]) -> Outcome:
+            keep: Callable[[str, bytes], None]) -> list[Outcome]:
     """One candidate checked: hashed, its geometry checked, and a new image (one `stored` does not
-    give the size of) decoded, normalised and handed to `keep` under its sample id. Never raises:
-    one bad file never fails the stage."""
+    give the size of) decoded, normalised and handed to `keep` under its sample id; a video, each
+    of its clips. Never raises: one bad file never fails the stage."""
     outcome = Outcome(printable(candidate.source), candidate.format)
     try:
         if candidate.problem is not None:
             raise candidate.problem
         if not candidate.image:
             raise Rejected("empty_file", "zero bytes")
+        if is_video(candidate.image):
+            if len(candidate.image) > dataset.video.max_bytes:
+                raise Rejected("too_large", f"over video.max_bytes={dataset.video.max_bytes}")
+            captions = sorted(set(candidate.captions))
+            return [Outcome(outcome.source, outcome.format, sample_id, captions, width, height, spilled=new)
+                    for sample_id, width, height, new in read_video(candidate.image, dataset, stored, keep)]
         outcome.sample_id = sha256_bytes(candidate.image)
         if (size := stored(outcome.sample_id)) is not None:  # validated when first ingested; only the rules may have changed
             outcome.width, outcome.height = size
@@ -67,7 +76,7 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
     if outcome.reason is not None:
         outcome.sample_id = outcome.captions = None
         outcome.spilled = False
-    return outcome
+    return [outcome]
 
 
 def spill_image(spill: Path, sample_id: str, image: bytes) -> None:
@@ -81,8 +90,11 @@ def spill_image(spill: Path, sample_id: str, image: bytes) -> None:
 def examine_unit(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, plan: list, dataset: DatasetConfig,
                  stored: Callable[[str], tuple[int, int] | None], keep: Callable[[str, bytes], None]) -> list[Outcome]:
     """A unit's candidates (its `plan` read from `fs`), each examined."""
-    return [examine(candidate, dataset, stored, keep)
-            for candidate in read_unit(fs, fmt, source, plan, max_image_bytes(dataset))]
+    def limit(name: str) -> int:
+        return max_bytes(dataset, is_video_name(name))
+
+    return [outcome for candidate in read_unit(fs, fmt, source, plan, limit)
+            for outcome in examine(candidate, dataset, stored, keep)]
 
 
 def reading_threads(path: str, dataset: DatasetConfig) -> int:

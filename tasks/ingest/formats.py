@@ -20,7 +20,7 @@ import itertools
 import json
 import posixpath
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,6 +33,8 @@ from tasks.ingest.untrusted import (MAX_CAPTION_BYTES, Rejected, caption_variant
                                     read_file)
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"})
+VIDEO_EXTENSIONS = frozenset({"mp4", "m4v", "mov", "webm", "mkv"})
+Limit = Callable[[str], int]  # the most bytes read of a file by its name (`untrusted.max_bytes`)
 CAPTION_EXTENSIONS = ("txt", "caption")  # in order of preference
 CHUNK = 1 << 20
 
@@ -83,8 +85,14 @@ def count_units(listing: Listing) -> int:
 
 
 def is_image_name(path: str) -> bool:
+    """A picture's or a video's file name (a video gives clips: tasks/ingest/video.py)."""
     stem, dot, ext = path.rpartition(".")
-    return bool(dot) and ext.lower() in IMAGE_EXTENSIONS
+    return bool(dot) and ext.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
+
+
+def is_video_name(path: str) -> bool:
+    stem, dot, ext = path.rpartition(".")
+    return bool(dot) and ext.lower() in VIDEO_EXTENSIONS
 
 
 def folder_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
@@ -168,17 +176,17 @@ def webdataset_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
 
 
 def read_unit(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, plan: list,
-              max_image_bytes: int) -> Iterator[Candidate]:
+              limit: Limit) -> Iterator[Candidate]:
     """The candidates of a unit's `plan`, read from `fs` (what `source_units` planned on the
     listing's filesystem, here or on another worker)."""
     kind, *args = plan
     if kind == "file":
-        yield read_captioned_file(fs, fmt, *args, max_image_bytes)
+        yield read_captioned_file(fs, fmt, *args, limit)
     elif kind == "image":
         path, where, captions = args
         candidate = Candidate(where, fmt, captions=captions)
         try:
-            candidate.image = read_file(fs, path, max_image_bytes, "missing_image")
+            candidate.image = read_file(fs, path, limit(path), "missing_image")
         except Rejected as problem:
             candidate.problem = problem
         yield candidate
@@ -188,11 +196,11 @@ def read_unit(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, pla
     elif kind == "parquet":
         yield from read_parquet(fs, args[0], source, fmt)
     elif kind == "tar":
-        yield from read_webdataset(fs, args[0], source, fmt, max_image_bytes)
+        yield from read_webdataset(fs, args[0], source, fmt, limit)
 
 
 def read_captioned_file(fs: fsspec.AbstractFileSystem, fmt: str, file: str, caption_file: str | None,
-                        max_image_bytes: int) -> Candidate:
+                        limit: Limit) -> Candidate:
     """An image file of a folder and the caption file beside it."""
     candidate = Candidate(fs.unstrip_protocol(file), fmt)
     try:
@@ -200,7 +208,7 @@ def read_captioned_file(fs: fsspec.AbstractFileSystem, fmt: str, file: str, capt
             stem = posixpath.basename(file.rpartition(".")[0])
             raise Rejected("missing_caption", f"no {stem}.txt or .caption beside the image")
         candidate.captions = caption_variants(read_file(fs, caption_file, MAX_CAPTION_BYTES, "missing_caption"))
-        candidate.image = read_file(fs, file, max_image_bytes, "missing_image")
+        candidate.image = read_file(fs, file, limit(file), "missing_image")
     except Rejected as problem:
         candidate.problem = problem
     return candidate
@@ -242,9 +250,10 @@ def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, limit: int =
     return data
 
 
-def read_webdataset(fs, file: str, source: SourceConfig, fmt: str, max_image_bytes: int) -> Iterator[Candidate]:
-    """webdataset tars: adjacent members sharing a key (`x.jpg` + `x.txt` or `x.json`), streamed."""
-    limits = {**dict.fromkeys(IMAGE_EXTENSIONS, max_image_bytes), "txt": MAX_CAPTION_BYTES, "json": MAX_CAPTION_BYTES}
+def read_webdataset(fs, file: str, source: SourceConfig, fmt: str, limit: Limit) -> Iterator[Candidate]:
+    """webdataset tars: adjacent members sharing a key (`x.jpg` or `x.mp4` + `x.txt` or `x.json`), streamed."""
+    limits = {**{ext: limit(f"x.{ext}") for ext in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS}, "txt": MAX_CAPTION_BYTES,
+              "json": MAX_CAPTION_BYTES}
     url = fs.unstrip_protocol(file)
     key, parts, last = None, {}, None
     try:
@@ -275,7 +284,7 @@ def read_webdataset(fs, file: str, source: SourceConfig, fmt: str, max_image_byt
 
 
 def _tar_sample(url: str, key: str, parts: dict[str, bytes], source: SourceConfig, fmt: str) -> Iterator[Candidate]:
-    image_ext = next((ext for ext in parts if ext in IMAGE_EXTENSIONS), None)
+    image_ext = next((ext for ext in parts if ext in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS), None)
     if image_ext is None:
         return  # a group with no image (stray metadata) is not a sample
     candidate = Candidate(f"{url}::{key}.{image_ext}", fmt, image=parts[image_ext])

@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Any
 
 import fsspec
+import av
 import PIL
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 PARTITION_BYTES = 256 << 20  # a partition's listed bytes: what a worker stages for the ingest to fetch (a tar
                              # or parquet file larger than this is a partition of its own)
-STAGED_VERSION = 1  # with Pillow's version, part of a staged partition's key: what decodes and normalises
+STAGED_VERSION = 1  # with Pillow's and PyAV's versions, part of a staged partition's key: what decodes and normalises
 STAGED_PAGE = 64  # staged rows written and read at a time: each may hold an image
 STAGED_COLUMNS = MappingProxyType({
     "unit": pa.int32(), "source": pa.string(), "format": pa.string(), "sample_id": pa.string(),
@@ -74,7 +75,9 @@ def examine_partition(storage: StorageConfig, dataset: DatasetConfig, index: int
     A worker has no index of the store's shards at hand: it normalises every image it reads, also
     one a shard holds already (the same bytes again: normalising is deterministic)."""
     store = Store(storage)
-    key = layout.ingest_partition(hash_json([STAGED_VERSION, PIL.__version__, config_hash(dataset), index, fmt, units]))
+    # the decoders' versions too: what they make of a file is what is staged
+    key = layout.ingest_partition(hash_json([STAGED_VERSION, PIL.__version__, av.__version__, config_hash(dataset),
+                                             index, fmt, units]))
     if store.committed(key) is not None:
         return key
     source = dataset.sources[index]

@@ -143,6 +143,11 @@ def max_image_bytes(config: DatasetConfig) -> int:
     return config.max_pixels * MAX_BYTES_PER_PIXEL + METADATA_BYTES
 
 
+def max_bytes(config: DatasetConfig, video: bool) -> int:
+    """The most bytes read of a file: a picture's (`max_image_bytes`), or a video's (`video.max_bytes`)."""
+    return config.video.max_bytes if video else max_image_bytes(config)
+
+
 def check_geometry(width: int, height: int, config: DatasetConfig) -> None:
     """Raises Rejected for an image too large, too small or too far from square for the rules."""
     if width * height > config.max_pixels:

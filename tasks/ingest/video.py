@@ -1,0 +1,259 @@
+"""Video files into clips: probed without decoding, cut by the clip policy (`dataset.video`),
+decoded once, front to back, keeping only the frames the clips take, and stored as animated WebP,
+one clip a sample.
+
+A video is read through PyAV (FFmpeg's demuxers and decoders, bundled in its wheels). The probe
+demuxes packets only (no decoding): streams, codec, size, rotation, the frame count and the
+duration from the packets' own timestamps, so a container that misreports its duration, or has
+none (webm), is measured by what it holds. Clips are times, `frames` of them at `fps` from a
+start; each takes the last frame shown at or before each of its times (what FFmpeg's fps filter
+does), so a variable frame rate is resampled by the frames' own timestamps. Frames are turned
+upright by the display matrix (phone videos) and scaled to at most `frame_pixels` before they are
+kept; at most one clip's frames per clip in flight are held, never the video.
+
+A clip's id is the hash of the video's bytes, the clip policy and the clip's place in it: a
+rewritten video, or another policy, gives other clips, and an unchanged video the same ones.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+
+from configs.schema import DatasetConfig, VideoConfig
+from storage.fingerprint import hash_json, sha256_bytes
+from tasks.ingest.untrusted import Rejected, check_geometry
+
+CLIP_FRAMES = "precast.clip_frames"  # a stored clip's XMP: its frame count
+
+# what a video container starts with: an ISO/QuickTime box (mp4, mov) or EBML (webm, mkv)
+MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"wide", b"free", b"skip")
+EBML = b"\x1a\x45\xdf\xa3"
+
+
+def is_video(data: bytes) -> bool:
+    """Whether a file's bytes are a video container (whatever it was named)."""
+    return data[4:8] in MP4_BOXES or data[:4] == EBML
+
+
+@dataclass(frozen=True)
+class Probe:
+    codec: str
+    width: int  # as shown: after rotation
+    height: int
+    rotation: int  # degrees counter-clockwise the frames are turned to be shown upright
+    frames: int  # packets of the video stream
+    fps: float  # frames per second on average (frames over duration)
+    duration: float  # seconds, from the first frame's timestamp to the end of the last
+
+
+def _open(data: bytes):
+    import av
+
+    try:
+        return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+    except (av.error.FFmpegError, ValueError, OSError) as error:
+        raise Rejected("bad_video", f"not a readable video container ({type(error).__name__}: {error})") from None
+
+
+def _video_stream(container):
+    streams = [stream for stream in container.streams if stream.type == "video"]
+    if not streams:
+        kinds = sorted({stream.type for stream in container.streams}) or ["none"]
+        raise Rejected("no_video_stream", f"the container has no video stream (streams: {', '.join(kinds)})")
+    return streams[0]
+
+
+def probe(data: bytes, video: VideoConfig, dataset: DatasetConfig) -> Probe:
+    """The video's facts from its packets and its first frame (for the display matrix, which
+    PyAV reads from frames); Rejected when it cannot give a clip."""
+    import av
+
+    with _open(data) as container:
+        stream = _video_stream(container)
+        try:
+            rotation = next((round(frame.rotation) % 360 for frame in container.decode(stream)), 0)
+        except av.error.FFmpegError as error:
+            raise Rejected("bad_video", f"its first frame does not decode ({error})") from None
+    with _open(data) as container:
+        stream = _video_stream(container)
+        width, height, codec = stream.codec_context.width, stream.codec_context.height, stream.codec_context.name
+        if rotation % 180:
+            width, height = height, width
+        check_geometry(width, height, dataset)
+        first = end = None
+        frames = 0
+        try:
+            for packet in container.demux(stream):
+                if packet.size == 0 or packet.pts is None:
+                    continue  # the demuxer's flush packet; a packet without a time shows nothing
+                start = float(packet.pts * stream.time_base)
+                first = start if first is None else min(first, start)
+                end = max(end or start, start + float((packet.duration or 0) * stream.time_base))
+                frames += 1
+                if end - first > video.max_seconds:
+                    raise Rejected("too_long", f"longer than video.max_seconds ({video.max_seconds:g} s)")
+        except av.error.FFmpegError as error:
+            raise Rejected("bad_video", f"the container breaks off after {frames} frames ({error})") from None
+    if frames < 2:
+        raise Rejected("too_few_frames", f"{frames} frame{'s' * (frames != 1)}: a clip needs at least 2")
+    duration = end - first
+    if duration <= 0:
+        raise Rejected("bad_video", f"its {frames} frames have no duration (timestamps {first:g} to {end:g} s)")
+    return Probe(codec, width, height, rotation, frames, frames / duration, duration)
+
+
+def clip_times(probed: Probe, video: VideoConfig) -> list[list[float]]:
+    """Each clip's frame times, in seconds from the video's first frame: `video.frames` at
+    `video.fps` (None: the video's own), starting where `video.clips` says, at most
+    `video.max_clips` of them. Rejected ("too_short") when not even one fits."""
+    fps = video.fps or probed.fps
+    available = math.floor(probed.duration * fps + 1e-6)  # frames at `fps` that the video shows
+    if available < video.frames:
+        raise Rejected("too_short", f"{probed.duration:.2f} s holds {available} frames at {fps:g} fps; a clip takes "
+                                    f"{video.frames}")
+    last = available - video.frames  # the latest start
+    if video.clips == "head":
+        starts = [0]
+    elif video.clips == "uniform":
+        count = min(video.max_clips, last + 1)
+        starts = [round(i * last / (count - 1)) for i in range(count)] if count > 1 else [last // 2]
+    else:  # sliding
+        stride = video.stride or video.frames
+        starts = list(range(0, last + 1, stride))[: video.max_clips]
+    return [[(start + k) / fps for k in range(video.frames)] for start in starts]
+
+
+def clip_ids(data_sha256: str, video: VideoConfig, count: int) -> list[str]:
+    """The sample ids of a video's clips: its bytes, the clip policy and each clip's place."""
+    policy = video.model_dump()
+    return [hash_json({"video": data_sha256, "clips": policy, "clip": index}) for index in range(count)]
+
+
+def decode_clips(data: bytes, probed: Probe, times: dict[int, list[float]], video: VideoConfig,
+                 take: Callable[[int, list[Image.Image]], None]) -> None:
+    """Decode the video once, front to back, and hand each clip's frames to `take(index, frames)`
+    as soon as its last is decoded; a frame no clip still needs is let go. A video whose frames
+    end before its clips do is Rejected ("truncated"): the caller keeps nothing of a video that
+    raises, so its clips handed on before are dropped too."""
+    import av
+
+    if not times:
+        return
+    wanted = sorted({t for clip in times.values() for t in clip})
+    shown: dict[float, Image.Image] = {}
+    next_wanted, current = 0, None
+    pending = dict(times)
+    with _open(data) as container:
+        stream = _video_stream(container)
+        stream.thread_type = "AUTO"
+        start = None
+        try:
+            for frame in container.decode(stream):
+                if frame.pts is None:
+                    continue
+                time = float(frame.pts * stream.time_base)
+                start = time if start is None else start
+                time -= start
+                # every wanted time before this frame shows the previous one
+                while next_wanted < len(wanted) and wanted[next_wanted] < time - 1e-9 and current is not None:
+                    shown[wanted[next_wanted]] = current
+                    next_wanted += 1
+                current = _upright(frame, probed, video)
+                _hand_on(pending, shown, take)
+                if not pending:
+                    return
+        except av.error.FFmpegError as error:
+            raise Rejected("bad_video", f"decoding failed at {len(shown)} of {len(wanted)} frames ({error})") from None
+    while next_wanted < len(wanted) and current is not None and wanted[next_wanted] <= probed.duration + 1e-9:
+        shown[wanted[next_wanted]] = current
+        next_wanted += 1
+    _hand_on(pending, shown, take)
+    if pending:
+        raise Rejected("truncated", f"the video's frames end before its clips do ({len(shown)} of {len(wanted)} "
+                                    f"frames decoded)")
+
+
+def _hand_on(pending: dict[int, list[float]], shown: dict[float, Image.Image],
+             take: Callable[[int, list[Image.Image]], None]) -> None:
+    for index in [index for index, clip in pending.items() if clip[-1] in shown]:
+        take(index, [shown[t] for t in pending.pop(index)])
+    needed = {t for clip in pending.values() for t in clip}
+    for t in [t for t in shown if t not in needed]:
+        del shown[t]  # no clip still to come shows it
+
+
+def _upright(frame, probed: Probe, video: VideoConfig) -> Image.Image:
+    """The frame as an RGB picture, turned upright, scaled to at most `video.frame_pixels`."""
+    width, height = (probed.height, probed.width) if probed.rotation % 180 else (probed.width, probed.height)
+    scale = min(1.0, math.sqrt(video.frame_pixels / (width * height)))
+    size = (max(1, round(width * scale)), max(1, round(height * scale)))
+    image = frame.to_image(width=size[0], height=size[1])  # scaled by FFmpeg's swscale, in C
+    if probed.rotation:
+        image = image.rotate(probed.rotation, expand=True)
+    return image
+
+
+def clip_bytes(frames: list[Image.Image], fps: float, quality: int) -> bytes:
+    """A clip as an animated WebP, each frame shown 1/fps s, its frame count in its XMP: WebP's
+    encoder stores a frame that repeats the one before as a longer showing of it."""
+    out = io.BytesIO()
+    frames[0].save(out, format="WEBP", save_all=True, append_images=frames[1:], quality=quality,
+                   duration=round(1000 / fps), loop=0, xmp=json.dumps({CLIP_FRAMES: len(frames)}).encode())
+    return out.getvalue()
+
+
+def clip_frames(data: bytes) -> Iterator[Image.Image]:
+    """The frames of a stored sample (a picture is one), RGB; a clip's repeated frames, which its
+    WebP holds once, as often as they were shown."""
+    from PIL import ImageSequence
+
+    count = frame_count(data)
+    with Image.open(io.BytesIO(data)) as opened:
+        frames = [(frame.convert("RGB"), frame.info.get("duration", 0)) for frame in ImageSequence.Iterator(opened)]
+    if len(frames) == count:
+        yield from (frame for frame, _ in frames)
+        return
+    shown = sum(duration for _, duration in frames) / count  # every frame was shown as long
+    for frame, duration in frames:
+        yield from [frame] * round(duration / shown)
+
+
+def frame_count(data: bytes) -> int:
+    """The frames of a stored sample: a clip's from its XMP, a picture's 1."""
+    with Image.open(io.BytesIO(data)) as opened:
+        xmp = opened.info.get("xmp") if opened.format == "WEBP" else None
+    try:
+        return int(json.loads(xmp)[CLIP_FRAMES]) if xmp else 1
+    except (ValueError, TypeError, KeyError):  # another program's XMP: a picture
+        return 1
+
+
+def read_video(data: bytes, dataset: DatasetConfig, stored: Callable[[str], Any],
+               keep: Callable[[str, bytes], None]) -> list[tuple[str, int, int, bool]]:
+    """A video's clips as samples: (sample id, width, height, whether it was new) each; new clips
+    decoded and handed to `keep`. Rejected as a whole when any clip cannot be made."""
+    video = dataset.video
+    probed = probe(data, video, dataset)
+    times = clip_times(probed, video)
+    ids = clip_ids(sha256_bytes(data), video, len(times))
+    sizes: dict[int, tuple[int, int]] = {}
+    for index, sample_id in enumerate(ids):
+        if (known := stored(sample_id)) is not None:  # a shard holds it: not decoded again
+            sizes[index] = tuple(known)
+    clips: dict[int, bytes] = {}
+
+    def take(index: int, frames: list[Image.Image]) -> None:
+        clips[index] = clip_bytes(frames, video.fps or probed.fps, video.quality)
+        sizes[index] = frames[0].size
+
+    decode_clips(data, probed, {index: clip for index, clip in enumerate(times) if index not in sizes}, video, take)
+    for index, clip in clips.items():  # only once every clip is made: nothing of a broken video is kept
+        keep(ids[index], clip)
+    return [(ids[index], *sizes[index], index in clips) for index in range(len(ids))]

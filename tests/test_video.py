@@ -1,0 +1,193 @@
+"""Video files into clips (tasks/ingest/video.py), through the ingest stage as users run it: mp4,
+webm, mkv and mov beside pictures, cut by the clip policy, resampled by the frames' own
+timestamps, turned upright, and every hostile video quarantined with its reason; a nightly ingest
+after one new video reads only that video; Wan encodes and trains on the clips, and a family that
+trains on pictures quarantines them, naming why."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from configs.schema import DatasetConfig, PipelineConfig, StorageConfig
+from storage import layout
+from storage.shards import LatentShard, read_image_shard
+from storage.store import Store
+from tasks.ingest.stage import ingest
+from tasks.ingest.video import clip_frames, clip_times, probe
+from tests.videos import frame_pixels, level, write_audio_only, write_video
+
+# 17 frames a clip at 16 fps, every 8 frames, two clips at most a video; pictures and videos of at
+# most 10,000 pixels and 3 s
+VIDEO = {"frames": 17, "fps": 16, "clips": "sliding", "max_clips": 2, "stride": 8, "max_seconds": 3}
+RULES = {"min_side": 32, "max_pixels": 10_000}
+CLIPS = {"ok.mp4": 2, "ok.webm": 2, "ok.mkv": 2, "portrait.mov": 1, "vfr.mp4": 2}
+REASONS = {"bad_video": 2, "no_video_stream": 1, "too_few_frames": 1, "too_short": 1, "too_large": 1,
+           "too_long": 1, "missing_caption": 1}
+VFR_TIMES = [sum(0.04 if i % 2 else 0.08 for i in range(n)) for n in range(30)]  # 12.5 and 25 fps by turns
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    """A folder of videos and a picture, each with its caption but one, and the hostile ones."""
+    root = tmp_path_factory.mktemp("videos")
+    write_video(root / "ok.mp4")  # 40 frames at 24 fps: 1.67 s, 26 frames at 16 fps
+    write_video(root / "ok.webm", frames=50, fps=30, codec="libvpx-vp9")
+    write_video(root / "ok.mkv", frames=40, fps=25, codec="mpeg4")
+    write_video(root / "portrait.mov", frames=30, rotation=90)  # shown 64 wide and 96 high
+    write_video(root / "vfr.mp4", times=VFR_TIMES)
+    Image.fromarray(frame_pixels(0, 80, 80)).save(root / "picture.png")
+    data = (root / "ok.mp4").read_bytes()
+    (root / "truncated.mp4").write_bytes(data[: len(data) * 2 // 3])
+    (root / "noise.mp4").write_bytes(data[:8] + np.random.default_rng(0).bytes(4000))  # an mp4 box, then noise
+    write_audio_only(root / "audio.mp4")
+    write_video(root / "single.mp4", frames=1)
+    write_video(root / "short.mp4", frames=5)  # 0.21 s: 3 frames at 16 fps
+    write_video(root / "huge.mp4", size=(128, 128))  # 16,384 pixels a frame
+    write_video(root / "long.mp4", frames=100)  # 4.2 s
+    for path in root.iterdir():
+        path.with_suffix(".txt").write_text(f"a grey {path.stem} clip")
+    write_video(root / "uncaptioned.mp4")
+    return root
+
+
+def _ingest(root, source, **video) -> tuple[dict, Store]:
+    storage = StorageConfig(root=str(root))
+    dataset = DatasetConfig(sources=[{"path": str(source)}], shard_size=8, video={**VIDEO, **video}, **RULES)
+    return ingest(storage, dataset), Store(storage)
+
+
+def _samples(store: Store, record: dict) -> dict[str, list[dict]]:
+    """The dataset's stored samples by their source file's name."""
+    by_source: dict[str, list[dict]] = {}
+    for shard in store.read_json(store.key(record["url"]))["shards"]:
+        for row in read_image_shard(store.read_bytes(layout.image_shard(shard["id"]))).to_pylist():
+            by_source.setdefault(row["source"].rsplit("/", 1)[-1], []).append(row)
+    return by_source
+
+
+def test_videos_become_clips_and_hostile_videos_are_quarantined_with_their_reason(videos, tmp_path):
+    record, store = _ingest(tmp_path / "store", videos)
+    samples = _samples(store, record)
+    assert {name: len(rows) for name, rows in samples.items()} == {**CLIPS, "picture.png": 1}
+    report = store.read_json(store.key(record["report"]))
+    assert report["by_reason"] == REASONS, report["quarantine"]
+    quarantined = {q["source"].rsplit("/", 1)[-1]: q["reason"] for q in report["quarantine"]}
+    assert quarantined["audio.mp4"] == "no_video_stream" and quarantined["single.mp4"] == "too_few_frames"
+    assert quarantined["huge.mp4"] == "too_large" and quarantined["long.mp4"] == "too_long"
+    assert quarantined["noise.mp4"] == quarantined["truncated.mp4"] == "bad_video"
+    for name, count in CLIPS.items():
+        for row in samples[name]:
+            frames = list(clip_frames(row["image"]))
+            assert len(frames) == 17 and frames[0].size == (row["width"], row["height"])
+            assert row["captions"] == [f"a grey {name.split('.')[0]} clip"]
+    assert (samples["portrait.mov"][0]["width"], samples["portrait.mov"][0]["height"]) == (64, 96)
+    assert len(list(clip_frames(samples["picture.png"][0]["image"]))) == 1
+
+
+@pytest.mark.parametrize("clips, starts", [("head", [0]), ("uniform", [0, 4, 9]), ("sliding", [0, 8])])
+def test_clips_take_the_frame_shown_at_each_time_of_the_resampled_rate(videos, tmp_path, clips, starts):
+    """ok.mp4 at 24 fps resampled to 16: a clip's frame k at (start + k) / 16 s shows source
+    frame ⌊(start + k) · 24 / 16⌋, the last one shown by then; its clips start where the policy says."""
+    source = tmp_path / "source"
+    source.mkdir()
+    shutil.copy(videos / "ok.mp4", source)
+    shutil.copy(videos / "ok.txt", source)
+    record, store = _ingest(tmp_path / "store", source, clips=clips, max_clips=3)
+    rows = _samples(store, record)["ok.mp4"]
+    shown = sorted([level(np.asarray(frame)) for frame in clip_frames(row["image"])] for row in rows)
+    assert shown == [[(start + k) * 24 // 16 for k in range(17)] for start in starts]
+
+
+def test_a_variable_frame_rate_is_resampled_by_the_frames_timestamps(videos):
+    data = (videos / "vfr.mp4").read_bytes()
+    dataset = DatasetConfig(sources=[{"path": "x"}], video=VIDEO, **RULES)
+    probed = probe(data, dataset.video, dataset)
+    assert probed.frames == 30 and probed.duration == pytest.approx(VFR_TIMES[-1] + 0.04, abs=0.05)
+    times = clip_times(probed, dataset.video)
+    assert [clip[0] for clip in times] == [0, 0.5]
+    from tasks.ingest.video import decode_clips
+
+    clips = {}
+    decode_clips(data, probed, dict(enumerate(times)), dataset.video, lambda i, frames: clips.update({i: frames}))
+    for index, clip in enumerate(times):
+        expected = [max(i for i, shown in enumerate(VFR_TIMES) if shown <= t + 1e-9) for t in clip]
+        assert [level(np.asarray(frame)) for frame in clips[index]] == expected
+
+
+def test_a_rotated_video_is_stored_upright(videos, tmp_path):
+    """The display matrix turns the frames 90° counter-clockwise: the stored clip is portrait, the
+    mark that was top left of the coded frame bottom left."""
+    record, store = _ingest(tmp_path / "store", videos)
+    frame = np.asarray(next(clip_frames(_samples(store, record)["portrait.mov"][0]["image"])))
+    assert frame.shape[:2] == (96, 64)
+    assert frame[-10:, :10].mean() > 240 and frame[:10, :10].mean() < 200
+
+
+def test_a_nightly_ingest_after_one_new_video_reads_only_that_videos_bytes(videos, tmp_path):
+    source = tmp_path / "source"
+    shutil.copytree(videos, source)
+    first, _ = _ingest(tmp_path / "store", source)
+    write_video(source / "new.mp4", frames=30)
+    (source / "new.txt").write_text("a new clip")
+    again, store = _ingest(tmp_path / "store", source)
+    assert again["work"]["units_read"] == 1 and again["work"]["units_reused"] == first["work"]["units_read"]
+    assert again["work"]["bytes_read"] == (source / "new.mp4").stat().st_size + (source / "new.txt").stat().st_size
+    assert again["samples"] == first["samples"] + 1 and again["new_samples"] == 1
+
+
+def test_wan_encodes_and_trains_on_clips_and_a_picture_family_quarantines_them(videos, tmp_path, tiny_models):
+    from tasks.demo.flow_models import write_tiny_family
+    from tasks.runner import run_direct
+
+    wan = write_tiny_family(tmp_path / "wan", "wan", vae_steps=0)
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("ok.mp4", "ok.txt", "portrait.mov", "portrait.txt", "picture.png", "picture.txt"):
+        shutil.copy(videos / name, source)
+
+    def config(model, root, resolution=64):
+        return PipelineConfig.model_validate({
+            "storage": {"root": str(tmp_path / root)},
+            "dataset": {"sources": [{"path": str(source)}], "video": VIDEO, **RULES},
+            "model": {"path": str(model)}, "text_encoding": {"dtype": "fp32"},
+            "latent_encoding": {"resolution": resolution, "storage_dtype": "fp32", "batch_size": 2},
+            "training": {"rank": 4, "alpha": 4, "steps": 3, "batch_size": 1, "validation_samples": 0,
+                         "sample_prompts": ["a grey clip"], "sample_steps": 1},
+            "execution": {"retries": 0}})
+
+    done = run_direct(config(wan, "wan-store"))
+    (shard,) = done["encode-latents"]["shards"]
+    # 17 frames: 5 latent frames (the first alone, then 4 a frame), 64 px buckets at 1/8
+    assert shard["buckets"] == {"5x6x10": 2, "5x10x6": 1, "1x8x8": 1} and shard["quarantined"] == []
+    store = Store(StorageConfig(root=str(tmp_path / "wan-store")))
+    latents = LatentShard(store.local_path(store.key(shard["url"])))
+    assert latents.get(next(iter(latents.rows)))[0].ndim == 4  # [C, F, h, w]
+    assert done["train"]["steps"] == 3 and done["train"]["final_loss"] == done["train"]["final_loss"]
+
+    pictures = run_direct(config(tiny_models, "pixart-store", 256), until="encode-latents")
+    (shard,) = pictures["encode-latents"]["shards"]
+    assert shard["samples"] == 1 and {q["reason"] for q in shard["quarantined"]} == {"frames"}
+    assert all("trains on pictures" in q["message"] for q in shard["quarantined"]) and len(shard["quarantined"]) == 3
+
+
+def test_wan_quarantines_clips_that_are_not_4n_plus_1_frames(videos, tmp_path):
+    from tasks.demo.flow_models import write_tiny_family
+    from tasks.runner import run_direct
+
+    wan = write_tiny_family(tmp_path / "wan", "wan", vae_steps=0)
+    source = tmp_path / "source"
+    source.mkdir()
+    shutil.copy(videos / "ok.mp4", source)
+    shutil.copy(videos / "ok.txt", source)
+    config = PipelineConfig.model_validate({
+        "storage": {"root": str(tmp_path / "store")},
+        "dataset": {"sources": [{"path": str(source)}], "video": {**VIDEO, "frames": 16}, **RULES},
+        "model": {"path": str(wan)}, "text_encoding": {"dtype": "fp32"},
+        "latent_encoding": {"resolution": 64, "storage_dtype": "fp32"}})
+    (shard,) = run_direct(config, until="encode-latents")["encode-latents"]["shards"]
+    assert shard["samples"] == 0 and len(shard["quarantined"]) == 2
+    assert "a clip of 16 frames: Wan's VAE takes 4N + 1 (such as 13 or 17" in shard["quarantined"][0]["message"]
