@@ -50,7 +50,7 @@ PERTURBATIONS = {
 def dominant_colours(prompts: list[str], run: str, seed: int) -> list[str]:
     """The named colour most of each sampled image's pixels are nearest: its background, whatever
     shapes are drawn on it (an image's mean colour would mix them in)."""
-    grid = np.asarray(sample_run(run, prompts, steps=10, guidance_scale=4.5, seed=seed), dtype=np.float64)
+    grid = np.asarray(sample_run(run, prompts, steps=10, guidance_scale=4.5, seed=seed).grid(), dtype=np.float64)
     palette = np.array(list(COLORS.values()), dtype=np.float64)
     nearest = ((grid[:, :, None, :] - palette) ** 2).sum(-1).argmin(-1)
     width = grid.shape[1] // len(prompts)

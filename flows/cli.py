@@ -158,11 +158,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     options = storage_options(args.option)
     model = ModelConfig(path=args.model) if args.model else None
-    grid = sample_run(args.url, args.prompt, model=model, options=options, steps=args.steps,
-                          guidance_scale=args.guidance_scale, seed=args.seed, device=args.device,
-                          true_cfg_scale=args.true_cfg_scale)
+    samples = sample_run(args.url, args.prompt, model=model, options=options, steps=args.steps,
+                         guidance_scale=args.guidance_scale, seed=args.seed, device=args.device,
+                         true_cfg_scale=args.true_cfg_scale, frames=args.frames)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    grid.save(args.out)
+    samples.save(args.out)
     print(Path(args.out).resolve())
     return 0
 
@@ -262,7 +262,10 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
     sample = commands.add_parser("sample", help="generate images with a trained run (its family's pipeline)")
     sample.add_argument("url", help="a run URL (<root>/runs/<id>) or its adapter/transformer URL")
     sample.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable: one image each)")
-    sample.add_argument("--out", required=True, help="PNG file to write (images side by side)")
+    sample.add_argument("--out", required=True, help="file to write, samples side by side: a .webp is animated for "
+                        "video runs, any other picture format (.png) holds each sample's first frame")
+    sample.add_argument("--frames", type=int, help="frames a sample (default: those of the clips the run trained "
+                        "on, 1 for pictures)")
     sample.add_argument("--model", help="model path or hub id (default: the run's lineage)")
     sample.add_argument("--steps", type=int, default=20)
     sample.add_argument("--guidance-scale", type=float, default=4.5,

@@ -146,8 +146,9 @@ def rendezvous(run: str, attempt: str) -> str:
     return f"{run}/rendezvous/{attempt}"
 
 
-def sample(run: str, step: int) -> str:
-    return f"{run_part(run, 'samples')}/step-{step:06d}.png"
+def sample(run: str, step: int, kind: str = "png") -> str:
+    """A run's sample grid at `step` (png), or its samples' videos side by side (webp)."""
+    return f"{run_part(run, 'samples')}/step-{step:06d}.{kind}"
 
 
 def checkpoint(run: str, step: int) -> str:

@@ -138,7 +138,7 @@ def test_the_adapter_loads_with_load_lora_weights_as_peft_merges_it(runs, models
     for key in merged:
         torch.testing.assert_close(loaded[key], merged[key], rtol=1e-5, atol=1e-6)
     grid = sample_run(records["train"]["run"], ["a red circle on a blue background"], steps=2, device="cpu",
-                      options=config.storage.options)
+                      options=config.storage.options).grid()
     assert grid.size == (256, 256)
 
 
@@ -171,8 +171,8 @@ def test_true_cfg_scale_guides_flux_samples_as_the_pipeline_does(runs, models, t
     expected = pipeline([prompt], negative_prompt=[""], true_cfg_scale=3.0, guidance_scale=4.5, height=256, width=256,
                         num_inference_steps=2, max_sequence_length=512, generator=torch.Generator().manual_seed(0)).images[0]
     guided = sample_run(records["train"]["run"], [prompt], steps=2, true_cfg_scale=3.0, device="cpu",
-                        options=config.storage.options)
-    plain = sample_run(records["train"]["run"], [prompt], steps=2, device="cpu", options=config.storage.options)
+                        options=config.storage.options).grid()
+    plain = sample_run(records["train"]["run"], [prompt], steps=2, device="cpu", options=config.storage.options).grid()
     np.testing.assert_array_equal(np.asarray(guided), np.asarray(expected))
     assert not np.array_equal(np.asarray(plain), np.asarray(guided))
 
@@ -184,7 +184,7 @@ def test_a_chroma_runs_samples_drawn_from_prompts_are_its_sample_grid(runs):
     store = Store(config.storage)
     grid = Image.open(io.BytesIO(store.read_bytes(store.key(records["train"]["samples"][-1]))))
     drawn = sample_run(records["train"]["run"], config.training.sample_prompts, steps=config.training.sample_steps,
-                       guidance_scale=config.training.guidance_scale, seed=config.training.seed, device="cpu")
+                       guidance_scale=config.training.guidance_scale, seed=config.training.seed, device="cpu").grid()
     difference = np.abs(np.asarray(grid, dtype=float) - np.asarray(drawn, dtype=float))
     assert difference.mean() < 0.5, f"{difference.mean():.2f} RGB units apart on average"
 

@@ -6,6 +6,7 @@ trains on pictures quarantines them, naming why."""
 
 from __future__ import annotations
 
+import io
 import shutil
 
 import numpy as np
@@ -17,7 +18,8 @@ from storage import layout
 from storage.shards import LatentShard, read_image_shard
 from storage.store import Store
 from tasks.ingest.stage import ingest
-from tasks.ingest.video import clip_frames, clip_times, probe
+from flows.cli import main
+from tasks.ingest.video import clip_frames, clip_times, frame_count, probe
 from tests.videos import frame_pixels, level, write_audio_only, write_video
 
 # 17 frames a clip at 16 fps, every 8 frames, two clips at most a video; pictures and videos of at
@@ -156,7 +158,7 @@ def test_wan_encodes_and_trains_on_clips_and_a_picture_family_quarantines_them(v
             "model": {"path": str(model)}, "text_encoding": {"dtype": "fp32"},
             "latent_encoding": {"resolution": resolution, "storage_dtype": "fp32", "batch_size": 2},
             "training": {"rank": 4, "alpha": 4, "steps": 3, "batch_size": 1, "validation_samples": 0,
-                         "sample_prompts": ["a grey clip"], "sample_steps": 1},
+                         "sample_prompts": ["a grey clip"], "sample_steps": 1, "guidance_scale": 1.0},
             "execution": {"retries": 0}})
 
     done = run_direct(config(wan, "wan-store"))
@@ -167,6 +169,22 @@ def test_wan_encodes_and_trains_on_clips_and_a_picture_family_quarantines_them(v
     latents = LatentShard(store.local_path(store.key(shard["url"])))
     assert latents.get(next(iter(latents.rows)))[0].ndim == 4  # [C, F, h, w]
     assert done["train"]["steps"] == 3 and done["train"]["final_loss"] == done["train"]["final_loss"]
+    # its samples are 17-frame videos (an animated WebP of them side by side) beside their first frames
+    (video,) = done["train"]["sample_videos"]
+    assert frame_count(store.read_bytes(store.key(video))) == 17
+    grid = Image.open(io.BytesIO(store.read_bytes(store.key(done["train"]["samples"][-1]))))
+    assert grid.size == (64, 64) and next(clip_frames(store.read_bytes(store.key(video)))).size == (64, 64)
+    out = tmp_path / "sample.webp"
+    assert main(["sample", done["train"]["run"], "--prompt", "a grey clip", "--prompt", "a clip", "--steps", "1",
+                 "--out", str(out), "--device", "cpu"]) == 0
+    assert frame_count(out.read_bytes()) == 17 and Image.open(out).size == (128, 64)
+    assert main(["sample", done["train"]["run"], "--prompt", "a clip", "--steps", "1", "--frames", "5",
+                 "--out", str(tmp_path / "five.webp"), "--device", "cpu"]) == 0
+    assert frame_count((tmp_path / "five.webp").read_bytes()) == 5
+    from tasks.runs.page import RunPage
+
+    page = RunPage.at(done["train"]["run"])
+    assert f"sample videos: {video}" in page.text() and video in page.markdown()
 
     pictures = run_direct(config(tiny_models, "pixart-store", 256), until="encode-latents")
     (shard,) = pictures["encode-latents"]["shards"]

@@ -201,13 +201,17 @@ class Family:
         there is nothing for `true_cfg_scale` to add."""
         return {"guidance_scale": guidance_scale}
 
-    def picture_options(self) -> dict[str, Any]:
-        """What else the pipeline is called with to draw pictures (none by default)."""
+    def frame_options(self, frames: int) -> dict[str, Any]:
+        """What else the pipeline is called with to draw samples of `frames` frames (pictures: none)."""
         return {}
 
-    def pictures(self, output: Any) -> list[Any]:
-        """The PIL pictures of the pipeline's output."""
-        return output.images
+    def videos(self, output: Any) -> list[list[Any]]:
+        """The pipeline's output as PIL frames, a list per sample (a picture is one frame)."""
+        return [[image] for image in output.images]
+
+    def clip_frames(self, latent_frames: int) -> int:
+        """The frames of a clip whose latents have `latent_frames` (pictures: 1)."""
+        return latent_frames
 
     def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
         """The pipeline's arguments for pre-encoded prompts (the first `count` rows of `text`)

@@ -141,13 +141,14 @@ class Wan(Family):
     def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
         return {**super().prompt_options(pipeline, prompts, text), "max_sequence_length": text["max_length"]}
 
-    def picture_options(self) -> dict[str, Any]:
-        """One frame, as pictures: the pipeline's frames as PIL images."""
-        return {"num_frames": 1, "output_type": "pil"}
+    def frame_options(self, frames: int) -> dict[str, Any]:
+        return {"num_frames": frames, "output_type": "pil"}
 
-    def pictures(self, output: Any) -> list[Any]:
-        """The first frame of each video."""
-        return [frames[0] for frames in output.frames]
+    def videos(self, output: Any) -> list[list[Any]]:
+        return [list(frames) for frames in output.frames]
+
+    def clip_frames(self, latent_frames: int) -> int:
+        return (latent_frames - 1) * 4 + 1  # the first frame alone, then 4 a latent frame
 
     def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
         embeds = text["umt5_hidden"]

@@ -103,6 +103,8 @@ class RunPage:
         if self.samples is not None:
             lines += [f"![sample grid]({_data_uri(self.samples, PAGE_IMAGE_WIDTH)})", "",
                       "Prompts: " + "; ".join(f"“{p}”" for p in self.lineage["training"]["sample_prompts"]), ""]
+            if self.record.get("sample_videos"):  # a run on clips: the grid is its videos' first frames
+                lines += [f"The videos (animated WebP): `{self.record['sample_videos'][-1]}`", ""]
         lines += [f"![training curves: loss, validation loss, learning rate]({_data_uri(self.curves)})", ""]
         lines += ["| | |", "| --- | --- |"] + [f"| {name} | {value} |" for name, value in self._facts()]
         lines += ["", "## Weights", "", f"`{weights}`", "", "```python", code, "```", "",
@@ -121,6 +123,8 @@ class RunPage:
         out += [f"  {name}: {value}" for name, value in self._facts()]
         if record["samples"]:
             out.append(f"  sample grid: {record['samples'][-1]}")
+        if record.get("sample_videos"):
+            out.append(f"  sample videos: {record['sample_videos'][-1]}")
         out.append(f"  training curves: {self.url}/{layout.RUN_PARTS['loss_curve']}")
         out += ["", "loss by step:", "  step        loss  validation        lr"]
         for row in _milestones(self.metrics):

@@ -8,6 +8,7 @@ sample`): the full pipeline with the trained weights.
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
 import torch
 from PIL import Image
@@ -18,6 +19,7 @@ from storage.shards import collate
 from tasks.encode.models import load_vae
 from tasks.loading import resolve_device
 from tasks.families import family_of
+from tasks.ingest.video import clip_bytes
 from tasks.runs.export import save_diffusers_lora
 from tasks.runs.folder import FinishedRun
 
@@ -31,6 +33,29 @@ def side_by_side(images: list[Image.Image]) -> Image.Image:
     return grid
 
 
+class Samples(list):
+    """Samples drawn by a family's pipeline: a list of PIL frames per prompt (a picture is one)."""
+
+    @property
+    def frames(self) -> int:
+        return len(self[0])
+
+    def grid(self) -> Image.Image:
+        """Each sample's first frame, side by side."""
+        return side_by_side([video[0] for video in self])
+
+    def animation(self, fps: float = 16.0) -> bytes:
+        """The samples side by side as an animated WebP, each frame shown 1/fps s."""
+        return clip_bytes([side_by_side(list(frames)) for frames in zip(*self)], fps, quality=90)
+
+    def save(self, path: str | Path) -> None:
+        """An animated .webp of the videos, or else (a .png, .jpg…) their first frames."""
+        if str(path).lower().endswith(".webp") and self.frames > 1:
+            Path(path).write_bytes(self.animation())
+        else:
+            self.grid().save(path)
+
+
 def sample_grid(
     model: ModelConfig,
     transformer,
@@ -41,9 +66,10 @@ def sample_grid(
     true_cfg_scale: float,
     seed: int,
     side: int,
-) -> Image.Image:
-    """One image per prompt of `side` × `side` pixels, side by side, by the family's pipeline from
-    pre-encoded prompts, the empty caption's the negatives."""
+    frames: int = 1,
+) -> Samples:
+    """One sample per prompt of `side` × `side` pixels and `frames` frames, by the family's
+    pipeline from pre-encoded prompts, the empty caption's the negatives."""
     device = next(transformer.parameters()).device
     family = family_of(model)
     vae = load_vae(model, "fp32", str(device))
@@ -56,21 +82,22 @@ def sample_grid(
     text = collate(prompt_features + [empty_features] * count)
     dtype = next(transformer.parameters()).dtype  # the features in the transformer's, masks as they are
     text = {name: value.to(device, dtype if value.is_floating_point() else value.dtype) for name, value in text.items()}
-    images = family.pictures(pipeline(**family.embedding_kwargs(text, count), height=side, width=side,
-                                      num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
-                                      **family.picture_options(), generator=torch.Generator(device="cpu").manual_seed(seed)))
-    return side_by_side(images)
+    return Samples(family.videos(pipeline(**family.embedding_kwargs(text, count), height=side, width=side,
+                                          num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
+                                          **family.frame_options(frames),
+                                          generator=torch.Generator(device="cpu").manual_seed(seed))))
 
 
 def sample_run(
     url: str, prompts: list[str], model: ModelConfig | None = None, options: dict | None = None,
     steps: int = 20, guidance_scale: float = 4.5, seed: int = 0, device: str = "auto", true_cfg_scale: float = 1.0,
-) -> Image.Image:
-    """Images for `prompts` from a finished run (`<root>/runs/<id>`, or its `adapter`/`transformer`
+    frames: int | None = None,
+) -> Samples:
+    """Samples for `prompts` from a finished run (`<root>/runs/<id>`, or its `adapter`/`transformer`
     URL) through its family's pipeline `from_pretrained` with the trained weights: a LoRA adapter
     loaded by the pipeline's `load_lora_weights` (merged by PEFT where the pipeline has no LoRA
-    loader), or the fully trained transformer. The model is the run's unless
-    given."""
+    loader), or the fully trained transformer. The model is the run's unless given; `frames`
+    (None: those of the clips it trained on, 1 for pictures) a sample."""
     run = FinishedRun.at(url, options)
     model = model or ModelConfig.model_validate(run.record["model"])
     family = family_of(model)
@@ -90,7 +117,7 @@ def sample_run(
     options = family.prompt_options(pipeline, prompts, text)
     if "resolution" in run.lineage:  # the side it trained at (runs before it was recorded: the pipeline's default)
         options.update(height=run.lineage["resolution"], width=run.lineage["resolution"])
-    images = family.pictures(pipeline(num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
-                                      generator=torch.Generator(device="cpu").manual_seed(seed),
-                                      **family.picture_options(), **options))
-    return side_by_side(images)
+    frames = frames or run.lineage.get("frames", 1)
+    return Samples(family.videos(pipeline(num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
+                                          generator=torch.Generator(device="cpu").manual_seed(seed),
+                                          **family.frame_options(frames), **options)))

@@ -31,6 +31,9 @@ class RunPublisher:
                  init: dict | None, prompts: TextCaches, resolution: int):
         self.store, self.run, self.model, self.training = store, run, model, training
         self.resolution = resolution  # the latents' (`latent_encoding.resolution`): the samples' side
+        # the frames of the longest clips it trains on (1: pictures): the samples'
+        latent_frames = max(int(name.split("x")[0]) if name.count("x") == 2 else 1 for name in manifest["buckets"])
+        self.frames = family_of(model).clip_frames(latent_frames)
         self.manifest, self.init, self.prompts = manifest, init, prompts
         self.output = output_name(training)
         # the training config as it ran: LoRA's target modules resolved (the family's, when unset)
@@ -45,7 +48,7 @@ class RunPublisher:
             "init_from": self.init and {"url": self.init["url"], "sha256": self.init["sha256"]},
             # the first encoder's (T5's: the one whose max_length users set)
             "text": {k: self.prompts.prompts[0].meta[k] for k in ("caption_preprocessing", "max_length")},
-            "resolution": self.resolution,
+            "resolution": self.resolution, **({"frames": self.frames} if self.frames > 1 else {}),
             "fingerprints": {k: self.manifest[k] for k in ("text_fingerprint", "vae_fingerprint") if k in self.manifest},
             "versions": package_versions(), "code": code_version(), "python": platform.python_version(),
         }
@@ -72,14 +75,16 @@ class RunPublisher:
         training = self.training
         network.eval()
         with torch.no_grad():
-            grid = sample_grid(self.model, sampling_module(network, training),
-                               [self.prompts.prompt(p) for p in training.sample_prompts], self.prompts.prompt(""),
-                               training.sample_steps, training.guidance_scale, training.true_cfg_scale, training.seed,
-                               self.resolution)
+            samples = sample_grid(self.model, sampling_module(network, training),
+                                  [self.prompts.prompt(p) for p in training.sample_prompts], self.prompts.prompt(""),
+                                  training.sample_steps, training.guidance_scale, training.true_cfg_scale,
+                                  training.seed, self.resolution, self.frames)
         network.train()
         buffer = io.BytesIO()
-        grid.save(buffer, format="PNG")
+        samples.grid().save(buffer, format="PNG")
         self.store.write_bytes(layout.sample(self.run, step), buffer.getvalue())
+        if samples.frames > 1:  # the videos beside their first frames
+            self.store.write_bytes(layout.sample(self.run, step, "webp"), samples.animation())
         self.trackers.image(step, "samples", buffer.getvalue())
 
     def publish(self, network: torch.nn.Module, metrics: list[dict[str, Any]], start: int,
@@ -95,6 +100,7 @@ class RunPublisher:
         if training.sample_prompts:
             self.sample(network, training.steps)
         samples = [store.url(key) for key in store.list(layout.run_part(run, "samples"), ".png")]
+        videos = [store.url(key) for key in store.list(layout.run_part(run, "samples"), ".webp")]
         write_metrics(store, run, metrics)
         store.write_bytes(layout.run_part(run, "loss_curve"), loss_curve_png(metrics))
         config = yaml.safe_dump(self.settings, sort_keys=False).encode()
@@ -103,7 +109,8 @@ class RunPublisher:
         lineage = self.lineage()
         window = max(1, min(10, len(metrics) // 4))  # mean loss over the first and last few steps
         return store.commit_json(
-            layout.run_part(run, "lineage"), lineage, run=store.url(run), samples=samples, model=model.model_dump(),
+            layout.run_part(run, "lineage"), lineage, run=store.url(run), samples=samples,
+            **({"sample_videos": videos} if videos else {}), model=model.model_dump(),
             weights=self.output, adapter=store.url(layout.run_part(run, "adapter")) if self.output == "adapter" else None,
             transformer=store.url(layout.run_part(run, "transformer")) if self.output == "transformer" else None,
             finished=time.time(), steps=training.steps, resumed_from=start, seconds=round(elapsed, 2),
