@@ -1,7 +1,8 @@
-"""Hostile input: fuzzed images, captions, names and archives go through ingest without a crash.
+"""Hostile input: fuzzed images, videos, captions, names and archives go through ingest without a crash.
 
-A seeded corpus mixes good samples (some with hostile names or dirty but usable captions) with
-random bytes, truncated and bit-flipped images, headers declaring huge sizes, compression bombs,
+A seeded corpus mixes good samples (some with hostile names or dirty but usable captions, two
+videos) with random bytes, truncated and bit-flipped images and videos, video magic numbers over
+noise, an audio-only container, headers declaring huge sizes, compression bombs,
 unusable captions, path-traversal and special tar members, nested and damaged tars, and metadata
 rows that are not JSON. Every good sample must be accepted with its cleaned captions; every hostile
 input must be quarantined with one of its expected reasons (or, for a bit flip that still decodes,
@@ -39,6 +40,8 @@ CUT = frozenset({"not_image", "unreadable"})
 REASONS = IMAGE_REASONS | {"empty_file", "missing_caption", "empty_caption", "caption_encoding", "caption_too_long",
                            "missing_image", "bad_metadata", "unsafe_path", "unsafe_member", "special_file",
                            "nested_archive", "bad_archive"}
+# a video cut or flipped: not a container, a container that breaks off, or what is left too short
+VIDEO_REASONS = frozenset({"bad_video", "truncated", "too_short", "too_few_frames", "not_image", "no_video_stream"})
 UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b\u202a-\u202e\u2066-\u2069\ufeff\ud800-\udfff]")
 
 
@@ -187,7 +190,35 @@ def corpus_items() -> list[Item]:
             for position in rng.sample(range(len(data) * 8), flips):
                 flipped[position // 8] ^= 1 << position % 8
             items.append(bad(f"flip-{flips}", ext, bytes(flipped), IMAGE_REASONS, may_decode=True))
-    return items + _huge_headers(next(flat), jpeg)
+    return items + _huge_headers(next(flat), jpeg) + _videos(rng)
+
+
+def _videos(rng: random.Random) -> list[Item]:
+    """Two good videos of one default clip each (81 frames at 16 fps: 6 s), and hostile ones."""
+    import tempfile
+
+    from tests.videos import write_audio_only, write_video
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp4 = write_video(Path(folder) / "a.mp4", frames=96, fps=16).read_bytes()
+        webm = write_video(Path(folder) / "a.webm", frames=96, fps=16, codec="libvpx-vp9").read_bytes()
+        audio = write_audio_only(Path(folder) / "b.mp4").read_bytes()
+    items = [good("video", "mp4", mp4, "a grey video", ["a grey video"]),
+             good("video", "webm", webm, "a grey webm", ["a grey webm"]),
+             bad("audio-only", "mp4", audio, {"no_video_stream"}),
+             bad("magic-ftyp", "mp4", b"\0\0\0\x18ftypisom" + rng.randbytes(3000), {"bad_video"}),
+             bad("magic-ebml", "mkv", b"\x1a\x45\xdf\xa3" + rng.randbytes(3000), {"bad_video"})]
+    for ext, data in (("mp4", mp4), ("webm", webm)):
+        for offset in (6, 40, 400, len(data) // 2):
+            items.append(bad(f"cut-{offset}", ext, data[:offset], VIDEO_REASONS))
+        # the last bytes only: an index's tail, which a demuxer may not need
+        items.append(bad("cut-tail", ext, data[:-50], VIDEO_REASONS, may_decode=True))
+        for flips in (1, 8, 64):
+            flipped = bytearray(data)
+            for position in rng.sample(range(len(data) * 8), flips):
+                flipped[position // 8] ^= 1 << position % 8
+            items.append(bad(f"flip-{flips}", ext, bytes(flipped), VIDEO_REASONS, may_decode=True))
+    return items
 
 
 def _token(number: int) -> str:
