@@ -13,6 +13,7 @@ import torch
 from prefect.artifacts import Artifact
 
 from flows.pipeline import stage
+from storage.shards import read_image_shard
 from storage.store import Store
 from tasks.demo.data import write_demo_data
 
@@ -144,12 +145,22 @@ def test_a_worker_killed_mid_stage_loses_no_shard(prefect_server, make_config, m
 
 def test_ingest_on_two_workers_equals_ingest_in_this_process(prefect_server, make_config, demo_data, tmp_path):
     """Every source format at once (the same hostile corpus in each, so duplicates span sources and
-    partitions) in partitions of four units on two worker processes: the same dataset, report and
-    shards, byte for byte, as one process reading them all; a nightly run sends no partition."""
+    partitions), and videos decoded into clips, in partitions of four units on two worker
+    processes: the same dataset, report and shards, byte for byte, as one process reading them
+    all; a nightly run sends no partition."""
     from tests.corpus import MAX_PIXELS, WRITERS
+    from tests.videos import write_video
 
     sources = [{"path": str(write(tmp_path / "corpora" / fmt))} for fmt, write in WRITERS.items()]
     sources.append({"path": str(demo_data)})
+    videos = tmp_path / "corpora" / "videos"
+    videos.mkdir()
+    for index, codec in enumerate(["libx264", "libvpx-vp9", "mpeg4"]):  # 6 s at 16 fps: the default clip and more
+        write_video(videos / f"{index}.mkv", frames=96 + index, fps=16, codec=codec, size=(96, 64 + 16 * index))
+        (videos / f"{index}.txt").write_text(f"video {index}")
+    (videos / "cut.mkv").write_bytes((videos / "0.mkv").read_bytes()[:3000])
+    (videos / "cut.txt").write_text("a cut video")
+    sources.append({"path": str(videos)})
     dataset = {"sources": sources, "max_pixels": MAX_PIXELS, "partition_size": 4}
     here = make_config(root=str(tmp_path / "here"), dataset=dataset)
     workers = make_config(root=str(tmp_path / "workers"), dataset=dataset, execution={"workers": 2})
@@ -163,6 +174,8 @@ def test_ingest_on_two_workers_equals_ingest_in_this_process(prefect_server, mak
     assert report[1] == report[0] and report[1]["quarantined"] > 0 and report[1]["duplicates"] > 0
     shards = [{key: store.read_bytes(key) for key in store.list("shards/images", ".parquet")} for store in stores]
     assert shards[1] == shards[0]
+    clips = [row for data in shards[1].values() for row in read_image_shard(data).to_pylist() if "/videos/" in row["source"]]
+    assert len(clips) == 3 and report[1]["by_reason"]["too_short"] == 1  # each video's one clip; the cut one
     assert stores[1].find("staging") == []  # every staged partition merged and deleted
     states = _task_run_states(state.state_details.flow_run_id, 2)
     partitions = states.count("Completed") - 1  # the ingest task itself
