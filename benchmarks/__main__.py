@@ -22,7 +22,7 @@ from typing import Any
 
 from benchmarks import (
     demo_world, encoder_workers, end_to_end, family_costs, gpu, ingest_memory, ingest_throughput, ingest_workers,
-    latent_encoding, s3_ingest, text_encoding, training, training_modes,
+    latent_encoding, s3_ingest, text_encoding, training, training_modes, video,
 )
 
 RESULTS = Path(__file__).parent / "results"
@@ -41,6 +41,7 @@ SUITE = {
     "gpu": (gpu, {}, {"captions": 128, "repeat": 3}),
     "demo_world": (demo_world, {}, None),  # seven demo trainings per family, about 75 minutes for the five
     "family_costs": (family_costs, {}, {}),  # published shapes on the meta device: about 15 s either way
+    "video": (video, {}, None),  # writing the 720p and 4K sources takes most of its 2 to 3 minutes
 }
 
 
