@@ -32,6 +32,9 @@ from storage.fingerprint import hash_json, sha256_bytes
 from tasks.ingest.untrusted import Rejected, check_geometry
 
 CLIP_FRAMES = "precast.clip_frames"  # a stored clip's XMP: its frame count
+# a gap between clips (seconds) worth a seek to the keyframe before the next rather than decoding
+# through it: about a keyframe interval of common encodes (2 to 10 s), so a seek skips at least one
+SEEK_SECONDS = 4.0
 
 # what a video container starts with: an ISO/QuickTime box (mp4, mov) or EBML (webm, mkv)
 MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"wide", b"free", b"skip")
@@ -52,6 +55,7 @@ class Probe:
     frames: int  # packets of the video stream
     fps: float  # frames per second on average (frames over duration)
     duration: float  # seconds, from the first frame's timestamp to the end of the last
+    start: float = 0.0  # the first frame's timestamp, seconds: clip times count from it
 
 
 def _open(data: bytes):
@@ -107,7 +111,7 @@ def probe(data: bytes, video: VideoConfig, dataset: DatasetConfig) -> Probe:
     duration = end - first
     if duration <= 0:
         raise Rejected("bad_video", f"its {frames} frames have no duration (timestamps {first:g} to {end:g} s)")
-    return Probe(codec, width, height, rotation, frames, frames / duration, duration)
+    return Probe(codec, width, height, rotation, frames, frames / duration, duration, first)
 
 
 def clip_times(probed: Probe, video: VideoConfig) -> list[list[float]]:
@@ -139,10 +143,12 @@ def clip_ids(data_sha256: str, video: VideoConfig, count: int) -> list[str]:
 
 def decode_clips(data: bytes, probed: Probe, times: dict[int, list[float]], video: VideoConfig,
                  take: Callable[[int, list[Image.Image]], None]) -> None:
-    """Decode the video once, front to back, and hand each clip's frames to `take(index, frames)`
-    as soon as its last is decoded; a frame no clip still needs is let go. A video whose frames
-    end before its clips do is Rejected ("truncated"): the caller keeps nothing of a video that
-    raises, so its clips handed on before are dropped too."""
+    """Decode the video front to back, seeking over gaps of more than SEEK_SECONDS between clips
+    (to the keyframe at or before the next clip, so the frames after it are decoded as they would
+    be from the start), and hand each clip's frames to `take(index, frames)` as soon as its last
+    is decoded; a frame no clip still needs is let go. A video whose frames end before its clips
+    do is Rejected ("truncated"): the caller keeps nothing of a video that raises, so its clips
+    handed on before are dropped too."""
     import av
 
     if not times:
@@ -164,21 +170,33 @@ def decode_clips(data: bytes, probed: Probe, times: dict[int, list[float]], vide
     with _open(data) as container:
         stream = _video_stream(container)
         stream.thread_type = "AUTO"
-        start = None
+        seek_to: float | None = wanted[0]
+        seeking = True  # until a seek lands past its time (a container without an index)
         try:
-            for frame in container.decode(stream):
-                if frame.pts is None:
-                    continue
-                time = float(frame.pts * stream.time_base)
-                start = time if start is None else start
-                show(time - start - 1e-9)  # every wanted time before this frame shows the one before
-                current, picture = frame, None
-                _hand_on(pending, shown, take)
-                if not pending:
-                    return
+            while pending:
+                if seek_to is not None:  # to the keyframe at or before it
+                    container.seek(int((probed.start + seek_to) / stream.time_base), stream=stream, backward=True,
+                                   any_frame=False)
+                    sought, seek_to, current, picture = seek_to, None, None, None
+                for frame in container.decode(stream):
+                    if frame.pts is None:
+                        continue
+                    time = float(frame.pts * stream.time_base) - probed.start
+                    if current is None and time > wanted[next_wanted] + 1e-9 and sought > 0:
+                        seek_to, seeking = 0.0, False  # it landed past the time: from the start, never again
+                        break
+                    show(time - 1e-9)  # every wanted time before this frame shows the one before
+                    current, picture = frame, None
+                    _hand_on(pending, shown, take)
+                    if seeking and pending and wanted[next_wanted] - time > SEEK_SECONDS:
+                        seek_to = wanted[next_wanted]  # a gap to seek over
+                    if seek_to is not None or not pending:
+                        break
+                else:
+                    show(probed.duration + 1e-9)  # the last frame shows until the video ends
+                    break
         except av.error.FFmpegError as error:
             raise Rejected("bad_video", f"decoding failed at {len(shown)} of {len(wanted)} frames ({error})") from None
-        show(probed.duration + 1e-9)  # the last frame shows until the video ends
     _hand_on(pending, shown, take)
     if pending:
         raise Rejected("truncated", f"the video's frames end before its clips do ({len(shown)} of {len(wanted)} "
