@@ -230,3 +230,18 @@ def test_wan_quarantines_clips_that_are_not_4n_plus_1_frames(videos, tmp_path):
     (shard,) = run_direct(config, until="encode-latents")["encode-latents"]["shards"]
     assert shard["samples"] == 0 and len(shard["quarantined"]) == 2
     assert "a clip of 16 frames: Wan's VAE takes 4N + 1 (such as 13 or 17" in shard["quarantined"][0]["message"]
+
+
+def test_videos_from_s3_give_the_clips_a_local_folder_gives(videos, tmp_path, s3_endpoint):
+    """The same folder of videos on an S3 API (moto): the same clips, bytes and quarantine."""
+    import s3fs
+
+    s3 = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
+    s3.mkdir("precast-videos")
+    s3.put(str(videos), "precast-videos/clips", recursive=True)
+    local, local_store = _ingest(tmp_path / "local", videos)
+    storage = StorageConfig(root=str(tmp_path / "remote"), options={"endpoint_url": s3_endpoint})
+    dataset = DatasetConfig(sources=[{"path": "s3://precast-videos/clips"}], shard_size=8, video=VIDEO, **RULES)
+    remote = ingest(storage, dataset)
+    assert remote["id"] == local["id"] and remote["quarantined"] == local["quarantined"] == len(QUARANTINED)
+    assert sum(len(rows) for rows in _samples(Store(storage), remote).values()) == sum(CLIPS.values()) + 1
