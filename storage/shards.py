@@ -122,6 +122,11 @@ def bucket_name(*sides: int) -> str:
     return "x".join(str(side) for side in sides)
 
 
+def bucket_sides(name: str) -> tuple[int, ...]:
+    """`bucket_name`'s inverse: (height, width), or (frames, height, width)."""
+    return tuple(int(side) for side in name.split("x"))
+
+
 def pack_latents(
     buckets: dict[str, dict[str, torch.Tensor]], rows: dict[str, tuple[str, int]], metadata: dict[str, Any]
 ) -> bytes:

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import torch
 
 from configs.schema import TrainingConfig
-from storage.shards import LatentShard, RaggedShard, collate
+from storage.shards import LatentShard, RaggedShard, bucket_sides, collate
 from storage.store import Store
 from tasks.families.spec import Conditioning, TextEncoderSpec
 from tasks.prefetch import prefetched
@@ -160,7 +160,7 @@ def batch_sizes(buckets: dict[str, list[str]], batch_size: int, batch_tokens: in
     being a sample's (the family's `image_tokens`)."""
     if batch_tokens is None:
         return {name: batch_size for name in buckets}
-    return {name: max(1, batch_tokens // tokens(*(int(side) for side in name.split("x")))) for name in buckets}
+    return {name: max(1, batch_tokens // tokens(*bucket_sides(name))) for name in buckets}
 
 
 def bucket_batches(buckets: dict[str, list[str]], sizes: dict[str, int] | int, seed: int) -> Iterator[list[str]]:

@@ -16,6 +16,7 @@ import yaml
 
 from configs.schema import ModelConfig, TrainingConfig
 from storage import layout
+from storage.shards import bucket_sides
 from storage.store import Store
 from tasks.families import family_of, pipeline_of
 from tasks.runs.folder import write_metrics
@@ -32,7 +33,7 @@ class RunPublisher:
         self.store, self.run, self.model, self.training = store, run, model, training
         self.resolution = resolution  # the latents' (`latent_encoding.resolution`): the samples' side
         # the frames of the longest clips it trains on (1: pictures): the samples'
-        latent_frames = max(int(name.split("x")[0]) if name.count("x") == 2 else 1 for name in manifest["buckets"])
+        latent_frames = max(sides[0] if len(sides) == 3 else 1 for sides in map(bucket_sides, manifest["buckets"]))
         self.frames = family_of(model).clip_frames(latent_frames)
         self.manifest, self.init, self.prompts = manifest, init, prompts
         self.output = output_name(training)
