@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from configs.schema import QUICKSTART, load_config
-from tasks.demo import DEMO_FAMILIES, demo_settings, write_demo_models
-from tasks.demo.data import COLORS, SHAPES, write_demo_data
+from tasks.demo import DEMO_FAMILIES, VIDEO_FAMILIES, demo_settings, write_demo_dataset, write_demo_models
+from tasks.demo.data import COLORS, SHAPES
 from tasks.demo.models import palette_round_trip
+from tasks.demo.videos import DEMO_VIDEO, held_out, motion
 from tasks.runner import run_direct
 from tasks.runs.sampling import sample_run
 
@@ -34,7 +35,7 @@ PROMPTS = [f"a {colour} {shape} on a {background} background"
            for background, colour, shape in zip(BACKGROUNDS, BACKGROUNDS[3:] + BACKGROUNDS[:3], SHAPES * 3)]
 # what tests/test_learning.py asserts of each family's unperturbed demo: (at least this many colours
 # right with text, at most this many without), each below the worst case of its table here
-THRESHOLDS = {"pixart": (6, 3), "flux": (9, 3), "flux-schnell": (9, 3), "sd3": (9, 3), "chroma": (9, 3)}
+THRESHOLDS = {"pixart": (6, 3), "flux": (9, 3), "flux-schnell": (9, 3), "sd3": (9, 3), "chroma": (9, 3), "wan": (9, 3)}
 # name: (model seed, training seed, torch threads, last-bits perturbation seed or None)
 PERTURBATIONS = {
     "demo (seed 0, 2 threads)": (0, 0, 2, None),
@@ -48,8 +49,8 @@ PERTURBATIONS = {
 
 
 def dominant_colours(prompts: list[str], run: str, seed: int) -> list[str]:
-    """The named colour most of each sampled image's pixels are nearest: its background, whatever
-    shapes are drawn on it (an image's mean colour would mix them in)."""
+    """The named colour most of each sampled image's (a video's first frame's) pixels are nearest:
+    its background, whatever shapes are drawn on it (an image's mean colour would mix them in)."""
     grid = np.asarray(sample_run(run, prompts, steps=10, guidance_scale=4.5, seed=seed).grid(), dtype=np.float64)
     palette = np.array(list(COLORS.values()), dtype=np.float64)
     nearest = ((grid[:, :, None, :] - palette) ** 2).sum(-1).argmin(-1)
@@ -58,12 +59,27 @@ def dominant_colours(prompts: list[str], run: str, seed: int) -> list[str]:
             for i in range(len(prompts))]
 
 
-def colour_scores(run: str, seed: int = 0) -> tuple[int, int]:
+def colour_scores(run: str, seed: int = 0, family: str = "pixart") -> tuple[int, int]:
     """(held-out prompts whose sample has the background colour they name, the same prompts with
-    the text taken away that happen to match it: the model's unconditional guesses), of 12."""
-    hits = sum(got == named for got, named in zip(dominant_colours(PROMPTS, run, seed), BACKGROUNDS))
-    blind = sum(got == named for got, named in zip(dominant_colours([""] * len(PROMPTS), run, seed), BACKGROUNDS))
+    the text taken away that happen to match it: the model's unconditional guesses), of 12. A video
+    family's prompts name a direction of motion too (`tasks.demo.videos.held_out`)."""
+    prompts = [prompt for prompt, _, _ in held_out()] if family in VIDEO_FAMILIES else PROMPTS
+    hits = sum(got == named for got, named in zip(dominant_colours(prompts, run, seed), BACKGROUNDS))
+    blind = sum(got == named for got, named in zip(dominant_colours([""] * len(prompts), run, seed), BACKGROUNDS))
     return hits, blind
+
+
+def direction_scores(run: str, seed: int = 0) -> tuple[int, int]:
+    """(held-out video prompts whose sample's shape of the colour they name moves the way they say,
+    from the first frame to the last; the same without the text), of 12: chance is 3."""
+    prompts = held_out()
+    scores = []
+    for text in (True, False):
+        samples = sample_run(run, [prompt if text else "" for prompt, _, _ in prompts], steps=10, guidance_scale=4.5,
+                             seed=seed)
+        scores.append(sum(motion([np.asarray(frame) for frame in frames], prompt.split()[1]) == direction
+                          for frames, (prompt, _, direction) in zip(samples, prompts)))
+    return scores[0], scores[1]
 
 
 def train_demo(folder: Path, models: Path, data: Path, training_seed: int = 0, family: str = "pixart") -> dict:
@@ -81,13 +97,14 @@ def run(perturbations: list[str] | None = None, sample_seeds: tuple[int, ...] = 
 
 
 def run_family(family: str, perturbations: list[str] | None = None, sample_seeds: tuple[int, ...] = (0, 1)) -> dict:
-    from diffusers import AutoencoderKL
+    from diffusers import AutoencoderKL, AutoencoderKLWan
 
+    video = family in VIDEO_FAMILIES
     threads = torch.get_num_threads()
     results = {}
     with tempfile.TemporaryDirectory(prefix="precast-demo-world-") as tmp:
         folder = Path(tmp)
-        data = write_demo_data(folder / "data", count=1000)
+        data = write_demo_dataset(folder / "data", family)
         for name in perturbations or list(PERTURBATIONS):
             model_seed, training_seed, torch_threads, perturb = PERTURBATIONS[name]
             torch.set_num_threads(torch_threads)
@@ -95,9 +112,11 @@ def run_family(family: str, perturbations: list[str] | None = None, sample_seeds
                 began = time.perf_counter()
                 models = write_demo_models(folder / f"models-{model_seed}-{torch_threads}-{perturb}", family,
                                            seed=model_seed, perturb=perturb)
-                trips = palette_round_trip(AutoencoderKL.from_pretrained(models / "vae"))
+                trips = palette_round_trip((AutoencoderKLWan if video else AutoencoderKL).from_pretrained(models / "vae"),
+                                           frames=DEMO_VIDEO["frames"] if video else None)
                 trained = train_demo(folder, models, data, training_seed, family)
-                scores = [colour_scores(trained["train"]["url"], seed) for seed in sample_seeds]
+                scores = [colour_scores(trained["train"]["url"], seed, family) for seed in sample_seeds]
+                motions = [direction_scores(trained["train"]["url"], seed) for seed in sample_seeds] if video else []
             finally:
                 torch.set_num_threads(threads)
             results[name] = {
@@ -105,6 +124,8 @@ def run_family(family: str, perturbations: list[str] | None = None, sample_seeds
                 "vae_worst_error": round(max(own for own, _, _ in trips.values()), 1),
                 "vae_worst_ratio": round(max(own / other for own, _, other in trips.values()), 2),
                 "with_text": [hits for hits, _ in scores], "without_text": [blind for _, blind in scores],
+                **({"direction_with_text": [hits for hits, _ in motions],
+                    "direction_without_text": [blind for _, blind in motions]} if video else {}),
                 "loss": [round(trained["train"]["first_loss"], 3), round(trained["train"]["final_loss"], 3)],
                 "seconds": round(time.perf_counter() - began, 1),
             }
@@ -119,7 +140,9 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
     out = []
     for family, table in result.items():
         out += [(f"demo world ({family}): {name}",
-                 f"{r['with_text']} of 12 colours with text, {r['without_text']} without; loss {r['loss'][0]} -> {r['loss'][1]}",
+                 f"{r['with_text']} of 12 colours with text, {r['without_text']} without; loss {r['loss'][0]} -> {r['loss'][1]}"
+                 + (f"; {r['direction_with_text']} of 12 directions with text, {r['direction_without_text']} without "
+                    "(chance: 3)" if "direction_with_text" in r else ""),
                  f"VAE palette {r['vae_palette']} of 12 (worst error {r['vae_worst_error']}, {r['vae_worst_ratio']} of the way to another colour)",
                  "") for name, r in table["perturbations"].items()]
         out.append((f"demo world ({family}): worst case", f"{table['worst_with_text']} of 12 with text",

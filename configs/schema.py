@@ -136,6 +136,12 @@ class ModelConfig(Section):
         "tokenizer/, vae/, transformer/, scheduler/); the pipeline model_index.json names picks the model family.",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) when path is a hub id.")
+    expert: Literal["high_noise", "low_noise"] | None = Field(
+        None, description="Which transformer of a two-expert model to train (Wan 2.2 A14B: its model_index.json names "
+        "transformer and transformer_2 and a boundary_ratio). high_noise: transformer/, trained on the noise levels "
+        "the pipeline gives it, σ at or above boundary_ratio; low_noise: transformer_2/, below it. Required for such "
+        "a model, refused for any other.",
+    )
 
 
 Dtype = Literal["fp32", "bf16", "fp16"]

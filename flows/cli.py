@@ -38,20 +38,21 @@ def _print_result(result: dict, as_json: bool) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from configs.schema import QUICKSTART, load_config
-    from tasks.demo import demo_settings, write_demo_models
-    from tasks.demo.data import write_demo_data
+    from tasks.demo import demo_settings, write_demo_dataset, write_demo_models
 
     config = load_config(QUICKSTART, [*demo_settings(args.family), *args.set])  # --set model.path=… still decides
     write_demo_models(config.model.path, args.family)
     for source in config.dataset.sources:
         if not Path(source.path).exists():
-            write_demo_data(source.path, count=args.count)
+            write_demo_dataset(source.path, args.family, args.count)
     result = _run_pipeline(config)
     print(f"weights: {result['weights']}")
     for sample in result["samples"]:
         print(f"samples: {sample}")
     print(f"loss curve: {result['loss_curve']}")
     print(f"loss: {result['first_loss']:.4f} at the start, {result['final_loss']:.4f} at the end")
+    if result["quarantined"]:
+        print(f"quarantined at ingest: {result['quarantined']}, each with its reason in {result['ingest_report']}")
     print(f"the run's page: precast inspect {result['run']}")
     return 0
 
@@ -185,9 +186,9 @@ def cmd_tiny_models(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_data(args: argparse.Namespace) -> int:
-    from tasks.demo.data import write_demo_data
+    from tasks.demo import write_demo_dataset
 
-    print(write_demo_data(args.dir, count=args.count, seed=args.seed))
+    print(write_demo_dataset(args.dir, args.family, count=args.count, seed=args.seed))
     return 0
 
 
@@ -214,7 +215,8 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
 
     demo = commands.add_parser("demo", help="make tiny models and demo data, then run configs/quickstart.yaml")
     with_config(demo, required=False)
-    demo.add_argument("--count", type=int, default=1000, help="demo images to generate when missing")
+    demo.add_argument("--count", type=int, default=None,
+                      help="demo pictures (default 1000) or videos (default 600) to generate when missing")
     demo.add_argument("--family", choices=DEMO_FAMILIES, default=DEMO_FAMILIES[0],
                       help="the tiny models' family (each but the first in precast-demo/models/<family>)")
     demo.set_defaults(func=cmd_demo)
@@ -304,8 +306,10 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
                            "the loading path)")
     tiny.set_defaults(func=cmd_tiny_models)
 
-    data = commands.add_parser("demo-data", help="write a deterministic generated image+caption dataset")
+    data = commands.add_parser("demo-data", help="write a deterministic generated dataset of captioned pictures, or "
+                                                 "of captioned videos (with hostile files) for a video family")
     data.add_argument("dir")
+    data.add_argument("--family", choices=DEMO_FAMILIES, default=DEMO_FAMILIES[0], help="whose demo data")
     data.add_argument("--count", type=int, default=48)
     data.add_argument("--seed", type=int, default=0)
     data.set_defaults(func=cmd_demo_data)

@@ -139,6 +139,8 @@ def outputs(records: Records) -> dict[str, Any]:
     run = records["train"]
     return {
         "dataset": records["ingest"]["url"],
+        "quarantined": records["ingest"]["quarantined"],  # files or rows ingest refused; the report says why
+        "ingest_report": records["ingest"]["report"],
         "text_cache": records["encode-text"]["url"],
         "latent_cache": records["encode-latents"]["url"],
         "manifest": records["manifest"]["url"],

@@ -8,9 +8,10 @@ from typing import Any
 import torch
 
 
-def transformer_calls(pipeline: Any) -> list[tuple[dict[str, Any], torch.Tensor]]:
-    """A list that fills, as the pipeline runs, with each transformer call's keyword arguments and output."""
+def transformer_calls(pipeline: Any, component: str = "transformer") -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """A list that fills, as the pipeline runs, with each call of its `component` (a transformer):
+    its keyword arguments and output."""
     calls: list[tuple[dict[str, Any], torch.Tensor]] = []
-    pipeline.transformer.register_forward_hook(lambda module, args, kwargs, output: calls.append((kwargs, output[0])),
-                                               with_kwargs=True)
+    getattr(pipeline, component).register_forward_hook(
+        lambda module, args, kwargs, output: calls.append((kwargs, output[0])), with_kwargs=True)
     return calls

@@ -24,7 +24,7 @@ from tasks.runs.folder import FinishedRun
 from tasks.runs.sampling import sample_run
 from tests.comfyui_flow import apply_lora, comfy_weights, maps_for
 
-FAMILIES = ("flux", "sd3", "chroma", "wan")
+FAMILIES = ("flux", "sd3", "chroma", "wan", "wan2.2-ti2v", "wan2.2-a14b")
 
 
 def _options(config) -> list[str]:
@@ -48,13 +48,15 @@ def models(tmp_path_factory):
     flux = write_tiny_family(root / "flux", "flux", vae_steps=0)
     return {"flux": flux, "sd3": write_tiny_family(root / "sd3", "sd3", vae_steps=0),
             "chroma": write_tiny_family(root / "chroma", "chroma", vae_from=flux),
-            "wan": write_tiny_family(root / "wan", "wan", vae_steps=0)}
+            "wan": write_tiny_family(root / "wan", "wan", vae_steps=0),
+            **{family: write_tiny_family(root / family, family, vae_steps=0) for family in ("wan2.2-ti2v", "wan2.2-a14b")}}
 
 
 # the configurations users run, one per family: Flux through the Prefect flow on an S3 root with
 # bf16 encoders, parallel shards and a bf16 base; SD3 with fp16 encoders (T5's wo kept fp32) and an
 # int8 base; Chroma in fp32 through the direct runner; Wan with bf16 umT5, parallel shards and a
-# bf16 base
+# bf16 base; Wan 2.2 TI2V (its 48-channel VAE, a timestep a token) with fp16 umT5 and bf16 autocast;
+# Wan 2.2 A14B's low-noise expert (transformer_2/, below the boundary) with EMA
 SETTINGS = {
     "flux": dict(flow=True, s3=True, text={"dtype": "bf16"}, shards=3,
                  training={"mixed_precision": "bf16", "base_precision": "bf16"}),
@@ -62,6 +64,9 @@ SETTINGS = {
     "chroma": dict(flow=False, s3=False, text={"dtype": "fp32"}, shards=1, training={}),
     "wan": dict(flow=False, s3=False, text={"dtype": "bf16"}, shards=2,
                 training={"mixed_precision": "bf16", "base_precision": "bf16"}),
+    "wan2.2-ti2v": dict(flow=False, s3=False, text={"dtype": "fp16"}, shards=1, training={"mixed_precision": "bf16"}),
+    "wan2.2-a14b": dict(flow=False, s3=False, text={"dtype": "fp32"}, shards=1, training={"ema_decay": 0.9},
+                        model={"expert": "low_noise"}),
 }
 
 
@@ -86,7 +91,7 @@ def runs(models, demo_data, tmp_path_factory, request):
             request.getfixturevalue("prefect_server")
         config = PipelineConfig.model_validate({
             "storage": storage, "dataset": {"sources": [{"path": demo_data}], "shard_size": 10},
-            "model": {"path": str(folder)}, "text_encoding": settings["text"],
+            "model": {"path": str(folder), **settings.get("model", {})}, "text_encoding": settings["text"],
             "latent_encoding": {"resolution": 256, "storage_dtype": "fp32", "batch_size": 4},
             "training": {"rank": 4, "alpha": 2, "steps": 4, "batch_size": 2, "learning_rate": 1e-2,
                          "validation_samples": 4, "validation_every": 2,
@@ -126,11 +131,14 @@ def test_the_adapter_loads_with_load_lora_weights_as_peft_merges_it(runs, models
     out = tmp_path / "lora.safetensors"
     assert main(["export", records["train"]["run"], "--format", "diffusers", "--out", str(out), *_options(config)]) == 0
     pipeline = spec.pipeline_class().from_pretrained(models[family])
-    before = {k: v.clone() for k, v in pipeline.transformer.state_dict().items()}
-    pipeline.load_lora_weights(str(out))
-    pipeline.fuse_lora()
+    slot = spec.transformer_folder(config.model)  # an expert's: transformer_2 for the low-noise one
+    before = {k: v.clone() for k, v in getattr(pipeline, slot).state_dict().items()}
+    untouched = {k: v.clone() for k, v in pipeline.transformer.state_dict().items()} if slot != "transformer" else {}
+    pipeline.load_lora_weights(str(out), **({"load_into_transformer_2": True} if slot == "transformer_2" else {}))
+    pipeline.fuse_lora(components=[slot])
     pipeline.unload_lora_weights()
-    loaded = pipeline.transformer.state_dict()
+    loaded = getattr(pipeline, slot).state_dict()
+    assert all(torch.equal(value, pipeline.transformer.state_dict()[key]) for key, value in untouched.items())
     merged = PeftModel.from_pretrained(spec.load_transformer(config.model),
                                        _adapter_folder(config, records, tmp_path)).merge_and_unload().state_dict()
     assert set(loaded) == set(merged)

@@ -197,7 +197,8 @@ def _videos(rng: random.Random) -> list[Item]:
     """Two good videos of one default clip each (81 frames at 16 fps: 6 s), and hostile ones."""
     import tempfile
 
-    from tests.videos import write_audio_only, write_video
+    from tasks.demo.videos import write_audio_only
+    from tests.videos import write_video
 
     with tempfile.TemporaryDirectory() as folder:
         mp4 = write_video(Path(folder) / "a.mp4", frames=96, fps=16).read_bytes()

@@ -1,5 +1,5 @@
 """The tiny flow-matching families load and run through their own diffusers pipelines, as the
-published FLUX.1 [dev]/[schnell], SD3.5, Chroma and Wan 2.1 T2V repositories do."""
+published FLUX.1 [dev]/[schnell], SD3.5, Chroma, Wan 2.1 T2V and Wan 2.2 TI2V-5B and A14B repositories do."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def folders(tmp_path_factory):
     flux = write_tiny_family(root / "flux", "flux", vae_steps=0)
     written = {family: write_tiny_family(root / family, family, vae_from=flux) for family in ("flux-schnell", "chroma")}
     return {"flux": flux, "sd3": write_tiny_family(root / "sd3", "sd3", vae_steps=0), **written,
-            "wan": write_tiny_family(root / "wan", "wan", vae_steps=0)}
+            **{family: write_tiny_family(root / family, family, vae_steps=0) for family in ("wan", "wan2.2-ti2v", "wan2.2-a14b")}}
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +45,14 @@ def test_model_index_names_the_pipeline_that_loads_it(folders, family):
     loaded = DiffusionPipeline.from_pretrained(folders[family])
     assert type(loaded).__name__ == pipeline
     # every component the pipeline's __init__ requires is in the folder, and nothing else but the
-    # transformer where it is optional (WanPipeline's: Wan 2.2 A14B has two, either may be absent)
+    # transformers where optional and the pipeline's settings (WanPipeline's: Wan 2.2 A14B has two
+    # transformers and a boundary between them, TI2V one and a timestep a token), as published
     parameters = inspect.signature(type(loaded).__init__).parameters.items()
     required = {name for name, parameter in parameters if name != "self" and parameter.default is inspect.Parameter.empty}
-    assert set(index) - {"_class_name", "_diffusers_version"} - required <= {"transformer"}
+    assert set(index) - {"_class_name", "_diffusers_version"} - required <= {
+        "transformer", "transformer_2", "boundary_ratio", "expand_timesteps"}
+    assert all(getattr(loaded.config, name) == value for name, value in (FAMILIES[family].settings or {}).items()
+               if name != "transformer_2")
     assert required <= set(index)
     assert all(getattr(loaded, name) is not None for name in required)
 
@@ -79,10 +83,11 @@ def test_chroma_encode_prompt_masks_all_padding_but_the_first_token(pipes):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_pipeline_samples_a_picture(pipes, family):
-    options = {"guidance_scale": 3.5} if family == "flux" else {"num_frames": 1} if family == "wan" else {}
+    video = FAMILIES[family].pipeline == "WanPipeline"
+    options = {"guidance_scale": 3.5} if family == "flux" else {"num_frames": 1} if video else {}
     output = pipes[family](PROMPTS[0], num_inference_steps=2, height=64, width=64, output_type="pt",
                            generator=torch.Generator().manual_seed(0), **options)
-    images = output.frames[:, 0] if family == "wan" else output.images  # a video's first frame
+    images = output.frames[:, 0] if video else output.images  # a video's first frame
     assert images.shape == (1, 3, 64, 64) and not images.isnan().any()
 
 
@@ -113,7 +118,12 @@ def test_clip_tokenizers_read_demo_words_whole_and_any_text_by_bytes(pipes):
 
 def test_the_vae_has_16_channels_and_an_untrained_one_the_published_factors(folders):
     for family, folder in folders.items():
-        if family == "wan":  # the 3-D VAE, normalised by the published per-channel mean and std
+        if family == "wan2.2-ti2v":  # Wan 2.2's: 48 channels, 2 x 2 pixel patches in, 16x in space
+            config = diffusers.AutoencoderKLWan.from_pretrained(folder / "vae").config
+            assert (config.z_dim, config.patch_size, config.scale_factor_spatial) == (48, 2, 16)
+            assert len(config.latents_mean) == len(config.latents_std) == 48
+            continue
+        if family in ("wan", "wan2.2-a14b"):  # the 3-D VAE, normalised by the published per-channel mean and std
             config = diffusers.AutoencoderKLWan.from_pretrained(folder / "vae").config
             published = inspect.signature(diffusers.AutoencoderKLWan).parameters
             assert config.z_dim == 16 and config.latents_mean == published["latents_mean"].default

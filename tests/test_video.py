@@ -20,7 +20,8 @@ from storage.store import Store
 from tasks.ingest.stage import ingest
 from flows.cli import main
 from tasks.ingest.video import clip_frames, clip_times, frame_count, probe
-from tests.videos import frame_pixels, level, write_audio_only, write_video
+from tasks.demo.videos import write_audio_only
+from tests.videos import frame_pixels, level, write_video
 
 # 17 frames a clip at 16 fps, every 8 frames, two clips at most a video; pictures and videos of at
 # most 10,000 pixels and 3 s

@@ -17,7 +17,7 @@ from tasks.encode.latents import encode_pixels
 from tasks.encode.models import build_vae
 from tasks.encode.text import encode_prompts
 from tasks.families import family_of
-from tasks.families.wan import Wan, frames_rule, latent_frames
+from tasks.families.wan import Wan, Wan22TI2V, frames_rule, latent_frames
 from tasks.identity import text_fingerprints
 from tasks.train.data import TextCaches
 from tests.pipeline_calls import transformer_calls
@@ -30,6 +30,23 @@ def wan(tmp_path_factory) -> ModelConfig:
     from tasks.demo.flow_models import write_tiny_family
 
     return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("wan") / "wan", "wan", vae_steps=0)))
+
+
+@pytest.fixture(scope="module")
+def ti2v(tmp_path_factory) -> ModelConfig:
+    """Wan 2.2 TI2V-5B's layout: the 48-channel Wan 2.2 VAE (16x), one timestep a token."""
+    from tasks.demo.flow_models import write_tiny_family
+
+    return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("ti2v") / "ti2v", "wan2.2-ti2v",
+                                                  vae_steps=0)))
+
+
+@pytest.fixture(scope="module")
+def a14b(tmp_path_factory):
+    """Wan 2.2 A14B's layout: two experts split at boundary_ratio 0.875; the model's folder."""
+    from tasks.demo.flow_models import write_tiny_family
+
+    return str(write_tiny_family(tmp_path_factory.mktemp("a14b") / "a14b", "wan2.2-a14b", vae_steps=0))
 
 
 def cached_prompts(model: ModelConfig, root, prompts: list[str], **text) -> TextCaches:
@@ -79,7 +96,8 @@ def test_latents_are_normalised_and_noised_as_the_video_to_video_pipeline_does(w
     vae = build_vae(wan, "fp32", "cpu")
     pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
     mean, _ = encode_pixels(vae, family.vae_pixels(pixels))
-    assert mean.shape == (2, 16, 1, 8, 6)
+    factor = vae.config.scale_factor_spatial
+    assert mean.shape == (2, vae.config.z_dim, 1, 64 // factor, 48 // factor)
     shift, scale = (torch.tensor(f) for f in family.latent_factors(vae.config))
     ours = (mean - shift.view(-1, 1, 1, 1)) * scale.view(-1, 1, 1, 1)
 
@@ -87,7 +105,7 @@ def test_latents_are_normalised_and_noised_as_the_video_to_video_pipeline_does(w
     pipeline.scheduler.set_timesteps(4)
     timestep = pipeline.scheduler.timesteps[1:2].repeat(2)
     noise = torch.randn(ours.shape, generator=torch.Generator().manual_seed(1))
-    theirs = pipeline.prepare_latents(pixels.unsqueeze(2), 2, 16, 64, 48, torch.float32, torch.device("cpu"),
+    theirs = pipeline.prepare_latents(pixels.unsqueeze(2), 2, vae.config.z_dim, 64, 48, torch.float32, torch.device("cpu"),
                                       torch.Generator().manual_seed(1), timestep=timestep)
     sigma = pipeline.scheduler.sigmas[1:2].repeat(2)
     schedule = family.schedule(wan)
@@ -125,22 +143,88 @@ def test_sigmas_are_the_schedulers_flow_sigmas_with_its_shift(wan, sampling):
     assert ((schedule.timesteps(sigmas) - reference.timesteps) % 1 == schedule.timesteps(sigmas) - reference.timesteps).all()
 
 
+def _first_call(model: ModelConfig, tmp_path, **call):
+    """The pipeline run for one step on a cached prompt (through `embedding_kwargs`, the empty
+    caption its negative): the family, the pipeline, the prompts' features, and the keyword
+    arguments and output of its transformer's first call."""
+    from storage.shards import collate
+
+    family = family_of(model)
+    caches = cached_prompts(model, tmp_path, ["a green square on a white background"])
+    both = collate([caches.prompt("a green square on a white background"), caches.prompt("")])
+    pipeline = WanPipeline.from_pretrained(model.path)
+    pipeline.set_progress_bar_config(disable=True)
+    calls = transformer_calls(pipeline)
+    pipeline(**family.embedding_kwargs(both, 1), output_type="latent", num_inference_steps=1, guidance_scale=2.0,
+             generator=torch.Generator().manual_seed(0), **call)
+    (seen, output), _ = calls
+    return family, pipeline, both, seen, output
+
+
 def test_the_transformer_is_called_as_the_pipeline_calls_it(wan, tmp_path):
     """Given the cached prompt through `embedding_kwargs`, the pipeline calls its transformer on
     [B, C, F, h, w] latents with umT5's zero-padded states; `predict` gives its prediction."""
-    family = family_of(wan)
-    caches = cached_prompts(wan, tmp_path, ["a green square on a white background"])
-    from storage.shards import collate
-
-    both = collate([caches.prompt("a green square on a white background"), caches.prompt("")])
-    pipeline = WanPipeline.from_pretrained(wan.path)
-    pipeline.set_progress_bar_config(disable=True)
-    calls = transformer_calls(pipeline)
-    pipeline(**family.embedding_kwargs(both, 1), num_frames=1, output_type="latent", height=48, width=32,
-             num_inference_steps=1, guidance_scale=2.0, generator=torch.Generator().manual_seed(0))
-    (seen, output), _ = calls
+    family, pipeline, both, seen, output = _first_call(wan, tmp_path, num_frames=1, height=48, width=32)
     assert seen["hidden_states"].shape == (1, 16, 1, 6, 4) and seen["encoder_hidden_states"].shape == (1, 512, 64)
     with torch.no_grad():
         ours = family.predict(pipeline.transformer, seen["hidden_states"], {k: v[:1] for k, v in both.items()},
                               seen["timestep"], **family.call_options(TrainingConfig()))
     torch.testing.assert_close(ours, output)
+
+
+def test_wan_2_2_ti2v_is_its_own_family_with_buckets_its_pipeline_can_draw(ti2v, wan):
+    """`expand_timesteps` in model_index.json chooses Wan 2.2 TI2V; its buckets' sides are
+    multiples of what the pipeline needs (the VAE's 16 times the transformer's patch of 2)."""
+    family, pipeline = family_of(ti2v), WanPipeline.from_pretrained(ti2v.path)
+    assert isinstance(family, Wan22TI2V) and type(family_of(wan)) is Wan and pipeline.config.expand_timesteps
+    step = pipeline.vae_scale_factor_spatial * pipeline.transformer.config.patch_size[1]
+    assert step == 32 and all(side % step == 0 for sides in family.bucket_table(512).values() for side in sides)
+
+
+def test_the_ti2v_transformer_is_called_as_the_pipeline_calls_it_one_timestep_a_token(ti2v, tmp_path):
+    """The pipeline gives TI2V's transformer a timestep for each latent token (its first-frame
+    mask, all ones from text, times t); `predict`, given one timestep a sample as the schedule
+    draws them, gives its prediction."""
+    family, pipeline, both, seen, output = _first_call(ti2v, tmp_path, num_frames=5, height=64, width=96)
+    assert seen["hidden_states"].shape == (1, 48, 2, 4, 6) and seen["timestep"].shape == (1, 2 * 2 * 3)
+    assert (seen["timestep"] == seen["timestep"][:, :1]).all()
+    with torch.no_grad():
+        ours = family.predict(pipeline.transformer, seen["hidden_states"], {k: v[:1] for k, v in both.items()},
+                              seen["timestep"][:, 0], **family.call_options(TrainingConfig()))
+    torch.testing.assert_close(ours, output)
+
+
+def test_a_two_expert_model_needs_its_expert_named_and_a_one_transformer_model_refuses_one(a14b, wan):
+    with pytest.raises(ValueError, match=r"model.expert: .* has two experts, transformer/ .* boundary_ratio 0.875 .* "
+                                         r"transformer_2/ below it: set model.expert to high_noise or low_noise"):
+        family_of(ModelConfig(path=a14b)).schedule(ModelConfig(path=a14b))
+    with pytest.raises(ValueError, match=r"model.expert: .* has one transformer; leave model.expert unset"):
+        family_of(wan).load_transformer(ModelConfig(path=wan.path, expert="low_noise"))
+
+
+def test_each_expert_trains_on_the_noise_levels_the_pipeline_gives_it(a14b):
+    """The pipeline calls `transformer` at the timesteps at or above boundary_ratio × 1000 and
+    `transformer_2` below: each expert's σ draws are the scheduler's training sigmas on its side,
+    every one on one side or the other, and the expert's own transformer is what trains."""
+    family = family_of(ModelConfig(path=a14b))
+    pipeline = WanPipeline.from_pretrained(a14b)
+    pipeline.set_progress_bar_config(disable=True)
+    routed = {name: transformer_calls(pipeline, name) for name in ("transformer", "transformer_2")}
+    pipeline(prompt_embeds=torch.zeros(1, 8, 64), num_frames=1, height=32, width=32, num_inference_steps=12,
+             guidance_scale=1.0, output_type="latent")
+    called = {name: [float(seen["timestep"][0]) / 1000 for seen, _ in calls] for name, calls in routed.items()}
+    assert called["transformer"] and called["transformer_2"]
+    spans = {}
+    for expert, name in (("high_noise", "transformer"), ("low_noise", "transformer_2")):
+        model = ModelConfig(path=a14b, expert=expert)
+        schedule = family.schedule(model, TrainingConfig(timestep_sampling="logit_normal"))
+        drawn = schedule.draw(4000, torch.Generator().manual_seed(0), torch.Size((1, 16, 1, 4, 4)))
+        low, high = float(drawn.min()), float(drawn.max())
+        assert all(low - 1e-3 <= sigma <= high + 1e-3 for sigma in called[name]), (expert, called[name], low, high)
+        assert schedule.plain().span == schedule.span  # validation loss stays on the expert's levels
+        spans[expert] = schedule.span
+        trained = family.load_transformer(model)
+        reference = getattr(pipeline, name)
+        assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), reference.state_dict().values()))
+    (first, high_count), (second, low_count) = spans["high_noise"], spans["low_noise"]
+    assert first == 0 and second == high_count and high_count + low_count == 1000

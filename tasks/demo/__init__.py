@@ -5,9 +5,11 @@ tiny models in the hub layout that load through the real `from_pretrained` path 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-DEMO_FAMILIES = ("pixart", "flux", "flux-schnell", "sd3", "chroma")  # what `--family` chooses
+DEMO_FAMILIES = ("pixart", "flux", "flux-schnell", "sd3", "chroma", "wan")  # what `--family` chooses
+VIDEO_FAMILIES = ("wan",)  # their demo learns from generated videos (`videos`), the others' from pictures
 
 
 def demo_settings(family: str) -> list[str]:
@@ -19,7 +21,25 @@ def demo_settings(family: str) -> list[str]:
     on padding; what the demo shows (the text learned, in the family's layout) is the same."""
     if family == DEMO_FAMILIES[0]:
         return []
+    if family in VIDEO_FAMILIES:
+        from tasks.demo.videos import DEMO_VIDEO, SIDE, demo_prompts
+
+        return [f"model.path=precast-demo/models/{family}", "dataset.sources=[{path: precast-demo/videos}]",
+                f"dataset.video={json.dumps(DEMO_VIDEO)}", f"latent_encoding.resolution={SIDE}",
+                "text_encoding.max_length=64", f"training.sample_prompts={json.dumps(demo_prompts())}"]
     return [f"model.path=precast-demo/models/{family}", "latent_encoding.resolution=128", "text_encoding.max_length=64"]
+
+
+def write_demo_dataset(folder: str | Path, family: str = "pixart", count: int | None = None, seed: int = 0) -> Path:
+    """The demo's data for `family`: `count` captioned pictures (`data`; None: the demo's 1,000),
+    or for a video family captioned videos with the hostile files among them (`videos`; None: 600)."""
+    if family in VIDEO_FAMILIES:
+        from tasks.demo.videos import write_demo_videos
+
+        return write_demo_videos(folder, count=600 if count is None else count, seed=seed)
+    from tasks.demo.data import write_demo_data
+
+    return write_demo_data(folder, count=1000 if count is None else count, seed=seed)
 
 
 def write_demo_models(folder: str | Path, family: str = "pixart", **options) -> Path:

@@ -76,6 +76,8 @@ class TinyFamily(NamedTuple):
     vae_factors: tuple[float, float]  # the published VAE's (shift_factor, scaling_factor)
     scheduler_class: str = "FlowMatchEulerDiscreteScheduler"
     vae: str = "AutoencoderKL"
+    vae_shape: dict | None = None  # AutoencoderKLWan's settings, where not Wan 2.1's (`wan_vae`)
+    settings: dict | None = None  # the pipeline's own, in model_index.json
 
 
 _FLUX_TEXT = (("", "clip-l", "CLIPTextModel"), ("_2", "t5", "T5EncoderModel"))
@@ -109,6 +111,27 @@ FAMILIES = {
                            rope_max_seq_len=1024),
                       dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0), (0.0, 1.0),
                       "UniPCMultistepScheduler", "AutoencoderKLWan"),
+    # Wan 2.2 TI2V-5B: the Wan 2.2 VAE (48 channels; 2 x 2 pixel patches in, 16x in space; residual
+    # blocks), 48-channel transformer, one timestep per token (`expand_timesteps`), flow shift 5.0
+    "wan2.2-ti2v": TinyFamily("WanPipeline", (("", "umt5", "UMT5EncoderModel"),), "WanTransformer3DModel",
+                              dict(patch_size=(1, 2, 2), num_attention_heads=6, attention_head_dim=16, in_channels=48,
+                                   out_channels=48, text_dim=T5_SHAPE["d_model"], freq_dim=32, ffn_dim=128,
+                                   num_layers=2, rope_max_seq_len=1024),
+                              dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0), (0.0, 1.0),
+                              "UniPCMultistepScheduler", "AutoencoderKLWan",
+                              vae_shape=dict(z_dim=48, is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+                                             scale_factor_spatial=16, latents_mean=[0.0] * 48, latents_std=[1.0] * 48),
+                              settings=dict(expand_timesteps=True, boundary_ratio=None, transformer_2=[None, None])),
+    # Wan 2.2 A14B (text to video): Wan 2.1's layout twice, a high-noise expert (transformer/, the
+    # timesteps at or above boundary_ratio × 1000) and a low-noise one (transformer_2/), flow shift
+    # 12.0 as the reference code samples T2V A14B
+    "wan2.2-a14b": TinyFamily("WanPipeline", (("", "umt5", "UMT5EncoderModel"),), "WanTransformer3DModel",
+                              dict(patch_size=(1, 2, 2), num_attention_heads=6, attention_head_dim=16, in_channels=16,
+                                   out_channels=16, text_dim=T5_SHAPE["d_model"], freq_dim=32, ffn_dim=128,
+                                   num_layers=2, rope_max_seq_len=1024),
+                              dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=12.0),
+                              (0.0, 1.0), "UniPCMultistepScheduler", "AutoencoderKLWan",
+                              settings=dict(expand_timesteps=False, boundary_ratio=0.875)),
 }
 
 
@@ -133,23 +156,26 @@ def write_tiny_family(folder: str | Path, family: str, seed: int = 0, vae_steps:
     components = _write_text_encoders(folder, spec.encoders, perturb)
     if vae_from is not None:
         shutil.copytree(Path(vae_from) / "vae", folder / "vae", dirs_exist_ok=True)
-    elif spec.vae == "AutoencoderKLWan":
-        if vae_steps:
-            raise ValueError("the tiny Wan VAE is written untrained only (vae_steps=0): its family has no demo yet")
+    elif spec.vae == "AutoencoderKLWan":  # set by hand, not trained (`set_block_average`): random if vae_steps is 0
+        if vae_steps and spec.vae_shape:
+            raise ValueError(f"the tiny {family} VAE is written random only (vae_steps=0): its family has no demo")
         with torch.random.fork_rng():
-            wan_vae(seed, perturb).save_pretrained(folder / "vae")
+            wan_vae(seed, perturb, block_average=bool(vae_steps), **(spec.vae_shape or {})).save_pretrained(folder / "vae")
     else:
         with torch.random.fork_rng():  # the transformer's draws do not depend on the VAE's training
             trained_vae(seed, vae_steps, perturb, 16, spec.vae_factors).save_pretrained(folder / "vae")
-    transformer = getattr(diffusers, spec.transformer)(**spec.transformer_shape)
-    if perturb is not None:
-        perturb_last_bits(transformer, perturb + 2)
-    transformer.save_pretrained(folder / "transformer")
+    experts = ("transformer", "transformer_2") if (spec.settings or {}).get("boundary_ratio") else ("transformer",)
+    for name in experts:  # a two-expert model's second: another draw of the same layout
+        transformer = getattr(diffusers, spec.transformer)(**spec.transformer_shape)
+        if perturb is not None:
+            perturb_last_bits(transformer, perturb + 2)
+        transformer.save_pretrained(folder / name)
     getattr(diffusers, spec.scheduler_class)(num_train_timesteps=1000, **spec.scheduler).save_pretrained(
         folder / "scheduler")
-    components.update(vae=["diffusers", spec.vae], transformer=["diffusers", spec.transformer],
-                      scheduler=["diffusers", spec.scheduler_class])
-    index = {"_class_name": spec.pipeline, "_diffusers_version": diffusers.__version__, **components}
+    components.update(vae=["diffusers", spec.vae], scheduler=["diffusers", spec.scheduler_class],
+                      **{name: ["diffusers", spec.transformer] for name in experts})
+    index = {"_class_name": spec.pipeline, "_diffusers_version": diffusers.__version__, **components,
+             **(spec.settings or {})}
     marker.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")  # last: its presence means complete
     return folder
 
@@ -173,7 +199,10 @@ def _write_t5(tokenizer_folder: Path, encoder_folder: Path, model_class: str, pe
     """T5 v1.1 (`T5EncoderModel`) or umT5 (`UMT5EncoderModel`: a position bias in every layer)."""
     import transformers
 
-    tokenizer = build_tokenizer()
+    from tasks.demo.videos import VIDEO_WORDS
+
+    # umT5 is the video family's: its demo's words too (added after the others, whose ids stay)
+    tokenizer = build_tokenizer(WORDS + VIDEO_WORDS if model_class == "UMT5EncoderModel" else WORDS)
     tokenizer.save_pretrained(tokenizer_folder)
     config_class = transformers.UMT5Config if model_class == "UMT5EncoderModel" else transformers.T5Config
     config = config_class(vocab_size=len(tokenizer), feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
@@ -242,14 +271,108 @@ def _merge(symbols: list[str], pair: tuple[str, str]) -> list[str]:
     return merged
 
 
-def wan_vae(seed: int, perturb: int | None = None):
-    """A random `AutoencoderKLWan` of the published layout (z_dim 16; 4x in time, 8x in space), 8
-    channels wide at the top, with the published `latents_mean` / `latents_std`."""
+def wan_vae(seed: int, perturb: int | None = None, block_average: bool = False, **shape):
+    """An `AutoencoderKLWan` of the published Wan 2.1 layout (z_dim 16; 4x in time, 8x in space;
+    `shape` changes it, to Wan 2.2's say), 8 channels wide at the top: random, with the published
+    `latents_mean` / `latents_std`, or (for the demo) `block_average`: set by hand to encode each
+    8 x 8 block's mean colour and each 4 frames' (`set_block_average`), normalised by the means
+    and stds of what it encodes."""
     from diffusers import AutoencoderKLWan
 
     torch.manual_seed(seed)
-    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
-                           temperal_downsample=[False, True, True])
+    vae = AutoencoderKLWan(**{"base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1,
+                              "attn_scales": [], "temperal_downsample": [False, True, True], **shape})
+    if block_average:
+        set_block_average(vae)
+        vae.register_to_config(**_block_factors(vae, seed))
     if perturb is not None:
         perturb_last_bits(vae, perturb + 1)
     return vae
+
+
+# Carried through the hand-set VAE: each colour plus OFFSET, so that the SiLU after each output
+# norm is linear to 1e-3 of a colour; a constant channel of CONSTANT, so that the norm (each
+# position's channels over their length) divides by a length within 1e-6 of CONSTANT, which
+# its gain then multiplies back
+OFFSET, CONSTANT = 10.0, 1e4
+
+
+def set_block_average(vae) -> None:
+    """Weights for `vae` (a Wan 2.1 `AutoencoderKLWan`) that make it encode each 8 x 8 block's mean
+    colour, the first frame alone and then each 4 frames' mean (as its causal chunks take them),
+    into latent channels 0 to 2, and decode them back as blocks: a VAE of the published layout
+    that gives back every colour and where things are, with no training. Its 3-D VAE does not
+    train in minutes on a CPU (300 steps, 2 minutes on 2 cores, still decode every colour as the
+    mean grey); the demo's world is flat colours and moving shapes, which blocks show.
+
+    Every residual and attention branch is zeroed, so each block passes its input on; each
+    convolution on the path copies channels 0 to 3 (the colours and the constant) from its
+    centre tap (the current frame); the spatial downsampling averages 2 x 2 pixels, the temporal
+    the last two of its three frames (so two of them take a chunk's four); the temporal
+    upsampling repeats a frame."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanResample, WanResidualBlock
+
+    def copy(conv, taps, weights=(1.0,), repeat: int = 1) -> None:
+        """`conv` (its weights zeroed first) adds up channels 0 to 3 (those it has) at each of
+        `taps` (indices into its kernel) times `weights`, into the same channels of each of its
+        `repeat` groups of outputs."""
+        conv.weight.zero_()
+        conv.bias.zero_()
+        group = conv.out_channels // repeat
+        for channel in range(min(4, group, conv.in_channels)):
+            for r in range(repeat):
+                for tap, weight in zip(taps, weights):
+                    conv.weight[(r * group + channel, channel, *tap)] = weight
+
+    with torch.no_grad():
+        for module in vae.modules():
+            if isinstance(module, WanResidualBlock):
+                module.conv2.weight.zero_()
+                module.conv2.bias.zero_()
+                if not isinstance(module.conv_shortcut, torch.nn.Identity):
+                    copy(module.conv_shortcut, [(0, 0, 0)])
+            elif isinstance(module, WanAttentionBlock):
+                module.proj.weight.zero_()
+                module.proj.bias.zero_()
+            elif isinstance(module, WanResample) and module.mode.startswith("down"):
+                # 3 x 3 at stride 2 after a zero row and column at the far edges: the top-left 2 x 2
+                copy(module.resample[1], [(0, 0), (0, 1), (1, 0), (1, 1)], [0.25] * 4)
+                if module.mode == "downsample3d":  # 3 frames at stride 2: the last two
+                    copy(module.time_conv, [(1, 0, 0), (2, 0, 0)], [0.5, 0.5])
+            elif isinstance(module, WanResample) and module.mode.startswith("up"):
+                copy(module.resample[1], [(1, 1)])
+                if module.mode == "upsample3d":  # two frames of the current one
+                    copy(module.time_conv, [(2, 0, 0)], repeat=2)
+        for coder in (vae.encoder, vae.decoder):
+            copy(coder.conv_in, [(2, 1, 1)])
+            coder.conv_in.bias[:3] = OFFSET
+            coder.conv_in.bias[3] = CONSTANT
+            coder.norm_out.gamma.fill_(CONSTANT / coder.norm_out.scale)
+            copy(coder.conv_out, [(2, 1, 1)])
+            coder.conv_out.weight[:, 3:] = 0  # the constant stays inside
+            coder.conv_out.bias[:3] = -OFFSET
+        vae.encoder.conv_out.bias[vae.config.z_dim:] = -20.0  # log-variances: a posterior std of 5e-5
+        for conv in (vae.quant_conv, vae.post_quant_conv):
+            conv.weight.zero_()
+            conv.bias.zero_()
+            conv.weight[:, :, 0, 0, 0] = torch.eye(conv.out_channels)
+
+
+def _block_factors(vae, seed: int) -> dict[str, list[float]]:
+    """latents_mean and latents_std that give the colour channels of 64 demo clips' latents
+    (drawn from `seed`) mean 0 and std 1, as the published ones do for real videos; the other
+    channels are zero, and stay so."""
+    import random
+
+    import numpy as np
+
+    from tasks.demo.videos import DEMO_VIDEO, draw_clip
+
+    rng = random.Random(seed)
+    clips = torch.stack([torch.from_numpy(np.stack(draw_clip(rng, DEMO_VIDEO["fps"])[0][: DEMO_VIDEO["frames"]]))
+                         for _ in range(64)]).permute(0, 4, 1, 2, 3).float() / 127.5 - 1
+    with torch.no_grad():
+        colours = vae.encode(clips).latent_dist.mean[:, :3].transpose(0, 1).flatten(1)
+    channels = vae.config.z_dim - 3
+    return {"latents_mean": colours.mean(1).tolist() + [0.0] * channels,
+            "latents_std": colours.std(1).tolist() + [1.0] * channels}

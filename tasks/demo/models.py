@@ -36,11 +36,11 @@ painting drawing render illustration scene composition detailed simple abstract 
 sunset sky sea forest city street portrait landscape minimal style studio lighting shadow""".split()
 
 
-def build_tokenizer():
+def build_tokenizer(words: list[str] = WORDS):
     from transformers import T5Tokenizer
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    pieces += [("\u2581" + word, -5.0 - i * 1e-3) for i, word in enumerate(dict.fromkeys(WORDS))]
+    pieces += [("\u2581" + word, -5.0 - i * 1e-3) for i, word in enumerate(dict.fromkeys(words))]
     chars = string.ascii_letters + string.digits + string.punctuation
     pieces += [(c, -10.0) for c in chars] + [("\u2581" + c, -9.0) for c in chars]
     vocab: dict[str, float] = {}
@@ -65,58 +65,63 @@ def _palette() -> torch.Tensor:
     return torch.tensor(list(COLORS.values()), dtype=torch.float32) / 127.5 - 1
 
 
-def palette_round_trip(vae, side: int = 256) -> dict[str, tuple[float, str, float]]:
-    """Each palette colour as a flat `side`-pixel picture, encoded (posterior mean) and decoded: for
-    each colour's name, the decoded mean colour's distance to that colour, the name of the nearest
-    other palette colour and the distance to it (0-255 RGB units). The colour comes back when the
-    first distance is the smaller."""
+def palette_round_trip(vae, side: int = 256, frames: int | None = None) -> dict[str, tuple[float, str, float]]:
+    """Each palette colour as a flat `side`-pixel picture (a clip of `frames` frames for a video
+    VAE), encoded (posterior mean) and decoded: for each colour's name, the decoded mean colour's
+    distance to that colour, the name of the nearest other palette colour and the distance to it
+    (0-255 RGB units). The colour comes back when the first distance is the smaller."""
     from tasks.demo.data import COLORS
 
     names, palette = list(COLORS), _palette()
-    flat = palette[:, :, None, None].expand(-1, -1, side, side).contiguous()
+    flat = palette[:, :, None, None].expand(-1, -1, side, side)
+    flat = (flat if frames is None else flat[:, :, None].expand(-1, -1, frames, -1, -1)).contiguous()
     with torch.no_grad():
-        decoded = vae.decode(vae.encode(flat).latent_dist.mean).sample.clamp(-1, 1).mean((2, 3))
+        decoded = vae.decode(vae.encode(flat).latent_dist.mean).sample.clamp(-1, 1).flatten(2).mean(-1)
     distances = torch.cdist(decoded, palette) * 127.5
     distances[range(len(names)), range(len(names))], own = math.inf, distances.diagonal().clone()
     return {name: (float(own[i]), names[int(distances[i].argmin())], float(distances[i].min()))
             for i, name in enumerate(names)}
 
 
-def palette_confusions(vae) -> list[str]:
-    """The palette colours the VAE does not give back clearly, at a crop's size and at the demo's
-    256 px: each must decode at most half as far from itself as from any other palette colour, so
-    that another machine's rounding cannot tip it. Empty when every colour passes."""
+def palette_confusions(vae, frames: int | None = None, sides: tuple[int, ...] = (64, 256)) -> list[str]:
+    """The palette colours the VAE does not give back clearly at each of `sides` (a crop's size and
+    the demo's 256 px by default; clips of `frames` frames for a video VAE): each must decode at
+    most half as far from itself as from any other palette colour, so that another machine's
+    rounding cannot tip it. Empty when every colour passes."""
     return [f"{name} decodes {own:.0f} from {name} and {other:.0f} from {nearest} at {side} px"
-            for side in (64, 256) for name, (own, nearest, other) in palette_round_trip(vae, side).items()
+            for side in sides for name, (own, nearest, other) in palette_round_trip(vae, side, frames).items()
             if own > other / 2]
 
 
-def train_vae(vae, seed: int, steps: int) -> float:
-    """Fit `vae` to demo pictures (reconstruction plus a small KL term) and return the scaling factor
-    that gives whole pictures' posterior means unit std, as PixArt's latents have.
+def train_vae(vae, seed: int, steps: int, draw=None, crops: tuple[tuple[int, int], ...] = ((64, 8), (128, 2))) -> float:
+    """Fit `vae` to demo pictures (or what `draw(rng)` draws: [3, H, W] pictures or [3, F, H, W]
+    clips) by reconstruction plus a small KL term, and return the scaling factor that gives whole
+    pictures' posterior means unit std, as PixArt's latents have.
 
     A flat palette colour in a quarter of the crops, because a tiny VAE with one norm group learns
-    flat colours slowly from scenes alone; 64 px crops (cheap), then 128 px crops for the last 30%,
-    so that the statistics of its norms hold at the demo's 256 px and not only at the crop's size;
-    a cosine learning-rate decay to settle."""
+    flat colours slowly from scenes alone; `crops` (side, batch) small first (cheap), then larger
+    for the last 30%, so that the statistics of its norms hold at the demo's size and not only at
+    the crop's; a cosine learning-rate decay to settle."""
     from tasks.demo.data import draw_scene
 
     log.info("training the tiny VAE (%d steps, under a minute on 2 CPU cores)", steps)
     start = time.perf_counter()
     rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
-    pool = torch.stack([_pixels(draw_scene(rng, 256, 256)[0]) for _ in range(256)])
+    draw = draw or (lambda rng: _pixels(draw_scene(rng, 256, 256)[0]))
+    pool = torch.stack([draw(rng) for _ in range(256)])
     palette = _palette()
     with torch.no_grad():  # a small posterior std from the start, so the decoder learns from clean latents
-        vae.quant_conv.bias[vae.config.latent_channels:] = -6.0
+        vae.quant_conv.bias[vae.quant_conv.out_channels // 2:] = -6.0  # the log-variances' half
     optimizer = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
     for step in range(steps):
-        crop, batch = (128, 2) if step >= 0.7 * steps else (64, 8)
+        crop, batch = crops[1] if step >= 0.7 * steps else crops[0]
         x, y = torch.randint(0, pool.shape[-1] - crop + 1, (2,), generator=generator).tolist()
-        images = pool[torch.randint(len(pool), (batch,), generator=generator), :, y : y + crop, x : x + crop]
+        images = pool[torch.randint(len(pool), (batch,), generator=generator)][..., y : y + crop, x : x + crop]
         flat = torch.rand(batch, generator=generator) < 0.25
         colours = palette[torch.randint(len(palette), (batch,), generator=generator)]
-        images = torch.where(flat[:, None, None, None], colours[:, :, None, None].expand_as(images), images)
+        flat, colours = (t.view(batch, *t.shape[1:], *[1] * (images.ndim - t.ndim)) for t in (flat, colours))
+        images = torch.where(flat, colours.expand_as(images), images)
         posterior = vae.encode(images).latent_dist
         loss = F.mse_loss(vae.decode(posterior.sample(generator)).sample, images)
         loss = loss + 1e-4 * posterior.kl().mean() / images[0].numel()

@@ -1,8 +1,10 @@
 """Model families: what precast trains, each in its own module, chosen by the model folder.
 
-`family_of(model)` reads the `_class_name` of the folder's `model_index.json` (the file diffusers'
-`DiffusionPipeline.from_pretrained` reads to choose a pipeline) and returns the family that reads
-that pipeline. The spec every family fills in is `tasks.families.spec.Family`.
+`family_of(model)` reads the folder's `model_index.json` (the file diffusers'
+`DiffusionPipeline.from_pretrained` reads to choose a pipeline and its settings) and returns the
+family that reads its `_class_name` with those settings (`Family.reads`: one pipeline may serve
+several, as `WanPipeline` serves Wan 2.1 and Wan 2.2 TI2V). The spec every family fills in is
+`tasks.families.spec.Family`.
 """
 
 from __future__ import annotations
@@ -24,21 +26,28 @@ UNRECORDED_PIPELINE = pixart.PixArtSigma.pipelines[0]
 
 
 def family_of(model: ModelConfig) -> Family:
-    return family_named(pipeline_of(model.path, model.revision), model.path)
+    index = model_index(model.path, model.revision)
+    return family_named(index["_class_name"], model.path, index)
 
 
-def family_named(pipeline: str, path: str = "the model") -> Family:
+def family_named(pipeline: str, path: str = "the model", index: dict | None = None) -> Family:
+    """The family of `pipeline` (with `index`'s settings; None: the first that reads it)."""
     for family in FAMILIES:
-        if pipeline in family.pipelines:
+        if pipeline in family.pipelines and (index is None or family.reads(index)):
             return family
     known = ", ".join(f"{name} ({family.name})" for family in FAMILIES for name in family.pipelines)
     raise ValueError(f"model.path {path}: its model_index.json names {pipeline}, which precast does not train; "
                      f"it trains {known}")
 
 
-@functools.lru_cache(maxsize=16)
 def pipeline_of(path: str, revision: str | None) -> str:
     """The pipeline class a model folder (or hub id, through the hub cache) names."""
+    return model_index(path, revision)["_class_name"]
+
+
+@functools.lru_cache(maxsize=16)
+def model_index(path: str, revision: str | None) -> dict:
+    """A model folder's (or hub id's, through the hub cache) model_index.json."""
     if os.path.exists(path):
         index = os.path.join(path, "model_index.json")
         if not os.path.isfile(index):
@@ -54,4 +63,4 @@ def pipeline_of(path: str, revision: str | None) -> str:
             raise FileNotFoundError(f"model.path {path}: its model_index.json, which names the model's pipeline, "
                                     f"could not be read ({type(error).__name__}: {error})") from error
     with open(index) as handle:
-        return json.load(handle)["_class_name"]
+        return json.load(handle)

@@ -29,6 +29,9 @@ class FlowMatching:
     logit_std: float = 1.0
     mode_scale: float = 1.29
     weighting: str = "none"
+    # the scheduler's sigmas σ is drawn from: (first index, how many); None: all of them (an
+    # expert of a two-expert model is trained on its own noise levels only)
+    span: tuple[int, int] | None = None
 
     @classmethod
     def load(cls, model: ModelConfig, family: str, tokens: Callable[[int, int], int],
@@ -53,8 +56,16 @@ class FlowMatching:
         return replace(schedule, **run_sampling(training, family, "flow-matching schedule", WEIGHTINGS))
 
     def plain(self) -> FlowMatching:
-        """Uniform draws, every sample weighed the same."""
-        return FlowMatching(self.scheduler, self.tokens)
+        """Uniform draws (over the same noise levels), every sample weighed the same."""
+        return FlowMatching(self.scheduler, self.tokens, span=self.span)
+
+    def within(self, low: float, high: float) -> FlowMatching:
+        """Draws only of the scheduler's sigmas in [low, high) (σ = 1 where high is above 1)."""
+        sigmas = self.scheduler.sigmas[: self.scheduler.config.num_train_timesteps]
+        inside = ((sigmas >= low) & (sigmas < high)).nonzero().flatten()
+        if not len(inside):
+            raise ValueError(f"the scheduler has no training sigma in [{low}, {high})")
+        return replace(self, span=(int(inside[0]), len(inside)))
 
     def draw(self, count: int, generator: torch.Generator, shape: torch.Size) -> torch.Tensor:
         """σ of `count` samples of latents of `shape` [B, C, (F,) h, w], on the generator's device."""
@@ -64,7 +75,8 @@ class FlowMatching:
         u = compute_density_for_timestep_sampling(self.sampling if self.sampling != "uniform" else "none", count,
                                                   self.logit_mean, self.logit_std, self.mode_scale,
                                                   device=generator.device, generator=generator)
-        sigmas = self.scheduler.sigmas.to(generator.device)[(u * steps).long().clamp(max=steps - 1)]
+        first, count = self.span or (0, steps)
+        sigmas = self.scheduler.sigmas.to(generator.device)[(u * count).long().clamp(max=count - 1) + first]
         if self.scheduler.config.use_dynamic_shifting:
             sigmas = self.scheduler.time_shift(self.shift_of(shape), 1.0, sigmas)
         return sigmas

@@ -88,6 +88,11 @@ class Family:
     # which every fingerprint before families covered by `resolution` alone
     bucket_rule: str | None = None
 
+    def reads(self, index: dict) -> bool:
+        """Whether this family reads a model whose model_index.json is `index` (its pipeline named
+        in `pipelines`): by default every one."""
+        return True
+
     # --- text: what the encoders read ------------------------------------------------------
     def caption_rule(self, mode: str) -> str:
         """What decides the text `preprocess_captions` gives for `mode` (part of the text cache's
@@ -131,8 +136,16 @@ class Family:
     @serialised
     def load_transformer(self, model: ModelConfig, dtype: torch.dtype | None = None) -> torch.nn.Module:
         """The model's transformer by `from_pretrained`, its weights in `dtype` (None: as stored)."""
-        return self.transformer_class().from_pretrained(model.path, subfolder="transformer", revision=model.revision,
-                                                        torch_dtype=dtype)
+        return self.transformer_class().from_pretrained(model.path, subfolder=self.transformer_folder(model),
+                                                        revision=model.revision, torch_dtype=dtype)
+
+    def transformer_folder(self, model: ModelConfig) -> str:
+        """The folder (and pipeline component) of the transformer a run trains: `transformer`; a
+        `model.expert` is refused, the family's models having one transformer."""
+        if model.expert is not None:
+            raise ValueError(f"model.expert: {model.path} is a {self.name} model, which has one transformer; "
+                             f"leave model.expert unset")
+        return "transformer"
 
     def transformer_class(self) -> type:
         import diffusers

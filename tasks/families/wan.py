@@ -44,6 +44,12 @@ TOP_NAMES = {
 }
 
 
+def _index(model: ModelConfig) -> dict:
+    from tasks.families import model_index
+
+    return model_index(model.path, model.revision)
+
+
 def frames_rule(frames: int, temporal: int = 4) -> int:
     """The frame count a Wan pipeline makes of `frames`: 4N + 1 (`temporal` the VAE's time
     compression), as `WanPipeline.__call__` rounds it (8 → 9, 7 → 5), at least 1."""
@@ -69,6 +75,10 @@ class Wan(Family):
     lora_targets = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
                     "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
     bucket_rule = "area/16"
+
+    def reads(self, index: dict) -> bool:
+        """Wan 2.1 T2V and Wan 2.2 A14B (one timestep a sample), not TI2V (`Wan22TI2V`)."""
+        return not index.get("expand_timesteps")
 
     def caption_rule(self, mode: str) -> str:
         """For `diffusers`, the source of the pipeline's `prompt_clean` (and whether ftfy, which it
@@ -121,7 +131,24 @@ class Wan(Family):
         shift = config.get("flow_shift") or config.get("shift") or 1.0
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=config.get("num_train_timesteps", 1000),
                                                     shift=shift)
-        return FlowMatching.of(scheduler, self.name, lambda height, width: (height // 2) * (width // 2), training)
+        schedule = FlowMatching.of(scheduler, self.name, lambda height, width: (height // 2) * (width // 2), training)
+        if self.transformer_folder(model) == "transformer":
+            boundary = _index(model).get("boundary_ratio")
+            return schedule if model.expert is None else schedule.within(boundary, 2.0)
+        return schedule.within(0.0, _index(model)["boundary_ratio"])
+
+    def transformer_folder(self, model: ModelConfig) -> str:
+        """Of Wan 2.2 A14B (two transformers and the boundary between their noise levels), the
+        expert `model.expert` names: `transformer` the high-noise one, `transformer_2` the low."""
+        index = _index(model)
+        experts = (index.get("transformer_2") or [None])[0] is not None and index.get("boundary_ratio") is not None
+        if not experts:
+            return super().transformer_folder(model)
+        if model.expert is None:
+            raise ValueError(f"model.expert: {model.path} has two experts, transformer/ for the noise levels at or above "
+                             f"its boundary_ratio {index['boundary_ratio']} and transformer_2/ below it: set model.expert "
+                             f"to high_noise or low_noise (each is trained on its own levels)")
+        return "transformer" if model.expert == "high_noise" else "transformer_2"
 
     def image_tokens(self, config: Any, *sides: int) -> int:
         """Latent frames × h/2 × w/2 (patches of 1×2×2)."""
@@ -137,6 +164,22 @@ class Wan(Family):
         """As the pipeline calls it: latents [B, C, F, h, w], timestep in [0, 1000], umT5's states
         zero-padded to max_length, no mask."""
         return network(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=text["umt5_hidden"]).sample
+
+    def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module) -> Any:
+        """With an expert, the other expert beside it (as stored, in the trained one's dtype and
+        device) and the boundary between them: the pipeline samples with both."""
+        trained = self.transformer_folder(model)
+        if model.expert is None:
+            return super().embedding_pipeline(model, vae, transformer)
+        parameter = next(transformer.parameters())
+        frozen = self.transformer_class().from_pretrained(
+            model.path, subfolder="transformer_2" if trained == "transformer" else "transformer", revision=model.revision,
+            torch_dtype=parameter.dtype).to(parameter.device)
+        slots = {trained: transformer, "transformer_2" if trained == "transformer" else "transformer": frozen}
+        pipeline = super().embedding_pipeline(model, vae, slots["transformer"])
+        pipeline.register_modules(transformer_2=slots["transformer_2"])
+        pipeline.register_to_config(boundary_ratio=_index(model)["boundary_ratio"])
+        return pipeline
 
     def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
         return {**super().prompt_options(pipeline, prompts, text), "max_sequence_length": text["max_length"]}
@@ -167,4 +210,33 @@ class Wan(Family):
         return f"diffusion_model.{native}"
 
 
-FAMILIES = (Wan(),)
+class Wan22TI2V(Wan):
+    """Wan 2.2 TI2V-5B (its model_index.json's `expand_timesteps`): the Wan 2.2 VAE (48 channels,
+    patches of 2 x 2 pixels inside it, so 16x in space), and one timestep per latent token, which
+    the pipeline forms from its first-frame mask (all ones for text to video); sides a multiple of
+    32, the VAE's 16 times the transformer's patch of 2."""
+
+    name = "Wan 2.2 TI2V"
+    bucket_rule = "area/32"
+
+    def reads(self, index: dict) -> bool:
+        return bool(index.get("expand_timesteps"))
+
+    def bucket_table(self, resolution: int) -> dict[str, list[float]]:
+        return area_buckets(resolution, step=32)
+
+    def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: Conditioning,
+                timesteps: torch.Tensor, **options: Any) -> torch.Tensor:
+        """As the pipeline calls it with `expand_timesteps`: each sample's timestep for each of its
+        latent tokens (frames × h/2 × w/2), [B, tokens]."""
+        patch = getattr(network, "module", network).config.patch_size
+        tokens = self.image_tokens({"patch_size": patch}, *noisy.shape[-3:])
+        return super().predict(network, noisy, text, timesteps[:, None].expand(-1, tokens), **options)
+
+    def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module) -> Any:
+        pipeline = Wan.embedding_pipeline(self, model, vae, transformer)
+        pipeline.register_to_config(expand_timesteps=True)
+        return pipeline
+
+
+FAMILIES = (Wan(), Wan22TI2V())

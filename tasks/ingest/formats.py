@@ -205,8 +205,9 @@ def read_captioned_file(fs: fsspec.AbstractFileSystem, fmt: str, file: str, capt
     candidate = Candidate(fs.unstrip_protocol(file), fmt)
     try:
         if caption_file is None:
-            stem = posixpath.basename(file.rpartition(".")[0])
-            raise Rejected("missing_caption", f"no {stem}.txt or .caption beside the image")
+            stem, _, extension = posixpath.basename(file).rpartition(".")
+            kind = "video" if extension.lower() in VIDEO_EXTENSIONS else "image"
+            raise Rejected("missing_caption", f"no {stem}.txt or .caption beside the {kind}")
         candidate.captions = caption_variants(read_file(fs, caption_file, MAX_CAPTION_BYTES, "missing_caption"))
         candidate.image = read_file(fs, file, limit(file), "missing_image")
     except Rejected as problem:

@@ -53,19 +53,21 @@ class RunPage:
         """Where the trained weights are, and Python that renders with them."""
         model, url = self.record["model"]["path"], self.record[self.weights]
         pipeline, transformer = self.family.pipeline_name, self.family.transformer_name
+        # the component it trained: an expert's of a two-expert model, the transformer else
+        slot = "transformer_2" if self.record["model"].get("expert") == "low_noise" else "transformer"
         # a local store's folder loads as it is; a remote one's is copied first
         local, note = (url.removeprefix("file://"), "") if url.startswith("file://") else \
             (self.weights, "  # the folder, copied locally")
         if self.weights == "adapter":
             code = (f"from diffusers import {pipeline}, {transformer}\n"
                     f"from peft import PeftModel\n\n"
-                    f"base = {transformer}.from_pretrained({model!r}, subfolder=\"transformer\")\n"
+                    f"base = {transformer}.from_pretrained({model!r}, subfolder=\"{slot}\")\n"
                     f"transformer = PeftModel.from_pretrained(base, {local!r}).merge_and_unload(){note}\n"
-                    f"pipeline = {pipeline}.from_pretrained({model!r}, transformer=transformer)")
+                    f"pipeline = {pipeline}.from_pretrained({model!r}, {slot}=transformer)")
         else:
             code = (f"from diffusers import {pipeline}, {transformer}\n\n"
                     f"transformer = {transformer}.from_pretrained({local!r}){note}\n"
-                    f"pipeline = {pipeline}.from_pretrained({model!r}, transformer=transformer)")
+                    f"pipeline = {pipeline}.from_pretrained({model!r}, {slot}=transformer)")
         return url, code
 
     def _facts(self) -> list[tuple[str, str]]:

@@ -102,14 +102,17 @@ def sample_run(
     model = model or ModelConfig.model_validate(run.record["model"])
     family = family_of(model)
     with tempfile.TemporaryDirectory() as local:
+        slot = family.transformer_folder(model)  # the pipeline's component the run trained
         if run.weights == "adapter" and hasattr(family.pipeline_class(), "load_lora_weights"):
-            # the adapter as the family's users load it: the pipeline's own LoRA loader
+            # the adapter as the family's users load it: the pipeline's own LoRA loader (into a
+            # second transformer as diffusers' loaders put it there: load_into_transformer_2)
             pipeline = family.pipeline_class().from_pretrained(model.path, revision=model.revision)
             config, data = run.adapter()
-            pipeline.load_lora_weights(str(save_diffusers_lora(family, load(data), config, local)))
+            pipeline.load_lora_weights(str(save_diffusers_lora(family, load(data), config, local)),
+                                       **({"load_into_transformer_2": True} if slot == "transformer_2" else {}))
         else:
             pipeline = family.pipeline_class().from_pretrained(model.path, revision=model.revision,
-                                                               transformer=run.trained_transformer(model, local))
+                                                               **{slot: run.trained_transformer(model, local)})
     pipeline.to(resolve_device(device)).set_progress_bar_config(disable=True)
     # the prompts read as the run's text cache read its captions
     text = run.lineage.get("text") or {"caption_preprocessing": TextEncodingConfig().caption_preprocessing,
