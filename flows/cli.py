@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from tasks.demo import DEMO_FAMILIES
+from tasks.demo import DEMO_FAMILIES, TINY_FAMILIES
 
 
 def _quiet_prefect() -> None:
@@ -300,7 +300,7 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
 
     tiny = commands.add_parser("tiny-models", help="write the demo's tiny models in the hub layout")
     tiny.add_argument("dir")
-    tiny.add_argument("--family", choices=DEMO_FAMILIES, default=DEMO_FAMILIES[0], help="the tiny models' family")
+    tiny.add_argument("--family", choices=TINY_FAMILIES, default=TINY_FAMILIES[0], help="the tiny models' family")
     tiny.add_argument("--vae-steps", type=int, default=None,
                       help="training steps of the tiny VAE (default 2000, about 40 s; 0: random, for checks of "
                            "the loading path)")

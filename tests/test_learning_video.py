@@ -2,9 +2,9 @@
 world (600 generated mp4 clips of a shape crossing a coloured background, and the hostile files
 among them) ingested, cached (umT5, the 3-D VAE's latents) and trained end to end, draws the
 background colour each held-out prompt names and does not without the text; its samples are
-videos. The thresholds sit below the worst case of the wan table of
+videos. The thresholds are the issue's bar, below the worst case of the wan table of
 `python -m benchmarks --only demo_world` (docs/design.md), which also measures the direction of
-motion.
+motion (not learned at this size: the table says so, the test does not assert it).
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def test_the_hand_set_wan_vae_gives_back_every_colour_and_which_way_things_move(
             decoded = vae.decode(vae.encode(clip).latent_dist.mean).sample[0]
         frames = ((decoded.permute(1, 2, 3, 0) + 1) * 127.5).round().byte().numpy()
         assert len(frames) == DEMO_VIDEO["frames"]
-        right += motion(list(frames), seen["colour"]) == seen["direction"]
-    assert right >= 22, f"{right} of 24 clips move the way they did after the VAE's round trip"
+        right += motion(list(frames)) == seen["direction"]
+    # 22 to 23 of 24 over three draws: a shape that covers part of a block blurs into its background
+    assert right >= 20, f"{right} of 24 clips move the way they did after the VAE's round trip"
 
 
 def test_samples_follow_the_colours_their_prompts_name_and_are_videos(world):

@@ -69,13 +69,13 @@ def draw_clip(rng: random.Random, fps: int, side: int = SIDE) -> tuple[list[np.n
     background = rng.choice(list(COLORS))
     colour = rng.choice([name for name in COLORS if _distance(name, background) > MIN_CONTRAST])
     shape, direction = rng.choice(SHAPES), rng.choice(list(DIRECTIONS))
-    size = rng.randint(side * 7 // 16, side * 9 // 16)
+    size = rng.randint(side * 5 // 16, side * 7 // 16)
     across = rng.uniform(0.35, 0.65)  # near the middle: where a shape starts is then what its direction says
     crossing = CLIP_SECONDS * fps
     pixels = [draw_frame(background, colour, shape, shape_box(direction, min(i / crossing, 1.0), across, size, side), side)
               for i in range(round((CLIP_SECONDS + 0.25) * fps))]
     return pixels, {"background": background, "colour": colour, "shape": shape, "direction": direction,
-                    "size": "large" if size > side // 2 else "small"}
+                    "size": "large" if size > side * 3 // 8 else "small"}
 
 
 def caption(rng: random.Random, seen: dict[str, str]) -> str:

@@ -121,7 +121,9 @@ class Wan(Family):
         return list(config.latents_mean), [1.0 / std for std in config.latents_std]
 
     def schedule(self, model: ModelConfig, training: TrainingConfig | None = None) -> FlowMatching:
-        """Flow matching shifted by the model scheduler's `flow_shift` (a fixed shift)."""
+        """Flow matching shifted by the model scheduler's `flow_shift` (a fixed shift); an expert of
+        a two-expert model draws σ only on its side of `boundary_ratio` (the pipeline gives
+        `transformer` the timesteps at or above boundary_ratio × 1000, `transformer_2` the rest)."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         config = FlowMatchEulerDiscreteScheduler.load_config(model.path, subfolder="scheduler", revision=model.revision)
@@ -132,10 +134,11 @@ class Wan(Family):
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=config.get("num_train_timesteps", 1000),
                                                     shift=shift)
         schedule = FlowMatching.of(scheduler, self.name, lambda height, width: (height // 2) * (width // 2), training)
-        if self.transformer_folder(model) == "transformer":
-            boundary = _index(model).get("boundary_ratio")
-            return schedule if model.expert is None else schedule.within(boundary, 2.0)
-        return schedule.within(0.0, _index(model)["boundary_ratio"])
+        folder = self.transformer_folder(model)  # checks model.expert against the model
+        if model.expert is None:
+            return schedule
+        boundary = _index(model)["boundary_ratio"]
+        return schedule.within(boundary, 2.0) if folder == "transformer" else schedule.within(0.0, boundary)
 
     def transformer_folder(self, model: ModelConfig) -> str:
         """Of Wan 2.2 A14B (two transformers and the boundary between their noise levels), the
