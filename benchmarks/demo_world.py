@@ -48,38 +48,41 @@ PERTURBATIONS = {
 }
 
 
-def dominant_colours(prompts: list[str], run: str, seed: int) -> list[str]:
-    """The named colour most of each sampled image's (a video's first frame's) pixels are nearest:
-    its background, whatever shapes are drawn on it (an image's mean colour would mix them in)."""
-    grid = np.asarray(sample_run(run, prompts, steps=10, guidance_scale=4.5, seed=seed).grid(), dtype=np.float64)
+def dominant_colours(grid, count: int) -> list[str]:
+    """The named colour most of each of the `count` pictures side by side in `grid` (samples, or
+    videos' first frames) are nearest: its background, whatever shapes are drawn on it (a
+    picture's mean colour would mix them in)."""
+    grid = np.asarray(grid, dtype=np.float64)
     palette = np.array(list(COLORS.values()), dtype=np.float64)
     nearest = ((grid[:, :, None, :] - palette) ** 2).sum(-1).argmin(-1)
-    width = grid.shape[1] // len(prompts)
+    width = grid.shape[1] // count
     return [BACKGROUNDS[np.bincount(nearest[:, i * width:(i + 1) * width].ravel(), minlength=len(COLORS)).argmax()]
-            for i in range(len(prompts))]
+            for i in range(count)]
+
+
+def held_out_scores(run: str, seed: int = 0, family: str = "pixart") -> dict[str, tuple[int, int]]:
+    """Of 12 held-out prompts, and of the same with the text taken away (the model's unconditional
+    guesses): `colour`, the samples with the background colour their prompt names; for a video
+    family (whose prompts, `tasks.demo.videos.held_out`, name a direction of motion too)
+    `direction`, those whose shape of the named colour moves the named way from the first frame
+    to the last (chance: 3). Each a (with text, without) pair, from one draw of each."""
+    video = family in VIDEO_FAMILIES
+    named = held_out() if video else [{"prompt": prompt, "background": background}
+                                      for prompt, background in zip(PROMPTS, BACKGROUNDS)]
+    scores: dict[str, list[int]] = {"colour": [], **({"direction": []} if video else {})}
+    for text in (True, False):
+        samples = sample_run(run, [n["prompt"] if text else "" for n in named], steps=10, guidance_scale=4.5, seed=seed)
+        colours = dominant_colours(samples.grid(), len(named))
+        scores["colour"].append(sum(got == n["background"] for got, n in zip(colours, named)))
+        if video:
+            scores["direction"].append(sum(motion([np.asarray(frame) for frame in frames], n["colour"]) == n["direction"]
+                                           for frames, n in zip(samples, named)))
+    return {name: (hits, blind) for name, (hits, blind) in scores.items()}
 
 
 def colour_scores(run: str, seed: int = 0, family: str = "pixart") -> tuple[int, int]:
-    """(held-out prompts whose sample has the background colour they name, the same prompts with
-    the text taken away that happen to match it: the model's unconditional guesses), of 12. A video
-    family's prompts name a direction of motion too (`tasks.demo.videos.held_out`)."""
-    prompts = [prompt for prompt, _, _ in held_out()] if family in VIDEO_FAMILIES else PROMPTS
-    hits = sum(got == named for got, named in zip(dominant_colours(prompts, run, seed), BACKGROUNDS))
-    blind = sum(got == named for got, named in zip(dominant_colours([""] * len(prompts), run, seed), BACKGROUNDS))
-    return hits, blind
-
-
-def direction_scores(run: str, seed: int = 0) -> tuple[int, int]:
-    """(held-out video prompts whose sample's shape of the colour they name moves the way they say,
-    from the first frame to the last; the same without the text), of 12: chance is 3."""
-    prompts = held_out()
-    scores = []
-    for text in (True, False):
-        samples = sample_run(run, [prompt if text else "" for prompt, _, _ in prompts], steps=10, guidance_scale=4.5,
-                             seed=seed)
-        scores.append(sum(motion([np.asarray(frame) for frame in frames], prompt.split()[1]) == direction
-                          for frames, (prompt, _, direction) in zip(samples, prompts)))
-    return scores[0], scores[1]
+    """`held_out_scores`' colours: (with text, without), of 12."""
+    return held_out_scores(run, seed, family)["colour"]
 
 
 def train_demo(folder: Path, models: Path, data: Path, training_seed: int = 0, family: str = "pixart",
@@ -118,8 +121,9 @@ def run_family(family: str, perturbations: list[str] | None = None, sample_seeds
                 # a store a row: a perturbation that leaves the run id as it was (the thread count,
                 # with models that do not depend on it) must train, not find the first row's run
                 trained = train_demo(folder, models, data, training_seed, family, store=f"store-{len(results)}")
-                scores = [colour_scores(trained["train"]["url"], seed, family) for seed in sample_seeds]
-                motions = [direction_scores(trained["train"]["url"], seed) for seed in sample_seeds] if video else []
+                drawn = [held_out_scores(trained["train"]["url"], seed, family) for seed in sample_seeds]
+                scores = [draw["colour"] for draw in drawn]
+                motions = [draw["direction"] for draw in drawn] if video else []
             finally:
                 torch.set_num_threads(threads)
             results[name] = {

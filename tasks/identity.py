@@ -86,10 +86,10 @@ def vae_fingerprint(model: ModelConfig, latents: LatentEncodingConfig) -> str:
 
 
 def transformer_fingerprint(model: ModelConfig) -> str:
-    """The trained transformer's files and the scheduler's (and which expert, of a two-expert model)."""
+    """The trained transformer's files, under its folder's name (an expert's of a two-expert model),
+    and the scheduler's."""
     folder = family_of(model).transformer_folder(model)
-    files = component_fingerprint(model.path, [folder, "scheduler"], model.revision)
-    return hash_json(files if model.expert is None else {**files, "expert": model.expert})
+    return hash_json(component_fingerprint(model.path, [folder, "scheduler"], model.revision))
 
 
 def prompt_rows(prompts: list[str]) -> list[str]:

@@ -30,15 +30,15 @@ pytestmark = pytest.mark.slow(minutes=2)
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """The wan demo's models and videos, and the pipeline's stage records for them."""
+    """The wan demo's models and videos, the pipeline's stage records for them, and its store."""
     folder = tmp_path_factory.mktemp("video-world")
     models = write_demo_models(folder / "models", "wan")
-    return models, train_demo(folder, models, write_demo_dataset(folder / "videos", "wan"), family="wan")
+    done = train_demo(folder, models, write_demo_dataset(folder / "videos", "wan"), family="wan")
+    return models, done, Store(StorageConfig(root=str(folder / "store")))
 
 
 def test_the_demo_videos_become_clips_and_each_hostile_file_is_quarantined_for_its_reason(world):
-    _, done = world
-    store = Store(StorageConfig(root=done["ingest"]["url"].rsplit("/datasets/", 1)[0]))
+    _, done, store = world
     report = store.read_json(store.key(done["ingest"]["report"]))
     # every video a clip; the few drawn twice to the byte (sizes and places are whole pixels) stored once
     assert report["samples"] + report["duplicates"] == 600 and report["duplicates"] < 10
@@ -64,11 +64,10 @@ def test_the_hand_set_wan_vae_gives_back_every_colour_and_which_way_things_move(
 
 
 def test_samples_follow_the_colours_their_prompts_name_and_are_videos(world):
-    _, done = world
+    _, done, store = world
     hits, blind = colour_scores(done["train"]["url"], seed=0, family="wan")
     least, most = THRESHOLDS["wan"]
     assert hits >= least, f"{hits} of {len(held_out())} samples have the background colour their prompt names"
     assert blind <= most, f"{blind} of {len(held_out())} samples match a colour no prompt named: the test cannot tell"
-    store = Store(StorageConfig(root=done["ingest"]["url"].rsplit("/datasets/", 1)[0]))
     video = store.read_bytes(store.key(done["train"]["sample_videos"][-1]))  # the sample prompts side by side
     assert frame_count(video) == DEMO_VIDEO["frames"] and next(clip_frames(video)).size == (64 * len(DIRECTIONS), 64)

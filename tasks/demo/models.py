@@ -93,35 +93,32 @@ def palette_confusions(vae, frames: int | None = None, sides: tuple[int, ...] = 
             if own > other / 2]
 
 
-def train_vae(vae, seed: int, steps: int, draw=None, crops: tuple[tuple[int, int], ...] = ((64, 8), (128, 2))) -> float:
-    """Fit `vae` to demo pictures (or what `draw(rng)` draws: [3, H, W] pictures or [3, F, H, W]
-    clips) by reconstruction plus a small KL term, and return the scaling factor that gives whole
-    pictures' posterior means unit std, as PixArt's latents have.
+def train_vae(vae, seed: int, steps: int) -> float:
+    """Fit `vae` to demo pictures (reconstruction plus a small KL term) and return the scaling factor
+    that gives whole pictures' posterior means unit std, as PixArt's latents have.
 
     A flat palette colour in a quarter of the crops, because a tiny VAE with one norm group learns
-    flat colours slowly from scenes alone; `crops` (side, batch) small first (cheap), then larger
-    for the last 30%, so that the statistics of its norms hold at the demo's size and not only at
-    the crop's; a cosine learning-rate decay to settle."""
+    flat colours slowly from scenes alone; 64 px crops (cheap), then 128 px crops for the last 30%,
+    so that the statistics of its norms hold at the demo's 256 px and not only at the crop's size;
+    a cosine learning-rate decay to settle."""
     from tasks.demo.data import draw_scene
 
     log.info("training the tiny VAE (%d steps, under a minute on 2 CPU cores)", steps)
     start = time.perf_counter()
     rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
-    draw = draw or (lambda rng: _pixels(draw_scene(rng, 256, 256)[0]))
-    pool = torch.stack([draw(rng) for _ in range(256)])
+    pool = torch.stack([_pixels(draw_scene(rng, 256, 256)[0]) for _ in range(256)])
     palette = _palette()
     with torch.no_grad():  # a small posterior std from the start, so the decoder learns from clean latents
-        vae.quant_conv.bias[vae.quant_conv.out_channels // 2:] = -6.0  # the log-variances' half
+        vae.quant_conv.bias[vae.config.latent_channels:] = -6.0
     optimizer = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
     for step in range(steps):
-        crop, batch = crops[1] if step >= 0.7 * steps else crops[0]
+        crop, batch = (128, 2) if step >= 0.7 * steps else (64, 8)
         x, y = torch.randint(0, pool.shape[-1] - crop + 1, (2,), generator=generator).tolist()
-        images = pool[torch.randint(len(pool), (batch,), generator=generator)][..., y : y + crop, x : x + crop]
+        images = pool[torch.randint(len(pool), (batch,), generator=generator), :, y : y + crop, x : x + crop]
         flat = torch.rand(batch, generator=generator) < 0.25
         colours = palette[torch.randint(len(palette), (batch,), generator=generator)]
-        flat, colours = (t.view(batch, *t.shape[1:], *[1] * (images.ndim - t.ndim)) for t in (flat, colours))
-        images = torch.where(flat, colours.expand_as(images), images)
+        images = torch.where(flat[:, None, None, None], colours[:, :, None, None].expand_as(images), images)
         posterior = vae.encode(images).latent_dist
         loss = F.mse_loss(vae.decode(posterior.sample(generator)).sample, images)
         loss = loss + 1e-4 * posterior.kl().mean() / images[0].numel()

@@ -90,24 +90,24 @@ def caption(rng: random.Random, seen: dict[str, str]) -> str:
     ])
 
 
-def held_out() -> list[tuple[str, str, str]]:
+def held_out() -> list[dict[str, str]]:
     """Prompts in a phrasing no caption uses, one a background colour, the directions in turn, a
-    shape of the first colour after the background's that stands out on it: (prompt, background,
-    direction) each."""
+    shape of the first colour after the background's that stands out on it: each prompt with the
+    background, the shape's colour and the direction it names."""
     names, directions = list(COLORS), list(DIRECTIONS)
     out = []
     for i, background in enumerate(names):
         colour = next(name for name in names[i + 1:] + names if _distance(name, background) > MIN_CONTRAST)
         direction = directions[i % len(directions)]
         article = "an" if background[0] in "aeiou" else "a"
-        out.append((f"a {colour} {SHAPES[i % len(SHAPES)]} moving {direction} on {article} {background} background",
-                    background, direction))
+        out.append({"prompt": f"a {colour} {SHAPES[i % len(SHAPES)]} moving {direction} on {article} {background} "
+                              f"background", "background": background, "colour": colour, "direction": direction})
     return out
 
 
 def demo_prompts() -> list[str]:
     """What the demo samples: four held-out prompts, one for each direction."""
-    return [prompt for prompt, _, _ in held_out()[:4]]
+    return [named["prompt"] for named in held_out()[:4]]
 
 
 def write_video(path: Path, draw: Callable[[int, int, int], np.ndarray], frames: int = 40, fps: int = 24,

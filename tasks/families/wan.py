@@ -237,7 +237,7 @@ class Wan22TI2V(Wan):
         return super().predict(network, noisy, text, timesteps[:, None].expand(-1, tokens), **options)
 
     def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module) -> Any:
-        pipeline = Wan.embedding_pipeline(self, model, vae, transformer)
+        pipeline = super().embedding_pipeline(model, vae, transformer)
         pipeline.register_to_config(expand_timesteps=True)
         return pipeline
 
