@@ -26,11 +26,15 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import fsspec
+import fsspec.parquet
+import pyarrow as pa
+import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from configs.schema import StorageConfig
 
 COMMIT_SUFFIX = ".done"
+PARQUET_FOOTER_SAMPLE = 64 << 10  # bytes read from a parquet object's end: what pyarrow reads for a footer (a shard's is 2-7 KB)
 TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
                     errno.ECONNABORTED, errno.EPIPE}
 log = logging.getLogger(__name__)
@@ -202,6 +206,25 @@ class Store:
             return [read(key) for key in keys]
         with ThreadPoolExecutor(min(concurrency, len(keys))) as pool:
             return list(pool.map(read, keys))
+
+    def read_columns(self, key: str, columns: list[str]) -> pa.Table:
+        """`columns` of a committed parquet artifact, reading only its footer and those columns'
+        byte ranges (a few ranged reads, not the object). A part cannot be checked against the
+        object's sha256: the caller checks what it read against the artifact's content address."""
+        self.require(key)
+        path = self.path(key)
+        try:  # the footer and the columns' ranges are fetched here, all at once
+            file = self._io("read", path, lambda: fsspec.parquet.open_parquet_file(
+                path, fs=self.fs, columns=columns, engine="pyarrow", footer_sample_size=PARQUET_FOOTER_SAMPLE))
+        except FileNotFoundError as error:
+            raise ArtifactMissing(f"{self.url(key)} does not exist") from error
+        except pa.ArrowException as error:  # a footer that does not parse
+            raise Damaged(f"{self.url(key)} is damaged: {error}") from error
+        try:  # from memory: an error now is in the bytes (pyarrow reports a page that does not decode as OSError)
+            with file:
+                return pq.ParquetFile(file).read(columns=columns)
+        except (pa.ArrowException, OSError) as error:
+            raise Damaged(f"{self.url(key)} is damaged: {error}") from error
 
     def read_verified(self, key: str, sha256: str | None = None) -> bytes:
         """The bytes of a committed artifact, checked against `sha256` (default: its commit record's)

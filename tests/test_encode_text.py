@@ -243,19 +243,34 @@ def test_bf16_cache_stays_close_to_fp32(ingested):
 
 
 def test_text_cache_reads_padded_batches_from_local_and_remote_shards(make_config, s3_endpoint, tmp_path):
+    """Encoded from a local and from an S3 store, the text shards are byte for byte the same, and
+    on S3 the encoder read the image shard's caption columns (counted at the HTTP level), not its
+    pictures (photo-sized: noise, 100 KB each)."""
+    import numpy as np
     import s3fs
+    from PIL import Image
 
+    from benchmarks.latency import SlowEndpoint
     from storage.shards import collate
     from tasks.train.data import TextCaches
 
+    source = tmp_path / "photos"
+    source.mkdir()
+    noise = np.random.default_rng(0)
+    for index in range(12):
+        Image.fromarray(noise.integers(0, 256, (192, 192, 3), dtype=np.uint8)).save(source / f"{index}.png")
+        (source / f"{index}.txt").write_text(f"photo number {index} of a noisy {['red', 'blue'][index % 2]} scene")
     s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir("precast-text")
-    local = make_config()
+    proxy = SlowEndpoint(s3_endpoint, 0).__enter__()
+    local = make_config(source=str(source), dataset={"shard_size": 100})
     remote = local.model_copy(update={"storage": local.storage.model_copy(
-        update={"root": "s3://precast-text/store", "options": {"endpoint_url": s3_endpoint}})})
-    batches = []
+        update={"root": "s3://precast-text/store", "options": {"endpoint_url": proxy.url}})})
+    batches, shards = [], []
     for config in (local, remote):
         dataset = ingest(config.storage, config.dataset)
+        proxy.reset()
         record, cache, rows = _encode_first_shard(config, dataset)
+        shards.append(Store(config.storage).read_bytes(Store(config.storage).key(record["url"])))
         key = Store(config.storage).key(record["url"])
         caches = TextCaches(Store(config.storage), family_of(config.model).text_encoders, {key: record["sha256"]})
         batch = collate([caches.caption([key], row["sample_id"], 0) for row in rows])
@@ -267,6 +282,14 @@ def test_text_cache_reads_padded_batches_from_local_and_remote_shards(make_confi
             torch.testing.assert_close(embeddings[i, : lengths[i]], cache[f"{row['sample_id']}/0"])
             assert embeddings[i, lengths[i]:].abs().sum() == 0
         batches.append(embeddings)
+    # the first shard's captions for the precision check and for the shard (its images, once, by
+    # _encode_first_shard's own reading of the rows)
+    shard_key = layout.image_shard(dataset["shards"][0]["id"])
+    size = Store(remote.storage).require(shard_key)["size"]
+    encoder_read = sum(r.bytes for r in proxy.gets(f"/precast-text/store/{shard_key}")) - size
+    assert 0 < encoder_read < size / 5, (encoder_read, size)
+    proxy.__exit__(None, None, None)
+    assert shards[0] == shards[1]
     torch.testing.assert_close(batches[0], batches[1])
 
 

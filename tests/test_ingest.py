@@ -147,6 +147,40 @@ def _shards(store: Store) -> dict[str, bytes]:
     return {key: store.read_bytes(key) for key in store.list("shards/images", ".parquet")}
 
 
+def test_shards_written_in_parallel_are_those_one_writer_writes_and_a_writer_dying_loses_nothing(
+        demo_data, make_config, tmp_path, monkeypatch):
+    """Ingest packs and commits its new shards on several writer threads: the shards and the
+    dataset are byte for byte those of one writer. A writer that fails (the store refuses its third
+    shard) fails the ingest with its error, leaves only whole shards and no dataset, and the
+    re-run writes the missing shards only, to the same bytes."""
+    from tasks.ingest import shards as ingest_shards
+
+    configs = {name: make_config(root=str(tmp_path / name), dataset={"shard_size": 3}) for name in ("one", "many")}
+    monkeypatch.setattr(ingest_shards, "WRITERS", 1)
+    one = ingest(*_split(configs["one"]))
+    monkeypatch.setattr(ingest_shards, "WRITERS", 4)
+    store, commit, commits = Store(configs["many"].storage), Store.commit, []
+
+    def failing(self, key, data, **record):
+        if key.startswith("shards/images/"):
+            commits.append(key)
+            if len(commits) == 3:
+                raise OSError(28, "No space left on device", key)
+        return commit(self, key, data, **record)
+
+    monkeypatch.setattr(Store, "commit", failing)
+    with pytest.raises(OSError, match="No space left"):
+        ingest(*_split(configs["many"]))
+    written = [key for key in store.list("shards/images", ".parquet") if store.committed(key)]
+    assert 0 < len(written) < len(one["shards"]) and not store.find("datasets")
+    assert all(store.read_bytes(key) == Store(configs["one"].storage).read_bytes(key) for key in written)
+    commits.clear()
+    monkeypatch.setattr(Store, "commit", commit)
+    many = ingest(*_split(configs["many"]))
+    assert many["id"] == one["id"] and many["new_shards"] == len(one["shards"]) - len(written)
+    assert _shards(store) == _shards(Store(configs["one"].storage))
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_nightly_ingest_reads_only_new_or_rewritten_files(where, demo_data, make_config, tmp_path, request):
     """Each ingest also runs, on a second store, as a full sequential read (no record of the last

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pyarrow.parquet as pq
 import pytest
 
 from flows.cli import main
@@ -19,10 +20,19 @@ from tasks.train import train
 from tests.test_manifest_and_train import _cache_everything, kill_training_at
 
 
-def _flip(store: Store, key: str) -> None:
+def _flip(store: Store, key: str, at: int | None = None) -> None:
     data = bytearray(store.read_bytes(key))
-    data[len(data) // 2] ^= 0x10
+    data[len(data) // 2 if at is None else at] ^= 0x10
     open(store.path(key), "wb").write(bytes(data))
+
+
+def _column_values(store: Store, key: str, column: str) -> int:
+    """An offset in the middle of `column`'s values in a parquet artifact: its dictionary page (a
+    page's header statistics, which no reader checks, are left alone)."""
+    group = pq.ParquetFile(store.path(key)).metadata.row_group(0)
+    chunk = next(group.column(index) for index in range(group.num_columns)
+                 if group.column(index).path_in_schema.split(".")[0] == column)
+    return (chunk.dictionary_page_offset + chunk.data_page_offset) // 2
 
 
 def test_verify_finds_damage_partials_and_orphans_and_repairs_only_those(make_config, capsys):
@@ -56,22 +66,31 @@ def test_verify_finds_damage_partials_and_orphans_and_repairs_only_those(make_co
     assert "damaged" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("artifact", ["image shard", "text shard", "latent shard", "manifest", "checkpoint"])
+@pytest.mark.parametrize("column, encoder", [("image", encode_latents_shard), ("captions", encode_text_shard),
+                                             ("sample_id", encode_text_shard)])
+def test_a_damaged_image_shard_is_found_by_the_encoder_that_reads_the_damaged_bytes(make_config, column, encoder):
+    """The latent encoder reads a whole image shard and checks its sha256; the text encoder reads
+    only its sample id and caption columns (not the images) and checks them against the shard's
+    id, their hash. Either way, nothing is encoded from damaged bytes."""
+    config = make_config()
+    store = Store(config.storage)
+    dataset = ingest(config.storage, config.dataset)
+    key = layout.image_shard(dataset["shards"][0]["id"])
+    _flip(store, key, _column_values(store, key, column))
+    settings, fingerprint = ((config.text_encoding, text_fingerprints(config.model, config.text_encoding))
+                             if encoder is encode_text_shard else
+                             (config.latent_encoding, vae_fingerprint(config.model, config.latent_encoding)))
+    with pytest.raises(Damaged, match=f"{key} is damaged"):
+        encoder(config.storage, config.model, settings, fingerprint, store.url(key))
+    assert not store.find("cache")
+
+
+@pytest.mark.parametrize("artifact", ["text shard", "latent shard", "manifest", "checkpoint"])
 def test_damage_is_detected_before_use_naming_the_artifact(make_config, artifact):
     config = make_config(training={"steps": 3, "sample_prompts": [], "checkpoint_every": 1})
     store = Store(config.storage)
     dataset = ingest(config.storage, config.dataset)
     shard = dataset["shards"][0]["id"]
-    shard_url = store.url(f"shards/images/{shard}.parquet")
-    text_fps = text_fingerprints(config.model, config.text_encoding)
-    vae_fp = vae_fingerprint(config.model, config.latent_encoding)
-    if artifact == "image shard":
-        _flip(store, f"shards/images/{shard}.parquet")
-        for encode, settings, fp in [(encode_text_shard, config.text_encoding, text_fps),
-                                     (encode_latents_shard, config.latent_encoding, vae_fp)]:
-            with pytest.raises(Damaged, match=f"shards/images/{shard}.parquet is damaged"):
-                encode(config.storage, config.model, settings, fp, shard_url)
-        return
     dataset, text_fps, vae_fp = _cache_everything(config)
     manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, [])
     if artifact in ("text shard", "latent shard"):

@@ -19,11 +19,11 @@ import torch
 
 from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig
 from storage import layout
-from storage.shards import pack_ragged, read_image_shard, shard_id_of
-from storage.store import Store, json_bytes
+from storage.shards import pack_ragged, shard_id_of
+from storage.store import Damaged, Store, json_bytes
 from tasks.families import family_of
 from tasks.families.spec import TextEncoderSpec
-from tasks.identity import TEXT_FORMAT, prompt_rows, prompts_cache_key
+from tasks.identity import TEXT_FORMAT, image_shard_id, prompt_rows, prompts_cache_key
 from tasks.records import CacheRecord
 from tasks.encode.models import (
     TEXT_ACTIVATIONS, TextEncoder, build_text_encoder, load_text_encoder,
@@ -160,11 +160,16 @@ def measure_encoder(
 
 
 def shard_captions(store: Store, shard_url: str) -> tuple[list[str], dict[str, int]]:
-    """The distinct captions of an image shard, and each `<sample_id>/<variant>` row's index into them."""
-    table = read_image_shard(store.read_verified(store.key(shard_url)), columns=["sample_id", "captions"])
+    """The distinct captions of an image shard, and each `<sample_id>/<variant>` row's index into
+    them. Only the shard's sample id and caption columns are read, not its images (the latent
+    encoder reads those), and they are checked against the shard's id, which is their hash."""
+    key = store.key(shard_url)
+    samples = store.read_columns(key, ["sample_id", "captions"]).to_pylist()
+    if (found := image_shard_id([(s["sample_id"], s["captions"]) for s in samples])) != shard_id_of(shard_url):
+        raise Damaged(f"{shard_url} is damaged: its sample ids and captions hash to {found}, not to its id")
     texts: dict[str, int] = {}
     rows: dict[str, int] = {}
-    for sample in table.to_pylist():
+    for sample in samples:
         for variant, caption in enumerate(sample["captions"]):
             rows[f"{sample['sample_id']}/{variant}"] = texts.setdefault(caption, len(texts))
     return list(texts), rows

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 from configs.schema import DatasetConfig
 from storage import layout
@@ -17,6 +21,10 @@ from storage.store import Store
 from tasks.identity import image_shard_id
 from tasks.ingest.ledger import Ledger
 from tasks.ingest.scan import Scan
+
+# shards packed and committed at once: packing (pyarrow), hashing and writing release the GIL; each
+# holds one shard's images in memory (shard_size × image size: 77 MB at 256 photos of 300 KB)
+WRITERS = min(8, os.cpu_count() or 1)
 
 
 def read_index(store: Store, ledger: Ledger) -> None:
@@ -33,28 +41,50 @@ def read_index(store: Store, ledger: Ledger) -> None:
 def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan) -> tuple[int, dict[str, int]]:
     """Commit shards of the samples no shard holds with these captions, in sample id order; returns
     how many there were, and how many current samples each shard the dataset uses holds (every
-    sample's shard is set in the ledger)."""
+    sample's shard is set in the ledger).
+
+    This thread only cuts the shards (ids and captions from the ledger) and records them; the
+    images are read, packed and committed by `WRITERS` threads, at most that many shards at once
+    (each holds its shard's images in memory), so no one thread handles every image."""
     ledger = scan.ledger
     with ledger.transaction():
         ledger.run("UPDATE samples SET shard = (SELECT shard FROM stored WHERE stored.sample_id = samples.sample_id "
                    "AND stored.captions = samples.captions)")
     new = ledger.one("SELECT count(*) FROM samples WHERE shard IS NULL")[0]
     spill_known_images(store, scan)
-    last = ""
-    while True:
-        chunk = list(ledger.rows("SELECT sample_id, captions, width, height, source FROM samples "
-                                 "WHERE shard IS NULL AND sample_id > ? ORDER BY sample_id LIMIT ?",
-                                 (last, dataset.shard_size)))
-        if not chunk:
-            break
-        last = chunk[-1][0]
-        shard_id = image_shard_id([(sample_id, json.loads(captions)) for sample_id, captions, *_ in chunk])
-        rows = [{"sample_id": sample_id, "image": (scan.spill / sample_id).read_bytes(), "width": width,
-                 "height": height, "captions": json.loads(captions), "source": source}
-                for sample_id, captions, width, height, source in chunk]
-        store.commit(layout.image_shard(shard_id), pack_image_shard(rows), samples=len(chunk))
+    writing: deque[tuple[Future, str, list[tuple]]] = deque()
+
+    def written() -> None:  # the oldest shard in flight, once committed, recorded as its samples' shard
+        future, shard_id, chunk = writing.popleft()
+        future.result()
         ledger.run_many("UPDATE samples SET shard = ? WHERE sample_id = ?", ((shard_id, row[0]) for row in chunk))
+
+    last = ""
+    with ThreadPoolExecutor(WRITERS, thread_name_prefix="ingest-write") as pool:
+        try:
+            while chunk := list(ledger.rows("SELECT sample_id, captions, width, height, source FROM samples "
+                                            "WHERE shard IS NULL AND sample_id > ? ORDER BY sample_id LIMIT ?",
+                                            (last, dataset.shard_size))):
+                last = chunk[-1][0]
+                shard_id = image_shard_id([(sample_id, json.loads(captions)) for sample_id, captions, *_ in chunk])
+                writing.append((pool.submit(write_shard, store, scan.spill, shard_id, chunk), shard_id, chunk))
+                if len(writing) >= WRITERS:
+                    written()
+            while writing:
+                written()
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # shards committed so far are whole; a re-run finds them
+            raise
     return new, dict(ledger.rows("SELECT shard, count(*) FROM samples GROUP BY shard"))
+
+
+def write_shard(store: Store, spill: Path, shard_id: str, chunk: list[tuple]) -> None:
+    """An image shard of `chunk`'s samples (`sample_id, captions, width, height, source`, in sample
+    id order), their images read from the spill folder, committed."""
+    rows = [{"sample_id": sample_id, "image": (spill / sample_id).read_bytes(), "width": width,
+             "height": height, "captions": json.loads(captions), "source": source}
+            for sample_id, captions, width, height, source in chunk]
+    store.commit(layout.image_shard(shard_id), pack_image_shard(rows), samples=len(chunk))
 
 
 def spill_known_images(store: Store, scan: Scan) -> None:
