@@ -21,7 +21,7 @@ from configs.schema import PipelineConfig, Stage
 from flows.stages import STORED, FlowExecutor, Plan, check_nodes_placed, publish_run_page
 from flows.summary import Summary
 from tasks.records import Record
-from tasks.runner import INPUTS, outputs, run_stages, stage_method
+from tasks.runner import ENCODERS, INPUTS, Shards, outputs, run_stages, stage_method
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ def stage(name: Stage, config: PipelineConfig, shards: list[str] | None = None,
     plan = Plan(config)
     plan.store.check_reachable()
     inputs = [STORED[earlier](plan) for earlier in INPUTS[name]]
+    if name in ENCODERS:  # the dataset ingested already, whole
+        inputs = [Shards.of(plan.store, *inputs)]
     record = stage_method(FlowExecutor(plan, shards, node, attempt), name)(*inputs)
     if name == "train":
         publish_run_page(plan, record)

@@ -62,6 +62,14 @@ class StageProgress:
             text += f", done in {_duration(elapsed)}"
         return text + (f", {self.extra}" if self.extra else "")
 
+    def grow(self, count: int) -> None:
+        """`count` more units to do (a stage given its work as it comes)."""
+        with self.lock:
+            self.total += count
+            if self.bar is not None:
+                self.bar.total = self.total
+                self.bar.refresh()
+
     def advance(self, count: int = 1, items: int = 0, extra: str | None = None) -> None:
         """`count` more units done (holding `items` items); `extra` replaces the line's tail."""
         with self.lock:

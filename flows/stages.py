@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from functools import cached_property, partial
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prefect import Task
@@ -45,7 +45,7 @@ from tasks.ingest.staging import Partitions
 from tasks.manifest import manifest_record
 from tasks.identity import manifest_id, prompts_cache_key, text_fingerprints, vae_fingerprint
 from tasks.records import CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, RunRecord
-from tasks.runner import image_shard_urls
+from tasks.runner import ENCODERS, Shards, on_cpu
 from tasks.runs.page import RunPage
 from tasks.train import finished_run, run_for
 
@@ -169,7 +169,18 @@ class FlowExecutor:
     node: int | None = None
     attempt: str | None = None
 
-    def ingest(self) -> DatasetRecord:
+    @property
+    def store(self) -> Store:
+        return self.plan.store
+
+    def side_by_side(self) -> bool:
+        """The encoders at once when either runs on a GPU, a cluster or another pool: not when both
+        share this process's CPU."""
+        config = self.plan.config
+        return bool(config.execution.cluster) or any(placed(config, name) for name in ENCODERS) or not on_cpu(
+            config.text_encoding.device, config.latent_encoding.device)
+
+    def ingest(self, committed: Callable[[str], None] | None = None) -> DatasetRecord:
         plan, config = self.plan, self.plan.config
         if deployment := placed(config, "ingest"):
             with followed("ingest"):
@@ -178,16 +189,16 @@ class FlowExecutor:
         with stage_executor(config.execution, "cpu", plan.configured) as run:
             partitions, workers = ingest_partitions(config, run) if isinstance(run, OnWorkers) else (None, 1)
             record = plan.configured(ingest_task)(config.storage, config.dataset, progress=reporter("ingest", "files"),
-                                                  partitions=partitions)
+                                                  partitions=partitions, committed=committed)
         record["work"]["workers"] = workers
         report = plan.store.read_json(plan.store.key(record["report"]))
         create_markdown_artifact(markdown=report_markdown(report), key="ingest-report",
                                  description=f"ingest of dataset {record['id']}")
         return record
 
-    def encode_text(self, dataset: DatasetRecord) -> CacheRecord:
+    def encode_text(self, shards: Shards) -> CacheRecord:
         plan, config, store, fingerprints = self.plan, self.plan.config, self.plan.store, self.plan.text_fps
-        every = image_shard_urls(store, dataset)
+        dataset, every = shards.dataset(), shards.urls()
         urls = every if self.shards is None else self.shards
         if deployment := placed(config, "encode-text"):
             prepare = run_elsewhere(config, deployment, "encode-text", [])  # before the shards fan out
@@ -212,20 +223,29 @@ class FlowExecutor:
         create_markdown_artifact(key="text-encoding", markdown=encoding_report(record["shards"]))
         return {**record, "work": work}
 
-    def encode_latents(self, dataset: DatasetRecord) -> CacheRecord:
+    def encode_latents(self, shards: Shards) -> CacheRecord:
+        """Each shard as ingest commits it (here or on the stage's workers; placed on another pool,
+        the dataset's shards once it is complete)."""
         plan, config, store, fingerprint = self.plan, self.plan.config, self.plan.store, self.plan.vae_fp
-        urls = image_shard_urls(store, dataset) if self.shards is None else self.shards
         if deployment := placed(config, "encode-latents"):
+            urls = shards.urls() if self.shards is None else self.shards
             work = run_shards_elsewhere(config, deployment, "encode-latents", urls)
             records = [store.require(layout.cache_shard("latents", fingerprint, shard_id_of(url))) for url in urls]
         else:
             with stage_executor(config.execution, config.latent_encoding.device, plan.configured) as run:
-                progress = self.progress("encode-latents", dataset, urls)
-                records = run.map(encode_latents_task, urls, config.storage, config.model, config.latent_encoding,
-                                  fingerprint, completed=lambda record: progress.advance(1, record["samples"]))
+                progress = StageProgress("encode-latents", 0, "shards")  # counted as ingest commits them
+
+                def given(urls: Iterable[str]) -> Iterator[str]:
+                    for url in urls:
+                        progress.grow(1)
+                        yield url
+                records = run.map(encode_latents_task, given(shards if self.shards is None else self.shards),
+                                  config.storage, config.model, config.latent_encoding, fingerprint,
+                                  completed=lambda record: progress.advance(1, record["samples"]))
                 progress.close()
                 work = run.work(records)
             publish_work("encode-latents", work)
+            records = shards.in_order(records) if self.shards is None else records
         return {**latent_cache_record(store, fingerprint, records), "work": work}
 
     def progress(self, stage: str, dataset: DatasetRecord, urls: list[str]) -> StageProgress:

@@ -24,7 +24,7 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -96,9 +96,9 @@ class InProcess:
         with device_slot(self.device):
             return self.configure(task)(*args)
 
-    def map(self, task: Task, items: list[Any], *args: Any,
+    def map(self, task: Task, items: Iterable[Any], *args: Any,
             completed: Callable[[Any], None] | None = None) -> list[Any]:
-        """Results in `items`' order; `completed(result)` as each completes."""
+        """Results in `items`' order (each started as it comes); `completed(result)` as each completes."""
         def run(item: Any) -> Any:
             result = self.one(task, *args, item)
             if completed is not None:
@@ -110,10 +110,10 @@ class InProcess:
         return encoding_work(records, self.started, 1, sum(model_loads().values()) - self.loads)
 
 
-def in_threads(work: Callable[[Any], Any], items: list[Any], limit: int) -> list[Any]:
-    """`work(item)` for each item, at most `limit` at once (one: in this thread), in threads that
-    end with the call; raises the first failure. Each thread gets a copy of this flow's context, so
-    its task runs and child flow runs belong to this flow run.
+def in_threads(work: Callable[[Any], Any], items: Iterable[Any], limit: int) -> list[Any]:
+    """`work(item)` for each item as it comes, at most `limit` at once (one: in this thread), in
+    threads that end with the call; raises the first failure. Each thread gets a copy of this
+    flow's context, so its task runs and child flow runs belong to this flow run.
 
     Parallel threads live only as long as this call: a thread that ran torch keeps an OpenMP team,
     and while libgomp manages more threads than there are cores it puts idle workers to sleep after
@@ -140,22 +140,25 @@ class OnWorkers:
     def one(self, task: Task, *args: Any) -> Any:
         return self.map(task, [args[-1]], *args[:-1])[0]
 
-    def map(self, task: Task, items: list[Any], *args: Any,
+    def map(self, task: Task, items: Iterable[Any], *args: Any,
             completed: Callable[[Any], None] | None = None) -> list[Any]:
-        """Results in `items`' order, `completed(result)` as each completes; raises the first failure
-        (after the task's own retries). An item whose workers kept dying is submitted again as a
-        new task run, up to `retries` times."""
+        """Results in `items`' order, each submitted as it comes, `completed(result)` as each
+        completes; raises the first failure (after the task's own retries). An item whose workers
+        kept dying is submitted again as a new task run, up to `retries` times."""
         from distributed import KilledWorker, as_completed
 
-        futures = {}
-        for index, item in enumerate(items):
-            future = self.submit(task, *args, item)
+        given: list[Any] = []
+        futures: dict[str, tuple[int, Any]] = {}
+        results: list[Any] = []
+        deaths: list[int] = []
+        pending = as_completed([], loop=self.runner.client.loop)
+
+        def submit(index: int) -> None:
+            future = self.submit(task, *args, given[index])
             futures[future.wrapped_future.key] = (index, future)
-        results: list[Any] = [None] * len(items)
-        deaths = [0] * len(items)
-        pending = as_completed([future.wrapped_future for _, future in futures.values()],
-                               loop=self.runner.client.loop)
-        for done in pending:
+            pending.add(future.wrapped_future)
+
+        def finished(done: Any) -> None:
             index, future = futures.pop(done.key)
             try:
                 state = done.result()
@@ -163,18 +166,26 @@ class OnWorkers:
                 crashed(future.task_run_id, f"its Dask worker died: {error}")
                 deaths[index] += 1
                 if deaths[index] > self.retries:  # an item that kills every worker it meets (out of memory?)
-                    raise RuntimeError(f"{items[index]}: the workers running {task.name} on it died "
+                    raise RuntimeError(f"{given[index]}: the workers running {task.name} on it died "
                                        f"{deaths[index]} time(s) after Dask's own reruns: {error}") from error
-                log.warning("%s: its worker died running %s; submitted again", items[index], task.name)
-                again = self.submit(task, *args, items[index])
-                futures[again.wrapped_future.key] = (index, again)
-                pending.add(again.wrapped_future)
-                continue
+                log.warning("%s: its worker died running %s; submitted again", given[index], task.name)
+                submit(index)
+                return
             finally:
                 done.release()  # a result left on a worker that dies later would make Dask rerun the task
             results[index] = state.result()  # raises the task's error
             if completed is not None:
                 completed(results[index])
+
+        for item in items:  # may wait for the next item: what completed meanwhile is taken first
+            given.append(item)
+            results.append(None)
+            deaths.append(0)
+            submit(len(given) - 1)
+            for done in pending.next_batch(block=False):
+                finished(done)
+        for done in pending:
+            finished(done)
         return results
 
     def workers(self) -> dict[str, Any]:

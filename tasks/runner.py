@@ -1,18 +1,26 @@
 """The stage order and what passes between the stages, Prefect-free: `run_stages` runs
-`configs.schema.STAGES` in order through an executor, one method per stage, handing each the
-records it needs (`INPUTS`). The executor decides where a stage runs: `Direct`, every stage in
-this process (`precast run --direct`, and the reference that benchmarks and test fixtures run),
-or the Prefect flow's (flows/stages.py), which calls the same stage functions as tasks, with
-retries, caching, placement and artifacts around them; both return the same records and the same
-outputs.
+`configs.schema.STAGES` through an executor, one method per stage, handing each the records it
+needs (`INPUTS`). The executor decides where a stage runs: `Direct`, every stage in this process
+(`precast run --direct`, and the reference that benchmarks and test fixtures run), or the Prefect
+flow's (flows/stages.py), which calls the same stage functions as tasks, with retries, caching,
+placement and artifacts around them; both return the same records and the same outputs.
+
+The encoders do not wait for the whole dataset: the latent encoder starts on each image shard as
+ingest commits it (`Shards`), and the text encoders, which need the dataset's first shard for
+their precision check, start when ingest returns, beside the latent encoder when the executor
+runs them on different devices or nodes (`side_by_side`). What each stage writes does not depend
+on the order: every shard is encoded alone and committed last.
 
     precast run configs/quickstart.yaml --direct
 """
 
 from __future__ import annotations
 
+import contextvars
+import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, Protocol
 
@@ -25,25 +33,88 @@ from tasks.ingest.stage import ingest
 from tasks.manifest import build_manifest
 from tasks.encode.models import encoding_work, model_loads
 from tasks.identity import text_fingerprints, vae_fingerprint
+from tasks.loading import resolve_device
 from tasks.records import (
     CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, Record, Records, RunRecord,
 )
 from tasks.train import train
 
 
+class NoDataset(RuntimeError):
+    """What an encoder waiting for ingest's shards raises when ingest failed."""
+
+
+class Shards:
+    """The image shards an encoder is given: each new shard's URL as ingest commits it
+    (`committed`), then the dataset's others (committed by earlier ingests) once ingest has its
+    record (`finish`); iterated once, each URL once. `dataset()` and `urls()` wait for the record."""
+
+    END = object()
+
+    def __init__(self, store: Store):
+        self.store, self.queue, self.record = store, queue.SimpleQueue(), Future()
+
+    @classmethod
+    def of(cls, store: Store, dataset: DatasetRecord) -> Shards:
+        """The shards of a dataset ingested already."""
+        shards = cls(store)
+        shards.finish(dataset)
+        return shards
+
+    def committed(self, url: str) -> None:
+        self.queue.put(url)
+
+    def finish(self, dataset: DatasetRecord) -> None:
+        for url in image_shard_urls(self.store, dataset):
+            self.queue.put(url)
+        self.record.set_result(dataset)
+        self.queue.put(self.END)
+
+    def fail(self, error: BaseException) -> None:
+        """Ingest failed: an encoder waiting for shards stops (`NoDataset`)."""
+        self.record.set_exception(NoDataset(f"ingest failed ({type(error).__name__}: {error}): no dataset to encode"))
+        self.queue.put(self.END)
+
+    def __iter__(self) -> Iterator[str]:
+        seen = set()
+        while (url := self.queue.get()) is not self.END:
+            if url not in seen:
+                seen.add(url)
+                yield url
+        self.dataset()  # raises ingest's error
+
+    def dataset(self) -> DatasetRecord:
+        return self.record.result()
+
+    def urls(self) -> list[str]:
+        """The dataset's shard URLs, in its order."""
+        return image_shard_urls(self.store, self.dataset())
+
+    def in_order(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Shard records (each with its `shard` id) in the dataset's order, however they arrived."""
+        position = {shard["id"]: index for index, shard in enumerate(self.dataset()["shards"])}
+        return sorted(records, key=lambda record: position[record["shard"]])
+
+
 class Executor(Protocol):
     """Where the stages run: one method per stage (its name with `_` for `-`), given the records of
-    the earlier stages it reads (`INPUTS`)."""
+    the earlier stages it reads (`INPUTS`; the encoders get them as `Shards`)."""
 
-    def ingest(self) -> DatasetRecord: ...
+    store: Store
 
-    def encode_text(self, dataset: DatasetRecord) -> CacheRecord: ...
+    def ingest(self, committed: Callable[[str], None] | None = None) -> DatasetRecord: ...
 
-    def encode_latents(self, dataset: DatasetRecord) -> CacheRecord: ...
+    def encode_text(self, shards: Shards) -> CacheRecord: ...
+
+    def encode_latents(self, shards: Shards) -> CacheRecord: ...
 
     def manifest(self, dataset: DatasetRecord) -> ManifestRecord: ...
 
     def train(self, manifest: ManifestRecord) -> RunRecord: ...
+
+    def side_by_side(self) -> bool:
+        """Whether the text and latent encoders may run at once (not both on this process's CPU,
+        where they would only take turns on the same cores)."""
 
 
 # the earlier records each stage is given; the order the stages run in is STAGES'
@@ -51,6 +122,7 @@ INPUTS: dict[Stage, tuple[Stage, ...]] = {
     "ingest": (), "encode-text": ("ingest",), "encode-latents": ("ingest",), "manifest": ("ingest",),
     "train": ("manifest",),
 }
+ENCODERS: tuple[Stage, ...] = ("encode-text", "encode-latents")
 # wraps each stage's call: `watch(name, call)` returns `call()` (the flow's logs a failing stage's name)
 Watch = Callable[[Stage, Callable[[], Record]], Record]
 
@@ -60,15 +132,47 @@ def stage_method(executor: Executor, name: Stage) -> Callable[..., Record]:
 
 
 def run_stages(executor: Executor, until: Stage = "train", watch: Watch = lambda name, call: call()) -> Records:
-    """Run the stages up to `until` in order through `executor`; returns each stage's record by
-    name (every one has `url`, `amount` and `committed_at`) and `seconds`, each stage's wall time."""
+    """Run the stages up to `until` through `executor`: ingest with the latent encoder taking each
+    shard as it is committed, the text encoders once the dataset is known (beside the latent
+    encoder when `executor.side_by_side()`, else after it), then the manifest and training. Returns
+    each stage's record by name (every one has `url`, `amount` and `committed_at`) and `seconds`,
+    each stage's wall time. A failure is raised once every stage already running has ended, the
+    earliest stage's first."""
     records: Any = {"seconds": {}}
-    for name in STAGES[: STAGES.index(until) + 1]:
-        inputs = [records[earlier] for earlier in INPUTS[name]]
+    names = STAGES[: STAGES.index(until) + 1]
+    shards = Shards(executor.store)
+
+    def run(name: Stage, call: Callable[[], Record]) -> Record:
         started = time.perf_counter()
-        records[name] = watch(name, partial(stage_method(executor, name), *inputs))
+        records[name] = watch(name, call)
         records["seconds"][name] = time.perf_counter() - started
+        return records[name]
+
+    def ingest() -> None:
+        try:
+            shards.finish(run("ingest", partial(executor.ingest, shards.committed)))
+        except BaseException as error:
+            shards.fail(error)
+            raise
+
+    encoders = [partial(run, name, partial(stage_method(executor, name), shards)) for name in ENCODERS if name in names]
+    if len(encoders) == 2 and not executor.side_by_side():
+        text, latents = encoders
+        encoders = [lambda: (latents(), text())]  # the latents from ingest's shards, then the text
+    together([ingest, *reversed(encoders)])
+    for name in names[names.index("manifest"):] if "manifest" in names else ():
+        run(name, partial(stage_method(executor, name), *[records[earlier] for earlier in INPUTS[name]]))
+    records["seconds"] = {name: records["seconds"][name] for name in names}
     return records
+
+
+def together(calls: list[Callable[[], Any]]) -> None:
+    """Each call in a thread of its own (with a copy of this thread's context: a flow's task runs
+    stay in its flow run), all at once; raises the first call's failure once all have ended."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(contextvars.copy_context().run, call) for call in calls]
+    for future in futures:
+        future.result()
 
 
 def image_shard_urls(store: Store, dataset: DatasetRecord) -> list[str]:
@@ -76,8 +180,13 @@ def image_shard_urls(store: Store, dataset: DatasetRecord) -> list[str]:
     return [store.url(layout.image_shard(shard["id"])) for shard in dataset["shards"]]
 
 
+def on_cpu(*devices: str) -> bool:
+    return all(resolve_device(device).type == "cpu" for device in devices)
+
+
 class Direct:
-    """Every stage in this process, shard after shard; the encoders' fingerprints computed once."""
+    """Every stage in this process, an encoder's shards one after another; the encoders'
+    fingerprints computed once."""
 
     def __init__(self, config: PipelineConfig):
         self.config, self.store = config, Store(config.storage)
@@ -85,11 +194,14 @@ class Direct:
         self.text_fps = text_fingerprints(config.model, config.text_encoding)
         self.vae_fp = vae_fingerprint(config.model, config.latent_encoding)
 
-    def ingest(self) -> DatasetRecord:
-        return ingest(self.config.storage, self.config.dataset)
+    def ingest(self, committed: Callable[[str], None] | None = None) -> DatasetRecord:
+        return ingest(self.config.storage, self.config.dataset, committed=committed)
 
-    def encode_text(self, dataset: DatasetRecord) -> CacheRecord:
-        config, urls, prompts = self.config, image_shard_urls(self.store, dataset), {}
+    def side_by_side(self) -> bool:
+        return not on_cpu(self.config.text_encoding.device, self.config.latent_encoding.device)
+
+    def encode_text(self, shards: Shards) -> CacheRecord:
+        config, urls, prompts = self.config, shards.urls(), {}
         text = (config.storage, config.model, config.text_encoding, self.text_fps)
 
         def prepare() -> None:  # the prompts, then the precision check before any shard, as in the flow
@@ -99,15 +211,15 @@ class Direct:
         records, work = self.encoded(lambda url: encode_text_shard(*text, url), urls, prepare)
         return {**text_cache_record(self.store, self.text_fps, prompts, records), "work": work}
 
-    def encode_latents(self, dataset: DatasetRecord) -> CacheRecord:
+    def encode_latents(self, shards: Shards) -> CacheRecord:
         config = self.config
         records, work = self.encoded(
             lambda url: [encode_latents_shard(config.storage, config.model, config.latent_encoding, self.vae_fp, url)],
-            image_shard_urls(self.store, dataset))
-        return {**latent_cache_record(self.store, self.vae_fp, records), "work": work}
+            shards)
+        return {**latent_cache_record(self.store, self.vae_fp, shards.in_order(records)), "work": work}
 
     @staticmethod
-    def encoded(encode: Callable[[str], list[Any]], urls: list[str], prepare: Callable[[], None] = lambda: None,
+    def encoded(encode: Callable[[str], list[Any]], urls: Iterable[str], prepare: Callable[[], None] = lambda: None,
                 ) -> tuple[list[Any], EncodingWork]:
         """`prepare()`, then `encode(url)` for every shard, here (its records: one per encoder);
         all the records and the stage's encoding_work, counted from before `prepare` as the flow

@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,10 +39,11 @@ def read_index(store: Store, ledger: Ledger) -> None:
                          for row in table.to_pylist()))
 
 
-def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan) -> tuple[int, dict[str, int]]:
-    """Commit shards of the samples no shard holds with these captions, in sample id order; returns
-    how many there were, and how many current samples each shard the dataset uses holds (every
-    sample's shard is set in the ledger).
+def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
+                     committed: Callable[[str], None] | None = None) -> tuple[int, dict[str, int]]:
+    """Commit shards of the samples no shard holds with these captions, in sample id order,
+    `committed(url)` after each; returns how many samples there were, and how many current samples
+    each shard the dataset uses holds (every sample's shard is set in the ledger).
 
     This thread only cuts the shards (ids and captions from the ledger) and records them; the
     images are read, packed and committed by `WRITERS` threads, at most that many shards at once
@@ -58,6 +60,8 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan) -> tuple[
         future, shard_id, chunk = writing.popleft()
         future.result()
         ledger.run_many("UPDATE samples SET shard = ? WHERE sample_id = ?", ((shard_id, row[0]) for row in chunk))
+        if committed is not None:
+            committed(store.url(layout.image_shard(shard_id)))
 
     last = ""
     with ThreadPoolExecutor(WRITERS, thread_name_prefix="ingest-write") as pool:

@@ -41,9 +41,10 @@ from tasks.ingest.staging import Partitions
 
 
 def ingest(storage: StorageConfig, dataset: DatasetConfig, progress: Callable[[int, int], None] | None = None,
-           partitions: Partitions | None = None) -> dict[str, Any]:
+           partitions: Partitions | None = None, committed: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Ingest every source; returns the dataset's record (`dataset_record`), what was new, and what
-    was read (`work`); `progress(units done, units listed)` as the sources are read. With
+    was read (`work`); `progress(units done, units listed)` as the sources are read,
+    `committed(url)` as each new image shard is committed (an encoder may start on it). With
     `partitions` the sources' units are read and examined on workers, a partition each."""
     store = Store(storage)
     with tempfile.TemporaryDirectory(prefix="precast-ingest-") as folder:
@@ -58,7 +59,7 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig, progress: Callable[[i
             if not samples:
                 raise RuntimeError(f"no usable samples in {[s.path for s in dataset.sources]}: "
                                    f"{scan.count('quarantined')} quarantined")
-            new, members = write_new_shards(store, dataset, scan)
+            new, members = write_new_shards(store, dataset, scan, committed)
             dataset_id = commit_dataset(store, dataset, ledger, members, samples)
             quarantine = [dict(zip(("source", "format", "reason", "message"), row)) for row in ledger.rows(
                 "SELECT source, format, reason, message FROM quarantined ORDER BY position")]
