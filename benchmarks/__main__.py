@@ -22,7 +22,7 @@ from typing import Any
 
 from benchmarks import (
     demo_world, encoder_workers, end_to_end, family_costs, gpu, ingest_memory, ingest_throughput, ingest_workers,
-    latent_encoding, s3_ingest, text_encoding, training, training_modes, video,
+    latent_encoding, pipeline_shape, s3_ingest, text_encoding, training, training_modes, video,
 )
 
 RESULTS = Path(__file__).parent / "results"
@@ -37,6 +37,7 @@ SUITE = {
     "training": (training, {}, {"steps": 20, "count": 32}),
     "training_modes": (training_modes, {}, {"steps": 8, "count": 32, "repeat": 1}),  # 7 processes, not 14
     "encoder_workers": (encoder_workers, {"count": 512}, {"count": 128}),
+    "pipeline_shape": (pipeline_shape, {"count": 600, "sizes": (1000, 20000)}, {"count": 300, "sizes": (1000, 5000)}),
     "end_to_end": (end_to_end, {"count": 4000, "steps": 2000, "repeat": 3}, {"count": 2000, "steps": 600, "repeat": 1}),  # one run a side, not best of 2
     "gpu": (gpu, {}, {"captions": 128, "repeat": 3}),
     "demo_world": (demo_world, {}, None),  # seven demo trainings per family, about 75 minutes for the five

@@ -27,8 +27,9 @@ class StageProgress:
     items they hold (`items` of them in all: images, samples). `advance` may be called from any
     thread; the ETA follows the pace of the units."""
 
-    def __init__(self, stage: str, total: int, unit: str, items: int | None = None, item_unit: str = "images"):
-        self.stage, self.total, self.unit = stage, max(total, 0), unit
+    def __init__(self, stage: str, total: int | None, unit: str, items: int | None = None, item_unit: str = "images"):
+        """`total` None: the work comes as the stage runs (`grow`), and is all known at `settle`."""
+        self.stage, self.total, self.unit, self.settled = stage, max(total or 0, 0), unit, total is not None
         self.items, self.item_unit = items, item_unit
         self.done = self.items_done = 0
         self.started = time.monotonic()
@@ -42,7 +43,8 @@ class StageProgress:
 
             self.bar = tqdm(total=self.total, desc=stage, unit=f" {unit}", file=sys.stderr, dynamic_ncols=True)
         try:
-            self.artifact = create_progress_artifact(progress=0.0 if self.total else 100.0, key=f"{stage}-progress",
+            self.artifact = create_progress_artifact(progress=0.0 if self.total or not self.settled else 100.0,
+                                                     key=f"{stage}-progress",
                                                      description=self.line())
         except Exception as error:  # no flow run (the direct runner), or the API is away: terminal only
             log.debug("no progress artifact for %s: %s", stage, error)
@@ -58,7 +60,7 @@ class StageProgress:
             text += f" ({self.done / max(elapsed, 1e-9):,.1f}/s)"
         if 0 < self.done < self.total:
             text += f", ETA {_duration(elapsed * (self.total - self.done) / self.done)}"
-        elif self.total and self.done >= self.total:
+        elif self.settled and self.total and self.done >= self.total:
             text += f", done in {_duration(elapsed)}"
         return text + (f", {self.extra}" if self.extra else "")
 
@@ -70,6 +72,12 @@ class StageProgress:
                 self.bar.total = self.total
                 self.bar.refresh()
 
+    def settle(self, items: int | None = None) -> None:
+        """No more work will come (of `items` items in all, when known): the stage is done when
+        what it has is."""
+        self.settled, self.items = True, items if items is not None else self.items
+        self.advance(0)
+
     def advance(self, count: int = 1, items: int = 0, extra: str | None = None) -> None:
         """`count` more units done (holding `items` items); `extra` replaces the line's tail."""
         with self.lock:
@@ -77,7 +85,7 @@ class StageProgress:
             self.items_done += items
             if extra is not None:
                 self.extra = extra
-            finished = self.done >= self.total
+            finished = self.settled and self.done >= self.total
             if self.bar is not None:
                 self.bar.n = self.done
                 self.bar.set_postfix_str(self.line().split(", ", 1)[-1] if self.items or self.extra else "",

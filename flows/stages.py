@@ -186,7 +186,7 @@ class FlowExecutor:
             with followed("ingest"):
                 run_elsewhere(config, deployment, "ingest")
             return stored_dataset(plan)
-        with stage_executor(config.execution, "cpu", plan.configured) as run:
+        with stage_executor(config.execution, "cpu", plan.configured, "ingest") as run:
             partitions, workers = ingest_partitions(config, run) if isinstance(run, OnWorkers) else (None, 1)
             record = plan.configured(ingest_task)(config.storage, config.dataset, progress=reporter("ingest", "files"),
                                                   partitions=partitions, committed=committed)
@@ -209,7 +209,7 @@ class FlowExecutor:
                        for url in urls for name, fp in fingerprints.items()]
         else:
             args = (config.storage, config.model, config.text_encoding, fingerprints)
-            with stage_executor(config.execution, config.text_encoding.device, plan.configured) as run:
+            with stage_executor(config.execution, config.text_encoding.device, plan.configured, "encode-text") as run:
                 prompts = run.one(encode_prompts_task, *args, config.training.sample_prompts)
                 run.one(measure_numerics_task, *args, every[0] if every else None)  # before any shard
                 progress = self.progress("encode-text", dataset, urls)
@@ -232,13 +232,15 @@ class FlowExecutor:
             work = run_shards_elsewhere(config, deployment, "encode-latents", urls)
             records = [store.require(layout.cache_shard("latents", fingerprint, shard_id_of(url))) for url in urls]
         else:
-            with stage_executor(config.execution, config.latent_encoding.device, plan.configured) as run:
-                progress = StageProgress("encode-latents", 0, "shards")  # counted as ingest commits them
+            with stage_executor(config.execution, config.latent_encoding.device, plan.configured,
+                                "encode-latents") as run:
+                progress = StageProgress("encode-latents", None, "shards")  # counted as ingest commits them
 
                 def given(urls: Iterable[str]) -> Iterator[str]:
                     for url in urls:
                         progress.grow(1)
                         yield url
+                    progress.settle(shards.dataset()["samples"] if self.shards is None else None)
                 records = run.map(encode_latents_task, given(shards if self.shards is None else self.shards),
                                   config.storage, config.model, config.latent_encoding, fingerprint,
                                   completed=lambda record: progress.advance(1, record["samples"]))

@@ -52,10 +52,12 @@ def ingest_work_text(work: IngestWork) -> str:
 
 
 def encoding_work_text(work: EncodingWork) -> str:
-    """"2 workers, 2 model loads, 16 shards encoded, 0 cached"."""
+    """"2 workers, 2 model loads, 16 shards encoded, 0 cached" (the latent encoder's: "…; waiting
+    for pixels 4% of the time")."""
+    feed = f"; waiting for pixels {work['feed_wait']:.0%} of the time" if "feed_wait" in work else ""
     return (f"{work['workers']} worker{'s' * (work['workers'] != 1)}, {work['model_loads']} model "
             f"load{'s' * (work['model_loads'] != 1)}, {work['shards_encoded']} shards encoded, "
-            f"{work['shards_cached']} cached")
+            f"{work['shards_cached']} cached{feed}")
 
 
 # each stage that reports its work, and how it is told

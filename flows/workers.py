@@ -50,22 +50,24 @@ def worker_count(execution: ExecutionConfig, device: str) -> int:
 
 
 @contextmanager
-def stage_executor(execution: ExecutionConfig, device: str, configure: Callable[[Task], Task]) -> Iterator[Any]:
-    """Where one encoding stage runs its tasks (each `configure`d with the run's retries and result
-    storage): on `execution.cluster`, on a cluster of `worker_count` processes of its own (closed
-    with the stage) when that is more than one, else in this process."""
+def stage_executor(execution: ExecutionConfig, device: str, configure: Callable[[Task], Task],
+                   stage: str) -> Iterator[Any]:
+    """Where `stage` runs its tasks (each `configure`d with the run's retries and result storage):
+    on `execution.cluster`, on a cluster of `worker_count` processes of its own (closed with the
+    stage) when that is more than one, else in this process. Its work counts the loads of its own
+    models only: the other encoder may be loading its own beside it."""
     if execution.cluster is None and worker_count(execution, device) == 1:
-        yield InProcess(configure, execution.max_parallel_shards, device)
+        yield InProcess(configure, execution.max_parallel_shards, device, stage)
         return
     from prefect_dask import DaskTaskRunner
 
     if execution.cluster:
         with DaskTaskRunner(address=execution.cluster) as runner:
-            yield OnWorkers(runner, configure, execution.retries)
+            yield OnWorkers(runner, configure, execution.retries, stage)
         return
     with local_cluster(worker_count(execution, device), device) as cluster, \
             DaskTaskRunner(cluster=cluster) as runner:  # a runner given a cluster does not close it
-        yield OnWorkers(runner, configure, execution.retries)
+        yield OnWorkers(runner, configure, execution.retries, stage)
 
 
 def local_cluster(count: int, device: str):
@@ -88,9 +90,9 @@ class InProcess:
     """A stage's tasks in this process: shards in threads, `limit` at once, each holding the
     node's GPU slot when `device` is a GPU."""
 
-    def __init__(self, configure: Callable[[Task], Task], limit: int, device: str):
-        self.configure, self.limit, self.device = configure, limit, device
-        self.started, self.loads = time.time(), sum(model_loads().values())
+    def __init__(self, configure: Callable[[Task], Task], limit: int, device: str, stage: str):
+        self.configure, self.limit, self.device, self.stage = configure, limit, device, stage
+        self.started, self.loads = time.time(), model_loads().get(stage, 0)
 
     def one(self, task: Task, *args: Any) -> Any:
         with device_slot(self.device):
@@ -107,7 +109,7 @@ class InProcess:
         return in_threads(run, items, self.limit)
 
     def work(self, records: list[dict[str, Any]]) -> EncodingWork:
-        return encoding_work(records, self.started, 1, sum(model_loads().values()) - self.loads)
+        return encoding_work(records, self.started, 1, model_loads().get(self.stage, 0) - self.loads)
 
 
 def in_threads(work: Callable[[Any], Any], items: Iterable[Any], limit: int) -> list[Any]:
@@ -129,8 +131,8 @@ def in_threads(work: Callable[[Any], Any], items: Iterable[Any], limit: int) -> 
 class OnWorkers:
     """A stage's tasks on a Dask cluster's workers, as task runs of this flow run."""
 
-    def __init__(self, runner: Any, configure: Callable[[Task], Task], retries: int):
-        self.runner, self.configure, self.retries = runner, configure, retries
+    def __init__(self, runner: Any, configure: Callable[[Task], Task], retries: int, stage: str):
+        self.runner, self.configure, self.retries, self.stage = runner, configure, retries, stage
         self.started, self.loads = time.time(), runner.client.run(model_loads)
 
     def submit(self, task: Task, *args: Any):
@@ -194,8 +196,8 @@ class OnWorkers:
 
     def work(self, records: list[dict[str, Any]]) -> EncodingWork:
         after = self.runner.client.run(model_loads)
-        loads = sum(count - self.loads.get(worker, {}).get(stage, 0)
-                    for worker, counts in after.items() for stage, count in counts.items())
+        loads = sum(counts.get(self.stage, 0) - self.loads.get(worker, {}).get(self.stage, 0)
+                    for worker, counts in after.items())
         return encoding_work(records, self.started, len(self.workers()), loads)
 
 

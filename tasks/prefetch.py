@@ -11,14 +11,15 @@ T = TypeVar("T")
 _END = object()
 
 
-def prefetched(load: Callable[[Any], T], items: Iterable, ahead: int = 1) -> Iterator[T]:
-    """`load(item)` for each item, in order; up to `ahead` items are loaded in a background thread
-    while the caller works on the current one (0: loaded when asked for). `items` may be endless."""
+def prefetched(load: Callable[[Any], T], items: Iterable, ahead: int = 1, threads: int = 1) -> Iterator[T]:
+    """`load(item)` for each item, in order; up to `ahead` items are loaded by `threads` background
+    threads while the caller works on the current one (0: loaded when asked for). `items` may be
+    endless."""
     iterator = iter(items)
     if not ahead:
         yield from map(load, iterator)
         return
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    with ThreadPoolExecutor(max_workers=threads) as pool:
 
         def submit() -> bool:
             item = next(iterator, _END)

@@ -68,6 +68,7 @@ class EncodingWork(TypedDict):
     model_loads: int
     shards_encoded: int  # committed during this run
     shards_cached: int  # found committed already
+    feed_wait: NotRequired[float]  # the latent encoder: share of its encoding spent waiting for pixels
 
 
 class PromptsCommit(Commit):
@@ -91,6 +92,8 @@ class LatentShardCommit(Commit):
     samples: int
     quarantined: list[dict[str, str]]  # sample_id, reason, message
     buckets: dict[str, int]  # samples per bucket
+    seconds: NotRequired[float]  # encoding it took, from its first batch's decoding to the last latent
+    feed_wait_seconds: NotRequired[float]  # of which the VAE waited for decoded pixels
 
 
 class CacheRecord(TypedDict):

@@ -208,26 +208,26 @@ class Direct:
             prompts.update(encode_prompts(*text, config.training.sample_prompts))
             measure_numerics(*text, urls[0] if urls else None)
 
-        records, work = self.encoded(lambda url: encode_text_shard(*text, url), urls, prepare)
+        records, work = self.encoded("encode-text", lambda url: encode_text_shard(*text, url), urls, prepare)
         return {**text_cache_record(self.store, self.text_fps, prompts, records), "work": work}
 
     def encode_latents(self, shards: Shards) -> CacheRecord:
         config = self.config
         records, work = self.encoded(
-            lambda url: [encode_latents_shard(config.storage, config.model, config.latent_encoding, self.vae_fp, url)],
+            "encode-latents", lambda url: [encode_latents_shard(config.storage, config.model, config.latent_encoding, self.vae_fp, url)],
             shards)
         return {**latent_cache_record(self.store, self.vae_fp, shards.in_order(records)), "work": work}
 
     @staticmethod
-    def encoded(encode: Callable[[str], list[Any]], urls: Iterable[str], prepare: Callable[[], None] = lambda: None,
-                ) -> tuple[list[Any], EncodingWork]:
+    def encoded(stage: Stage, encode: Callable[[str], list[Any]], urls: Iterable[str],
+                prepare: Callable[[], None] = lambda: None) -> tuple[list[Any], EncodingWork]:
         """`prepare()`, then `encode(url)` for every shard, here (its records: one per encoder);
         all the records and the stage's encoding_work, counted from before `prepare` as the flow
         counts it."""
-        started, before = time.time(), sum(model_loads().values())
+        started, before = time.time(), model_loads()[stage]
         prepare()
         records = [record for url in urls for record in encode(url)]
-        return records, encoding_work(records, started, 1, sum(model_loads().values()) - before)
+        return records, encoding_work(records, started, 1, model_loads()[stage] - before)
 
     def manifest(self, dataset: DatasetRecord) -> ManifestRecord:
         config = self.config

@@ -203,3 +203,13 @@ def test_prefetch_overlaps_loading_and_keeps_order():
     time.sleep(0.2)
     assert len(loaded_in) == 4  # the item asked for and three ahead of it
     reader.close()
+
+    # a GPU's feed: several threads decode at once (each batch here takes 0.2 s), still in order
+    def slow(item):
+        time.sleep(0.2 if item % 2 else 0.1)
+        return load(item)
+
+    loaded_in.clear()
+    began = time.perf_counter()
+    assert [int(t) for t in prefetched(slow, range(8), ahead=4, threads=4)] == list(range(8))
+    assert time.perf_counter() - began < 0.8 and len(set(loaded_in)) == 4  # 1.2 s one after another

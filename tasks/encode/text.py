@@ -195,10 +195,24 @@ def encode_text_shard(
     return records
 
 
+def coinciding(texts: list[str], rows: dict[str, int], model: ModelConfig, text: TextEncodingConfig,
+               spec: TextEncoderSpec) -> tuple[list[str], dict[str, int]]:
+    """The texts the encoder sees differently, and each row's index into them: captions that
+    coincide once preprocessed and tokenized as the encoder takes them (case and markup a
+    pipeline's cleaning removes, whitespace, words past its max length) are encoded and stored
+    once."""
+    tokens = tokenize(texts, load_text_encoder(model, spec, text.dtype, text.device, text.offload), text)[0]
+    first: dict[tuple[int, ...], int] = {}
+    same = [first.setdefault(tuple(ids), index) for index, ids in enumerate(tokens)]
+    kept = {index: position for position, index in enumerate(first.values())}
+    return [texts[index] for index in kept], {row: kept[same[index]] for row, index in rows.items()}
+
+
 def encode_shard(store: Store, model: ModelConfig, text: TextEncodingConfig, spec: TextEncoderSpec,
                  fingerprint: str, key: str, shard_id: str, texts: list[str], rows: dict[str, int]) -> dict[str, Any]:
     """One encoder's cache shard of an image shard's captions, committed."""
     numerics = json.loads(store.read_verified(layout.text_numerics(fingerprint)))
+    texts, rows = coinciding(texts, rows, model, text, spec)
     outputs, truncated = encode_captions(texts, model, text, spec)
     meta = {"format": TEXT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "truncated": truncated,
             "numerics": numerics, "max_length": family_of(model).text_length(model, spec, text)}
