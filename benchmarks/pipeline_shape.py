@@ -30,6 +30,7 @@ from typing import Any
 from benchmarks.latency import SlowEndpoint
 from benchmarks.s3_ingest import moto
 from configs.schema import QUICKSTART, DatasetConfig, SourceConfig, StorageConfig, load_config
+from storage import layout
 from tasks.demo.data import write_demo_data
 from tasks.demo.models import write_tiny_models
 from tasks.runner import Direct, Shards, run_stages
@@ -98,13 +99,14 @@ def stages(count: int) -> dict[str, Any]:
                 dataset = executor.ingest()
                 result["ingest_source_bytes_per_image"] = round(sum(r.bytes for r in proxy.gets("/bench/data/")) / count)
                 result["image_shard_bytes_per_image"] = round(sum(
-                    executor.store.require(f"shards/images/{shard['id']}.parquet")["size"]
+                    executor.store.require(layout.image_shard(shard["id"]))["size"]
                     for shard in dataset["shards"]) / count)
                 for name, encode in (("encode_text", executor.encode_text), ("encode_latents", executor.encode_latents)):
                     proxy.reset()
                     encode(Shards.of(executor.store, dataset))
                     result[f"{name}_shard_bytes_per_image"] = round(sum(
-                        r.bytes for r in proxy.gets("/bench/reads/shards/images/") if r.path.endswith(".parquet")) / count)
+                        r.bytes for r in proxy.gets(f"/bench/reads/{layout.IMAGE_SHARDS}/")
+                        if r.path.endswith(".parquet")) / count)
     finally:
         server.terminate()
         server.wait(timeout=30)
