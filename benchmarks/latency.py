@@ -1,7 +1,10 @@
-"""A slow object store, for rehearsals and benchmarks: an HTTP proxy in front of an S3 API endpoint
-that adds a fixed delay to every request — what a real object store costs per request (~20 ms on
-S3), where a loopback endpoint costs almost nothing — and counts the requests and the body bytes
-it passes back, by method and path.
+"""A slow and faulty object store, for rehearsals and benchmarks: an HTTP proxy in front of an S3
+API endpoint that adds a fixed delay to every request — what a real object store costs per
+request (~20 ms on S3), where a loopback endpoint costs almost nothing — counts the requests and
+the body bytes it passes back, by method and path, and, given `fault_every`, answers every n-th
+request with one of the faults an object store serves in a busy week, in turn (`FAULTS`): 503
+SlowDown, 400 RequestTimeout, a connection reset before the answer (for a PUT: after the target
+stored it, a lost response), and a GET's body cut short at half its Content-Length.
 
     with SlowEndpoint("http://127.0.0.1:5555", delay=0.020) as proxy:
         storage.options = {"endpoint_url": proxy.url}
@@ -12,8 +15,10 @@ it passes back, by method and path.
 from __future__ import annotations
 
 import http.client
+import socket
 import threading
 import time
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import NamedTuple
 from urllib.parse import urlsplit
@@ -29,10 +34,20 @@ class Request(NamedTuple):
     bytes: int  # response body bytes
 
 
+FAULTS = ("slow_down", "request_timeout", "reset", "truncated")
+S3_ERRORS = {  # status, code, message of an S3 error answer
+    "slow_down": (503, "SlowDown", "Please reduce your request rate."),
+    "request_timeout": (400, "RequestTimeout", "Your socket connection to the server was not read from or written "
+                                               "to within the timeout period."),
+}
+
+
 class SlowEndpoint:
-    def __init__(self, target: str, delay: float = 0.020):
+    def __init__(self, target: str, delay: float = 0.020, fault_every: int = 0):
         parts = urlsplit(target)
         self.host, self.port, self.delay = parts.hostname, parts.port or 80, delay
+        self.fault_every, self.seen = fault_every, 0
+        self.injected: Counter[str] = Counter()  # faults served, by kind
         self.requests: list[Request] = []
         self._lock = threading.Lock()
         self._local = threading.local()  # one keep-alive connection to the target per proxy thread
@@ -51,6 +66,19 @@ class SlowEndpoint:
     def reset(self) -> None:
         with self._lock:
             self.requests.clear()
+
+    def fault(self, method: str) -> str | None:
+        """The fault to serve this request, if it is its turn (a truncated body only for a GET)."""
+        if not self.fault_every:
+            return None
+        with self._lock:
+            self.seen += 1
+            if self.seen % self.fault_every:
+                return None
+            kinds = FAULTS if method == "GET" else FAULTS[:-1]
+            kind = kinds[sum(self.injected.values()) % len(kinds)]
+            self.injected[kind] += 1
+            return kind
 
     def gets(self, prefix: str = "/") -> list[Request]:
         """Object reads under `prefix` (a GET with no query: listings carry one)."""
@@ -96,11 +124,18 @@ class SlowEndpoint:
             def _proxy(self) -> None:
                 body = self._body()
                 time.sleep(endpoint.delay)
+                fault = endpoint.fault(self.command)
+                if fault in S3_ERRORS:
+                    return self._error(*S3_ERRORS[fault])
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
                 if body or self.command in ("PUT", "POST"):
                     headers["Content-Length"] = str(len(body))
                 response = endpoint._forward(self.command, self.path, headers, body)
                 data = response.read()
+                if fault == "reset":  # the target did it (a PUT is stored): the answer is lost
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 self.send_response(response.status, response.reason)
                 for key, value in response.getheaders():
                     if key.lower() not in HOP_BY_HOP:
@@ -109,10 +144,25 @@ class SlowEndpoint:
                 self.send_header("Content-Length", length or "0")
                 self.end_headers()
                 if self.command != "HEAD":
-                    self.wfile.write(data)
+                    self.wfile.write(data[: len(data) // 2] if fault == "truncated" else data)
+                if fault == "truncated":  # the rest never comes
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 path, _, query = self.path.partition("?")
                 with endpoint._lock:
                     endpoint.requests.append(Request(self.command, path, query, len(data)))
+
+            def _error(self, status: int, code: str, message: str) -> None:
+                xml = (f"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>{code}</Code><Message>{message}"
+                       f"</Message></Error>").encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(xml) if self.command != "HEAD" else 0))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(xml)
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _proxy
 

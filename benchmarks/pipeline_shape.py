@@ -91,17 +91,20 @@ def stages(count: int) -> dict[str, Any]:
                         seconds = run_stages(executor, until="manifest")["seconds"]
                     result[f"{way}_s"] = round(time.perf_counter() - began, 2)
                     result[f"{way}_stage_s"] = {name: round(value, 2) for name, value in seconds.items()}
-            result["longest_stage"] = max(result["one_after_another_stage_s"], key=result["one_after_another_stage_s"].get)
-            result["longest_stage_s"] = result["one_after_another_stage_s"][result["longest_stage"]]
+            alone = result["one_after_another_stage_s"]
+            result["longest_stage"] = max(alone, key=alone.get)
+            result["longest_stage_s"] = alone[result["longest_stage"]]
             # what each stage reads per image, stage by stage on a fresh store (no delay: only bytes count)
             with SlowEndpoint(f"http://127.0.0.1:{port}", 0) as proxy:
                 executor = Direct(bench_config("s3://bench/reads", models, proxy.url))
                 dataset = executor.ingest()
-                result["ingest_source_bytes_per_image"] = round(sum(r.bytes for r in proxy.gets("/bench/data/")) / count)
+                source_bytes = sum(r.bytes for r in proxy.gets("/bench/data/"))
+                result["ingest_source_bytes_per_image"] = round(source_bytes / count)
                 result["image_shard_bytes_per_image"] = round(sum(
                     executor.store.require(layout.image_shard(shard["id"]))["size"]
                     for shard in dataset["shards"]) / count)
-                for name, encode in (("encode_text", executor.encode_text), ("encode_latents", executor.encode_latents)):
+                for name, encode in (("encode_text", executor.encode_text),
+                                     ("encode_latents", executor.encode_latents)):
                     proxy.reset()
                     encode(Shards.of(executor.store, dataset))
                     result[f"{name}_shard_bytes_per_image"] = round(sum(
@@ -194,7 +197,7 @@ MANIFEST_REQUESTS = 3  # commit records read per shard by the manifest (image, t
 
 
 def first_run(images: float, nodes: int, text_flops: float, vae_flops: float, coordinator_s: float) -> dict[str, float]:
-    """Minutes of each stage of a first run and of the pipeline, before (one stage after another,
+    """Seconds of each stage of a first run and of the pipeline, before (one stage after another,
     one writer thread) and now (parallel writers, overlapped stages), on `nodes` 8-GPU nodes."""
     gpus = NODE_GPUS * nodes
     read = max(images * 2 * GET_SECONDS / (READS_IN_FLIGHT * nodes), images * IMAGE_BYTES / (NODE_BYTES_PER_S * nodes),
@@ -209,27 +212,35 @@ def first_run(images: float, nodes: int, text_flops: float, vae_flops: float, co
     # now: the VAE from the first committed shard, T5 once the dataset is committed, both on the same
     # GPUs: the end is no sooner than all the GPU work after the scan, nor than T5 after the writes
     now = scan + text + max(latents, write_now) + manifest
-    floor = max(scan + write_now, scan + text + latents)  # no shard exists before the scan ends
-    minutes = lambda seconds: round(seconds / 60, 1)  # noqa: E731
-    return {"read": minutes(read), "scan": minutes(scan), "write_before": minutes(write_before),
-            "write_now": minutes(write_now), "text": minutes(text), "latents": minutes(latents),
-            "manifest": minutes(manifest), "before": minutes(scan + write_before + text + latents + manifest),
-            "now": minutes(now), "floor": minutes(floor), "now_vs_floor": round(now / floor, 2),
-            "longest": minutes(max(scan + write_now, text, latents)),
-            "now_vs_longest": round(now / max(scan + write_now, text, latents), 2)}
+    longest = max(scan + write_now, text, latents)
+    return {"read": read, "scan": scan, "write_before": write_before, "write_now": write_now, "text": text,
+            "latents": latents, "manifest": manifest, "before": scan + write_before + text + latents + manifest,
+            "now": now, "floor": scan + max(write_now, text + latents),  # no shard exists before the scan ends
+            "longest": longest}
 
 
 def cost_model(counted: dict[str, float], coordinator_s: float) -> dict[str, Any]:
-    """`first_run` for 1 and 10 million images on one and four nodes, for a masked family's T5 (120
-    tokens: PixArt-Σ, Chroma) and FLUX.1-dev's (512 positions + CLIP-L), with the VAE at 1024² and
-    at 512²; and the MFU at which 1 million 1024² images take 30 minutes on one node."""
-    text = {"masked T5 (120 tokens)": counted["t5_120"], "FLUX.1 (T5 at 512 + CLIP-L)": counted["t5_512"] + counted["clip_77"]}
-    table = {f"{family}, {size}px, {images / 1e6:.0f}M images, {nodes} node{'s' * (nodes > 1)}":
-             first_run(images, nodes, flops, counted[f"vae_{size}"], coordinator_s)
-             for family, flops in text.items() for size in (1024, 512) for images in (1e6, 1e7) for nodes in (1, 4)}
-    needed = {family: round(1e6 * (flops + counted["vae_1024"]) / (NODE_GPUS * PEAK * (30 * 60 - 60 * first_run(
-        1e6, 1, flops, counted["vae_1024"], coordinator_s)["scan"] - LOAD_SECONDS)), 2) for family, flops in text.items()}
-    return {"first_run": table, "mfu_for_30_min": needed}
+    """`first_run` in minutes for 1 and 10 million images on one and four nodes, for a masked
+    family's T5 (120 tokens: PixArt-Σ, Chroma) and FLUX.1-dev's (512 positions + CLIP-L), with the
+    VAE at 1024² and at 512²; and the share of peak at which one node caches a million 1024²
+    images in 30 minutes."""
+    text = {"masked T5 (120 tokens)": counted["t5_120"],
+            "FLUX.1 (T5 at 512 + CLIP-L)": counted["t5_512"] + counted["clip_77"]}
+    table = {}
+    for family, flops in text.items():
+        for size in (1024, 512):
+            for images in (1e6, 1e7):
+                for nodes in (1, 4):
+                    model = first_run(images, nodes, flops, counted[f"vae_{size}"], coordinator_s)
+                    case = f"{family}, {size}px, {images / 1e6:.0f}M images, {nodes} node{'s' * (nodes > 1)}"
+                    table[case] = {**{name: round(seconds / 60, 1) for name, seconds in model.items()},
+                                   "now_vs_longest": round(model["now"] / model["longest"], 2),
+                                   "now_vs_floor": round(model["now"] / model["floor"], 2)}
+
+    def mfu_for_30_minutes(flops: float) -> float:
+        left = 30 * 60 - first_run(1e6, 1, flops, counted["vae_1024"], coordinator_s)["scan"] - LOAD_SECONDS
+        return round(1e6 * (flops + counted["vae_1024"]) / (NODE_GPUS * PEAK * left), 2)
+    return {"first_run": table, "mfu_for_30_min": {family: mfu_for_30_minutes(flops) for family, flops in text.items()}}
 
 
 def run(count: int = 600, sizes: tuple[int, ...] = (1000, 20000)) -> dict[str, Any]:
@@ -252,8 +263,8 @@ def rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("ingest coordinator CPU per image", f"{result[f'coordinator_cpu_ms_per_image_{last}']} ms at {last:,}",
          f"{result[f'coordinator_cpu_ms_per_image_{first}']} ms at {first:,} "
          f"({result['coordinator_cpu_growth']:.2f}×; partitions on 2 workers); its own thread "
-         f"{result[f'coordinator_thread_ms_per_image_{first}']} → {result[f'coordinator_thread_ms_per_image_{last}']} ms",
-         "flat"),
+         f"{result[f'coordinator_thread_ms_per_image_{first}']} → "
+         f"{result[f'coordinator_thread_ms_per_image_{last}']} ms", "flat"),
         *[(f"first run: {case}", f"{model['now']} min", f"before {model['before']} min; longest stage "
            f"{model['longest']} min ({model['now_vs_longest']}×); the floor {model['floor']} min", "< 30 min")
           for case, model in result["first_run"].items() if "1M images, 1 node" in case],

@@ -34,7 +34,8 @@ from fsspec.implementations.local import LocalFileSystem
 from configs.schema import StorageConfig
 
 COMMIT_SUFFIX = ".done"
-PARQUET_FOOTER_SAMPLE = 64 << 10  # bytes read from a parquet object's end: what pyarrow reads for a footer (a shard's is 2-7 KB)
+# bytes read from a parquet object's end: what pyarrow reads for a footer (an image shard's is 2-7 KB)
+PARQUET_FOOTER_SAMPLE = 64 << 10
 TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
                     errno.ECONNABORTED, errno.EPIPE}
 log = logging.getLogger(__name__)

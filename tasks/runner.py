@@ -213,9 +213,8 @@ class Direct:
 
     def encode_latents(self, shards: Shards) -> CacheRecord:
         config = self.config
-        records, work = self.encoded(
-            "encode-latents", lambda url: [encode_latents_shard(config.storage, config.model, config.latent_encoding, self.vae_fp, url)],
-            shards)
+        encode = partial(encode_latents_shard, config.storage, config.model, config.latent_encoding, self.vae_fp)
+        records, work = self.encoded("encode-latents", lambda url: [encode(url)], shards)
         return {**latent_cache_record(self.store, self.vae_fp, shards.in_order(records)), "work": work}
 
     @staticmethod

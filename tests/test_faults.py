@@ -64,6 +64,26 @@ def test_flaky_storage_retries_to_identical_outputs(prefect_server, make_config,
     assert verify_store(Store(flaky.storage))["ok"]
 
 
+def test_an_object_store_that_throttles_resets_and_cuts_bodies_short_gives_the_same_bytes(make_config, s3_endpoint,
+                                                                                           bucket):
+    """Every stage, training included, on S3 behind an endpoint that answers every 5th request
+    with a fault in turn: 503 SlowDown, 400 RequestTimeout, a connection reset (a PUT stored, its
+    answer lost) and a GET body cut at half. The client's retries and the store's ride them out:
+    every committed artifact has the sha256 of a clean run, and `verify` finds nothing wrong."""
+    from benchmarks.latency import FAULTS, SlowEndpoint
+    from tasks.runner import run_direct
+
+    clean = _config(make_config, "s3://precast-faults/http-clean", options={"endpoint_url": s3_endpoint})
+    run_direct(clean)
+    with SlowEndpoint(s3_endpoint, delay=0, fault_every=5) as proxy:
+        faulty = _config(make_config, "s3://precast-faults/http-faults", options={"endpoint_url": proxy.url})
+        run_direct(faulty)
+    assert set(proxy.injected) == set(FAULTS) and min(proxy.injected.values()) >= 5, proxy.injected
+    store = Store(faulty.storage.model_copy(update={"options": {"endpoint_url": s3_endpoint}}))  # not through it
+    assert committed_checksums(store) == committed_checksums(Store(clean.storage))
+    assert verify_store(store)["ok"]
+
+
 def test_a_permanently_failing_object_fails_the_run_naming_it(prefect_server, make_config, s3_endpoint, bucket):
     config = _flaky(make_config, s3_endpoint, "permanent", permanent=["*/cache/latents/*"])
     with pytest.raises(OSError, match=r"flaky://precast-faults/permanent/cache/latents/\S+ failed 4 times"):

@@ -169,7 +169,8 @@ def encode_latents_shard(
     # this process's share of the cores while the VAE encodes: one thread decodes ~60 photos/s,
     # an H100 encodes several hundred. On a CPU they would only compete for the same cores.
     threads = 0 if vae.device.type == "cpu" else torch.get_num_threads()
-    feed, waited, began = prefetched(load_pixels, batches, threads + (threads > 0), max(threads, 1)), 0.0, time.perf_counter()
+    feed = prefetched(load_pixels, batches, ahead=threads + (threads > 0), threads=max(threads, 1))
+    waited, began = 0.0, time.perf_counter()
     for batch in batches:
         asked = time.perf_counter()
         pixels = next(feed)
