@@ -12,6 +12,7 @@ throttling) with exponential backoff; one that keeps failing fails with the obje
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -22,7 +23,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import fsspec
@@ -52,6 +53,45 @@ class Damaged(ValueError):
 
 class StorageUnavailable(OSError):
     """A storage operation kept failing with transient errors."""
+
+
+class DiskFull(OSError):
+    """A write to local disk found it (or its quota) full: the message names the file, the space
+    the write needed and the space free there."""
+
+
+def free_bytes(path: str | Path) -> int:
+    """Bytes free on the filesystem that holds `path` (or would: its nearest existing folder)."""
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def size_text(count: int) -> str:
+    return f"{count / 1e6:,.1f} MB ({count:,} B)"
+
+
+def disk_full(path: str | Path, needed: int | str | None, code: int = errno.ENOSPC) -> DiskFull:
+    """The error for a write to `path` of `needed` (bytes, or words) that found no space: what it
+    needed and what is free there, so the operator knows what to free."""
+    need = f"it needs {size_text(needed)}" if isinstance(needed, int) else f"it needs {needed or 'more'}"
+    return DiskFull(code, f"no space left on device for {path}: {need}, {size_text(free_bytes(path))} free there; "
+                          "free some and run again (what was committed is kept)")
+
+
+@contextlib.contextmanager
+def space_for(path: str | Path, needed: int | str | Callable[[], int] | None) -> Iterator[None]:
+    """A write to local disk at `path` of `needed` bytes (a count, a callable giving it, or words):
+    a full disk or quota (ENOSPC, EDQUOT) is raised as `disk_full`; nothing else is touched."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise disk_full(path, needed() if callable(needed) else needed, error.errno) from error
 
 
 def is_transient(error: BaseException) -> bool:
@@ -264,10 +304,11 @@ class Store:
         target = cache / hashlib.sha256(self.url(key).encode()).hexdigest()[:32] / key.rsplit("/", 1)[-1]
         if target.exists() and file_sha256(target) == expected:
             return str(target)
-        target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
         try:
-            self._io("download", self.path(key), self.fs.get_file, self.path(key), str(partial))
+            with space_for(target, lambda: self.fs.size(self.path(key))):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self._io("download", self.path(key), self.fs.get_file, self.path(key), str(partial))
             self._check(key, file_sha256(partial), expected)
             os.replace(partial, target)
         finally:
@@ -279,7 +320,7 @@ class Store:
         """Write `data` so that readers see either nothing or all of it."""
         path = self.path(key)
         if self.is_local:
-            replace_local(path, lambda partial: Path(partial).write_bytes(data))
+            replace_local(path, lambda partial: Path(partial).write_bytes(data), len(data))
         else:
             self._io("write", path, self.fs.pipe_file, path, data)
 
@@ -345,20 +386,22 @@ class Store:
         shows an upload only once it is complete."""
         path = self.path(key)
         if self.is_local:
-            replace_local(path, lambda partial: shutil.copyfile(local, partial))
+            replace_local(path, lambda partial: shutil.copyfile(local, partial), os.path.getsize(local))
         else:
             self._io("write", path, self.fs.put_file, str(local), path)
 
 
-def replace_local(path: str, fill: Callable[[str], Any]) -> None:
-    """`fill(partial)` writes a file beside `path`, which is synced and then renamed onto `path`:
-    readers see the old file or the whole new one, even after a crash."""
+def replace_local(path: str, fill: Callable[[str], Any], needed: int | None = None) -> None:
+    """`fill(partial)` writes a file (of `needed` bytes) beside `path`, which is synced and then
+    renamed onto `path`: readers see the old file or the whole new one, even after a crash; a full
+    disk leaves neither, and says so (`space_for`)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     partial = f"{path}.partial-{uuid.uuid4().hex}"
     try:
-        fill(partial)
-        with open(partial, "rb") as handle:
-            os.fsync(handle.fileno())
+        with space_for(path, needed):
+            fill(partial)
+            with open(partial, "rb") as handle:
+                os.fsync(handle.fileno())
         os.replace(partial, path)
     except BaseException:
         Path(partial).unlink(missing_ok=True)

@@ -134,3 +134,69 @@ def test_unreachable_storage_fails_before_any_work(prefect_server, make_config, 
     config = make_config(root=str(blocker / "store"))
     with pytest.raises(ValueError, match="storage.root .* cannot be reached"):
         pipeline(config=config)
+
+
+# --- a full disk ----------------------------------------------------------------------------------
+def _full_ledger(monkeypatch):
+    """The ingest ledger's SQLite file may not grow past its schema: SQLite's own "database or disk
+    is full", as on a full TMPDIR."""
+    from tasks.ingest.ledger import Ledger
+
+    made = Ledger.__init__
+
+    def capped(self, folder):
+        made(self, folder)
+        pages = self.db.execute("PRAGMA page_count").fetchone()[0]
+        self.db.execute(f"PRAGMA max_page_count = {pages}")
+
+    monkeypatch.setattr(Ledger, "__init__", capped)
+
+
+def _full_where(monkeypatch, pattern: str):
+    """Writes of files whose path holds `pattern` find no space left (ENOSPC)."""
+    import errno
+    from pathlib import Path
+
+    write = Path.write_bytes
+
+    def full(self, data):
+        if pattern in str(self):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return write(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+
+
+@pytest.mark.parametrize("site, fill, named", [
+    ("ingest's spill folder", lambda patch: _full_where(patch, "precast-ingest-"),
+     r"precast-ingest-\w+/\w+: it needs [\d,.]+ MB \([\d,]+ B\)"),
+    ("ingest's ledger", _full_ledger, r"ledger\.sqlite: it needs about 1 GB a million listed objects \(TMPDIR .*\)"),
+    ("a checkpoint", lambda patch: _full_where(patch, "/checkpoints/"),
+     r"checkpoints/step-00000002\.safetensors: it needs [\d,.]+ MB \([\d,]+ B\)"),
+    ("a sample grid", lambda patch: _full_where(patch, "/samples/"),
+     r"samples/step-000002\.png: it needs [\d,.]+ MB \([\d,]+ B\)"),
+])
+def test_a_full_disk_fails_naming_the_file_and_the_space_needed_and_the_rerun_completes_the_same(
+        make_config, tmp_path, monkeypatch, site, fill, named):
+    """A full disk at each place precast writes locally is the machine's fault, not an input's: the
+    run fails with DiskFull naming the file, what it needed and what is free (an image is not
+    quarantined for it), leaves no partial file, and once space is free the plain re-run gives
+    every artifact a clean run's sha256."""
+    from storage.store import DiskFull
+    from storage.verify import verify_store
+    from tasks.runner import run_direct
+    from tests.test_faults import committed_checksums
+
+    settings = {"training": {"steps": 4, "checkpoint_every": 2, "sample_every": 2, "sample_steps": 2}}
+    clean = make_config(root=str(tmp_path / "clean"), **settings)
+    run_direct(clean)
+    config = make_config(root=str(tmp_path / "full"), **settings)
+    with monkeypatch.context() as patch:
+        fill(patch)
+        with pytest.raises(DiskFull, match=named + r", [\d,.]+ MB \([\d,]+ B\) free there"):
+            run_direct(config)
+    store = Store(config.storage)
+    report = verify_store(store)
+    assert report["damaged"] == [] and report["partial"] == [], report
+    run_direct(config)
+    assert committed_checksums(store) == committed_checksums(Store(clean.storage))

@@ -20,6 +20,7 @@ import fsspec
 
 from configs.schema import DatasetConfig, SourceConfig
 from storage.fingerprint import sha256_bytes
+from storage.store import DiskFull, space_for
 from tasks.ingest.formats import Candidate, is_video_name, read_unit
 from tasks.ingest.listing import is_remote
 from tasks.ingest.untrusted import Rejected, check_geometry, max_bytes, normalise_image, printable
@@ -71,6 +72,8 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
         outcome.captions = sorted(set(candidate.captions))
     except Rejected as problem:
         outcome.reason, outcome.message = problem.reason, printable(problem.message)
+    except DiskFull:  # the machine's fault, not the file's: quarantined, the image would be lost for good
+        raise
     except Exception as error:  # one bad file never fails the stage
         outcome.reason, outcome.message = "error", printable(f"{type(error).__name__}: {error}")
     if outcome.reason is not None:
@@ -83,7 +86,12 @@ def spill_image(spill: Path, sample_id: str, image: bytes) -> None:
     """A new image into the spill folder, where its shard is written from (two duplicates may
     spill at once)."""
     partial = spill / f"{sample_id}.{uuid.uuid4().hex}"
-    partial.write_bytes(image)
+    try:
+        with space_for(spill / sample_id, len(image)):
+            partial.write_bytes(image)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     partial.replace(spill / sample_id)
 
 

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from storage.store import disk_full
+
 SCHEMA = """
 -- every listed object of every source, in code point order of its path (a BLOB: a local name's
 -- undecodable bytes are kept as surrogates, which UTF-8 text cannot hold)
@@ -62,14 +64,27 @@ class Ledger:
         self.folder = folder
         self.db = sqlite3.connect(folder / "ledger.sqlite", check_same_thread=False, isolation_level=None)
         self.lock = threading.Lock()
-        with self.lock:
+        with self.locked():
             for pragma in ("journal_mode=OFF", "synchronous=OFF", f"cache_size=-{CACHE_KIB}", "temp_store=FILE"):
                 self.db.execute(f"PRAGMA {pragma}")
             self.db.executescript(SCHEMA)
 
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """The connection, one thread at a time; SQLite's "database or disk is full" raised as the
+        disk full it is, naming the ledger's folder."""
+        with self.lock:
+            try:
+                yield
+            except sqlite3.OperationalError as error:
+                if "full" not in str(error):
+                    raise
+                raise disk_full(self.folder / "ledger.sqlite", "about 1 GB a million listed objects (TMPDIR "
+                                "sets where ingest keeps its working tables)") from error
+
     def run(self, sql: str, params: tuple = ()) -> int:
         """Runs a statement; returns how many rows it changed."""
-        with self.lock:
+        with self.locked():
             return self.db.execute(sql, params).rowcount
 
     def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
@@ -84,44 +99,49 @@ class Ledger:
 
     def _insert(self, sql: str, page: list[tuple]) -> None:
         with self.transaction():
-            with self.lock:
+            with self.locked():
                 self.db.executemany(sql, page)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
         """Statements run inside it are one transaction (many small ones cost a commit each); a
         transaction inside another is part of it."""
-        with self.lock:
+        with self.locked():
             outer = self.db.in_transaction
             if not outer:
                 self.db.execute("BEGIN")
         try:
             yield
-        finally:
+        except BaseException:  # the stage is failing: what it half wrote is its own, and goes
             if not outer:
                 with self.lock:
-                    self.db.execute("COMMIT")
+                    if self.db.in_transaction:  # SQLite ends it itself on some errors (a full disk)
+                        self.db.execute("ROLLBACK")
+            raise
+        if not outer:
+            with self.locked():
+                self.db.execute("COMMIT")
 
     def one(self, sql: str, params: tuple = ()) -> tuple | None:
-        with self.lock:
+        with self.locked():
             return self.db.execute(sql, params).fetchone()
 
     def all(self, sql: str, params: tuple = ()) -> list[tuple]:
         """The rows of a query known to be short."""
-        with self.lock:
+        with self.locked():
             return self.db.execute(sql, params).fetchall()
 
     def rows(self, sql: str, params: tuple = ()) -> Iterator[tuple]:
         """The rows of a query, fetched a page at a time; the caller may write between pages."""
-        with self.lock:
+        with self.locked():
             cursor = self.db.execute(sql, params)
         while True:
-            with self.lock:
+            with self.locked():
                 page = cursor.fetchmany(PAGE)
             if not page:
                 return
             yield from page
 
     def close(self) -> None:
-        with self.lock:
+        with self.locked():
             self.db.close()

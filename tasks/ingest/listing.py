@@ -24,7 +24,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from configs.schema import SourceConfig, StorageConfig
-from storage.store import fsspec_options
+from storage.store import DiskFull, fsspec_options
 from tasks.ingest.ledger import Ledger, decode_path, encode_path
 
 
@@ -115,6 +115,8 @@ def list_source(source: SourceConfig, options: dict[str, Any], ledger: Ledger, i
         ledger.run_many("INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?)",
                         ((index, encode_path(path), size, mark, encode_path(path.rpartition(".")[0]),
                           path.rpartition(".")[2]) for path, size, mark in objects))
+    except DiskFull:  # this machine's disk, not the source
+        raise
     except Exception as error:  # an unreachable source fails the stage, naming it
         raise RuntimeError(f"dataset source {source.path!r} cannot be read: {error}") from error
     listing = Listing(fs, root, fmt, ledger, index)
