@@ -9,11 +9,11 @@ does at inference.
 
 from __future__ import annotations
 
-import ast
 import functools
 import importlib.util
 import inspect
-import threading
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,28 +25,26 @@ from storage.fingerprint import hash_json
 from tasks.families.ddpm import Ddpm
 from tasks.families.spec import Conditioning, Family, TextEncoderSpec
 
-TABLES_LOCK = threading.Lock()
-
-
 @functools.lru_cache(maxsize=1)
 def bucket_tables() -> dict[int, dict[str, list[float]]]:
     """diffusers' PixArt aspect-ratio tables (`ASPECT_RATIO_<resolution>_BIN`) by resolution:
     height/width ratio → [height, width] in pixels. Read from diffusers' source, not imported:
     importing its PixArt pipelines loads transformers' models as well, seconds that a process
-    which only crops should not pay. Read once per process, under a lock: Python 3.11's ast is not
-    thread-safe, and shard threads look buckets up at once."""
-    with TABLES_LOCK:
-        package = Path(importlib.util.find_spec("diffusers").origin).parent / "pipelines" / "pixart_alpha"
-        tables = {}
-        for module, resolutions in (("pipeline_pixart_alpha", (256, 512, 1024)), ("pipeline_pixart_sigma", (2048,))):
-            names = {f"ASPECT_RATIO_{resolution}_BIN": resolution for resolution in resolutions}
-            for node in ast.parse((package / f"{module}.py").read_text()).body:
-                if isinstance(node, ast.Assign) and len(node.targets) == 1 and getattr(node.targets[0], "id", None) in names:
-                    tables[names[node.targets[0].id]] = ast.literal_eval(node.value)
-        if missing := {256, 512, 1024, 2048} - set(tables):
-            raise RuntimeError(f"diffusers at {package} defines no bucket table for {sorted(missing)}: "
-                               "this diffusers is not one precast knows")
-        return tables
+    which only crops should not pay. Each table is a flat literal of strings and float pairs, read
+    as JSON: not with `ast`, whose Python 3.11 builder keeps its depth count per interpreter, so a
+    parse here beside one in a library's thread (shard threads look buckets up while others load
+    models) fails one of them with "AST constructor recursion depth mismatch"."""
+    package = Path(importlib.util.find_spec("diffusers").origin).parent / "pipelines" / "pixart_alpha"
+    tables = {}
+    for module, resolutions in (("pipeline_pixart_alpha", (256, 512, 1024)), ("pipeline_pixart_sigma", (2048,))):
+        source = (package / f"{module}.py").read_text()
+        for resolution in resolutions:
+            if found := re.search(rf"^ASPECT_RATIO_{resolution}_BIN = (\{{.*?^\}})", source, re.MULTILINE | re.DOTALL):
+                tables[resolution] = json.loads(re.sub(r",(\s*)\}$", r"\1}", found.group(1)))
+    if missing := {256, 512, 1024, 2048} - set(tables):
+        raise RuntimeError(f"diffusers at {package} defines no bucket table for {sorted(missing)}: "
+                           "this diffusers is not one precast knows")
+    return tables
 
 
 class PixArt(Family):
