@@ -9,7 +9,13 @@ Randomly initialised models with the published shapes (the `config.json` of each
   `kept_activations`, `diffusion_loss`, fused AdamW) in each memory mode of `MODES` (no
   checkpointing, recompute, offload to host, a bf16 or int8 frozen base), and the recompute step
   with T5 and the VAE encoding the batch online, each at the largest batch that fits (doubling
-  until out of memory): samples/s.
+  until out of memory): samples/s;
+- Wan 2.1 (`wan`): its VAE encoder (`AutoencoderKLWan`, published shape) on one 81-frame clip at
+  480×832 and 720×1280, whole and tiled (`latent_encoding.tiling`), and two clips at once with and
+  without slicing: seconds and peak memory a clip; LoRA on Wan 2.1 T2V 1.3B at 480×832 with
+  recompute, batch 1, at 21, 41, 61 and 81 frames (81: 21 × 60 × 104 latents, 32,760 tokens), and
+  at 81 with attention held to the fused kernels. umT5-XXL's encoder is
+  T5-XXL's shape (d_model 4096, d_ff 10240, 24 layers): the T5 figure is its cost a token.
 Each reports peak GPU memory and model FLOP utilisation: FLOPs counted by
 `torch.utils.flop_counter` on one call, against the device's dense bf16 peak. Without CUDA it is
 skipped with a message. `--tiny` runs the same code on small shapes (a check of the code on a CPU).
@@ -19,6 +25,7 @@ Usage: python -m benchmarks.gpu [--tiny]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import tempfile
@@ -68,18 +75,19 @@ def synchronize(device: torch.device) -> None:
 def largest_batch(try_batch: Callable[[int], dict[str, float]], limit: int) -> tuple[int, dict[str, float]]:
     """The figures at the largest power-of-two batch that fits in memory (up to `limit`)."""
     best: tuple[int, dict[str, float]] | None = None
-    batch = 1
+    batch, refused = 1, ""
     while batch <= limit:
         try:
             best = (batch, try_batch(batch))
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError as error:
+            refused = str(error).splitlines()[0]
             break
         finally:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         batch *= 2
     if best is None:
-        raise RuntimeError("not even batch 1 fits")
+        raise torch.OutOfMemoryError(f"not even batch 1 fits: {refused}")
     return best
 
 
@@ -120,7 +128,77 @@ def rounded(figures: dict[str, Any], peak: float | None) -> dict[str, Any]:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}
 
 
-def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int = 5, max_batch: int = 64) -> dict:
+def wan(tiny: bool, device: torch.device, repeat: int, peak: float | None, vae_clips: bool = True) -> dict[str, Any]:
+    """Wan 2.1's VAE encoder on clips (whole, tiled, two at once sliced or not) and its 1.3B
+    transformer's LoRA step at 81 × 480×832, through precast's loading and training code."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from benchmarks.family_costs import WAN_1_3B, WAN_VAE
+    from tasks.demo.flow_models import write_tiny_family
+    from tasks.encode.latents import encode_pixels
+    from tasks.encode.models import load_vae
+    from tasks.families import family_of
+    from storage.shards import collate
+
+    clips = {"480x832": (81, 480, 832), "720x1280": (81, 720, 1280)} if not tiny else \
+        {"480x832": (9, 48, 80), "720x1280": (9, 64, 96)}
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_tiny_family(Path(tmp) / "wan", "wan", vae_steps=0)  # a tiny umT5: see the docstring
+        if not tiny:
+            with torch.device(device):
+                AutoencoderKLWan(**WAN_VAE).to(torch.bfloat16).save_pretrained(folder / "vae")
+                WanTransformer3DModel(**WAN_1_3B).to(torch.bfloat16).save_pretrained(folder / "transformer")
+        model = ModelConfig(path=str(folder))
+        family = family_of(model)
+        vae = load_vae(model, "bf16", device.type)
+        for name, (frames, height, width) in clips.items() if vae_clips else ():
+            for setting, batch, tiling, slicing in (("whole", 1, False, False), ("tiled", 1, True, False),
+                                                    ("two, sliced", 2, False, True), ("two", 2, False, False)):
+                vae.enable_tiling() if tiling else vae.disable_tiling()
+                vae.enable_slicing() if slicing else vae.disable_slicing()
+                pixels = torch.rand(batch, 3, frames, height, width, dtype=torch.bfloat16) * 2 - 1
+                try:
+                    with torch.inference_mode():
+                        figures = measure(lambda: encode_pixels(vae, family.vae_pixels(pixels)), batch, repeat, device)
+                    results[f"vae {name} {setting}"] = rounded(figures, peak)
+                except torch.OutOfMemoryError:
+                    results[f"vae {name} {setting}"] = {"out_of_memory": True}
+                finally:
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                print(json.dumps({f"wan vae {name} {setting}": results[f"vae {name} {setting}"]}), flush=True)
+        del vae
+        transformer = json.loads((folder / "transformer" / "config.json").read_text())
+        text_dim = transformer["text_dim"]
+        generator = torch.Generator(device).manual_seed(0)
+        step = lora_step(model, "recompute", device, generator)
+        # batch 1 at each length, then with SDPA held to its fused kernels (flash, memory-efficient,
+        # cuDNN): on an H100 41 frames peaked at 10.8 GiB and 81 ran out of 80, more than the
+        # tokens' ratio; a refusal there names why the math kernel was chosen
+        for frames, fused in [(f, False) for f in (21, 41, 61, 81)] + [(81, True)]:
+            _, height, width = clips["480x832"]
+            latent = (16, (frames - 1) // 4 + 1, height // 8, width // 8)
+            latents = torch.randn(1, *latent, device=device)
+            features = {k: v.to(device) for k, v in collate([{"umt5_hidden": torch.randn(40, text_dim)}]).items()}
+            key = f"lora 1.3B {frames}x480x832 recompute" + (", fused attention only" if fused else "")
+            kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+            try:
+                with sdpa_kernel(kernels) if fused else contextlib.nullcontext():
+                    results[key] = {**rounded(measure(lambda: step(latents, features), 1, repeat, device), peak),
+                                    "tokens": family.image_tokens(transformer, *latent[1:])}
+            except (torch.OutOfMemoryError, RuntimeError) as error:
+                results[key] = {"refused": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            print(json.dumps({key: results[key]}), flush=True)
+    return results
+
+
+def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int = 5, max_batch: int = 64,
+        parts: tuple[str, ...] = ("wan", "pixart")) -> dict:
     from tasks.encode.text import encode_captions, run_encoder, tokenize
     from storage.shards import collate
     from tasks.encode.models import load_text_encoder, load_vae
@@ -131,6 +209,11 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     shapes = TINY_SHAPES if tiny else REAL_SHAPES
+    results: dict[str, Any] = {"device": name, "peak_bf16_tflops": peak, "shapes": "tiny" if tiny else "real"}
+    if "wan" in parts:  # first: the newest family's figures
+        results["wan"] = wan(tiny, device, min(repeat, 2), peak)
+    if "pixart" not in parts:
+        return results
     rng = random.Random(0)
     texts = [" ".join(rng.choice(WORDS) for _ in range(max(3, min(300, int(rng.lognormvariate(4.1, 0.55))))))
              for _ in range(captions)]
@@ -140,14 +223,15 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
         text = TextEncodingConfig(dtype="bf16", device=device.type, numerics_samples=0, batch_tokens=65536)
         t5 = family_of(model).text_encoders[0]
         encoder = load_text_encoder(model, t5, "bf16", device.type, "none")
-        results: dict[str, Any] = {"device": name, "peak_bf16_tflops": peak, "shapes": "tiny" if tiny else "real"}
         results["text"] = measure(lambda: encode_captions(texts, model, text, t5), captions, repeat, device)
+        print(json.dumps({"text": results["text"]}), flush=True)  # as it goes: a run cut short keeps these
 
         resolution = shapes["resolution"]
         vae = load_vae(model, "bf16", device.type)
         images = torch.rand(vae_batch, 3, resolution, resolution, device=device, dtype=torch.bfloat16) * 2 - 1
         with torch.inference_mode():
             results["latents"] = measure(lambda: vae.encode(images).latent_dist.mean, vae_batch, repeat, device)
+        print(json.dumps({"latents": results["latents"]}), flush=True)
 
         generator = torch.Generator(device).manual_seed(0)
         lengths = [len(ids) for ids in tokenize(texts, encoder, text)[0]]
@@ -165,6 +249,7 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
             step = lora_step(model, mode, device, generator)
             batch, figures = largest_batch(lambda size: cached(step, size), max_batch)
             results["training_modes"][mode] = {**figures, "batch": batch}
+            print(json.dumps({mode: results["training_modes"][mode]}), flush=True)
             del step
         step = lora_step(model, "recompute", device, generator)
 
@@ -198,6 +283,18 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
     def mfu(figures: dict) -> str:
         return f", MFU {figures['mfu']:.1%}" if figures.get("mfu") is not None else ""
 
+    wan_rows = []
+    for figure, figures in result.get("wan", {}).items():
+        if "refused" in figures or figures.get("out_of_memory"):
+            wan_rows.append((f"Wan 2.1 {figure}", "refused", figures.get("refused", "out of memory"), ""))
+        elif figure.startswith("vae"):
+            wan_rows.append((f"Wan 2.1 {figure} (81 frames)", f"{1 / figures['per_s']:.2f} s a clip",
+                             f"peak {figures['peak_gib']:.1f} GiB{mfu(figures)}", ""))
+        else:
+            wan_rows.append((f"Wan 2.1 {figure}", f"{figures['per_s']:.3f} samples/s",
+                             f"batch 1, {figures['tokens']:,} tokens, peak {figures['peak_gib']:.1f} GiB{mfu(figures)}", ""))
+    if "text" not in result:
+        return wan_rows
     text, latents = result["text"], result["latents"]
     cached, online = result["training_cached"], result["training_online"]
     where = f"{result['device']}, bf16"
@@ -212,14 +309,15 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
          f"{cached['per_s'] / online['per_s']:.1f}x", ""),
     ] + [(f"{REAL_SHAPES['name']} LoRA, 1024 px, {mode}", f"{figures['per_s']:,.2f} samples/s",
           f"largest batch {figures['batch']}, peak {figures['peak_gib']:.1f} GiB{mfu(figures)}", "")
-         for mode, figures in result["training_modes"].items()]
+         for mode, figures in result["training_modes"].items()] + wan_rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tiny", action="store_true", help="small shapes: check the code on any device")
+    parser.add_argument("--parts", default="wan,pixart", help="which: wan, pixart or both (comma-separated)")
     args = parser.parse_args()
-    print(json.dumps(run(tiny=args.tiny)))
+    print(json.dumps(run(tiny=args.tiny, parts=tuple(args.parts.split(",")))))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ from __future__ import annotations
 import datetime
 import json
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +31,14 @@ def test_bench_refuses_an_unknown_benchmark(tmp_path, capsys):
         main(["--only", "ingest,nope", "--out", str(tmp_path)])
     assert exit_.value.code == 2 and "unknown benchmark(s): nope" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_one_benchmark_imports_only_what_it_needs(tmp_path):
+    """A GPU machine has no Prefect or Dask: `--only gpu` imports neither (without CUDA it records
+    that it skipped)."""
+    probe = (f"import sys; from benchmarks.__main__ import main; main(['--only', 'gpu', '--out', {str(tmp_path)!r}]); "
+             "print(sorted({m.split('.')[0] for m in sys.modules} & {'prefect', 'distributed', 'dask', 's3fs', 'moto'}))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).parents[1])
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+    assert "skipped" in next(tmp_path.glob("*.md")).read_text()
