@@ -14,7 +14,7 @@ Randomly initialised models with the published shapes (the `config.json` of each
   480×832 and 720×1280, whole and tiled (`latent_encoding.tiling`), and two clips at once with and
   without slicing: seconds and peak memory a clip; LoRA on Wan 2.1 T2V 1.3B at 480×832 with
   recompute, batch 1, at 21, 41, 61 and 81 frames (81: 21 × 60 × 104 latents, 32,760 tokens), and
-  at 81 with attention held to the fused kernels. umT5-XXL's encoder is
+  at 81 with attention held to each of SDPA's fused kernels (flash, memory-efficient, cuDNN) alone. umT5-XXL's encoder is
   T5-XXL's shape (d_model 4096, d_ff 10240, 24 layers): the T5 figure is its cost a token.
 Each reports peak GPU memory and model FLOP utilisation: FLOPs counted by
 `torch.utils.flop_counter` on one call, against the device's dense bf16 peak. Without CUDA it is
@@ -174,18 +174,19 @@ def wan(tiny: bool, device: torch.device, repeat: int, peak: float | None, vae_c
         text_dim = transformer["text_dim"]
         generator = torch.Generator(device).manual_seed(0)
         step = lora_step(model, "recompute", device, generator)
-        # batch 1 at each length, then with SDPA held to its fused kernels (flash, memory-efficient,
-        # cuDNN): on an H100 41 frames peaked at 10.8 GiB and 81 ran out of 80, more than the
-        # tokens' ratio; a refusal there names why the math kernel was chosen
-        for frames, fused in [(f, False) for f in (21, 41, 61, 81)] + [(81, True)]:
+        # batch 1 at each length, then at 81 frames with SDPA held to each fused kernel alone: on an
+        # H100 41 frames peaked at 10.8 GiB and 81 ran out of 80, far past the tokens' ratio; a
+        # kernel that cannot serve refuses, naming why
+        kernels = {"flash": SDPBackend.FLASH_ATTENTION, "memory-efficient": SDPBackend.EFFICIENT_ATTENTION,
+                   "cuDNN": SDPBackend.CUDNN_ATTENTION}
+        for frames, kernel in [(f, None) for f in (21, 41, 61, 81)] + [(81, name) for name in kernels]:
             _, height, width = clips["480x832"]
             latent = (16, (frames - 1) // 4 + 1, height // 8, width // 8)
             latents = torch.randn(1, *latent, device=device)
             features = {k: v.to(device) for k, v in collate([{"umt5_hidden": torch.randn(40, text_dim)}]).items()}
-            key = f"lora 1.3B {frames}x480x832 recompute" + (", fused attention only" if fused else "")
-            kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+            key = f"lora 1.3B {frames}x480x832 recompute" + (f", {kernel} attention only" if kernel else "")
             try:
-                with sdpa_kernel(kernels) if fused else contextlib.nullcontext():
+                with sdpa_kernel([kernels[kernel]]) if kernel else contextlib.nullcontext():
                     results[key] = {**rounded(measure(lambda: step(latents, features), 1, repeat, device), peak),
                                     "tokens": family.image_tokens(transformer, *latent[1:])}
             except (torch.OutOfMemoryError, RuntimeError) as error:

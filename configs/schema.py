@@ -43,7 +43,8 @@ class StorageConfig(Section):
         "EIO, throttling), with exponential backoff; then the stage fails naming the object.",
     )
     io_backoff_seconds: float = Field(
-        0.5, ge=0, description="Wait before the first retry of a storage operation; doubled for each further one.",
+        0.5, ge=0, description="Wait before the first retry of a storage operation (between half of it and all of "
+        "it, at random, so throttled workers do not return at once); doubled for each further one.",
     )
     # credentials_block's fsspec options once resolved (storage.store.fsspec_options): no field, so
     # never in the config's JSON (Prefect parameters, cache keys, logs); pickled with it to the
@@ -56,6 +57,34 @@ class StorageConfig(Section):
 
     def keep_credentials(self, credentials: dict[str, Any]) -> None:
         self._credentials = credentials
+
+    @field_validator("options")
+    @classmethod
+    def _no_credentials(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """The options travel with the config (deployment parameters, the run page, lineage, the
+        Prefect UI): a credential there would be everywhere."""
+        if found := credential_keys(options):
+            raise ValueError(f"options holds credentials ({', '.join(found)}): they would be copied wherever the "
+                             "config goes (deployments, run pages, lineage). Give them in the environment, the "
+                             "node's role, or a Prefect Secret block named in storage.credentials_block")
+        return options
+
+
+# the fsspec option names that carry a secret (s3fs, gcsfs, adlfs), at any depth (client_kwargs, target_options),
+# and gcsfs's `token` values that only name where credentials come from
+CREDENTIAL_OPTIONS = {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key",
+                      "aws_session_token", "account_key", "sas_token", "connection_string", "client_secret",
+                      "credentials"}
+CREDENTIAL_SOURCES = {"anon", "google_default", "cloud", "cache", "browser"}
+
+
+def credential_keys(options: Any, where: str = "") -> list[str]:
+    """The dotted names of `options` entries that hold a credential."""
+    if not isinstance(options, dict):
+        return []
+    return [found for name, value in options.items()
+            for found in ([f"{where}{name}"] if name.lower() in CREDENTIAL_OPTIONS and value not in (None, "")
+                          and value not in CREDENTIAL_SOURCES else credential_keys(value, f"{where}{name}."))]
 
 
 class SourceConfig(Section):
@@ -400,8 +429,15 @@ class ExecutionConfig(Section):
         "on a node without one, 1 (no worker processes: shards run in threads, max_parallel_shards at once).",
     )
     cluster: str | None = Field(
-        None, description="Address of a running Dask scheduler (tcp://host:8786) whose workers encode the shards, e.g. "
-        "one `dask worker` per GPU on every node of the encoding pool; replaces the stage's own workers.",
+        None, description="Address of a running Dask scheduler (tls://host:8786) whose workers encode the shards, e.g. "
+        "one `dask worker` per GPU on every node of the encoding pool; replaces the stage's own workers. Beyond "
+        "this machine it must be tls:// with cluster_tls: whoever reaches a scheduler runs code on every worker.",
+    )
+    cluster_tls: str | None = Field(
+        None, description="The TLS credentials of a tls:// cluster (mutual: the scheduler and workers refuse a client "
+        "without them): a folder holding ca.pem, cert.pem and key.pem (`precast certificates DIR` writes a CA and "
+        "them), or 'secret:<name>', a Prefect Secret block whose JSON value holds the three PEM texts as "
+        "{\"ca\": …, \"cert\": …, \"key\": …}.",
     )
     placement: dict[str, str] = Field(
         default_factory=dict,
@@ -421,6 +457,28 @@ class ExecutionConfig(Section):
             if target != "local" and "/" not in target:
                 raise ValueError(f"{stage}: {target!r} is neither 'local' nor a '<flow>/<deployment>' name")
         return placement
+
+    @model_validator(mode="after")
+    def _cluster_secured(self) -> ExecutionConfig:
+        """A scheduler beyond loopback takes pickled code from whoever connects: only over mutual TLS."""
+        if self.cluster is None:
+            if self.cluster_tls is not None:
+                raise ValueError("cluster_tls is set but cluster is not: the credentials are for a tls:// cluster")
+            return self
+        scheme, _, rest = self.cluster.partition("://")
+        host = rest.rsplit(":", 1)[0].strip("[]")
+        if scheme == "tls" and self.cluster_tls is None:
+            raise ValueError(f"cluster {self.cluster}: set cluster_tls, the folder or Secret block of the cluster's "
+                             "CA and this client's certificate and key")
+        if scheme == "tcp" and self.cluster_tls is not None:
+            raise ValueError(f"cluster {self.cluster} is plain tcp:// but cluster_tls is set: use tls://")
+        if scheme == "tcp" and host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"cluster {self.cluster} listens beyond this machine without TLS: anyone who reaches it "
+                             "runs code on every worker. Start the scheduler and workers with TLS (`precast "
+                             "certificates DIR`; docs/security.md) and give tls://… with cluster_tls")
+        if scheme not in ("tcp", "tls"):
+            raise ValueError(f"cluster {self.cluster}: the address is tls://host:port (or tcp:// on loopback)")
+        return self
 
 
 class PipelineConfig(Section):

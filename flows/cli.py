@@ -192,6 +192,17 @@ def cmd_demo_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certificates(args: argparse.Namespace) -> int:
+    from flows.credentials import write_cluster_certificates
+
+    folder = write_cluster_certificates(Path(args.dir), days=args.days)
+    print(f"{folder.resolve()}: ca.pem, cert.pem, key.pem for every node and client (ca-key.pem stays here)\n"
+          f"  dask scheduler --tls-ca-file ca.pem --tls-cert cert.pem --tls-key key.pem\n"
+          f"  dask worker tls://SCHEDULER:8786 --tls-ca-file ca.pem --tls-cert cert.pem --tls-key key.pem\n"
+          f"  execution: {{cluster: tls://SCHEDULER:8786, cluster_tls: {folder.resolve()}}}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="precast", description=__doc__)
     parser.add_argument("--verbose", action="store_true",
@@ -314,6 +325,12 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
     data.add_argument("--seed", type=int, default=0)
     data.set_defaults(func=cmd_demo_data)
 
+    certificates = commands.add_parser("certificates", help="write a Dask cluster's TLS CA and member certificate "
+                                                            "(mutual TLS for execution.cluster)")
+    certificates.add_argument("dir", help="folder for ca.pem, ca-key.pem, cert.pem, key.pem (an existing CA is kept)")
+    certificates.add_argument("--days", type=int, default=365, help="how long the certificates are valid")
+    certificates.set_defaults(func=cmd_certificates)
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -335,6 +352,28 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"precast: {error}", file=sys.stderr)
         return 1
+    except Exception as error:
+        if refused := api_refusal(error):
+            print(f"precast: {refused}", file=sys.stderr)
+            return 1
+        raise
+
+
+def api_refusal(error: BaseException) -> str | None:
+    """What to tell a user whose Prefect server refused the credentials (or their absence), else None."""
+    import httpx
+
+    while error is not None and not isinstance(error, httpx.HTTPStatusError):
+        error = error.__cause__ or error.__context__
+    if error is None or error.response.status_code not in (401, 403):
+        return None
+    from prefect.settings import get_current_settings
+
+    sent = "sent an auth string it does not accept" if get_current_settings().api.auth_string else "sent no auth string"
+    return (f"the Prefect server at {error.request.url.scheme}://{error.request.url.netloc.decode()} refused the "
+            f"request ({error.response.status_code} {error.response.reason_phrase}): this client {sent}. Set "
+            "PREFECT_API_AUTH_STRING (the setting api.auth_string) to the server's user:password "
+            "(infra/local-stack.sh: the file auth-string in its STACK_DIR)")
 
 
 if __name__ == "__main__":

@@ -48,16 +48,22 @@ def ingest_work_text(work: IngestWork) -> str:
     """"1.2 MB read: 1 unit read, 399 taken from the last ingest" ("… read on 4 workers: …" on workers)."""
     where = f" on {work['workers']} workers" if work.get("workers", 1) > 1 else ""
     return (f"{work['bytes_read'] / 1e6:,.1f} MB read{where}: {work['units_read']} "
-            f"unit{'s' * (work['units_read'] != 1)} read, {work['units_reused']} taken from the last ingest")
+            f"unit{'s' * (work['units_read'] != 1)} read, {work['units_reused']} taken from the last ingest"
+            f"{retries_text(work)}")
 
 
 def encoding_work_text(work: EncodingWork) -> str:
     """"2 workers, 2 model loads, 16 shards encoded, 0 cached" (the latent encoder's: "…; waiting
-    for pixels 4% of the time")."""
+    for pixels 4% of the time"; after a throttled store: "…; 3 storage retries")."""
     feed = f"; waiting for pixels {work['feed_wait']:.0%} of the time" if "feed_wait" in work else ""
     return (f"{work['workers']} worker{'s' * (work['workers'] != 1)}, {work['model_loads']} model "
             f"load{'s' * (work['model_loads'] != 1)}, {work['shards_encoded']} shards encoded, "
-            f"{work['shards_cached']} cached{feed}")
+            f"{work['shards_cached']} cached{feed}{retries_text(work)}")
+
+
+def retries_text(work: IngestWork | EncodingWork) -> str:
+    retries = work.get("io_retries", 0)
+    return f"; {retries} storage retr{'ies' if retries != 1 else 'y'}" if retries else ""
 
 
 # each stage that reports its work, and how it is told

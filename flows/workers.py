@@ -32,6 +32,7 @@ from typing import Any
 from prefect import Task
 
 from configs.schema import ExecutionConfig
+from flows.credentials import cluster_security
 from flows.stage_tasks import device_slot
 from tasks.encode.models import encoding_work, model_loads
 from tasks.loading import resolve_device
@@ -62,7 +63,8 @@ def stage_executor(execution: ExecutionConfig, device: str, configure: Callable[
     from prefect_dask import DaskTaskRunner
 
     if execution.cluster:
-        with DaskTaskRunner(address=execution.cluster) as runner:
+        security = cluster_security(execution.cluster_tls) if execution.cluster_tls else None
+        with DaskTaskRunner(address=execution.cluster, client_kwargs={"security": security}) as runner:
             yield OnWorkers(runner, configure, execution.retries, stage)
         return
     with local_cluster(worker_count(execution, device), device) as cluster, \
@@ -71,19 +73,28 @@ def stage_executor(execution: ExecutionConfig, device: str, configure: Callable[
 
 
 def local_cluster(count: int, device: str):
-    from distributed import Nanny, Scheduler, SpecCluster
+    """The stage's own workers: on loopback only, over TLS with a certificate made for this
+    cluster alone (`Security.temporary`), so neither the network nor another user of the node
+    can hand them code."""
+    from distributed import Nanny, Scheduler, Security, SpecCluster
     from prefect.client.orchestration import get_client
+
+    from prefect.settings import get_current_settings
 
     with get_client(sync_client=True) as client:
         api = client.api_url
     gpus = resolve_device(device).type == "cuda"
     threads = max(1, (os.cpu_count() or 1) // count)
-    env = {"PREFECT_API_URL": str(api).rstrip("/"), "OMP_NUM_THREADS": str(threads)}
+    auth = get_current_settings().api.auth_string  # a server with an auth string refuses task runs without it
+    env = {"PREFECT_API_URL": str(api).rstrip("/"), "OMP_NUM_THREADS": str(threads),
+           **({"PREFECT_API_AUTH_STRING": auth.get_secret_value()} if auth else {})}
+    security = Security.temporary()
+    private = {"host": "127.0.0.1", "security": security, "protocol": "tls"}
     workers = {index: {"cls": Nanny, "options": {
-        "nthreads": 1, "env": {**env, **({"CUDA_VISIBLE_DEVICES": str(index)} if gpus else {})}}}
+        "nthreads": 1, **private, "env": {**env, **({"CUDA_VISIBLE_DEVICES": str(index)} if gpus else {})}}}
         for index in range(count)}
-    return SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {"dashboard": False}},
-                       silence_logs=logging.WARNING)
+    return SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {"dashboard": False, **private}},
+                       security=security, silence_logs=logging.WARNING)
 
 
 class InProcess:

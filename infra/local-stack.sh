@@ -3,14 +3,16 @@
 # DATABASE_URL is set), an S3-compatible endpoint (moto), the two work pools of prefect.yaml, a
 # per-node GPU concurrency limit, and one process worker per pool, each in its own empty working
 # directory (they share nothing but the S3 root). With DASK_WORKERS=N, also a Dask scheduler and N
-# `dask worker` processes ("nodes" of encoders, each in its own folder) for `execution.cluster`.
+# `dask worker` processes ("nodes" of encoders, each in its own folder) for `execution.cluster`,
+# over mutual TLS with a CA of the stack's own (STACK_DIR/tls: `execution.cluster_tls`).
 #
 #   bash infra/local-stack.sh up      # prints the environment to use; state under $STACK_DIR
 #   bash infra/local-stack.sh down
 #
 # Settings (environment): STACK_DIR (default .stack), PREFECT_PORT (4200), S3_PORT (5555),
 # S3_BUCKET (precast), DATABASE_URL (postgresql+asyncpg://… ; default SQLite in STACK_DIR),
-# DASK_WORKERS (0), DASK_PORT (8786).
+# DASK_WORKERS (0), DASK_PORT (8786), PREFECT_API_AUTH_STRING (user:password; default: one made
+# for the stack, in STACK_DIR/auth-string): the server refuses every request without it (401).
 # S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (moto accepts any).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -27,6 +29,14 @@ POOLS=(precast-encode precast-train)
 export PREFECT_API_URL="http://127.0.0.1:$PREFECT_PORT/api"
 export PREFECT_HOME="$STACK_DIR/prefect-home"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
+if [ -n "${PREFECT_API_AUTH_STRING:-}" ]; then  # kept beside the stack, readable by its owner alone
+  (umask 077 && printf '%s\n' "$PREFECT_API_AUTH_STRING" >"$STACK_DIR/auth-string")
+elif [ ! -s "$STACK_DIR/auth-string" ]; then  # made once per stack
+  (umask 077 && "$BIN/python" -c "import secrets; print('precast:' + secrets.token_urlsafe(24))" >"$STACK_DIR/auth-string")
+fi
+PREFECT_API_AUTH_STRING=$(cat "$STACK_DIR/auth-string")
+# the server checks it; every client of it started here (workers, Dask workers, the CLI) sends it
+export PREFECT_API_AUTH_STRING PREFECT_SERVER_API_AUTH_STRING=$PREFECT_API_AUTH_STRING
 export AWS_ACCESS_KEY_ID=${AWS_ACCESS_KEY_ID:-precast-local} AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY:-precast-local}
 export AWS_DEFAULT_REGION=${AWS_DEFAULT_REGION:-us-east-1}
 
@@ -68,24 +78,31 @@ up() {
     echo $! >"$STACK_DIR/worker-$pool.pid"
   done
   if [ "$DASK_WORKERS" -gt 0 ]; then
-    "$BIN/dask" scheduler --host 127.0.0.1 --port "$DASK_PORT" --no-dashboard >"$STACK_DIR/dask-scheduler.log" 2>&1 &
+    # mutual TLS: the stack's own CA; a client or worker without its certificate is refused
+    "$BIN/precast" certificates "$STACK_DIR/tls" >/dev/null
+    tls=(--tls-ca-file "$STACK_DIR/tls/ca.pem" --tls-cert "$STACK_DIR/tls/cert.pem" --tls-key "$STACK_DIR/tls/key.pem")
+    "$BIN/dask" scheduler --host 127.0.0.1 --port "$DASK_PORT" --protocol tls "${tls[@]}" --no-dashboard \
+      >"$STACK_DIR/dask-scheduler.log" 2>&1 &
     echo $! >"$STACK_DIR/dask-scheduler.pid"
     for index in $(seq 1 "$DASK_WORKERS"); do  # workers report their task runs to this server
       mkdir -p "$STACK_DIR/dask-worker-$index"
       (cd "$STACK_DIR/dask-worker-$index" && PRECAST_CACHE="$STACK_DIR/dask-worker-$index/cache" \
-        exec "$BIN/dask" worker "tcp://127.0.0.1:$DASK_PORT" --name "node-$index" --nthreads 1 --no-dashboard) \
-        >"$STACK_DIR/dask-worker-$index.log" 2>&1 &
+        exec "$BIN/dask" worker "tls://127.0.0.1:$DASK_PORT" "${tls[@]}" --name "node-$index" --nthreads 1 \
+        --no-dashboard) >"$STACK_DIR/dask-worker-$index.log" 2>&1 &
       echo $! >"$STACK_DIR/dask-worker-$index.pid"
     done
-    "$BIN/python" -c "import distributed,sys; c=distributed.Client(sys.argv[1], timeout=60); c.wait_for_workers(int(sys.argv[2]), timeout=60); c.close()" \
-      "tcp://127.0.0.1:$DASK_PORT" "$DASK_WORKERS"
+    "$BIN/python" -c "import distributed,sys; from flows.credentials import cluster_security as s; c=distributed.Client(sys.argv[1], security=s(sys.argv[3]), timeout=60); c.wait_for_workers(int(sys.argv[2]), timeout=60); c.close()" \
+      "tls://127.0.0.1:$DASK_PORT" "$DASK_WORKERS" "$STACK_DIR/tls"
   fi
   cat <<EOF
 export PREFECT_API_URL=$PREFECT_API_URL
+export PREFECT_API_AUTH_STRING="\$(cat $STACK_DIR/auth-string)"
 export AWS_ACCESS_KEY_ID=$AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY=<as set>
 # store root for configs: s3://$S3_BUCKET/…  with  storage.options: {endpoint_url: http://127.0.0.1:$S3_PORT}
 EOF
-  if [ "$DASK_WORKERS" -gt 0 ]; then echo "# encoders on the Dask workers: execution.cluster: tcp://127.0.0.1:$DASK_PORT"; fi
+  if [ "$DASK_WORKERS" -gt 0 ]; then
+    echo "# encoders on the Dask workers: execution: {cluster: tls://127.0.0.1:$DASK_PORT, cluster_tls: $STACK_DIR/tls}"
+  fi
 }
 
 down() {

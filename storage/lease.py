@@ -4,9 +4,12 @@ Two pipelines started at once, or a retried flow whose first attempt still runs 
 must not train the same run side by side: their checkpoints would interleave. The holder's record
 is `<prefix>/<generation>.json`, created only if absent (an atomic create: hard link locally,
 conditional PUT on S3), so of two contenders exactly one wins. The holder renews its heartbeat
-every HEARTBEAT_SECONDS; a lease is free again once released, once its heartbeat is older than
-STALE_AFTER_SECONDS (a dead node), or at once when its holder was a process of this host that no
-longer exists (a killed worker). Taking over creates the next generation, which only one can do.
+every HEARTBEAT_SECONDS, counting its beats; a lease is free again once released, once a contender
+has seen its beats stand still for STALE_AFTER_SECONDS (a dead node), or at once when its holder
+was a process of this host that no longer exists (a killed worker). Staleness is judged on the
+contender's own monotonic clock, never by comparing the holder's timestamp with it: a node whose
+clock is minutes off would otherwise lose a live lease (behind) or keep a dead one (ahead).
+Taking over creates the next generation, which only one can do.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ class Lease:
     def __init__(self, store: Store, prefix: str):
         self.store, self.prefix = store, prefix
         self.me = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
-        self.generation = 0
+        self.generation, self.beats = 0, 0
+        self._watched: tuple[tuple[Any, ...], float] | None = None  # the holder's beat last seen to change, and when
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._lost: dict[str, Any] | None = None
@@ -42,7 +46,7 @@ class Lease:
     def acquire(self) -> bool:
         """Take the lease if it is free; False while another live holder has it."""
         generation, holder = self._current()
-        if holder is not None and not self._free(holder):
+        if holder is not None and not self._free(generation, holder):
             return False
         generation += 1
         created = self.store.create(self._key(generation), json_bytes(self._record()))
@@ -82,7 +86,8 @@ class Lease:
         return f"{self.prefix}/{generation:08d}.json"
 
     def _record(self) -> dict[str, Any]:
-        return {**self.me, "heartbeat": time.time()}
+        self.beats += 1  # what others watch; the time is for people reading the record
+        return {**self.me, "beats": self.beats, "heartbeat": time.time()}
 
     def _current(self) -> tuple[int, dict[str, Any] | None]:
         while True:
@@ -94,10 +99,16 @@ class Lease:
             except FileNotFoundError:  # removed by a newer holder since the listing: look again
                 continue
 
-    def _free(self, holder: dict[str, Any]) -> bool:
-        if holder.get("released") or time.time() - holder["heartbeat"] > STALE_AFTER_SECONDS:
+    def _free(self, generation: int, holder: dict[str, Any]) -> bool:
+        if holder.get("released"):
             return True
-        return holder["host"] == self.me["host"] and holder["pid"] != self.me["pid"] and not _alive(holder["pid"])
+        if holder["host"] == self.me["host"] and holder["pid"] != self.me["pid"] and not _alive(holder["pid"]):
+            return True
+        beat, now = (generation, holder["token"], holder.get("beats"), holder.get("heartbeat")), time.monotonic()
+        if self._watched is None or self._watched[0] != beat:
+            self._watched = (beat, now)  # alive, or first seen: watched from now on
+            return False
+        return now - self._watched[1] > STALE_AFTER_SECONDS
 
     def _renew(self) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS) and self._beat():

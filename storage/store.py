@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import shutil
 import time
 import uuid
@@ -145,6 +146,7 @@ class Store:
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.root_path = root_path.rstrip("/")
         self.root_url = self.fs.unstrip_protocol(self.root_path)
+        self.retried: list[str] = []  # each transient failure retried (its URL): the stage's work counts them
 
     def check_reachable(self) -> None:
         """Fail now, naming the setting, if the root cannot be used (before any stage does work)."""
@@ -183,7 +185,11 @@ class Store:
                 if attempt == attempts:
                     raise StorageUnavailable(f"{action} {url} failed {attempts} times; last error: {error}") from error
                 log.warning("%s %s failed (%s); retry %d of %d", action, url, error, attempt, attempts - 1)
-                time.sleep(self.config.io_backoff_seconds * 2 ** (attempt - 1))
+                self.retried.append(url)  # append: atomic beside the other threads of this store
+                # exponential backoff with jitter: the workers that one throttled bucket slowed down
+                # do not all come back in the same instant
+                cap = self.config.io_backoff_seconds * 2 ** (attempt - 1)
+                time.sleep(cap / 2 + random.uniform(0, cap / 2))
                 attempt += 1
 
     # --- reading ----------------------------------------------------------------------------

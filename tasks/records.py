@@ -41,6 +41,7 @@ class IngestWork(TypedDict):
     units_read: int
     units_reused: int
     workers: NotRequired[int]  # the flow's: workers that read the sources (absent in the runner's)
+    io_retries: NotRequired[int]  # transient store failures retried (throttling, resets, timeouts)
 
 
 class DatasetRecord(TypedDict):
@@ -68,6 +69,7 @@ class EncodingWork(TypedDict):
     model_loads: int
     shards_encoded: int  # committed during this run
     shards_cached: int  # found committed already
+    io_retries: NotRequired[int]  # transient store failures its shards retried
     feed_wait: NotRequired[float]  # the latent encoder: share of its encoding spent waiting for pixels
 
 

@@ -261,7 +261,7 @@ def outputs(records: Records) -> dict[str, Any]:
         "loss_curve": layout.run_part(run["run"], "loss_curve"),
         "final_loss": run["final_loss"],
         "first_loss": run["first_loss"],
-        # what each stage cost: its seconds, and an encoder's workers, model loads and shards
+        # what each stage cost: its seconds, and an encoder's workers, model loads, shards and storage retries
         "stages": {name: {"seconds": round(seconds, 2), **(records[name].get("work") or {})}
                    for name, seconds in records["seconds"].items()},
     }

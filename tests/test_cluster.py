@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import socket
 import subprocess
 import time
@@ -40,6 +41,7 @@ def stack(tmp_path_factory, tiny_models):
     env = {**os.environ, **SECRETS, "STACK_DIR": str(directory), "PREFECT_PORT": str(prefect_port),
            "S3_PORT": str(s3_port), "S3_BUCKET": "precast", "PRECAST_HOME": str(ROOT),
            "DASK_WORKERS": "2", "DASK_PORT": str(dask_port),  # two encoder "nodes" for execution.cluster
+           "PREFECT_API_AUTH_STRING": f"precast:{secrets.token_urlsafe(12)}",  # the server refuses all else
            "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api", "PREFECT_HOME": str(directory / "prefect-home")}
     env.pop("PRECAST_CACHE", None)
     subprocess.run(["bash", "infra/local-stack.sh", "up"], cwd=ROOT, env=env, check=True, capture_output=True,
@@ -52,7 +54,7 @@ def stack(tmp_path_factory, tiny_models):
         s3fs.S3FileSystem(endpoint_url=endpoint, key=SECRETS["AWS_ACCESS_KEY_ID"],
                           secret=SECRETS["AWS_SECRET_ACCESS_KEY"]).put(str(data), "precast/data", recursive=True)
         stack = {"env": env, "endpoint": endpoint, "dir": directory, "models": tiny_models,
-                 "cluster": f"tcp://127.0.0.1:{dask_port}"}
+                 "cluster": {"cluster": f"tls://127.0.0.1:{dask_port}", "cluster_tls": str(directory / "tls")}}
         deployed = _precast(stack, "deploy", _config_file(stack, _config(stack)))
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         yield stack
@@ -86,7 +88,7 @@ def _train_placed(stack, **training) -> dict:
 def _nightly(stack, **training) -> dict:
     """`_train_placed` with the encoders' shards sent to the stack's Dask workers (execution.cluster)."""
     config = _train_placed(stack, **training)
-    config["execution"]["cluster"] = stack["cluster"]
+    config["execution"].update(stack["cluster"])
     return config
 
 
@@ -128,7 +130,8 @@ def _api(stack, query):
     from prefect.client.orchestration import PrefectClient
 
     async def call():
-        async with PrefectClient(stack["env"]["PREFECT_API_URL"]) as client:
+        async with PrefectClient(stack["env"]["PREFECT_API_URL"], auth_string=stack["env"]["PREFECT_API_AUTH_STRING"]) \
+                as client:
             return await query(client)
 
     return asyncio.run(call())
@@ -181,7 +184,7 @@ def test_pipeline_deployment_spreads_stages_over_pools(stack, first_run):
     lines = [record.message for record in _api(stack, lambda client: client.read_logs(limit=200))]
     for line in ("encode-text: 2/2 shards", "encode-latents: 2/2 shards", "training: "):
         assert any(message.startswith(line) and "done in" in message for message in lines), lines
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
@@ -189,7 +192,8 @@ def test_pipeline_deployment_spreads_stages_over_pools(stack, first_run):
 
     child = next(run for run in runs if run.name.startswith("encode-latents-"))
     parent = _api(stack, lambda client: client.read_task_run(child.parent_task_run_id)).flow_run_id
-    with temporary_settings({PREFECT_API_URL: stack["env"]["PREFECT_API_URL"]}):  # what the pipeline reads
+    with temporary_settings({PREFECT_API_URL: stack["env"]["PREFECT_API_URL"],  # what the pipeline reads
+                             PREFECT_API_AUTH_STRING: stack["env"]["PREFECT_API_AUTH_STRING"]}):
         for stage, shards in (("encode-text", [0, 1, 1]), ("encode-latents", [1, 1])):  # each child's, all at 100%
             children = children_progress(parent, stage)  # (encode-text's first child: the prompts, no shard)
             assert sorted(given for given, _, _ in children) == shards and {p for _, p, _ in children} == {100}
@@ -221,7 +225,7 @@ def test_placed_stages_spread_over_two_nodes_encoders_loading_their_model_once(s
     config = _config(stack, nodes=2, global_batch=4)
     config["text_encoding"]["dtype"] = "bf16"
     config["latent_encoding"]["dtype"] = "bf16"
-    config["execution"]["cluster"] = stack["cluster"]
+    config["execution"].update(stack["cluster"])
     done = _run(stack, "precast-pipeline/pipeline", config)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     parent = re.search(r"UUID: ([0-9a-f-]{36})", done.stdout).group(1)
@@ -321,6 +325,29 @@ def test_submit_from_ci_names_the_failed_stage_and_its_error(stack):
     assert done.stdout.rstrip().endswith("precast-pipeline/pipeline: Completed")
 
 
+def test_the_server_and_precast_refuse_a_client_without_the_auth_string(stack):
+    """The stack's server answers 401 to a request without its auth string, and to one with
+    another; `precast submit` then exits 1 naming the server, the 401 and the setting to give."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(stack["env"]["PREFECT_API_URL"] + "/deployments/filter", data=b"{}",
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 401
+    for given in (None, "precast:not-the-one"):
+        env = {key: value for key, value in stack["env"].items() if key != "PREFECT_API_AUTH_STRING"}
+        env.update({"PREFECT_API_AUTH_STRING": given} if given else {})
+        done = subprocess.run([str(ROOT / ".venv/bin/precast"), "submit", "precast-pipeline/pipeline"],
+                              cwd=stack["dir"], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+        assert f"the Prefect server at {stack['env']['PREFECT_API_URL'].rsplit('/api', 1)[0]} refused the request " \
+               f"(401 Unauthorized): this client sent {'an auth string it does not accept' if given else 'no auth string'}" \
+               ". Set PREFECT_API_AUTH_STRING" in done.stderr, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr
+
+
 def test_credentials_never_reach_objects_or_logs(stack):
     store = _store(stack)
     blobs = []
@@ -332,8 +359,15 @@ def test_credentials_never_reach_objects_or_logs(stack):
     logs = [path.read_bytes() for path in stack["dir"].glob("*.log")]
     records = _api(stack, lambda client: client.read_logs(limit=200))
     logs.append("\n".join(record.message for record in records).encode())
+    # what the UI shows: the deployments' parameters (the config), the artifacts (run pages, summaries)
+    deployments = _api(stack, lambda client: client.read_deployments())
+    artifacts = _api(stack, lambda client: client.read_artifacts(limit=200))
+    assert deployments and artifacts
+    blobs += [json.dumps(d.parameters).encode() for d in deployments] + [str(a.data).encode() for a in artifacts]
     assert blobs and logs
-    for secret in SECRETS.values():
+    # the store's keys, the server's auth string and the Dask cluster's private key
+    key = (stack["dir"] / "tls" / "key.pem").read_text().split("-----")[2].strip().splitlines()[1]
+    for secret in [*SECRETS.values(), stack["env"]["PREFECT_API_AUTH_STRING"], key]:
         for blob in blobs + logs:
             assert secret.encode() not in blob
 

@@ -119,10 +119,10 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     again = pipeline(config=config, return_state=True)
     assert _without_costs(again.result()) == _without_costs(result)
     assert again.result()["stages"]["encode-latents"] | {"seconds": 0} == {
-        "seconds": 0, "workers": 1, "model_loads": 0, "shards_encoded": 0, "shards_cached": 3}
+        "seconds": 0, "workers": 1, "model_loads": 0, "shards_encoded": 0, "shards_cached": 3, "io_retries": 0}
     # ingest is its own cache: it lists the sources and reads nothing; every other task is a cache hit
     assert again.result()["stages"]["ingest"] | {"seconds": 0} == {
-        "seconds": 0, "workers": 1, "bytes_read": 0, "units_read": 0, "units_reused": 24}
+        "seconds": 0, "workers": 1, "bytes_read": 0, "units_read": 0, "units_reused": 24, "io_retries": 0}
     cached = _task_states(again.state_details.flow_run_id, count=11)
     assert cached.pop("ingest") == ["Completed"]
     assert {name for runs in cached.values() for name in runs} == {"Cached"}

@@ -148,7 +148,8 @@ def test_cache_shards_are_byte_identical_for_the_same_content(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_a_lease_has_one_holder_until_released_dead_or_stale(where, tmp_path, s3_endpoint, monkeypatch):
+def test_a_lease_has_one_holder_until_released_dead_or_stale_whatever_the_clocks(where, tmp_path, s3_endpoint,
+                                                                                   monkeypatch):
     import socket
     import subprocess
     import time
@@ -183,12 +184,27 @@ def test_a_lease_has_one_holder_until_released_dead_or_stale(where, tmp_path, s3
     assert third.acquire() and store.list("runs/r/lease") == ["runs/r/lease/00000004.json"]
     third.release()
 
-    # a holder on another node is taken over only once its heartbeat is stale
-    held_by(5, host="lost-node", heartbeat=time.time() - 30)
+    # a holder on another node is taken over once its beats have stood still for STALE_AFTER_SECONDS
+    # on the contender's clock, whatever the holder's clock said: this dead one's ran 10 minutes ahead
+    monkeypatch.setattr(leases, "STALE_AFTER_SECONDS", 2.0)
+    held_by(5, host="lost-node", beats=7, heartbeat=time.time() + 600)
     fourth = leases.Lease(store, "runs/r/lease")
-    assert not fourth.acquire()
-    monkeypatch.setattr(leases, "STALE_AFTER_SECONDS", 10.0)
+    assert not fourth.acquire()  # first seen: watched from now on
+    time.sleep(2.5)
     assert fourth.acquire()
+
+    # a live holder whose clock is 10 minutes behind keeps its lease: its beats advance
+    class Behind(leases.Lease):
+        def _record(self):
+            return {**super()._record(), "heartbeat": time.time() - 600}
+
+    behind, contender = Behind(store, "runs/s/lease"), leases.Lease(store, "runs/s/lease")
+    assert behind.acquire()
+    watched_until = time.monotonic() + 4.0
+    while time.monotonic() < watched_until:
+        assert not contender.acquire()
+        time.sleep(0.2)
+    behind.release()
 
     # ... and a holder that was taken over notices at its next heartbeat and stops writing
     held_by(7, host="other-node")

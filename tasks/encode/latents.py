@@ -133,7 +133,7 @@ def encode_latents_shard(
     shard_id = shard_id_of(shard_url)
     key = layout.cache_shard("latents", fingerprint, shard_id)
     if (record := store.committed(key)) is not None:
-        return record
+        return {**record, "io_retries": len(store.retried)}
     samples = read_image_shard(store.read_verified(store.key(shard_url)),
                                columns=["sample_id", "image", "width", "height"]).to_pylist()
     family = family_of(model)
@@ -211,7 +211,7 @@ def encode_latents_shard(
     )
     log.info("encoded %d images of shard %s into %d buckets (%d quarantined)", len(rows), shard_id, len(buckets),
              len(quarantined))
-    return record
+    return {**record, "io_retries": len(store.retried)}
 
 
 def latent_cache_record(store: Store, fingerprint: str, shards: list[dict[str, Any]]) -> CacheRecord:

@@ -188,10 +188,11 @@ def encode_text_shard(
     for spec in family_of(model).text_encoders:
         fingerprint = fingerprints[spec.name]
         key = layout.cache_shard("text", fingerprint, shard_id)
+        retried = len(store.retried)
         if (record := store.committed(key)) is None:
             captions = captions or shard_captions(store, shard_url)
             record = encode_shard(store, model, text, spec, fingerprint, key, shard_id, *captions)
-        records.append({**record, "encoder": spec.name})
+        records.append({**record, "encoder": spec.name, "io_retries": len(store.retried) - retried})
     return records
 
 

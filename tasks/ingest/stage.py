@@ -71,7 +71,8 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig, progress: Callable[[i
                 store.put_file(record_file, layout.sources_record(config_hash(dataset)))
         finally:
             ledger.close()
-    work = {"bytes_read": scan.bytes_read, "units_read": scan.units_read, "units_reused": scan.units_reused}
+    work = {"bytes_read": scan.bytes_read, "units_read": scan.units_read, "units_reused": scan.units_reused,
+            "io_retries": len(store.retried)}
     return {**dataset_record(store, dataset_id, dataset.read_concurrency),
             "new_shards": -(-new // dataset.shard_size), "new_samples": new, "work": work}
 

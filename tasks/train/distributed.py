@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,8 +55,14 @@ class Distributed:
             target = torch.device("cuda", local)
             torch.cuda.set_device(target)
         if world > 1:
-            dist.init_process_group("nccl" if target.type == "cuda" else "gloo", init_method=f"tcp://{address}",
-                                    rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+            host, port = address.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), world, rank == 0, timeout=datetime.timedelta(seconds=timeout),
+                                  master_listen_fd=bound_listener(host, int(port)) if rank == 0 else None)
+            if interface := interface_of(host):  # the collectives' own sockets too, unless the user chose
+                for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                    os.environ.setdefault(variable, interface)
+            dist.init_process_group("nccl" if target.type == "cuda" else "gloo", store=store, rank=rank,
+                                    world_size=world, timeout=datetime.timedelta(seconds=timeout))
         return cls(rank, world, target)
 
     @property
@@ -78,6 +86,7 @@ class Distributed:
         if self.world > 1:
             dist.barrier()
             dist.destroy_process_group()
+
 
 
 @dataclass
@@ -152,6 +161,25 @@ class Launcher:
             rendezvous.beat(error=cause)  # the other nodes stop at once instead of at their timeout
             raise NodeFailed(f"training {self.store.url(self.run)} on {self.training.nodes} nodes failed on node "
                              f"{self.node}: {cause}") from error
+
+
+def bound_listener(host: str, port: int) -> int:
+    """Rank 0's c10d store socket, listening on `host`'s interface alone (torch's own listens on
+    every interface, and its protocol has no authentication: docs/security.md); the store owns
+    the descriptor and closes it."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(1024)
+    return listener.detach()
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` (None when none here does)."""
+    import psutil
+
+    return next((name for name, addresses in psutil.net_if_addrs().items()
+                 if any(entry.address.split("%")[0] == address for entry in addresses)), None)
 
 
 def _last_line(error: BaseException) -> str:
