@@ -39,6 +39,7 @@ def _print_result(result: dict, as_json: bool) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from configs.schema import QUICKSTART, load_config
     from tasks.demo import demo_settings, write_demo_dataset, write_demo_models
+    from tasks.runs.page import loss_text
 
     config = load_config(QUICKSTART, [*demo_settings(args.family), *args.set])  # --set model.path=… still decides
     write_demo_models(config.model.path, args.family)
@@ -50,17 +51,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for sample in result["samples"]:
         print(f"samples: {sample}")
     print(f"loss curve: {result['loss_curve']}")
-    print(f"loss: {result['first_loss']:.4f} at the start, {result['final_loss']:.4f} at the end")
+    print(f"loss: {loss_text(result)}")
     if result["quarantined"]:
         print(f"quarantined at ingest: {result['quarantined']}, each with its reason in {result['ingest_report']}")
     print(f"the run's page: precast inspect {result['run']}")
+    if "flow_run_url" in result:
+        print(f"in the Prefect UI: {result['flow_run_url']}")
     return 0
 
 
-def _run_pipeline(config):
+def _run_pipeline(config) -> dict:
+    """The pipeline's outputs, and its flow run: id, and the UI's page of it when a server is set."""
+    from prefect.utilities.urls import url_for
+
     from flows.pipeline import pipeline
 
-    return pipeline(config=config)
+    state = pipeline(config=config, return_state=True)
+    result, run = state.result(), state.state_details.flow_run_id
+    url = url_for("flow-run", obj_id=run)
+    return {**result, "flow_run": str(run), **({"flow_run_url": url} if url else {})}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -205,6 +214,10 @@ def cmd_certificates(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="precast", description=__doc__)
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="CPU threads for this process and the processes it starts (torch, OpenMP); default: "
+                             "OMP_NUM_THREADS, else every core. Give each of several precast processes on one node "
+                             "its share: each taking every core slows them all many times over")
     parser.add_argument("--verbose", action="store_true",
                         help="also show third-party warnings known to be harmless, progress bars and INFO logs")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -338,6 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.verbose:  # workers and training processes started from here read it too
         os.environ["PRECAST_VERBOSE"] = "1"
+    if args.threads:  # before torch loads, here and in every process started from here
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    elif "OMP_NUM_THREADS" not in os.environ and (others := other_precast_processes()):
+        print(f"precast: {others} other precast process{'es' * (others > 1)} on this node, each using every core "
+              f"unless told otherwise; give each --threads N (N × processes ≤ {os.cpu_count()} cores)",
+              file=sys.stderr)
     from tasks.log_filter import quiet_known_noise
 
     quiet_known_noise()  # before any library that makes the noise loads
@@ -357,6 +376,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"precast: {refused}", file=sys.stderr)
             return 1
         raise
+
+
+def other_precast_processes() -> int:
+    """Other `precast` commands running on this node (their CPU threads compete with this one's)."""
+    import psutil
+
+    def is_precast(process: psutil.Process) -> bool:
+        try:
+            command = process.cmdline()
+        except (psutil.Error, OSError):
+            return False
+        return any(Path(part).name == "precast" or part == "flows.cli" for part in command[:3])
+
+    me = os.getpid()
+    return sum(1 for process in psutil.process_iter() if process.pid != me and is_precast(process))
 
 
 def api_refusal(error: BaseException) -> str | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
 
 from configs.schema import PipelineConfig, Stage
 from flows.stages import STORED, FlowExecutor, Plan, check_nodes_placed, publish_run_page
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 @flow(name="precast-pipeline", log_prints=True)
 def pipeline(config: PipelineConfig) -> dict[str, Any]:
+    if url := flow_run.ui_url:  # with a server: where to watch it (the terminal's link to the UI)
+        log.info("precast-pipeline run %s: %s", flow_run.name, url)
     plan = Plan(config)  # the store, fingerprints and result storage, each derived once
     plan.store.check_reachable()
     check_nodes_placed(config)
@@ -35,7 +38,7 @@ def pipeline(config: PipelineConfig) -> dict[str, Any]:
     records = run_stages(FlowExecutor(plan), watch=summary.watch)
     summary.add(records)  # what ran, what was cached, and how long each stage took
     report = summary.markdown()
-    create_markdown_artifact(key="pipeline-summary", markdown=report)
+    create_markdown_artifact(key="pipeline-summary", markdown=report, description=summary.description())
     log.info("%s", report)
     publish_run_page(plan, records["train"], summary.rows if summary.ran("train") else None)
     return outputs(records)

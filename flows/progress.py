@@ -27,12 +27,15 @@ class StageProgress:
     items they hold (`items` of them in all: images, samples). `advance` may be called from any
     thread; the ETA follows the pace of the units."""
 
-    def __init__(self, stage: str, total: int | None, unit: str, items: int | None = None, item_unit: str = "images"):
-        """`total` None: the work comes as the stage runs (`grow`), and is all known at `settle`."""
+    def __init__(self, stage: str, total: int | None, unit: str, items: int | None = None, item_unit: str = "images",
+                 started: float | None = None):
+        """`total` None: the work comes as the stage runs (`grow`), and is all known at `settle`.
+        `started` (time.monotonic) when the stage began, if before this: rates, ETAs and "done in"
+        count from then, as the pipeline summary's time does."""
         self.stage, self.total, self.unit, self.settled = stage, max(total or 0, 0), unit, total is not None
         self.items, self.item_unit = items, item_unit
         self.done = self.items_done = 0
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started
         self.lock = threading.Lock()
         self.artifact = None
         self.tenths = 0  # plain lines printed so far
@@ -108,10 +111,11 @@ def reporter(stage: str, unit: str) -> Callable[..., None]:
     """A `progress(done, total, extra=None)` callback for a stage function (the stage modules never
     import Prefect): its StageProgress is made at the first call, when the total is known."""
     made: list[StageProgress] = []
+    began = time.monotonic()  # the first call comes some units in: its rate counts from here
 
     def report(done: int, total: int, extra: str | None = None) -> None:
         if not made:
-            made.append(StageProgress(stage, total, unit))
+            made.append(StageProgress(stage, total, unit, started=began))
         progress = made[0]
         progress.advance(done - progress.done, extra=extra)
         if done >= total:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import time
 from dataclasses import dataclass
 from functools import cached_property, partial
 from pathlib import Path
@@ -38,7 +39,7 @@ from storage.fingerprint import hash_json
 from storage.shards import shard_id_of
 from storage.store import Store
 from tasks.encode.latents import latent_cache_record
-from tasks.encode.text import encoding_report, text_cache_record
+from tasks.encode.text import encoding_report, encoding_totals, text_cache_record
 from tasks.ingest.report import report_markdown
 from tasks.ingest.stage import latest_dataset
 from tasks.ingest.staging import Partitions
@@ -46,7 +47,7 @@ from tasks.manifest import manifest_record
 from tasks.identity import manifest_id, prompts_cache_key, text_fingerprints, vae_fingerprint
 from tasks.records import CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, RunRecord
 from tasks.runner import ENCODERS, Shards, on_cpu
-from tasks.runs.page import RunPage
+from tasks.runs.page import RunPage, loss_text
 from tasks.train import finished_run, run_for
 
 
@@ -198,6 +199,7 @@ class FlowExecutor:
 
     def encode_text(self, shards: Shards) -> CacheRecord:
         plan, config, store, fingerprints = self.plan, self.plan.config, self.plan.store, self.plan.text_fps
+        began = time.monotonic()
         dataset, every = shards.dataset(), shards.urls()
         urls = every if self.shards is None else self.shards
         if deployment := placed(config, "encode-text"):
@@ -212,7 +214,7 @@ class FlowExecutor:
             with stage_executor(config.execution, config.text_encoding.device, plan.configured, "encode-text") as run:
                 prompts = run.one(encode_prompts_task, *args, config.training.sample_prompts)
                 run.one(measure_numerics_task, *args, every[0] if every else None)  # before any shard
-                progress = self.progress("encode-text", dataset, urls)
+                progress = self.progress("encode-text", dataset, urls, began)
                 shards = run.map(encode_text_task, urls, *args,  # each shard's records: one per encoder
                                  completed=lambda records: progress.advance(1, records[0].get("samples", 0)))
                 records = [record for records in shards for record in records]
@@ -220,13 +222,15 @@ class FlowExecutor:
                 work = run.work(records)
             publish_work("encode-text", work)
         record = text_cache_record(store, fingerprints, prompts, records)
-        create_markdown_artifact(key="text-encoding", markdown=encoding_report(record["shards"]))
+        create_markdown_artifact(key="text-encoding", markdown=encoding_report(record["shards"]),
+                                 description=encoding_totals(record["shards"]))
         return {**record, "work": work}
 
     def encode_latents(self, shards: Shards) -> CacheRecord:
         """Each shard as ingest commits it (here or on the stage's workers; placed on another pool,
         the dataset's shards once it is complete)."""
         plan, config, store, fingerprint = self.plan, self.plan.config, self.plan.store, self.plan.vae_fp
+        began = time.monotonic()
         if deployment := placed(config, "encode-latents"):
             urls = shards.urls() if self.shards is None else self.shards
             work = run_shards_elsewhere(config, deployment, "encode-latents", urls)
@@ -234,7 +238,7 @@ class FlowExecutor:
         else:
             with stage_executor(config.execution, config.latent_encoding.device, plan.configured,
                                 "encode-latents") as run:
-                progress = StageProgress("encode-latents", None, "shards")  # counted as ingest commits them
+                progress = StageProgress("encode-latents", None, "shards", started=began)  # counted as ingest commits them
 
                 def given(urls: Iterable[str]) -> Iterator[str]:
                     for url in urls:
@@ -250,9 +254,11 @@ class FlowExecutor:
             records = shards.in_order(records) if self.shards is None else records
         return {**latent_cache_record(store, fingerprint, records), "work": work}
 
-    def progress(self, stage: str, dataset: DatasetRecord, urls: list[str]) -> StageProgress:
-        """An encoding stage's progress: its shards, and the dataset's images when it encodes them all."""
-        return StageProgress(stage, len(urls), "shards", items=dataset["samples"] if self.shards is None else None)
+    def progress(self, stage: str, dataset: DatasetRecord, urls: list[str], began: float) -> StageProgress:
+        """An encoding stage's progress from `began` (its start, models loaded since): its shards,
+        and the dataset's samples when it encodes them all (their captions or their images)."""
+        return StageProgress(stage, len(urls), "shards", items=dataset["samples"] if self.shards is None else None,
+                             item_unit="captioned samples" if stage == "encode-text" else "images", started=began)
 
     def manifest(self, dataset: DatasetRecord) -> ManifestRecord:
         plan, config = self.plan, self.plan.config
@@ -306,7 +312,9 @@ def publish_run_page(plan: Plan, record: RunRecord, stages: list[dict[str, str]]
     run = plan.store.key(record["run"])
     if stages is not None:
         plan.store.write_json(layout.run_part(run, "stages"), stages)
-    create_markdown_artifact(key="training-run", markdown=RunPage.read(plan.store, run).markdown())
+    page = RunPage.read(plan.store, run)
+    create_markdown_artifact(key="training-run", markdown=page.markdown(),
+                             description=f"{page.record['steps']} steps; loss {loss_text(page.record)}")
 
 
 def stored_dataset(plan: Plan) -> DatasetRecord:

@@ -43,6 +43,11 @@ class Summary:
     def markdown(self) -> str:
         return "\n".join(["# precast pipeline", "", *stage_table(self.rows)])
 
+    def description(self) -> str:
+        """One line for the UI's artifact list: each stage ran or cached, and what training made."""
+        train = next((row["amount"] for row in self.rows if row["stage"] == "train"), None)
+        return ", ".join(f"{row['stage']} {row['status']}" for row in self.rows) + (f"; {train}" if train else "")
+
 
 def ingest_work_text(work: IngestWork) -> str:
     """"1.2 MB read: 1 unit read, 399 taken from the last ingest" ("… read on 4 workers: …" on workers)."""

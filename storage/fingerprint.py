@@ -6,6 +6,7 @@ never stale: change the weights, the tokenizer, max_length or a dtype and the pa
 
 from __future__ import annotations
 
+import errno
 import functools
 import glob
 import hashlib
@@ -120,6 +121,12 @@ def hub_files(path: str, subfolders: list[str], revision: str | None = None) -> 
         # snapshot lacks
         snapshot = Path(snapshot_download(path, revision=commit, allow_patterns=small))
     except Exception as error:  # unreachable, unknown repo or component: the cache may still know
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):  # the machine's fault
+            from huggingface_hub import constants
+
+            from storage.store import disk_full
+
+            raise disk_full(constants.HF_HUB_CACHE, "room for the model's small files", error.errno) from error
         reason = f"the hub's listing could not be read ({type(error).__name__}: {error})"
         return {sub: cached_files(path, sub, revision, reason) for sub in subfolders}
     return {sub: {entry.path[len(sub) + 1:]: entry.lfs.sha256 if entry.lfs else file_sha256(snapshot / entry.path)

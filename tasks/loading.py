@@ -1,5 +1,5 @@
 """What every model load shares: the dtypes by config name, the device a name means, and the
-lock every `from_pretrained` holds."""
+lock every `from_pretrained` holds (which also names a full hub cache)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import functools
 import threading
 
 import torch
+
+from storage.store import space_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # from_pretrained patches torch.nn.Module globally while it builds empty weights; two threads
@@ -16,9 +18,13 @@ LOAD_LOCK = threading.RLock()
 
 
 def serialised(load):
+    """`load` under LOAD_LOCK; a full disk while it downloads a hub model's files is named as such."""
     @functools.wraps(load)
     def locked(*args, **kwargs):
-        with LOAD_LOCK:
+        from huggingface_hub import constants
+
+        with LOAD_LOCK, space_for(constants.HF_HUB_CACHE, "room for the model's files (HF_HOME / HF_HUB_CACHE "
+                                                          "move the hub cache)"):
             return load(*args, **kwargs)
 
     return locked

@@ -152,8 +152,9 @@ class RunRecord(TypedDict):
     steps: int
     resumed_from: int
     seconds: float
-    first_loss: float
-    final_loss: float
+    first_loss: float  # the mean over the first `loss_window` steps
+    final_loss: float  # the mean over the last `loss_window` steps
+    loss_window: NotRequired[int]  # absent in runs published before it was recorded
     validation_loss: float | None
     amount: str
 

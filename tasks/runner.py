@@ -261,6 +261,7 @@ def outputs(records: Records) -> dict[str, Any]:
         "loss_curve": layout.run_part(run["run"], "loss_curve"),
         "final_loss": run["final_loss"],
         "first_loss": run["first_loss"],
+        "loss_window": run.get("loss_window"),  # the steps each of the two is the mean of
         # what each stage cost: its seconds, and an encoder's workers, model loads, shards and storage retries
         "stages": {name: {"seconds": round(seconds, 2), **(records[name].get("work") or {})}
                    for name, seconds in records["seconds"].items()},

@@ -169,8 +169,10 @@ def test_two_pipelines_started_at_once_agree(reference):
     for code, _, log in results:
         assert code == 0, log[-3000:]
     first_result, second_result = (json.loads(out) for _, out, _ in results)
-    # the same outputs; what each run cost (its "stages": seconds, model loads) is its own
-    assert first_result | {"stages": None} == second_result | {"stages": None}
+    # the same outputs; what each run cost (its "stages": seconds, model loads) and its flow run are its own
+    own = {"stages": None, "flow_run": None, "flow_run_url": None}
+    assert first_result["flow_run"] != second_result["flow_run"]
+    assert first_result | own == second_result | own
     assert sum(": steps 1-6 in " in log for _, _, log in results) == 1  # trained once: the other waited for it
     assert committed_checksums(Store(config.storage)) == expected
     assert _verify(config)["ok"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -94,6 +95,11 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
 
     summary = _latest_artifact("pipeline-summary")
     assert "| ingest | ran | 24 samples in 3 shards |" in summary and "| train | ran | 6 steps" in summary
+    # the table fits a page: no URL in it; the outputs are listed under it, relative to the store root
+    table = [line for line in summary.splitlines() if line.startswith("| ")]
+    assert len(table) == 7 and not any("://" in line for line in table), table
+    assert f"Outputs, under `{store.root_url}/`:" in summary
+    assert f"- manifest: `{store.key(result['manifest'])}`" in summary
     assert summary in caplog.text  # the run's log shows it too (precast run prints it)
 
     work = {name: {k: v for k, v in stage.items() if k != "seconds"} for name, stage in result["stages"].items()}
@@ -165,6 +171,10 @@ def test_cli_run_json_and_single_stages(prefect_server, make_config, tmp_path, c
     assert main(["run", str(path), "--set", "training.steps=3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"dataset", "text_cache", "latent_cache", "manifest", "run", "weights"} <= set(out)
+    # the terminal's link to the UI: the flow run and its page on the server
+    from prefect.settings import PREFECT_UI_URL
+
+    assert out["flow_run_url"] == f"{PREFECT_UI_URL.value()}/runs/flow-run/{out['flow_run']}"
     assert out["run"] == record["run"]  # the stages alone built the same run the pipeline finds
 
 
@@ -174,6 +184,28 @@ def test_cli_reports_a_bad_config_by_field(tmp_path, capsys):
     assert main(["run", str(path)]) == 1
     error = capsys.readouterr().err
     assert "training.rank" in error and "greater than or equal to 1" in error
+
+
+def test_a_second_precast_on_the_node_is_told_to_share_the_cores(tmp_path, capsys, monkeypatch):
+    """Each precast process takes every core unless told: beside another one it says so and how to
+    share (`--threads`), which sets the thread count of it and of what it starts."""
+    import subprocess
+    import sys
+
+    other = tmp_path / "precast"  # what `ps` shows of a running precast command
+    other.write_text("import time\ntime.sleep(60)\n")
+    running = subprocess.Popen([sys.executable, str(other)])
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        assert main(["inspect", str(tmp_path / "nothing")]) == 1
+        assert "precast: 1 other precast process on this node, each using every core unless told otherwise; " \
+               "give each --threads N" in capsys.readouterr().err
+        assert main(["--threads", "1", "inspect", str(tmp_path / "nothing")]) == 1
+        assert "other precast process" not in capsys.readouterr().err
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        running.kill()
+        running.wait()
 
 
 def test_pipeline_on_s3(prefect_server, make_config, s3_endpoint):

@@ -314,6 +314,23 @@ def test_inspect_prints_the_report(corpora, make_config, capsys):
     assert main(["inspect", result["url"]]) == 0
     text = capsys.readouterr().out
     assert "| caption_encoding | 1 |" in text and "| jsonl | 9 | 9 |" in text
+    # the stored report's bins come back as a dict sorted as strings; the reader sees numeric order
+    lengths = text.split("## Caption length (words)")[1].split("##")[0]
+    bins = [line.split("|")[1].strip() for line in lengths.splitlines() if line.startswith("| <") or line.startswith("| >")]
+    assert bins == ["<=5", "<=10", "<=20", "<=50", "<=100", "<=200", ">200"]
+    ratios = text.split("## By aspect-ratio bucket (height/width)")[1].split("##")[0]
+    values = [float(line.split("|")[1]) for line in ratios.splitlines()[4:] if line.startswith("| ")]
+    assert values == sorted(values) and values
+
+
+def test_a_clean_ingest_reports_no_quarantine_as_none_not_an_empty_table(make_config, demo_data, capsys):
+    from flows.cli import main
+
+    config = make_config()
+    result = ingest(config.storage, config.dataset)
+    assert main(["inspect", result["url"]]) == 0
+    text = capsys.readouterr().out
+    assert "## Quarantined by reason\n\nnone\n" in text and "| reason | count |" not in text
 
 
 def test_demo_captions_name_what_the_image_shows(demo_data):

@@ -4,9 +4,11 @@ before any work."""
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow.parquet as pq
 import pytest
+from huggingface_hub.constants import HF_HUB_CACHE
 
 from flows.cli import main
 from storage import layout
@@ -167,6 +169,20 @@ def _full_where(monkeypatch, pattern: str):
     monkeypatch.setattr(Path, "write_bytes", full)
 
 
+def _full_hub_cache(monkeypatch):
+    """Every model load finds the disk full, as a download into a full hub cache does."""
+    import errno
+
+    from diffusers import ModelMixin
+    from transformers import PreTrainedModel
+
+    def full(cls, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    for base in (ModelMixin, PreTrainedModel):
+        monkeypatch.setattr(base, "from_pretrained", classmethod(full))
+
+
 @pytest.mark.parametrize("site, fill, named", [
     ("ingest's spill folder", lambda patch: _full_where(patch, "precast-ingest-"),
      r"precast-ingest-\w+/\w+: it needs [\d,.]+ MB \([\d,]+ B\)"),
@@ -175,6 +191,8 @@ def _full_where(monkeypatch, pattern: str):
      r"checkpoints/step-00000002\.safetensors: it needs [\d,.]+ MB \([\d,]+ B\)"),
     ("a sample grid", lambda patch: _full_where(patch, "/samples/"),
      r"samples/step-000002\.png: it needs [\d,.]+ MB \([\d,]+ B\)"),
+    ("the hub cache", _full_hub_cache, re.escape(f"{HF_HUB_CACHE}: it needs room for the model's files (HF_HOME / "
+                                                 "HF_HUB_CACHE move the hub cache)")),
 ])
 def test_a_full_disk_fails_naming_the_file_and_the_space_needed_and_the_rerun_completes_the_same(
         make_config, tmp_path, monkeypatch, site, fill, named):

@@ -255,10 +255,12 @@ def text_cache_record(store: Store, fingerprints: dict[str, str], prompts: dict[
     and every encoder's (`caches`), the commit records of the prompts (by encoder) and of each
     shard of each encoder, `amount` (captions, once whatever the encoders) and `committed_at`."""
     first = next(iter(fingerprints))
-    captions = sum(r["captions"] for r in [prompts[first], *shards] if r.get("encoder", first) == first)
+    # named apart: the text-encoding artifact counts the dataset's captions, which the prompts are not
+    captions = sum(r["captions"] for r in shards if r.get("encoder", first) == first)
+    prompts_count = prompts[first]["captions"]
     return {"url": store.url(layout.cache("text", fingerprints[first])), "prompts": prompts, "shards": shards,
             "caches": {name: store.url(layout.cache("text", fp)) for name, fp in fingerprints.items()},
-            "amount": f"{captions} captions",
+            "amount": f"{captions} captions and {prompts_count} sample prompts",
             "committed_at": max(r["committed_at"] for r in [*prompts.values(), *shards])}
 
 
@@ -278,7 +280,13 @@ def encoding_report(records: list[dict[str, Any]]) -> str:
     lines += ["| encoder | shard | captions | tokens | truncated |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r.get('encoder', '')} | {r['shard']} | {r['captions']} | {r['tokens']} | {r['truncated']} |"
               for r in records]
-    first = [r for r in records if r.get("encoder", "") == encoders[0]] if records else []
-    lines += ["", f"{sum(r['captions'] for r in first)} captions; {sum(r['tokens'] for r in records)} tokens stored, "
-              f"{sum(r['truncated'] for r in first)} captions truncated at max_length."]
+    lines += ["", encoding_totals(records) + " at max_length."]
     return "\n".join(lines)
+
+
+def encoding_totals(records: list[dict[str, Any]]) -> str:
+    """"64 captions; 1,234 tokens stored, 0 captions truncated": the report's last line, and the
+    artifact's description in the UI's list."""
+    first = [r for r in records if r.get("encoder", "") == records[0].get("encoder", "")] if records else []
+    return (f"{sum(r['captions'] for r in first):,} captions; {sum(r['tokens'] for r in records):,} tokens stored, "
+            f"{sum(r['truncated'] for r in first):,} captions truncated")

@@ -48,15 +48,24 @@ def report_markdown(report: dict[str, Any]) -> str:
              f"{report['duplicates']} exact duplicates merged, {report['caption_variants']} caption variants.", ""]
 
     def table(title: str, header: str, rows: list[tuple]) -> None:
+        if not rows:  # a header row alone reads as a broken table
+            lines.extend([f"## {title}", "", "none", ""])
+            return
         lines.extend([f"## {title}", "", header, "|" + " --- |" * (header.count("|") - 1)])
         lines.extend("| " + " | ".join(str(c) for c in row) + " |" for row in rows)
         lines.append("")
 
+    # the stored JSON's keys come back sorted as strings ("<=10" before "<=5"): bins in numeric order
+    def numeric(label: str) -> tuple[bool, float]:
+        return label.startswith(">"), float(label.lstrip("<=>"))
+
     table("By format", "| format | accepted | quarantined |",
           [(f, c["accepted"], c["quarantined"]) for f, c in report["by_format"].items()])
     table("Quarantined by reason", "| reason | count |", list(report["by_reason"].items()))
-    table("By aspect-ratio bucket (height/width)", "| ratio | samples |", list(report["by_bucket"].items()))
-    table("Caption length (words)", "| words | captions |", list(report["caption_words"].items()))
+    table("By aspect-ratio bucket (height/width)", "| ratio | samples |",
+          sorted(report["by_bucket"].items(), key=lambda row: numeric(row[0])))
+    table("Caption length (words)", "| words | captions |",
+          sorted(report["caption_words"].items(), key=lambda row: numeric(row[0])))
     if report["quarantine"]:
         table("Quarantined inputs", "| source | reason | message |",
               [(q["source"], q["reason"], q["message"]) for q in report["quarantine"][:200]])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +79,7 @@ class RunPage:
         validation = record["validation_loss"]
         return [
             ("steps", f"{record['steps']}{resumed} in {record['seconds']:,.0f} s{speed}"),
-            ("loss", f"{record['first_loss']:.4f} at the start, {record['final_loss']:.4f} at the end"),
+            ("loss", loss_text(record)),
             ("validation loss", f"{validation:.4f}" if validation is not None else "none (validation_samples is 0)"),
             ("model", record["model"]["path"] + (f" @ {record['model']['revision']}" if record["model"]["revision"]
                                                   else "")),
@@ -147,10 +148,23 @@ def _milestones(metrics: list[dict[str, Any]], count: int = 10) -> list[dict[str
     return [m for i, m in enumerate(metrics) if i % every == every - 1 or i == len(metrics) - 1 or "validation_loss" in m]
 
 
+def loss_text(record: dict[str, Any]) -> str:
+    """The run's loss as every reader is told it: means over a window of steps, said so (a single
+    step's loss is noisier than the change it shows)."""
+    window = record.get("loss_window")
+    over = f"each the mean of {window} steps" if window else "each a mean over steps"
+    return f"{record['first_loss']:.4f} at the start → {record['final_loss']:.4f} at the end ({over})"
+
+
 def stage_table(stages: list[dict[str, Any]]) -> list[str]:
-    return (["| stage | status | amount | time | work | output |", "| --- | --- | --- | --- | --- | --- |"]
-            + [f"| {s['stage']} | {s['status']} | {s['amount']} | {s['seconds']} | {s['work']} | `{s['output']}` |"
-               for s in stages])
+    """The stages as a table that fits a page, their outputs listed under it relative to the
+    folder that holds them all (the store root): a URL is one unbreakable word, and in a column it
+    squeezed every other."""
+    root = os.path.commonprefix([s["output"] for s in stages]).rsplit("/", 1)[0] + "/"
+    return (["| stage | status | amount | time | work |", "| --- | --- | --- | --- | --- |"]
+            + [f"| {s['stage']} | {s['status']} | {s['amount']} | {s['seconds']} | {s['work']} |" for s in stages]
+            + ["", f"Outputs, under `{root}`:", ""]
+            + [f"- {s['stage']}: `{s['output'].removeprefix(root)}`" for s in stages])
 
 
 def _data_uri(data: bytes, width: int | None = None) -> str:

@@ -116,7 +116,7 @@ class RunPublisher:
             transformer=store.url(layout.run_part(run, "transformer")) if self.output == "transformer" else None,
             finished=time.time(), steps=training.steps, resumed_from=start, seconds=round(elapsed, 2),
             first_loss=sum(m["loss"] for m in metrics[:window]) / window,
-            final_loss=sum(m["loss"] for m in metrics[-window:]) / window,
+            final_loss=sum(m["loss"] for m in metrics[-window:]) / window, loss_window=window,
             validation_loss=next((m["validation_loss"] for m in reversed(metrics) if "validation_loss" in m), None),
         )
 
