@@ -86,6 +86,12 @@ class RunPage:
             ("manifest", self.lineage["manifest"]),
         ]
 
+    def _in_store(self, url: str) -> str:
+        """`url` relative to the store that holds this run (a URL is one unbreakable word: in a
+        table it pushed the page sideways), else as it is."""
+        root = layout.parse_run(self.url)[0] + "/"
+        return url.removeprefix(root) if url.startswith(root) else url
+
     def _lineage(self) -> list[tuple[str, str]]:
         lineage = self.lineage
         training = lineage["training"]
@@ -94,7 +100,7 @@ class RunPage:
                 "base_precision", "gradient_checkpointing", "timestep_sampling", "loss_weighting", "seed")
         init = lineage.get("init_from")
         return [("training", ", ".join(f"{key} {training[key]}" for key in keys if training.get(key) is not None)),
-                ("continued from", f"{init['url']} (sha256 {init['sha256'][:12]})" if init else "none"),
+                ("continued from", f"{self._in_store(init['url'])} (sha256 {init['sha256'][:12]})" if init else "none"),
                 ("text", ", ".join(f"{k} {v}" for k, v in lineage["text"].items())),
                 ("code", lineage["code"]),
                 ("versions", ", ".join(f"{k} {v}" for k, v in lineage["versions"].items()))]
@@ -102,7 +108,8 @@ class RunPage:
     def markdown(self) -> str:
         """The Prefect artifact: pictures inline as data URIs."""
         weights, code = self._weights()
-        lines = [f"# Training run `{self.url.rsplit('/', 1)[1]}`", "", f"`{self.url}`", ""]
+        lines = [f"# Training run `{self.url.rsplit('/', 1)[1]}`", "",
+                 f"`{self.url}`: the paths below are under `{layout.parse_run(self.url)[0]}/`", ""]
         if self.samples is not None:
             lines += [f"![sample grid]({_data_uri(self.samples, PAGE_IMAGE_WIDTH)})", "",
                       "Prompts: " + "; ".join(f"“{p}”" for p in self.lineage["training"]["sample_prompts"]), ""]
@@ -122,7 +129,7 @@ class RunPage:
         """The same page for a terminal: the pictures by URL, the curve as a table of steps."""
         weights, code = self._weights()
         record = self.record
-        out = [f"training run {self.url}"]
+        out = [f"training run {self.url} (paths below under {layout.parse_run(self.url)[0]}/)"]
         out += [f"  {name}: {value}" for name, value in self._facts()]
         if record["samples"]:
             out.append(f"  sample grid: {record['samples'][-1]}")
