@@ -62,6 +62,8 @@ def test_each_tracker_reads_back_the_run_with_its_own_reader(cached_manifest, s3
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
 
+    secret = "precast-tracker-secret-7f3a91"  # the store's key, in the environment (moto takes any)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -119,6 +121,11 @@ def test_each_tracker_reads_back_the_run_with_its_own_reader(cached_manifest, s3
     config_items = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert run.project == "trackers-test" and config_items["run_id"] == run_id
     assert config_items["training.rank"] == 4 and config_items["fingerprints.vae_fingerprint"]
+
+    # no tracker is given a credential: the params and config each one holds, and every file they wrote
+    tracked = [json.dumps(found.data.params), json.dumps(config_items), str(start.hparams), path.read_bytes().decode(
+        "latin-1"), *(p.read_bytes().decode("latin-1") for p in (tmp_path / "tensorboard").rglob("*") if p.is_file())]
+    assert all(secret not in text for text in tracked)
 
 
 def test_a_failing_or_hanging_tracker_costs_the_run_nothing(cached_manifest, tmp_path, monkeypatch, caplog):
