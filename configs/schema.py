@@ -467,6 +467,8 @@ class ExecutionConfig(Section):
             return self
         scheme, _, rest = self.cluster.partition("://")
         host = rest.rsplit(":", 1)[0].strip("[]")
+        if scheme not in ("tcp", "tls"):
+            raise ValueError(f"cluster {self.cluster}: the address is tls://host:port (or tcp:// on loopback)")
         if scheme == "tls" and self.cluster_tls is None:
             raise ValueError(f"cluster {self.cluster}: set cluster_tls, the folder or Secret block of the cluster's "
                              "CA and this client's certificate and key")
@@ -476,8 +478,6 @@ class ExecutionConfig(Section):
             raise ValueError(f"cluster {self.cluster} listens beyond this machine without TLS: anyone who reaches it "
                              "runs code on every worker. Start the scheduler and workers with TLS (`precast "
                              "certificates DIR`; docs/security.md) and give tls://… with cluster_tls")
-        if scheme not in ("tcp", "tls"):
-            raise ValueError(f"cluster {self.cluster}: the address is tls://host:port (or tcp:// on loopback)")
         return self
 
 

@@ -214,7 +214,11 @@ class FlowExecutor:
             with stage_executor(config.execution, config.text_encoding.device, plan.configured, "encode-text") as run:
                 prompts = run.one(encode_prompts_task, *args, config.training.sample_prompts)
                 run.one(measure_numerics_task, *args, every[0] if every else None)  # before any shard
-                progress = self.progress("encode-text", dataset, urls, began)
+                # from the stage's start (its models loaded since): shards, and the samples whose captions
+                # they hold when it encodes them all
+                progress = StageProgress("encode-text", len(urls), "shards", started=began,
+                                         items=dataset["samples"] if self.shards is None else None,
+                                         item_unit="captioned samples")
                 shards = run.map(encode_text_task, urls, *args,  # each shard's records: one per encoder
                                  completed=lambda records: progress.advance(1, records[0].get("samples", 0)))
                 records = [record for records in shards for record in records]
@@ -238,7 +242,8 @@ class FlowExecutor:
         else:
             with stage_executor(config.execution, config.latent_encoding.device, plan.configured,
                                 "encode-latents") as run:
-                progress = StageProgress("encode-latents", None, "shards", started=began)  # counted as ingest commits them
+                # counted as ingest commits them
+                progress = StageProgress("encode-latents", None, "shards", started=began)
 
                 def given(urls: Iterable[str]) -> Iterator[str]:
                     for url in urls:
@@ -253,12 +258,6 @@ class FlowExecutor:
             publish_work("encode-latents", work)
             records = shards.in_order(records) if self.shards is None else records
         return {**latent_cache_record(store, fingerprint, records), "work": work}
-
-    def progress(self, stage: str, dataset: DatasetRecord, urls: list[str], began: float) -> StageProgress:
-        """An encoding stage's progress from `began` (its start, models loaded since): its shards,
-        and the dataset's samples when it encodes them all (their captions or their images)."""
-        return StageProgress(stage, len(urls), "shards", items=dataset["samples"] if self.shards is None else None,
-                             item_unit="captioned samples" if stage == "encode-text" else "images", started=began)
 
     def manifest(self, dataset: DatasetRecord) -> ManifestRecord:
         plan, config = self.plan, self.plan.config

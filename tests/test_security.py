@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +14,9 @@ from pydantic import ValidationError
 
 from configs.schema import ExecutionConfig
 from flows.credentials import cluster_security, write_cluster_certificates
+from tests.conftest import _free_port
 
 DASK = str(Path(sys.executable).with_name("dask"))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tls(folder: Path) -> list[str]:

@@ -86,11 +86,15 @@ class RunPage:
             ("manifest", self.lineage["manifest"]),
         ]
 
+    @property
+    def root(self) -> str:
+        """The URL of the store that holds this run."""
+        return layout.parse_run(self.url)[0]
+
     def _in_store(self, url: str) -> str:
         """`url` relative to the store that holds this run (a URL is one unbreakable word: in a
         table it pushed the page sideways), else as it is."""
-        root = layout.parse_run(self.url)[0] + "/"
-        return url.removeprefix(root) if url.startswith(root) else url
+        return url.removeprefix(self.root + "/")
 
     def _lineage(self) -> list[tuple[str, str]]:
         lineage = self.lineage
@@ -109,7 +113,7 @@ class RunPage:
         """The Prefect artifact: pictures inline as data URIs."""
         weights, code = self._weights()
         lines = [f"# Training run `{self.url.rsplit('/', 1)[1]}`", "",
-                 f"`{self.url}`: the paths below are under `{layout.parse_run(self.url)[0]}/`", ""]
+                 f"`{self.url}`: the paths below are under `{self.root}/`", ""]
         if self.samples is not None:
             lines += [f"![sample grid]({_data_uri(self.samples, PAGE_IMAGE_WIDTH)})", "",
                       "Prompts: " + "; ".join(f"“{p}”" for p in self.lineage["training"]["sample_prompts"]), ""]
@@ -129,7 +133,7 @@ class RunPage:
         """The same page for a terminal: the pictures by URL, the curve as a table of steps."""
         weights, code = self._weights()
         record = self.record
-        out = [f"training run {self.url} (paths below under {layout.parse_run(self.url)[0]}/)"]
+        out = [f"training run {self.url} (paths below under {self.root}/)"]
         out += [f"  {name}: {value}" for name, value in self._facts()]
         if record["samples"]:
             out.append(f"  sample grid: {record['samples'][-1]}")
