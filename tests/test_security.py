@@ -3,6 +3,7 @@ without the credentials it was set up with (docs/security.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -22,6 +23,22 @@ DASK = str(Path(sys.executable).with_name("dask"))
 def _tls(folder: Path) -> list[str]:
     return ["--tls-ca-file", str(folder / "ca.pem"), "--tls-cert", str(folder / "cert.pem"),
             "--tls-key", str(folder / "key.pem")]
+
+
+def _connect(address: str, security=None) -> None:
+    """Connect a client as an outsider would. Asynchronous, in one event loop of this thread:
+    each refused synchronous Client leaves an IO-loop thread behind, and on a loaded machine the
+    next one's thread then missed distributed's 10 s start-up wait."""
+    from distributed import Client
+
+    async def attempt() -> None:
+        client = Client(address, security=security, asynchronous=True, timeout=5)
+        try:
+            await client
+        finally:
+            await client.close()
+
+    asyncio.run(attempt())
 
 
 def _workers(client) -> int:
@@ -50,11 +67,11 @@ def test_a_tls_dask_cluster_refuses_clients_and_workers_without_its_certificate(
             assert client.submit(sum, [1, 2]).result(timeout=60) == 3
 
             with pytest.raises(TypeError, match="TLS expects a `ssl_context`"):
-                Client(address, timeout=5)  # no certificate: it cannot even offer one
+                _connect(address)  # no certificate: it cannot even offer one
             with pytest.raises(OSError):
-                Client(f"tcp://127.0.0.1:{port}", timeout=5)
+                _connect(f"tcp://127.0.0.1:{port}")
             with pytest.raises(OSError):
-                Client(address, security=cluster_security(str(theirs)), timeout=5)
+                _connect(address, cluster_security(str(theirs)))
 
             stranger = subprocess.Popen([DASK, "worker", address, *_tls(theirs), "--nthreads", "1", "--no-dashboard",
                                          "--death-timeout", "8"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
