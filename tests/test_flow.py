@@ -85,9 +85,11 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     page = _latest_artifact("training-run")  # the run page: pictures inline, how to load, lineage, stage costs
     assert page.startswith(f"# Training run `{result['run'].rsplit('/', 1)[1]}`")
     assert "![sample grid](data:image/" in page and "![training curves: loss, validation loss, learning rate](data:" in page
-    assert f"`{result['weights']}`" in page
+    assert f"`runs/{result['weights'].split('/runs/', 1)[1]}`" in page  # relative to the store root, given above
     loading = {}  # the page's own Python loads the trained adapter into the pipeline
-    exec(page.split("```python\n", 1)[1].split("```", 1)[0], loading)
+    code = page.split("```python\n", 1)[1].split("```", 1)[0]
+    assert max(map(len, code.splitlines())) <= 20 + max(len(config.model.path), len(config.storage.root))  # one path a line
+    exec(code, loading)
     trained = PeftModel.from_pretrained(PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer"),
                                         store.path(store.key(result["weights"]))).merge_and_unload().state_dict()
     assert all(torch.equal(value, trained[key]) for key, value in loading["pipeline"].transformer.state_dict().items())
@@ -116,7 +118,7 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     assert main(["inspect", result["run"]]) == 0
     text = capsys.readouterr().out
     assert text.startswith(f"training run {result['run']}") and "loss by step:" in text
-    assert f"weights: {result['weights']}" in text and "  encode-latents  ran" in text
+    assert f"weights: runs/{result['weights'].split('/runs/', 1)[1]}" in text and "  encode-latents  ran" in text
     assert main(["inspect", result["weights"], "--json"]) == 0  # the weights' URL finds their run
     shown = json.loads(capsys.readouterr().out)
     assert shown["run"] == result["run"] and [s["stage"] for s in shown["stages"]][-1] == "train"

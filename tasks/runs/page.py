@@ -51,25 +51,24 @@ class RunPage:
         return cls.of(FinishedRun.at(url, options))
 
     def _weights(self) -> tuple[str, str]:
-        """Where the trained weights are, and Python that renders with them."""
+        """Where the trained weights are (relative to the store), and Python that renders with
+        them, one path a line (a line longer than the page is clipped in the UI)."""
         model, url = self.record["model"]["path"], self.record[self.weights]
         pipeline, transformer = self.family.pipeline_name, self.family.transformer_name
         # the component it trained: an expert's of a two-expert model, the transformer else
         slot = "transformer_2" if self.record["model"].get("expert") == "low_noise" else "transformer"
+        relative = self._in_store(url)
         # a local store's folder loads as it is; a remote one's is copied first
-        local, note = (url.removeprefix("file://"), "") if url.startswith("file://") else \
-            (self.weights, "  # the folder, copied locally")
-        if self.weights == "adapter":
-            code = (f"from diffusers import {pipeline}, {transformer}\n"
-                    f"from peft import PeftModel\n\n"
-                    f"base = {transformer}.from_pretrained({model!r}, subfolder=\"{slot}\")\n"
-                    f"transformer = PeftModel.from_pretrained(base, {local!r}).merge_and_unload(){note}\n"
-                    f"pipeline = {pipeline}.from_pretrained({model!r}, {slot}=transformer)")
-        else:
-            code = (f"from diffusers import {pipeline}, {transformer}\n\n"
-                    f"transformer = {transformer}.from_pretrained({local!r}){note}\n"
-                    f"pipeline = {pipeline}.from_pretrained({model!r}, {slot}=transformer)")
-        return url, code
+        where = (f"store = {self.root.removeprefix('file://')!r}\nweights = store + {'/' + relative!r}"
+                 if url.startswith("file://") else f"weights = {self.weights!r}  # {relative}, copied locally")
+        load = (f"base = {transformer}.from_pretrained(model, subfolder=\"{slot}\")\n"
+                f"transformer = PeftModel.from_pretrained(base, weights).merge_and_unload()"
+                if self.weights == "adapter" else f"transformer = {transformer}.from_pretrained(weights)")
+        imports = f"from diffusers import {pipeline}, {transformer}\n" + \
+            ("from peft import PeftModel\n" if self.weights == "adapter" else "")
+        code = (f"{imports}\nmodel = {model!r}\n{where}\n{load}\n"
+                f"pipeline = {pipeline}.from_pretrained(model, {slot}=transformer)")
+        return relative, code
 
     def _facts(self) -> list[tuple[str, str]]:
         record = self.record
