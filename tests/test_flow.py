@@ -93,15 +93,16 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     trained = PeftModel.from_pretrained(PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer"),
                                         store.path(store.key(result["weights"]))).merge_and_unload().state_dict()
     assert all(torch.equal(value, trained[key]) for key, value in loading["pipeline"].transformer.state_dict().items())
-    assert "| manifest |" in page and "| ingest | ran | 24 samples in 3 shards |" in page
+    assert "\n- manifest: " in page and "| ingest | ran | 24 samples in 3 shards |" in page
     assert float(_latest_artifact("training-progress")) == 100.0
 
     summary = _latest_artifact("pipeline-summary")
     assert "| ingest | ran | 24 samples in 3 shards |" in summary and "| train | ran | 6 steps" in summary
-    # the table fits a page: no URL in it; the outputs are listed under it, relative to the store root
-    table = [line for line in summary.splitlines() if line.startswith("| ")]
-    assert len(table) == 7 and not any("://" in line for line in table), table
-    assert f"Outputs, under `{store.root_url}/`:" in summary
+    # the tables fit a page in both UIs (V1 does not wrap a cell): short columns, no URL; each stage's
+    # output (relative to the store root) and work are listed under the table, as the run page's are
+    table = [line for line in (summary + page).splitlines() if line.startswith("| ")]
+    assert len(table) == 14 and max(map(len, table)) <= 100 and not any("://" in line for line in table), table
+    assert f"Outputs, under `{store.root_url}/`, and the work each took:" in summary
     assert f"- manifest: `{store.key(result['manifest'])}`" in summary
     assert summary in caplog.text  # the run's log shows it too (precast run prints it)
 
@@ -109,7 +110,7 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     assert work["encode-text"]["shards_encoded"] == work["encode-latents"]["shards_encoded"] == 3
     # on a CPU the VAE's share of waiting is the decoding itself, done between its batches
     assert 0 < work["encode-latents"]["feed_wait"] < 1 and "waiting for pixels" in summary
-    assert work["train"] == {} and "| 1 worker, " in summary
+    assert work["train"] == {} and "`; 1 worker, " in summary
     assert work["ingest"]["units_read"] == 24 and work["ingest"]["units_reused"] == 0
 
     from flows.cli import main  # the same page in the terminal

@@ -119,11 +119,11 @@ class RunPage:
             if self.record.get("sample_videos"):  # a run on clips: the grid is its videos' first frames
                 lines += [f"The videos (animated WebP): `{self.record['sample_videos'][-1]}`", ""]
         lines += [f"![training curves: loss, validation loss, learning rate]({_data_uri(self.curves)})", ""]
-        lines += ["| | |", "| --- | --- |"] + [f"| {name} | {value} |" for name, value in self._facts()]
+        lines += [f"- {name}: {value}" for name, value in self._facts()]  # a list, not a table: it wraps in both UIs
         lines += ["", "## Weights", "", f"`{weights}`", "", "```python", code, "```", "",
                   f"Or `precast sample {self.url} --prompt \"…\"`; `precast export {self.url}` writes the LoRA in "
                   f"ComfyUI's layout.", ""]
-        lines += ["## Lineage", "", "| | |", "| --- | --- |"] + [f"| {n} | {v} |" for n, v in self._lineage()]
+        lines += ["## Lineage", ""] + [f"- {name}: {value}" for name, value in self._lineage()]
         lines += ["", "## Stages", ""] + (stage_table(self.stages) if self.stages else
                                           ["Not recorded: trained outside the pipeline flow."])
         return "\n".join(lines)
@@ -167,14 +167,15 @@ def loss_text(record: dict[str, Any]) -> str:
 
 
 def stage_table(stages: list[dict[str, Any]]) -> list[str]:
-    """The stages as a table that fits a page, their outputs listed under it relative to the
-    folder that holds them all (the store root): a URL is one unbreakable word, and in a column it
-    squeezed every other."""
+    """The stages as a table of short columns, then each stage's work and output in a list under
+    it, the outputs relative to the folder that holds them all (the store root): Prefect's V1 UI
+    does not wrap a table's cells, so a long one ran off the page there."""
     root = os.path.commonprefix([s["output"] for s in stages]).rsplit("/", 1)[0] + "/"
-    return (["| stage | status | amount | time | work |", "| --- | --- | --- | --- | --- |"]
-            + [f"| {s['stage']} | {s['status']} | {s['amount']} | {s['seconds']} | {s['work']} |" for s in stages]
-            + ["", f"Outputs, under `{root}`:", ""]
-            + [f"- {s['stage']}: `{s['output'].removeprefix(root)}`" for s in stages])
+    return (["| stage | status | amount | time |", "| --- | --- | --- | --- |"]
+            + [f"| {s['stage']} | {s['status']} | {s['amount']} | {s['seconds']} |" for s in stages]
+            + ["", f"Outputs, under `{root}`, and the work each took:", ""]
+            + [f"- {s['stage']}: `{s['output'].removeprefix(root)}`" + (f"; {s['work']}" if s["work"] else "")
+               for s in stages])
 
 
 def _data_uri(data: bytes, width: int | None = None) -> str:
