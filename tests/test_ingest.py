@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import shutil
 from pathlib import Path
 
@@ -321,6 +322,14 @@ def test_inspect_prints_the_report(corpora, make_config, capsys):
     ratios = text.split("## By aspect-ratio bucket (height/width)")[1].split("##")[0]
     values = [float(line.split("|")[1]) for line in ratios.splitlines()[4:] if line.startswith("| ")]
     assert values == sorted(values) and values
+    # the quarantined inputs as a list under their common folder (V1's table cells do not wrap), each
+    # name and message escaped so that markdown shows them as they are
+    quarantined = text.split("## Quarantined inputs, under `")[1].split("`", 1)
+    folder, items = quarantined[0], [line for line in quarantined[1].splitlines() if line.startswith("- ")]
+    assert folder.startswith(corpora["jsonl"].as_uri() + "/") and len(items) == sum(REASONS.values())
+    reasons = sorted(reason.replace("_", "\\_") for reason, count in REASONS.items() for _ in range(count))
+    assert sorted(line.split(": ")[1] for line in items) == reasons
+    assert [line for line in items if re.search(r"(?<!\\)[<>|`*_]", line[2:])] == []
 
 
 def test_a_clean_ingest_reports_no_quarantine_as_none_not_an_empty_table(make_config, demo_data, capsys):

@@ -4,6 +4,8 @@ the Prefect artifact and `precast inspect` show."""
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections import Counter
 from typing import Any
 
@@ -66,7 +68,16 @@ def report_markdown(report: dict[str, Any]) -> str:
           sorted(report["by_bucket"].items(), key=lambda row: numeric(row[0])))
     table("Caption length (words)", "| words | captions |",
           sorted(report["caption_words"].items(), key=lambda row: numeric(row[0])))
-    if report["quarantine"]:
-        table("Quarantined inputs", "| source | reason | message |",
-              [(q["source"], q["reason"], q["message"]) for q in report["quarantine"][:200]])
+    if report["quarantine"]:  # a list: sources and messages are long, and V1's table cells do not wrap
+        shown = report["quarantine"][:200]
+        folder = os.path.commonprefix([q["source"] for q in shown]).rpartition("/")[0] + "/"
+        lines.extend([f"## Quarantined inputs, under `{folder}`", ""])
+        lines.extend(f"- {_literal(q['source'].removeprefix(folder))}: {_literal(q['reason'])}: {_literal(q['message'])}"
+                     for q in shown)
     return "\n".join(lines)
+
+
+def _literal(text: str) -> str:
+    """`text` (a message about a hostile input, which may name its bytes) shown as it is in
+    markdown: each character that would format it (or open an HTML tag) escaped."""
+    return re.sub(r"([\\`*_\[\]|#~<>&])", r"\\\1", text)
