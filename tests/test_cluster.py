@@ -112,12 +112,17 @@ def _run(stack, deployment: str, config: dict) -> subprocess.CompletedProcess:
 
 
 def _summary_rows(stack, flow_run_id) -> dict[str, str]:
-    """The `pipeline-summary` artifact of one pipeline flow run: its table rows by stage."""
+    """The `pipeline-summary` artifact of one pipeline flow run, by stage: its table row and the
+    line under the table with its output and work."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     (summary,) = _api(stack, lambda client: client.read_artifacts(artifact_filter=ArtifactFilter(
         key=ArtifactFilterKey(any_=["pipeline-summary"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))))
-    return {line.split("|")[1].strip(): line for line in summary.data.splitlines() if line.startswith("| ")}
+    rows = {line.split("|")[1].strip(): line for line in summary.data.splitlines() if line.startswith("| ")}
+    for line in summary.data.splitlines():
+        if line.startswith("- ") and (stage := line[2:].split(":", 1)[0]) in rows:
+            rows[stage] += line
+    return rows
 
 
 def _encoder_work(row: str) -> tuple[int, ...]:
