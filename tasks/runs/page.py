@@ -117,7 +117,7 @@ class RunPage:
             lines += [f"![sample grid]({_data_uri(self.samples, PAGE_IMAGE_WIDTH)})", "",
                       "Prompts: " + "; ".join(f"“{p}”" for p in self.lineage["training"]["sample_prompts"]), ""]
             if self.record.get("sample_videos"):  # a run on clips: the grid is its videos' first frames
-                lines += [f"The videos (animated WebP): `{self.record['sample_videos'][-1]}`", ""]
+                lines += [f"The videos (animated WebP): `{self._in_store(self.record['sample_videos'][-1])}`", ""]
         lines += [f"![training curves: loss, validation loss, learning rate]({_data_uri(self.curves)})", ""]
         lines += [f"- {name}: {value}" for name, value in self._facts()]  # a list, not a table: it wraps in both UIs
         lines += ["", "## Weights", "", f"`{weights}`", "", "```python", code, "```", "",
