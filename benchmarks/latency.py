@@ -2,7 +2,7 @@
 API endpoint that adds a fixed delay to every request — what a real object store costs per
 request (~20 ms on S3), where a loopback endpoint costs almost nothing — counts the requests and
 the body bytes it passes back, by method and path, and, given `fault_every`, answers every n-th
-request with one of the faults an object store serves in a busy week, in turn (`FAULTS`): 503
+request with one of the faults an object store serves in a busy week, each about as often (`FAULTS`): 503
 SlowDown, 400 RequestTimeout, a connection reset before the answer (for a PUT: after the target
 stored it, a lost response), and a GET's body cut short at half its Content-Length.
 
@@ -68,7 +68,9 @@ class SlowEndpoint:
             self.requests.clear()
 
     def fault(self, method: str) -> str | None:
-        """The fault to serve this request, if it is its turn (a truncated body only for a GET)."""
+        """The fault to serve this request, if it is its turn: the kind served least so far (a
+        truncated body only for a GET), so that each kind is served about as often whatever the
+        order of the requests (a plain rotation skipped truncation whenever a PUT held its turn)."""
         if not self.fault_every:
             return None
         with self._lock:
@@ -76,7 +78,7 @@ class SlowEndpoint:
             if self.seen % self.fault_every:
                 return None
             kinds = FAULTS if method == "GET" else FAULTS[:-1]
-            kind = kinds[sum(self.injected.values()) % len(kinds)]
+            kind = min(kinds, key=lambda k: (self.injected[k], FAULTS.index(k)))
             self.injected[kind] += 1
             return kind
 
