@@ -88,7 +88,7 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     assert f"`runs/{result['weights'].split('/runs/', 1)[1]}`" in page  # relative to the store root, given above
     loading = {}  # the page's own Python loads the trained adapter into the pipeline
     code = page.split("```python\n", 1)[1].split("```", 1)[0]
-    assert max(map(len, code.splitlines())) <= 20 + max(len(config.model.path), len(config.storage.root))  # one path a line
+    assert max(map(len, code.splitlines())) <= 80, code  # a long path split over lines, which Python joins
     exec(code, loading)
     trained = PeftModel.from_pretrained(PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer"),
                                         store.path(store.key(result["weights"]))).merge_and_unload().state_dict()
@@ -346,3 +346,20 @@ def test_submit_names_a_deployment_that_does_not_exist(prefect_server, capsys):
     assert main(["submit", "precast-pipeline/no-such-deployment"]) == 1
     error = capsys.readouterr().err
     assert "deployment 'precast-pipeline/no-such-deployment' does not exist" in error and "precast deploy" in error
+
+
+def test_the_run_pages_code_splits_a_long_path_that_python_joins_back():
+    """A hub snapshot's path (about 110 characters) does not fit a code line of Prefect's V1 UI:
+    the run page's code splits it after slashes into strings on lines of at most 80, which Python
+    joins back to the path; a short path stays one string, a part longer than a line stays whole."""
+    from tasks.runs.page import _assign
+
+    snapshot = "/mnt/hf-cache/models--PixArt-alpha--PixArt-Sigma-XL-2-1024-MS/snapshots/" + "5c3a2b1f0e" * 4
+    unbreakable = "s3://bucket/" + "x" * 90
+    for path in (snapshot, "s3://team-bucket/precast/" + "nightly/" * 12 + "store", unbreakable, "/data/store"):
+        code, scope = _assign("model", path), {}
+        exec(code, scope)
+        assert scope["model"] == path
+        assert path == unbreakable or max(map(len, code.splitlines())) <= 80, code
+    assert _assign("model", "/data/store") == "model = '/data/store'"
+    assert len(_assign("model", snapshot).splitlines()) == 2 and len(_assign("model", unbreakable).splitlines()) == 2

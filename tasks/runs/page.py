@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,14 +60,14 @@ class RunPage:
         slot = "transformer_2" if self.record["model"].get("expert") == "low_noise" else "transformer"
         relative = self._in_store(url)
         # a local store's folder loads as it is; a remote one's is copied first
-        where = (f"store = {self.root.removeprefix('file://')!r}\nweights = store + {'/' + relative!r}"
+        where = (f"{_assign('store', self.root.removeprefix('file://'))}\nweights = store + {'/' + relative!r}"
                  if url.startswith("file://") else f"weights = {self.weights!r}  # {relative}, copied locally")
         load = (f"base = {transformer}.from_pretrained(model, subfolder=\"{slot}\")\n"
                 f"transformer = PeftModel.from_pretrained(base, weights).merge_and_unload()"
                 if self.weights == "adapter" else f"transformer = {transformer}.from_pretrained(weights)")
         imports = f"from diffusers import {pipeline}, {transformer}\n" + \
             ("from peft import PeftModel\n" if self.weights == "adapter" else "")
-        code = (f"{imports}\nmodel = {model!r}\n{where}\n{load}\n"
+        code = (f"{imports}\n{_assign('model', model)}\n{where}\n{load}\n"
                 f"pipeline = {pipeline}.from_pretrained(model, {slot}=transformer)")
         return relative, code
 
@@ -176,6 +177,21 @@ def stage_table(stages: list[dict[str, Any]]) -> list[str]:
             + ["", f"Outputs, under `{root}`, and the work each took:", ""]
             + [f"- {s['stage']}: `{s['output'].removeprefix(root)}`" + (f"; {s['work']}" if s["work"] else "")
                for s in stages])
+
+
+def _assign(name: str, path: str, width: int = 80) -> str:
+    """`name = 'path'` in Python, a long path split after its slashes into strings on lines of at
+    most `width` characters (where its parts allow), which Python joins: a longer line is clipped
+    in Prefect's V1 UI."""
+    indent = len(name) + 4  # name = (
+    lines = [""]
+    for part in re.split(r"(?<=/)", path):
+        if lines[-1] and indent + len(repr(lines[-1] + part)) + 1 > width:
+            lines.append("")
+        lines[-1] += part
+    if len(lines) == 1:
+        return f"{name} = {path!r}"
+    return f"{name} = (" + ("\n" + " " * indent).join(map(repr, lines)) + ")"
 
 
 def _data_uri(data: bytes, width: int | None = None) -> str:
