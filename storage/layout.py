@@ -22,6 +22,7 @@ path. `COMMITTED` lists the kinds that are only valid with a commit record besid
 
 from __future__ import annotations
 
+import os
 import re
 
 IMAGE_SHARDS = "shards/images"
@@ -37,6 +38,12 @@ def image_shard(shard_id: str) -> str:
 
 def dataset(dataset_id: str) -> str:
     return f"datasets/{dataset_id}.json"
+
+
+def common_folder(urls: list[str]) -> str:
+    """The folder (ending in "/") that holds every one of `urls`: what a list of them is shown
+    relative to."""
+    return os.path.commonprefix(urls).rpartition("/")[0] + "/"
 
 
 def split_url(url: str, folder: str, expected: str) -> tuple[str, str]:

@@ -4,11 +4,11 @@ the Prefect artifact and `precast inspect` show."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections import Counter
 from typing import Any
 
+from storage import layout
 from tasks.ingest.scan import Scan
 
 CAPTION_WORD_BINS = (5, 10, 20, 50, 100, 200)
@@ -70,7 +70,7 @@ def report_markdown(report: dict[str, Any]) -> str:
           sorted(report["caption_words"].items(), key=lambda row: numeric(row[0])))
     if report["quarantine"]:  # a list: sources and messages are long, and V1's table cells do not wrap
         shown = report["quarantine"][:200]
-        folder = os.path.commonprefix([q["source"] for q in shown]).rpartition("/")[0] + "/"
+        folder = layout.common_folder([q["source"] for q in shown])
         lines.extend([f"## Quarantined inputs, under `{folder}`", ""])
         lines.extend(f"- {_literal(q['source'].removeprefix(folder))}: {_literal(q['reason'])}: {_literal(q['message'])}"
                      for q in shown)

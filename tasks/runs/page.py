@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -171,7 +170,7 @@ def stage_table(stages: list[dict[str, Any]]) -> list[str]:
     """The stages as a table of short columns, then each stage's work and output in a list under
     it, the outputs relative to the folder that holds them all (the store root): Prefect's V1 UI
     does not wrap a table's cells, so a long one ran off the page there."""
-    root = os.path.commonprefix([s["output"] for s in stages]).rsplit("/", 1)[0] + "/"
+    root = layout.common_folder([s["output"] for s in stages])
     return (["| stage | status | amount | time |", "| --- | --- | --- | --- |"]
             + [f"| {s['stage']} | {s['status']} | {s['amount']} | {s['seconds']} |" for s in stages]
             + ["", f"Outputs, under `{root}`, and the work each took:", ""]
