@@ -10,7 +10,7 @@ from typing import Any
 from prefect import get_run_logger
 
 from configs.schema import Stage
-from tasks.records import EncodingWork, IngestWork, Record, Records, Work
+from tasks.records import EncodingWork, IngestWork, Record, Records, StoreWork, Work
 from tasks.runs.page import stage_table
 
 
@@ -66,14 +66,20 @@ def encoding_work_text(work: EncodingWork) -> str:
             f"{work['shards_cached']} cached{feed}{retries_text(work)}")
 
 
-def retries_text(work: IngestWork | EncodingWork) -> str:
+def retries_text(work: Work) -> str:
     retries = work.get("io_retries", 0)
     return f"; {retries} storage retr{'ies' if retries != 1 else 'y'}" if retries else ""
 
 
-# each stage that reports its work, and how it is told
+def store_work_text(work: StoreWork) -> str:
+    """"3 storage retries" (the manifest's and training's: "" when the store never failed)."""
+    return retries_text(work).removeprefix("; ")
+
+
+# each stage's work, told
 WORK_TEXT: dict[Stage, Callable[[Any], str]] = {
     "ingest": ingest_work_text, "encode-text": encoding_work_text, "encode-latents": encoding_work_text,
+    "manifest": store_work_text, "train": store_work_text,
 }
 
 

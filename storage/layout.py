@@ -13,7 +13,7 @@ path. `COMMITTED` lists the kinds that are only valid with a commit record besid
     cache/text/<fp>/<shard_id>.safetensors, prompts/<hash>.safetensors, numerics.json
     cache/latents/<fp>/<shard_id>.safetensors
     manifests/<manifest_id>.json, manifests/<manifest_id>.parquet
-    runs/<run_id>/lineage.json, config.yaml, metrics.jsonl, loss_curve.png, progress.json, lease,
+    runs/<run_id>/lineage.json, config.yaml, metrics.jsonl, loss_curve.png, progress.json, work.json, lease,
                   stages.json, tensorboard/, rendezvous/<attempt>/ (nodes meeting),
                   checkpoints/step-<8 digits>.safetensors, samples/step-<6 digits>.png,
                   adapter/ or transformer/
@@ -129,6 +129,7 @@ RUN_PARTS = {
     "metrics": "metrics.jsonl",
     "loss_curve": "loss_curve.png",
     "progress": "progress.json",  # relayed from rank 0 of a multi-process run
+    "work": "work.json",  # the store failures the training processes retried (the stage's work)
     "stages": "stages.json",  # the pipeline summary of the flow run that trained it (the run page's)
     "tensorboard": "tensorboard",  # the TensorBoard event files (one per attempt)
     "lease": "lease",  # one trainer at a time

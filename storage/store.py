@@ -139,6 +139,21 @@ def fsspec_options(config: StorageConfig) -> dict[str, Any]:
     return {**config.options, **config.credentials}
 
 
+class RangesRaise:
+    """`fs`, except that a failed ranged read raises. fsspec's `cat_ranges` returns a failed
+    range's exception in place of its bytes, which `fsspec.parquet` then slices: a connection
+    reset became a TypeError that nothing retried."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem):
+        self.fs = fs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fs, name)
+
+    def cat_ranges(self, *args: Any, **kwargs: Any) -> list[bytes]:
+        return self.fs.cat_ranges(*args, **{**kwargs, "on_error": "raise"})
+
+
 class Store:
     def __init__(self, config: StorageConfig):
         self.config = config
@@ -262,7 +277,8 @@ class Store:
         path = self.path(key)
         try:  # the footer and the columns' ranges are fetched here, all at once
             file = self._io("read", path, lambda: fsspec.parquet.open_parquet_file(
-                path, fs=self.fs, columns=columns, engine="pyarrow", footer_sample_size=PARQUET_FOOTER_SAMPLE))
+                path, fs=RangesRaise(self.fs), columns=columns, engine="pyarrow",
+                footer_sample_size=PARQUET_FOOTER_SAMPLE))
         except FileNotFoundError as error:
             raise ArtifactMissing(f"{self.url(key)} does not exist") from error
         except pa.ArrowException as error:  # a footer that does not parse

@@ -47,12 +47,14 @@ def verify_store(store: Store, repair: bool = False) -> dict[str, Any]:
             store.remove(key)
             report["removed"].append(key)
     report["ok"] = not report["damaged"]
+    report["io_retries"] = len(store.retried)  # transient failures ridden out: a flaky store shows here
     return report
 
 
 def report_text(report: dict[str, Any]) -> str:
     lines = [f"{report['root']}: {report['checked']} committed artifacts checked, {len(report['damaged'])} damaged, "
-             f"{len(report['partial'])} partial, {len(report['orphaned'])} orphaned"]
+             f"{len(report['partial'])} partial, {len(report['orphaned'])} orphaned"
+             + (f"; {report['io_retries']} storage retries" if report.get("io_retries") else "")]
     lines += [f"  damaged   {d['key']} ({d['reason']})" for d in report["damaged"]]
     lines += [f"  partial   {key}" for key in report["partial"]]
     lines += [f"  orphaned  {key}" for key in report["orphaned"]]

@@ -39,12 +39,19 @@ def build_manifest(
     storage: StorageConfig, dataset_id: str, text_fps: dict[str, str], vae_fp: str, prompts: list[str]
 ) -> ManifestRecord:
     """Write the manifest for a dataset encoded with the given fingerprints (each text encoder's,
-    by name, and the VAE's); returns its record."""
+    by name, and the VAE's); returns its record, with the store failures retried as its `work`.
+    The committed manifest is its own cache (so the work is always this run's)."""
     store = Store(storage)
     this_id = manifest_id(dataset_id, text_fps, vae_fp, prompts)
-    key = layout.manifest(this_id)
-    if (record := store.committed(key)) is not None:
-        return manifest_record(record)
+    if (record := store.committed(layout.manifest(this_id))) is None:
+        record = _write_manifest(store, this_id, dataset_id, text_fps, vae_fp, prompts)
+    return {**manifest_record(record), "work": {"io_retries": len(store.retried)}}
+
+
+def _write_manifest(store: Store, this_id: str, dataset_id: str, text_fps: dict[str, str], vae_fp: str,
+                    prompts: list[str]) -> dict[str, Any]:
+    """The manifest `this_id` (its rows, each shard checked against its commit record) committed;
+    its commit record."""
     dataset = json.loads(store.read_verified(layout.dataset(dataset_id)))
     prompts_keys = {name: prompts_cache_key(fp, prompts) for name, fp in text_fps.items()}
     checksums = {key: store.verify(key)["sha256"] for key in prompts_keys.values()}
@@ -85,7 +92,7 @@ def build_manifest(
         "table": table_key, "samples": len(rows),
         "buckets": dict(sorted(buckets.items())), "quarantined": dict(quarantined), "checksums": checksums,
     }
-    return manifest_record(store.commit_json(key, manifest, samples=len(rows), buckets=manifest["buckets"]))
+    return store.commit_json(layout.manifest(this_id), manifest, samples=len(rows), buckets=manifest["buckets"])
 
 
 def manifest_record(commit: dict[str, Any]) -> ManifestRecord:

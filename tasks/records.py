@@ -111,13 +111,21 @@ class CacheRecord(TypedDict):
     work: NotRequired[EncodingWork]  # added by whoever ran the shards (runner or flow)
 
 
-# --- manifest -----------------------------------------------------------------------------------
+# --- manifest, train -----------------------------------------------------------------------------
+class StoreWork(TypedDict):
+    """What the manifest and training cost beyond their outputs: the store's transient failures
+    retried during this run (a result found finished counts only the reads that found it)."""
+
+    io_retries: int
+
+
 class ManifestRecord(Commit):
     """The manifest's commit record; its JSON at `url` holds the id, checksums and the table's key."""
 
     samples: int
     buckets: dict[str, int]
     amount: str
+    work: NotRequired[StoreWork]  # the stage's own return only, as a dataset's
 
 
 def manifest_encoders(manifest: dict[str, Any]) -> dict[str, str]:
@@ -134,7 +142,6 @@ def text_shards_of(row: dict[str, Any]) -> list[str]:
     return row["text_shards"] if "text_shards" in row else [row["text_shard"]]
 
 
-# --- train --------------------------------------------------------------------------------------
 class RunRecord(TypedDict):
     """The commit record of a finished run's lineage, its `url` replaced by the weights' URL."""
 
@@ -157,10 +164,11 @@ class RunRecord(TypedDict):
     loss_window: NotRequired[int]  # absent in runs published before it was recorded
     validation_loss: float | None
     amount: str
+    work: NotRequired[StoreWork]  # the stage's own return only
 
 
 Record = DatasetRecord | CacheRecord | ManifestRecord | RunRecord
-Work = IngestWork | EncodingWork
+Work = IngestWork | EncodingWork | StoreWork
 
 # every stage's record by stage name, what `tasks.runner.run_stages` returns; "seconds": each
 # stage's wall time; the runner's own run adds the encoders' fingerprints

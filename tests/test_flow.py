@@ -110,7 +110,7 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     assert work["encode-text"]["shards_encoded"] == work["encode-latents"]["shards_encoded"] == 3
     # on a CPU the VAE's share of waiting is the decoding itself, done between its batches
     assert 0 < work["encode-latents"]["feed_wait"] < 1 and "waiting for pixels" in summary
-    assert work["train"] == {} and "`; 1 worker, " in summary
+    assert work["manifest"] == work["train"] == {"io_retries": 0} and "`; 1 worker, " in summary
     assert work["ingest"]["units_read"] == 24 and work["ingest"]["units_reused"] == 0
 
     from flows.cli import main  # the same page in the terminal
@@ -130,11 +130,12 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     assert _without_costs(again.result()) == _without_costs(result)
     assert again.result()["stages"]["encode-latents"] | {"seconds": 0} == {
         "seconds": 0, "workers": 1, "model_loads": 0, "shards_encoded": 0, "shards_cached": 3, "io_retries": 0}
-    # ingest is its own cache: it lists the sources and reads nothing; every other task is a cache hit
+    # ingest is its own cache: it lists the sources and reads nothing; so are the manifest and the
+    # finished run (one commit record each); every encoding task is a cache hit
     assert again.result()["stages"]["ingest"] | {"seconds": 0} == {
         "seconds": 0, "workers": 1, "bytes_read": 0, "units_read": 0, "units_reused": 24, "io_retries": 0}
     cached = _task_states(again.state_details.flow_run_id, count=11)
-    assert cached.pop("ingest") == ["Completed"]
+    assert [cached.pop(name) for name in ("ingest", "manifest", "train")] == [["Completed"]] * 3
     assert {name for runs in cached.values() for name in runs} == {"Cached"}
     assert _files(store) == written  # nothing re-encoded, nothing re-written
     summary = _latest_artifact("pipeline-summary")

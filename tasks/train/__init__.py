@@ -40,7 +40,8 @@ def train(
     storage: StorageConfig, model: ModelConfig, training: TrainingConfig, manifest_url: str,
     progress: Progress | None = None, node: int = 0, attempt: str | None = None,
 ) -> dict[str, Any]:
-    """Train (or resume, or return the finished run); `progress(step, steps, loss, validation_loss)`
+    """Train (or resume, or return the finished run), and return its record with the store failures
+    retried as its `work`; `progress(step, steps, loss, validation_loss)`
     after each step (the validation loss is None at steps without one). With `training.nodes` > 1,
     every node calls this with its `node` index and the `attempt` id they share (a new one for each
     attempt: a re-run resumes from the last checkpoint)."""
@@ -48,7 +49,7 @@ def train(
     manifest = json.loads(store.read_verified(store.key(manifest_url)))
     run, init = run_for(store, model, training, manifest["id"])
     if (record := finished_run(store, run)) is not None:
-        return record
+        return with_work(record, store)
     if training.nodes > 1 and attempt is None:
         raise ValueError(f"training.nodes is {training.nodes}: train on several nodes through the pipeline flow with "
                          f"execution.placement.train, which gives each node its index and the attempt id they share")
@@ -65,13 +66,22 @@ def train(
     lease = Lease(store, layout.run_part(run, "lease"))
     while not lease.acquire():
         if (record := finished_run(store, run)) is not None:
-            return record
+            return with_work(record, store)
         log.info("run %s is being trained by %s; waiting for it", store.url(run), lease.holder())
         time.sleep(LEASE_POLL_SECONDS)
     try:  # unless it finished while we waited
-        return finished_run(store, run) or launch(progress, lease)
+        if (record := finished_run(store, run)) is not None:
+            return with_work(record, store)
+        record = launch(progress, lease)
+        return with_work(record, store, store.read_json(layout.run_part(run, "work"))["io_retries"])
     finally:
         lease.release()
+
+
+def with_work(record: dict[str, Any], store: Store, trained: int = 0) -> dict[str, Any]:
+    """The stage's record with its work: the store failures this process retried, plus `trained`,
+    those of the training processes (their sum, which rank 0 wrote)."""
+    return {**record, "work": {"io_retries": len(store.retried) + trained}}
 
 
 def train_process(job: Job, local: int, node: int, address: str, progress: Progress | None = None,

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from configs.schema import ModelConfig, StorageConfig, TrainingConfig
+from storage import layout
 from storage.lease import Lease
 from storage.store import Store
 from tasks.loading import DTYPES
@@ -58,6 +59,7 @@ class Trainer:
     """One process's share of a run. Rank 0 reports, samples, checkpoints and publishes the run."""
 
     # --- the parts, in the order __init__ builds them; each gets the ones before it ---------------
+    store: Store  # the run's storage, which every part below reads and writes through
     dist: Distributed  # this process's rank and device in the process group
     network: torch.nn.Module  # LoRA layers on the frozen transformer, or the whole transformer
     replicas: torch.nn.Module  # the network as forward and backward run it: DDP averages gradients
@@ -79,6 +81,7 @@ class Trainer:
         started training) was taken over."""
         self.job, self.training, self.lease = job, job.training, lease
         training, store = job.training, Store(job.storage)
+        self.store = store
         self.dist = Distributed.from_config(training, node, local, address)
         device = self.dist.device
 
@@ -144,6 +147,9 @@ class Trainer:
                     self.publisher.checkpointed()
         elapsed = time.perf_counter() - started
         self.data.close()
+        # the store failures every process retried, for the stage's work (not in the run's bytes)
+        retried = int(self.dist.sum(torch.tensor([float(len(self.store.retried))], device=self.dist.device)).item())
+        before_publishing = len(self.store.retried)
         self.dist.close()
         if not leader:
             return
@@ -154,6 +160,8 @@ class Trainer:
         if self.ema is not None:  # the averaged weights are the run's result (and render its final samples)
             self.ema.copy_to(self.network)
         self.publisher.publish(self.network, self.metrics.rows, start, elapsed)
+        self.store.write_json(layout.run_part(self.job.run, "work"),
+                              {"io_retries": retried + len(self.store.retried) - before_publishing})
         log.info("trained %s: steps %d-%d in %.1f s", self.job.run, start + 1, training.steps, elapsed)
 
     def step(self, step: int) -> dict[str, Any]:
