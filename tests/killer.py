@@ -1,7 +1,9 @@
 """Run the `precast` CLI and SIGKILL it at a named point: `python -m tests.killer POINT -- ARGS...`.
 
 A point fires at the n-th matching event once it is armed (by a file matching `after` being
-renamed into place; always armed without one). Events are the renames that finish every local
+renamed into place; always armed without one). A point may `hold` the renames of paths matching
+a pattern for up to a minute first, so another stage's event comes while that write waits (ingest's
+dataset record held back: the latent encoder is killed while ingest has not finished). Events are the renames that finish every local
 write (`os.replace`, killed *before* the rename, so the partial file stays behind, as with a
 crash mid-write) or calls of a model or optimizer method (killed mid-shard or mid-step). SIGKILL
 runs no handler, no `finally` and no flush: exactly a lost node or an OOM kill.
@@ -14,7 +16,11 @@ import os
 import re
 import signal
 import sys
+import time
 from dataclasses import dataclass
+
+
+HOLD_SECONDS = 60  # the kill ends the wait: it lasts whole only when the other stage never came
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,7 @@ class Point:
     call: str | None = None  # or at a call of this "module:Class.method"
     after: str | None = None
     nth: int = 1
+    hold: str | None = None  # renames of paths matching this wait HOLD_SECONDS first
 
 
 POINTS = {
@@ -31,6 +38,9 @@ POINTS = {
                                      after=r"/cache/text/[^/]+/[^/]+\.safetensors\.done$"),
     "latent encoder, mid-shard": Point(call="diffusers:AutoencoderKL.encode",
                                        after=r"/cache/latents/[^/]+/[^/]+\.safetensors\.done$"),
+    "latent encoder, second shard, ingest not finished": Point(
+        call="diffusers:AutoencoderKL.encode", after=r"/cache/latents/[^/]+/[^/]+\.safetensors\.done$",
+        hold=r"/datasets/[^/]+\.json$"),
     "manifest mid-write": Point(replace=r"/manifests/[^/]+\.json$"),
     "training, between checkpoints": Point(call="torch.optim:AdamW.step",
                                            after=r"/checkpoints/step-00000002\.safetensors\.done$"),
@@ -51,6 +61,8 @@ def arm(point: Point) -> None:
     real_replace = os.replace
 
     def replace(src, dst, *args, **kwargs):
+        if point.hold and re.search(point.hold, str(dst)):
+            time.sleep(HOLD_SECONDS)
         if point.replace and re.search(point.replace, str(dst)):
             event()
         real_replace(src, dst, *args, **kwargs)
