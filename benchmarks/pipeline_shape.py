@@ -9,7 +9,7 @@ stage reads per image, and what the ingest coordinator's CPU costs per image as 
   overlapped), and as `run_stages` runs them now (the latent encoder takes each shard as ingest
   commits it; on this shared CPU the text encoder follows it). Figures: each way's wall time, the
   longest single stage of the first way, and the bytes each stage read per image (object GETs
-  under the source and under the image shards).
+  under the source and under the image shards; the manifest's: every GET, against the caches' size).
 - Coordinator: `--sizes` demo images in a local folder ingested with partitions on two Dask worker
   processes (`examine_partition` on a plain client, as `benchmarks.ingest_workers` does); the
   figure is the ingesting process's own CPU per image at each size, which should not grow with it.
@@ -33,6 +33,7 @@ from configs.schema import QUICKSTART, DatasetConfig, SourceConfig, StorageConfi
 from storage import layout
 from tasks.demo.data import write_demo_data
 from tasks.demo.models import write_tiny_models
+from tasks.manifest import MANIFEST_CONCURRENCY
 from tasks.runner import Direct, Shards, run_stages
 
 SHARD_SIZE = 64
@@ -110,6 +111,13 @@ def stages(count: int) -> dict[str, Any]:
                     result[f"{name}_shard_bytes_per_image"] = round(sum(
                         r.bytes for r in proxy.gets(f"/bench/reads/{layout.IMAGE_SHARDS}/")
                         if r.path.endswith(".parquet")) / count)
+                caches = executor.store.find("cache")
+                result["cache_bytes_per_image"] = round(sum(
+                    executor.store.require(key)["size"] for key in caches
+                    if key.endswith(".safetensors") and "/prompts/" not in key) / count)
+                proxy.reset()
+                executor.manifest(dataset)
+                result["manifest_bytes_per_image"] = round(sum(r.bytes for r in proxy.gets("/bench/reads/")) / count)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -193,7 +201,9 @@ PEAK = 989.4e12  # H100 SXM dense bf16 FLOP/s ("GPU: real architectures")
 MFU = 0.35  # the encoders' share of peak (assumed, as for Wan; the GPU benchmark measures it when lent)
 LOAD_SECONDS = 30.0  # T5-XXL from local disk onto a GPU ("Encoder workers"); the VAE loads in seconds
 SHARD_SIZE_REAL = 256  # dataset.shard_size's default
-MANIFEST_REQUESTS = 3  # commit records read per shard by the manifest (image, text, latent), 32 at once
+# read per shard by the manifest: the commit records of the image shard and both caches, and the
+# caches' headers (not their tensors: tasks/manifest.py), MANIFEST_CONCURRENCY at once
+MANIFEST_REQUESTS = 5
 
 
 def first_run(images: float, nodes: int, text_flops: float, vae_flops: float, coordinator_s: float) -> dict[str, float]:
@@ -208,7 +218,7 @@ def first_run(images: float, nodes: int, text_flops: float, vae_flops: float, co
     write_now = max(images * IMAGE_BYTES / NODE_BYTES_PER_S, images * PACK_SECONDS / 8)
     text = LOAD_SECONDS + images * text_flops / (gpus * PEAK * MFU)
     latents = images * vae_flops / (gpus * PEAK * MFU)
-    manifest = images / SHARD_SIZE_REAL * MANIFEST_REQUESTS * GET_SECONDS / 32
+    manifest = images / SHARD_SIZE_REAL * MANIFEST_REQUESTS * GET_SECONDS / MANIFEST_CONCURRENCY
     # now: the VAE from the first committed shard, T5 once the dataset is committed, both on the same
     # GPUs: the end is no sooner than all the GPU work after the scan, nor than T5 after the writes
     now = scan + text + max(latents, write_now) + manifest
@@ -259,7 +269,8 @@ def rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         ("bytes read per image", f"encode-text {result['encode_text_shard_bytes_per_image']:,} B",
          f"encode-latents {result['encode_latents_shard_bytes_per_image']:,} B of "
          f"{result['image_shard_bytes_per_image']:,} B of image shard; ingest "
-         f"{result['ingest_source_bytes_per_image']:,} B of source", "each byte once"),
+         f"{result['ingest_source_bytes_per_image']:,} B of source; manifest "
+         f"{result['manifest_bytes_per_image']:,} B (caches {result['cache_bytes_per_image']:,} B)", "each byte once"),
         ("ingest coordinator CPU per image", f"{result[f'coordinator_cpu_ms_per_image_{last}']} ms at {last:,}",
          f"{result[f'coordinator_cpu_ms_per_image_{first}']} ms at {first:,} "
          f"({result['coordinator_cpu_growth']:.2f}×; partitions on 2 workers); its own thread "

@@ -38,6 +38,9 @@ from configs.schema import StorageConfig
 COMMIT_SUFFIX = ".done"
 # bytes read from a parquet object's end: what pyarrow reads for a footer (an image shard's is 2-7 KB)
 PARQUET_FOOTER_SAMPLE = 64 << 10
+# bytes read from a safetensors object's start for its header (a 256-image cache shard's is ~30 KB)
+SAFETENSORS_HEADER_SAMPLE = 64 << 10
+SAFETENSORS_MAX_HEADER = 100_000_000  # the library's own bound
 TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
                     errno.ECONNABORTED, errno.EPIPE}
 log = logging.getLogger(__name__)
@@ -288,6 +291,32 @@ class Store:
                 return pq.ParquetFile(file).read(columns=columns)
         except (pa.ArrowException, OSError) as error:
             raise Damaged(f"{self.url(key)} is damaged: {error}") from error
+
+    def read_header(self, key: str, size: int) -> dict[str, str]:
+        """The `__metadata__` of a safetensors artifact of `size` bytes (its commit record's) from
+        its header alone (one ranged read; two when the header is longer than
+        SAFETENSORS_HEADER_SAMPLE), not its tensors. As with `read_columns`, a part cannot be
+        checked against the object's sha256: whoever reads the tensors checks the whole (training
+        does, before use). A length prefix past the object's end is damage, found before a read."""
+        path = self.path(key)
+
+        def read(start: int, end: int) -> bytes:
+            try:
+                # by keyword: s3fs's second positional parameter is the version id
+                return self._io("read", path, lambda: self.fs.cat_file(path, start=start, end=end))
+            except FileNotFoundError as error:
+                raise ArtifactMissing(f"{self.url(key)} does not exist") from error
+
+        head = read(0, min(size, SAFETENSORS_HEADER_SAMPLE))
+        length = int.from_bytes(head[:8], "little")
+        try:
+            if len(head) < 8 or 8 + length > min(size, 8 + SAFETENSORS_MAX_HEADER):
+                raise ValueError(f"its length prefix says {length} bytes, in an object of {size}")
+            if 8 + length > len(head):
+                head += read(len(head), 8 + length)
+            return json.loads(head[8 : 8 + length])["__metadata__"]
+        except (ValueError, KeyError, TypeError) as error:  # JSON errors and bad UTF-8 are ValueErrors
+            raise Damaged(f"{self.url(key)} is damaged: its safetensors header does not parse ({error})") from error
 
     def read_verified(self, key: str, sha256: str | None = None) -> bytes:
         """The bytes of a committed artifact, checked against `sha256` (default: its commit record's)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
-
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -56,15 +57,18 @@ def test_manifest_joins_and_records_checksums(make_config):
 
 
 def test_manifest_refuses_a_missing_or_damaged_shard(make_config):
+    """The manifest reads a cache shard's header alone (which rows it holds): one that does not
+    parse, or a shard that is gone, fails it naming the shard. A damaged tensor is found by training,
+    which reads the whole shard (`test_training_refuses_a_shard_tampered_after_the_manifest`)."""
     config = make_config()
     dataset, text_fps, vae_fp = _cache_everything(config)
     store = Store(config.storage)
     damaged = layout.cache_shard("latents", vae_fp, dataset["shards"][1]["id"])
     path = store.path(damaged)
     data = bytearray(open(path, "rb").read())
-    data[-1] ^= 0xFF
+    data[8] ^= 0xFF  # the header's opening brace
     open(path, "wb").write(bytes(data))
-    with pytest.raises(ValueError, match=dataset["shards"][1]["id"]):
+    with pytest.raises(Damaged, match=re.escape(damaged) + " is damaged: its safetensors header does not parse"):
         build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
     store.fs.rm(path)
     with pytest.raises(FileNotFoundError, match=dataset["shards"][1]["id"]):
@@ -341,8 +345,9 @@ def test_training_on_a_remote_root_reads_the_bytes_it_verified(make_config, s3_e
     monkeypatch.setenv("PRECAST_CACHE", str(tmp_path / "cache"))
     dataset, text_fps, vae_fp = _cache_everything(config)
     manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, [])
-    copies = list((tmp_path / "cache").rglob("*.safetensors"))
-    assert copies  # the manifest stage read the shards through local copies
+    store = Store(config.storage)  # local copies of every cache shard, as an earlier reader on this node left them
+    copies = [Path(store.local_path(key)) for key in store.find("cache") if key.endswith(".safetensors")]
+    assert copies and all(copy.is_relative_to(tmp_path / "cache") for copy in copies)
     for copy in copies:
         data = bytearray(copy.read_bytes())
         data[-5] ^= 0x01

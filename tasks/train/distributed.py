@@ -82,6 +82,10 @@ class Distributed:
             dist.all_reduce(values)
         return values
 
+    def total(self, count: int) -> int:
+        """`count` summed over every process (all of them call this; one read of the device)."""
+        return count if self.world == 1 else int(self.sum(torch.tensor([count], device=self.device)).item())
+
     def close(self) -> None:
         if self.world > 1:
             dist.barrier()

@@ -148,7 +148,7 @@ class Trainer:
         elapsed = time.perf_counter() - started
         self.data.close()
         # the store failures every process retried, for the stage's work (not in the run's bytes)
-        retried = int(self.dist.sum(torch.tensor([float(len(self.store.retried))], device=self.dist.device)).item())
+        retried = self.dist.total(len(self.store.retried))
         before_publishing = len(self.store.retried)
         self.dist.close()
         if not leader:
