@@ -92,6 +92,7 @@ def stages(count: int) -> dict[str, Any]:
                         seconds = run_stages(executor, until="manifest")["seconds"]
                     result[f"{way}_s"] = round(time.perf_counter() - began, 2)
                     result[f"{way}_stage_s"] = {name: round(value, 2) for name, value in seconds.items()}
+                result.update(training_start(executor.store))
             alone = result["one_after_another_stage_s"]
             result["longest_stage"] = max(alone, key=alone.get)
             result["longest_stage_s"] = alone[result["longest_stage"]]
@@ -206,6 +207,20 @@ SHARD_SIZE_REAL = 256  # dataset.shard_size's default
 MANIFEST_REQUESTS = 5
 
 
+def training_start(store) -> dict[str, Any]:
+    """What training does before its first step, on the last way's store: every cache shard of its
+    manifest fetched into an empty local cache and checked, one at a time and 16 at once."""
+    manifest = store.read_json(next(key for key in store.find("manifests") if key.endswith(".json")))
+    shards = {key: sha for key, sha in manifest["checksums"].items() if key.startswith("cache/")}
+    result: dict[str, Any] = {"training_start_shards": len(shards)}
+    for concurrency in (1, 16):
+        with tempfile.TemporaryDirectory() as cache:
+            began = time.perf_counter()
+            store.local_paths(shards, concurrency, cache)
+            result[f"training_start_s_{concurrency}"] = round(time.perf_counter() - began, 2)
+    return result
+
+
 def first_run(images: float, nodes: int, text_flops: float, vae_flops: float, coordinator_s: float) -> dict[str, float]:
     """Seconds of each stage of a first run and of the pipeline, before (one stage after another,
     one writer thread) and now (parallel writers, overlapped stages), on `nodes` 8-GPU nodes."""
@@ -271,6 +286,9 @@ def rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
          f"{result['image_shard_bytes_per_image']:,} B of image shard; ingest "
          f"{result['ingest_source_bytes_per_image']:,} B of source; manifest "
          f"{result['manifest_bytes_per_image']:,} B (caches {result['cache_bytes_per_image']:,} B)", "each byte once"),
+        ("training start: cache shards fetched and checked", f"{result['training_start_s_16']:.2f} s",
+         f"{result['training_start_shards']} shards 16 at once; one at a time {result['training_start_s_1']:.2f} s",
+         "round trips overlap"),
         ("ingest coordinator CPU per image", f"{result[f'coordinator_cpu_ms_per_image_{last}']} ms at {last:,}",
          f"{result[f'coordinator_cpu_ms_per_image_{first}']} ms at {first:,} "
          f"({result['coordinator_cpu_growth']:.2f}×; partitions on 2 workers); its own thread "

@@ -366,6 +366,14 @@ class Store:
             partial.unlink(missing_ok=True)
         return str(target)
 
+    def local_paths(self, checksums: dict[str, str], concurrency: int = 16,
+                    cache_dir: str | Path | None = None) -> dict[str, str]:
+        """`local_path` of many artifacts (key: sha256), `concurrency` at once: their round trips,
+        downloads and hashing overlap (hashlib lets go of the GIL), instead of one after another."""
+        keys = sorted(checksums)
+        return dict(zip(keys, self._each(lambda key: self.local_path(key, checksums[key], cache_dir), keys,
+                                         concurrency)))
+
     # --- writing ----------------------------------------------------------------------------
     def write_bytes(self, key: str, data: bytes) -> None:
         """Write `data` so that readers see either nothing or all of it."""

@@ -1,8 +1,8 @@
 """Training data from the caches alone: bucketed batches of latents and text features (each of
 the family's encoders' outputs, sequences padded to the batch's longest).
 
-Shards are checked against the manifest's checksums in the read that is used, then read
-memory-mapped, a row at a time. Every random choice is seeded: the batch order by
+Shards are checked against the manifest's checksums in the read that is used (16 fetched and
+checked at once when training starts), then read memory-mapped, a row at a time. Every random choice is seeded: the batch order by
 `bucket_batches`' seed and epoch; flips, caption variants, caption dropout and latent draws, then
 noise and timesteps, by generators seeded by the micro-batch's index in that order (`draws`). A
 micro-batch is the same whichever process of however many trains it, so a run is reproducible,
@@ -39,7 +39,7 @@ class TextCaches:
     def __init__(self, store: Store, encoders: tuple[TextEncoderSpec, ...], checksums: dict[str, str],
                  prompts: dict[str, str] | None = None):
         self.encoders = encoders
-        self._shards = {key: RaggedShard(store.local_path(key, sha)) for key, sha in sorted(checksums.items())}
+        self._shards = {key: RaggedShard(path) for key, path in store.local_paths(checksums).items()}
         self.prompts = [self._shards[key] for key in (prompts or {}).values()]
 
     def features(self, shards: list[RaggedShard], row: str) -> dict[str, torch.Tensor]:
@@ -75,7 +75,8 @@ class CachedFeatures:
         text_keys = {key for row in self.samples.values() for key in text_shards_of(row)}
         latent_keys = {row["latent_shard"] for row in self.samples.values()}
         self.text = TextCaches(store, encoders, {key: checksums[key] for key in {*text_keys, *named.values()}}, named)
-        self._latents = {key: LatentShard(store.local_path(key, checksums[key])) for key in sorted(latent_keys)}
+        self._latents = {key: LatentShard(path) for key, path in
+                         store.local_paths({key: checksums[key] for key in latent_keys}).items()}
         first = next(iter(self._latents.values())).meta
         # the family's normalisation (`Family.latent_factors`): numbers, or one per channel
         self.shift, self.scale = (torch.tensor(first[key], dtype=torch.float32) for key in ("shift_factor", "scaling_factor"))
