@@ -208,10 +208,10 @@ MANIFEST_REQUESTS = 5
 
 
 def training_start(store) -> dict[str, Any]:
-    """What training does before its first step, on the last way's store: every cache shard of its
-    manifest fetched into an empty local cache and checked, one at a time and 16 at once."""
-    manifest = store.read_json(next(key for key in store.find("manifests") if key.endswith(".json")))
-    shards = {key: sha for key, sha in manifest["checksums"].items() if key.startswith("cache/")}
+    """What training does before its first step, on the last way's store: every cache shard (both
+    caches and the prompts, as its manifest names them) fetched into an empty local cache and
+    checked, one at a time and 16 at once."""
+    shards = {key: store.require(key)["sha256"] for key in store.find("cache") if key.endswith(".safetensors")}
     result: dict[str, Any] = {"training_start_shards": len(shards)}
     for concurrency in (1, 16):
         with tempfile.TemporaryDirectory() as cache:

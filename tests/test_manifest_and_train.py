@@ -331,15 +331,19 @@ def test_training_refuses_a_shard_tampered_after_the_manifest(make_config):
     assert [key for key in store.find("runs") if "/lease/" not in key] == []  # nothing trained on damaged data
 
 
-def test_training_on_a_remote_root_reads_the_bytes_it_verified(make_config, s3_endpoint, tmp_path, monkeypatch):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_training_on_a_remote_root_reads_the_bytes_it_verified(make_config, s3_endpoint, tmp_path, monkeypatch,
+                                                               processes):
     """Local copies of remote shards are checked in the read that is used: an earlier copy that
-    differs from the committed object (stale, or damaged on disk) is fetched again, never trained on."""
+    differs from the committed object (stale, or damaged on disk) is fetched again, never trained on
+    (with several processes: fetched once for the node, then checked by each)."""
     import s3fs
 
     from storage.fingerprint import sha256_bytes
 
-    s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir("precast-verified")
-    config = make_config(root="s3://precast-verified/store", training={"steps": 2, "sample_prompts": []})
+    s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir(f"precast-verified-{processes}")
+    config = make_config(root=f"s3://precast-verified-{processes}/store",
+                         training={"steps": 2, "sample_prompts": [], "processes": processes})
     config = config.model_copy(update={"storage": config.storage.model_copy(
         update={"options": {"endpoint_url": s3_endpoint}})})
     monkeypatch.setenv("PRECAST_CACHE", str(tmp_path / "cache"))

@@ -16,7 +16,9 @@ from configs.schema import ModelConfig, StorageConfig, TrainingConfig
 from storage import layout
 from storage.lease import Lease
 from storage.store import Store
+from tasks.families import family_of
 from tasks.runs.folder import run_record, weights_of
+from tasks.train.data import CachedFeatures
 from tasks.train.distributed import Launcher
 from tasks.train.init import initial_adapter, run_for
 from tasks.train.metrics import Progress
@@ -61,6 +63,7 @@ def train(
     launch = partial(Launcher(store, run, training, node, attempt).launch, partial(train_process, job),
                      partial(finished_run, store, run))
     if node > 0:  # node 0 holds the run's lease and publishes where to join; the others join it
+        fetch_for_node(store, model, training, manifest)
         return launch()
     # one trainer per run: another pipeline training it already is waited for, not raced
     lease = Lease(store, layout.run_part(run, "lease"))
@@ -72,10 +75,19 @@ def train(
     try:  # unless it finished while we waited
         if (record := finished_run(store, run)) is not None:
             return with_work(record, store)
+        fetch_for_node(store, model, training, manifest)
         record = launch(progress, lease)
         return with_work(record, store, store.read_json(layout.run_part(run, "work"))["io_retries"])
     finally:
         lease.release()
+
+
+def fetch_for_node(store: Store, model: ModelConfig, training: TrainingConfig, manifest: dict[str, Any]) -> None:
+    """Every cache shard of a remote store fetched into this node's cache and checked once, before
+    the node's `training.processes` processes start: each checks its copy again, none downloads it
+    (they would all fetch the same shards at once)."""
+    if training.processes > 1 and not store.is_local:
+        CachedFeatures(store, manifest, family_of(model).text_encoders)
 
 
 def with_work(record: dict[str, Any], store: Store, trained: int = 0) -> dict[str, Any]:
