@@ -70,15 +70,16 @@ def _write_manifest(store: Store, this_id: str, dataset_id: str, text_fps: dict[
     def committed(shard: dict[str, Any]) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
         """One shard's checksums (its image shard's and its caches'), and the headers of its first
         text cache (every encoder encodes the same caption variants) and of its latent cache."""
-        keys = [layout.image_shard(shard["id"]), *text_keys(shard), latent_key(shard)]
-        commits = {key: store.require(key) for key in keys}
-        text, latents = text_keys(shard)[0], latent_key(shard)
+        texts, latents = text_keys(shard), latent_key(shard)
+        commits = {key: store.require(key) for key in (layout.image_shard(shard["id"]), *texts, latents)}
         return ({key: commit["sha256"] for key, commit in commits.items()},
-                store.read_header(text, commits[text]["size"]), store.read_header(latents, commits[latents]["size"]))
+                store.read_header(texts[0], commits[texts[0]]["size"]),
+                store.read_header(latents, commits[latents]["size"]))
 
     with ThreadPoolExecutor(MANIFEST_CONCURRENCY) as pool:
         for shard, (shard_checksums, text, latents) in zip(dataset["shards"], pool.map(committed, dataset["shards"])):
             checksums.update(shard_checksums)
+            text_shards, latent_shard = text_keys(shard), latent_key(shard)
             variants = Counter(row.rsplit("/", 1)[0] for row in json.loads(text["rows"]))
             latent_rows = json.loads(latents["rows"])
             excluded = {q["sample_id"]: q["reason"] for q in json.loads(latents["meta"])["quarantined"]}
@@ -92,9 +93,8 @@ def _write_manifest(store: Store, this_id: str, dataset_id: str, text_fps: dict[
                     raise ValueError(f"sample {sample_id} of shard {shard['id']} has no {missing}")
                 bucket = latent_rows[sample_id][0]
                 buckets[bucket] += 1
-                rows.append({"sample_id": sample_id, "variants": variants[sample_id],
-                             "text_shards": text_keys(shard),
-                             "latent_shard": latent_key(shard), "bucket": bucket})
+                rows.append({"sample_id": sample_id, "variants": variants[sample_id], "text_shards": text_shards,
+                             "latent_shard": latent_shard, "bucket": bucket})
 
     table_key = layout.manifest_table(this_id)
     buffer = io.BytesIO()

@@ -2,9 +2,10 @@
 the family's encoders' outputs, sequences padded to the batch's longest).
 
 Shards are checked against the manifest's checksums in the read that is used (16 fetched and
-checked at once when training starts), then read memory-mapped, a row at a time. Every random choice is seeded: the batch order by
-`bucket_batches`' seed and epoch; flips, caption variants, caption dropout and latent draws, then
-noise and timesteps, by generators seeded by the micro-batch's index in that order (`draws`). A
+checked at once when training starts), then read memory-mapped, a row at a time. Every random
+choice is seeded: the batch order by `bucket_batches`' seed and epoch; flips, caption variants,
+caption dropout and latent draws, then noise and timesteps, by generators seeded by the
+micro-batch's index in that order (`draws`). A
 micro-batch is the same whichever process of however many trains it, so a run is reproducible,
 resumes exactly from its step alone, and trains the same on any number of processes and nodes.
 """
