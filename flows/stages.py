@@ -46,7 +46,7 @@ from tasks.ingest.staging import Partitions
 from tasks.manifest import manifest_record
 from tasks.identity import manifest_id, prompts_cache_key, text_fingerprints, vae_fingerprint
 from tasks.records import CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, RunRecord
-from tasks.runner import ENCODERS, Shards, on_cpu
+from tasks.runner import Shards
 from tasks.runs.page import RunPage, loss_text
 from tasks.train import finished_run, run_for
 
@@ -173,13 +173,6 @@ class FlowExecutor:
     @property
     def store(self) -> Store:
         return self.plan.store
-
-    def side_by_side(self) -> bool:
-        """The encoders at once when either runs on a GPU, a cluster or another pool: not when both
-        share this process's CPU."""
-        config = self.plan.config
-        return bool(config.execution.cluster) or any(placed(config, name) for name in ENCODERS) or not on_cpu(
-            config.text_encoding.device, config.latent_encoding.device)
 
     def ingest(self, committed: Callable[[str], None] | None = None) -> DatasetRecord:
         plan, config = self.plan, self.plan.config

@@ -7,9 +7,8 @@ placement and artifacts around them; both return the same records and the same o
 
 The encoders do not wait for the whole dataset: the latent encoder starts on each image shard as
 ingest commits it (`Shards`), and the text encoders, which need the dataset's first shard for
-their precision check, start when ingest returns, beside the latent encoder when the executor
-runs them on different devices or nodes (`side_by_side`). What each stage writes does not depend
-on the order: every shard is encoded alone and committed last.
+their precision check, start beside it when ingest returns. What each stage writes does not
+depend on the order: every shard is encoded alone and committed last.
 
     precast run configs/quickstart.yaml --direct
 """
@@ -33,7 +32,6 @@ from tasks.ingest.stage import ingest
 from tasks.manifest import build_manifest
 from tasks.encode.models import encoding_work, model_loads
 from tasks.identity import text_fingerprints, vae_fingerprint
-from tasks.loading import resolve_device
 from tasks.records import (
     CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, Record, Records, RunRecord,
 )
@@ -112,10 +110,6 @@ class Executor(Protocol):
 
     def train(self, manifest: ManifestRecord) -> RunRecord: ...
 
-    def side_by_side(self) -> bool:
-        """Whether the text and latent encoders may run at once (not both on this process's CPU,
-        where they would only take turns on the same cores)."""
-
 
 # the earlier records each stage is given; the order the stages run in is STAGES'
 INPUTS: dict[Stage, tuple[Stage, ...]] = {
@@ -133,8 +127,9 @@ def stage_method(executor: Executor, name: Stage) -> Callable[..., Record]:
 
 def run_stages(executor: Executor, until: Stage = "train", watch: Watch = lambda name, call: call()) -> Records:
     """Run the stages up to `until` through `executor`: ingest with the latent encoder taking each
-    shard as it is committed, the text encoders once the dataset is known (beside the latent
-    encoder when `executor.side_by_side()`, else after it), then the manifest and training. Returns
+    shard as it is committed, the text encoders beside it once the dataset is known, then the
+    manifest and training. Both encoders run at once also on one CPU: an encoder waiting on the
+    store leaves the cores to the other (docs/design.md, "Overlapping stages"). Returns
     each stage's record by name (every one has `url`, `amount` and `committed_at`) and `seconds`,
     each stage's wall time. A failure is raised once every stage already running has ended, the
     earliest stage's first."""
@@ -156,9 +151,6 @@ def run_stages(executor: Executor, until: Stage = "train", watch: Watch = lambda
             raise
 
     encoders = [partial(run, name, partial(stage_method(executor, name), shards)) for name in ENCODERS if name in names]
-    if len(encoders) == 2 and not executor.side_by_side():
-        text, latents = encoders
-        encoders = [lambda: (latents(), text())]  # the latents from ingest's shards, then the text
     together([ingest, *reversed(encoders)])
     for name in names[names.index("manifest"):] if "manifest" in names else ():
         run(name, partial(stage_method(executor, name), *[records[earlier] for earlier in INPUTS[name]]))
@@ -180,10 +172,6 @@ def image_shard_urls(store: Store, dataset: DatasetRecord) -> list[str]:
     return [store.url(layout.image_shard(shard["id"])) for shard in dataset["shards"]]
 
 
-def on_cpu(*devices: str) -> bool:
-    return all(resolve_device(device).type == "cpu" for device in devices)
-
-
 class Direct:
     """Every stage in this process, an encoder's shards one after another; the encoders'
     fingerprints computed once."""
@@ -196,9 +184,6 @@ class Direct:
 
     def ingest(self, committed: Callable[[str], None] | None = None) -> DatasetRecord:
         return ingest(self.config.storage, self.config.dataset, committed=committed)
-
-    def side_by_side(self) -> bool:
-        return not on_cpu(self.config.text_encoding.device, self.config.latent_encoding.device)
 
     def encode_text(self, shards: Shards) -> CacheRecord:
         config, urls, prompts = self.config, shards.urls(), {}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel
+from diffusers import PixArtTransformer2DModel
 from peft import PeftModel
 from safetensors.torch import load_file
 

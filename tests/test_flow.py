@@ -163,16 +163,16 @@ def test_cli_run_json_and_single_stages(prefect_server, make_config, tmp_path, c
     path.write_text(yaml.safe_dump(config.model_dump()))
 
     records = {}
-    for stage in ["ingest", "encode-text", "encode-latents", "manifest", "train"]:
-        assert main(["stage", stage, str(path), "--set", "training.steps=3", "--json"]) == 0
-        records[stage] = record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for name in ["ingest", "encode-text", "encode-latents", "manifest", "train"]:
+        assert main(["stage", name, str(path), "--set", "training.steps=3", "--json"]) == 0
+        records[name] = record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         # the record every stage returns: where its output is, how much, when it was committed
-        assert {"url", "amount", "committed_at"} <= set(record), stage
+        assert {"url", "amount", "committed_at"} <= set(record), name
     # the runner without Prefect returns the same records, all cached now
     direct = run_direct(config.model_copy(update={"training": config.training.model_copy(update={"steps": 3})}))
-    for stage, record in records.items():
-        assert set(direct[stage]) == set(record) and direct[stage]["url"] == record["url"], stage
-        assert direct[stage]["committed_at"] == record["committed_at"], stage
+    for name, record in records.items():
+        assert set(direct[name]) == set(record) and direct[name]["url"] == record["url"], name
+        assert direct[name]["committed_at"] == record["committed_at"], name
     assert main(["run", str(path), "--set", "training.steps=3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"dataset", "text_cache", "latent_cache", "manifest", "run", "weights"} <= set(out)

@@ -92,7 +92,7 @@ def test_a_terminal_shows_a_bar(prefect_server, make_config, tmp_path):
     command = [sys.executable, "-m", "flows.cli", "stage", "ingest"]
     config = _config_file(make_config, tmp_path / "terminal")
     session = f"precast-{os.getpid()}"
-    script = " ".join(command + [str(config)]) + f"; echo exit=$?; sleep 60"
+    script = " ".join(command + [str(config)]) + "; echo exit=$?; sleep 60"
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "40", "-e",
                     f"PREFECT_API_URL={env['PREFECT_API_URL']}", "-e", f"PYTHONPATH={ROOT}", "-c", str(ROOT), script],
                    check=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from configs.schema import LatentEncodingConfig, ModelConfig, TextEncodingConfig
+from configs.schema import ModelConfig, TextEncodingConfig
 from tasks.families import Family, family_of
 from tasks.families.spec import TextEncoderSpec
 from tasks.loading import DTYPES, resolve_device, serialised

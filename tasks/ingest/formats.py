@@ -137,7 +137,7 @@ def metadata_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
     """HF imagefolder style: metadata.jsonl / metadata.csv with `file_name` and a caption column;
     image paths are relative to the metadata file. The metadata file is read here (a row's unit is
     its image, keyed with its captions); a row that cannot be a sample is a unit that reads nothing."""
-    fs, fmt = listing.fs, listing.format
+    fs = listing.fs
     meta = metadata_file(listing)
     base = posixpath.dirname(meta)
     records = metadata_records(listing, meta)
