@@ -45,9 +45,10 @@ SHARD_SIZE = 64
 DELAY = 0.020
 
 
-def one_after_another(executor: Direct, server: psutil.Process) -> tuple[dict[str, float], dict[str, float]]:
+def one_after_another(executor: Direct, server: psutil.Process | None = None
+                      ) -> tuple[dict[str, float], dict[str, float]]:
     """The data stages, each whole before the next: each one's seconds, and its CPU seconds (this
-    process's and `server`'s)."""
+    process's, and `server`'s where given)."""
     seconds: dict[str, float] = {}
     cpu: dict[str, float] = {}
 
@@ -64,9 +65,10 @@ def one_after_another(executor: Direct, server: psutil.Process) -> tuple[dict[st
     return seconds, cpu
 
 
-def cpu_seconds(server: psutil.Process) -> float:
-    """CPU seconds used so far by this process and by `server` with its children."""
-    return sum(sum(process.cpu_times()[:2]) for process in (psutil.Process(), server, *server.children(True)))
+def cpu_seconds(server: psutil.Process | None) -> float:
+    """CPU seconds used so far by this process and by `server` (if any) with its children."""
+    others = [server, *server.children(True)] if server else []
+    return sum(sum(process.cpu_times()[:2]) for process in (psutil.Process(), *others))
 
 
 def bench_config(root: str, models: Path, endpoint: str):

@@ -4,7 +4,9 @@ lock every `from_pretrained` holds (which also names a full hub cache)."""
 from __future__ import annotations
 
 import functools
+import importlib
 import threading
+from typing import Any
 
 import torch
 
@@ -13,8 +15,19 @@ from storage.store import space_for
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # from_pretrained patches torch.nn.Module globally while it builds empty weights; two threads
 # loading at once can leave the patch in place ("Cannot copy out of meta tensor"), so every load
-# (cached or not) holds this lock; re-entrant, because a cached loader locks around its builder.
+# (cached or not) holds this lock, and so does every lookup in a library (`library`); re-entrant,
+# because a cached loader locks around its builder.
 LOAD_LOCK = threading.RLock()
+
+
+def library(module: str, name: str) -> Any:
+    """`name` of `module` (diffusers and transformers import their classes on first use), looked
+    up under LOAD_LOCK: the two encoders start at once in threads, and two threads importing a
+    library's modules in another order can each be handed the other's half-imported module
+    (importlib breaks the cycle of their import locks), failing with "module 'diffusers' has no
+    attribute 'AutoencoderKL'"."""
+    with LOAD_LOCK:
+        return getattr(importlib.import_module(module), name)
 
 
 def serialised(load):

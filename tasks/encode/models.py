@@ -16,7 +16,7 @@ import torch
 from configs.schema import ModelConfig, TextEncodingConfig
 from tasks.families import Family, family_of
 from tasks.families.spec import TextEncoderSpec
-from tasks.loading import DTYPES, resolve_device, serialised
+from tasks.loading import DTYPES, library, resolve_device, serialised
 
 # activation (and stored embedding) dtype of each text_encoding.dtype; int8 quantises weights only
 TEXT_ACTIVATIONS = {**DTYPES, "int8": torch.bfloat16}
@@ -52,12 +52,10 @@ def build_text_encoder(model: ModelConfig, spec: TextEncoderSpec, dtype: str, de
     fp16 goes through `from_pretrained(dtype=float16)`, which keeps T5's `wo` projections in fp32
     (T5 v1.1 overflows in plain fp16; a later `.to(float16)` would undo that).
     """
-    import transformers
-    from transformers import AutoTokenizer
-
     family = family_of(model)
-    tokenizer = AutoTokenizer.from_pretrained(model.path, subfolder=spec.tokenizer, revision=model.revision)
-    encoder = getattr(transformers, spec.model_class).from_pretrained(
+    tokenizer = library("transformers", "AutoTokenizer").from_pretrained(model.path, subfolder=spec.tokenizer,
+                                                                        revision=model.revision)
+    encoder = library("transformers", spec.model_class).from_pretrained(
         model.path, subfolder=spec.folder, revision=model.revision, dtype=TEXT_ACTIVATIONS[dtype]
     ).eval().requires_grad_(False)
     if dtype == "int8":
@@ -100,10 +98,8 @@ def reference_placement(device: str) -> tuple[str, str]:
 
 @serialised
 def build_vae(model: ModelConfig, dtype: str, device: str):
-    import diffusers
-
-    vae_class = getattr(diffusers, family_of(model).vae_name)
-    vae = vae_class.from_pretrained(model.path, subfolder="vae", revision=model.revision, torch_dtype=DTYPES[dtype])
+    vae = library("diffusers", family_of(model).vae_name).from_pretrained(
+        model.path, subfolder="vae", revision=model.revision, torch_dtype=DTYPES[dtype])
     return vae.to(resolve_device(device)).eval().requires_grad_(False)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from configs.schema import ModelConfig, TextEncodingConfig, TrainingConfig
-from tasks.loading import serialised
+from tasks.loading import library, serialised
 
 Conditioning = dict[str, torch.Tensor]
 """A batch's cached text features by name (`TextEncoderSpec.keys`): a sequence output padded to
@@ -148,9 +148,7 @@ class Family:
         return "transformer"
 
     def transformer_class(self) -> type:
-        import diffusers
-
-        return getattr(diffusers, self.transformer_name)
+        return library("diffusers", self.transformer_name)
 
     def schedule(self, model: ModelConfig, training: TrainingConfig | None = None) -> Any:
         """The noise schedule training draws timesteps from, noises latents with and regresses the
@@ -186,16 +184,13 @@ class Family:
     # --- sampling and export ----------------------------------------------------------------
     def sampling_scheduler(self, model: ModelConfig) -> Any:
         """The scheduler sample grids are drawn with during training: the model's own, as saved."""
-        import diffusers
-
-        config = diffusers.DDPMScheduler.load_config(model.path, subfolder="scheduler", revision=model.revision)
-        return getattr(diffusers, config["_class_name"]).from_config(config)
+        config = library("diffusers", "DDPMScheduler").load_config(model.path, subfolder="scheduler",
+                                                                   revision=model.revision)
+        return library("diffusers", config["_class_name"]).from_config(config)
 
     def pipeline_class(self) -> type:
         """The diffusers pipeline that samples from this family."""
-        import diffusers
-
-        return getattr(diffusers, self.pipeline_name)
+        return library("diffusers", self.pipeline_name)
 
     def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module) -> Any:
         """The family's pipeline without text encoders (prompts come pre-encoded from the cache)."""

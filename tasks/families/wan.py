@@ -23,7 +23,9 @@ from storage.fingerprint import hash_json
 from tasks.families.buckets import area_buckets
 from tasks.families.flow import FlowMatching
 from tasks.families.spec import Conditioning, Family, TextEncoderSpec
+from tasks.loading import library
 
+PIPELINE_MODULE = "diffusers.pipelines.wan.pipeline_wan"  # its caption cleaning is the pipeline's own
 
 # diffusers' module names → Wan's own (its reference code's, ComfyUI's), as diffusers'
 # scripts/convert_wan_to_diffusers.py renames them: in each block, then outside the blocks
@@ -85,18 +87,16 @@ class Wan(Family):
         uses when installed, is)."""
         if mode == "none":
             return mode
-        from diffusers.pipelines.wan import pipeline_wan
         from diffusers.utils import is_ftfy_available
 
-        return hash_json([inspect.getsource(f) for f in (pipeline_wan.prompt_clean, pipeline_wan.basic_clean,
-                                                         pipeline_wan.whitespace_clean)] + [is_ftfy_available()])
+        cleaning = [library(PIPELINE_MODULE, name) for name in ("prompt_clean", "basic_clean", "whitespace_clean")]
+        return hash_json([inspect.getsource(f) for f in cleaning] + [is_ftfy_available()])
 
     def preprocess_captions(self, texts: list[str], mode: str) -> list[str]:
         """As written (`none`), or through the pipeline's own `prompt_clean` (`diffusers`)."""
         if mode == "none":
             return list(texts)
-        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-
+        prompt_clean = library(PIPELINE_MODULE, "prompt_clean")
         return [prompt_clean(text) for text in texts]
 
     def default_max_length(self, model: ModelConfig) -> int:
