@@ -4,10 +4,10 @@ A point fires at the n-th matching event once it is armed (by a file matching `a
 renamed into place; always armed without one). A point may `hold` the renames of paths matching
 a pattern for up to a minute first, so another stage's event comes while that write waits
 (ingest's dataset record held back: the latent encoder is killed while ingest has not finished).
-Events are the renames that finish every local
-write (`os.replace`, killed *before* the rename, so the partial file stays behind, as with a
-crash mid-write) or calls of a model or optimizer method (killed mid-shard or mid-step). SIGKILL
-runs no handler, no `finally` and no flush: exactly a lost node or an OOM kill.
+Events are the renames that finish every local write (`os.replace`, killed *before* the rename,
+so the partial file stays behind, as with a crash mid-write) or calls of a model or optimizer
+method (killed mid-shard or mid-step). SIGKILL runs no handler, no `finally` and no flush: exactly
+a lost node or an OOM kill.
 """
 
 from __future__ import annotations
