@@ -17,10 +17,12 @@ VIDEO_FAMILIES = ("wan",)  # their demo learns from generated videos (`videos`),
 def demo_settings(family: str) -> list[str]:
     """The quickstart's settings for `family`'s demo: its tiny models in a folder of their own (the
     first family's are the quickstart's own `model.path`). The flow families' tiny world is drawn at
-    128 px (64 image tokens a picture, area buckets take any multiple of 16) with 64 text tokens: a
-    picture of the demo is a background and a few shapes, and the family's own 256 or 512 unmasked
-    T5 positions would be 4 to 8 times the image's tokens, so training would spend most of its time
-    on padding; what the demo shows (the text learned, in the family's layout) is the same."""
+    128 px (64 image tokens a picture, area buckets take any multiple of 16) with 32 text tokens:
+    every caption names its first shape and the background in its first 11 words (a third run
+    longer and are cut, as a family's own length cuts long captions), and the family's own 256 or
+    512 unmasked T5 positions would be 4 to 8 times the image's tokens, so training would spend
+    most of its time on padding; what the demo shows (the text learned, in the family's layout) is
+    the same."""
     if family == DEMO_FAMILIES[0]:
         return []
     if family in VIDEO_FAMILIES:
@@ -32,7 +34,7 @@ def demo_settings(family: str) -> list[str]:
                 f"dataset.video={json.dumps(DEMO_VIDEO)}", f"latent_encoding.resolution={SIDE}",
                 "text_encoding.max_length=32", "training.steps=2500",
                 f"training.sample_prompts={json.dumps(demo_prompts())}"]
-    return [f"model.path=precast-demo/models/{family}", "latent_encoding.resolution=128", "text_encoding.max_length=64"]
+    return [f"model.path=precast-demo/models/{family}", "latent_encoding.resolution=128", "text_encoding.max_length=32"]
 
 
 def write_demo_dataset(folder: str | Path, family: str = "pixart", count: int | None = None, seed: int = 0) -> Path:
