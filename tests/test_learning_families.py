@@ -2,8 +2,9 @@
 PixArt: its tiny world, trained end to end as `precast demo --family F` trains it (the family's
 encoders, its 16-channel latents packed as its transformer reads them, its flow-matching schedule
 and its pipeline for the samples), draws the background colour each held-out prompt names, and does
-not without the text. One trained VAE serves the three (`vae_from`); the thresholds sit below the
-worst case of each family's table in `python -m benchmarks --only demo_world` (docs/design.md).
+not without the text. One trained VAE serves the three (`vae_from`); the thresholds are the
+issue's bar, which no draw of each family's table in `python -m benchmarks --only demo_world`
+falls outside (docs/design.md).
 """
 
 from __future__ import annotations
