@@ -18,9 +18,9 @@ def demo_settings(family: str) -> list[str]:
     """The quickstart's settings for `family`'s demo: its tiny models in a folder of their own (the
     first family's are the quickstart's own `model.path`). The flow families' tiny world is drawn at
     128 px (64 image tokens a picture, area buckets take any multiple of 16) with 32 text tokens:
-    every caption names its first shape and the background in its first 11 words (a third run
-    longer and are cut, as a family's own length cuts long captions), and the family's own 256 or
-    512 unmasked T5 positions would be 4 to 8 times the image's tokens, so training would spend
+    every caption names its first shape and the background in its first 11 words (a third of them
+    run longer and are cut, as a family's own length cuts long captions), and the family's own 256
+    or 512 unmasked T5 positions would be 4 to 8 times the image's tokens, so training would spend
     most of its time on padding; what the demo shows (the text learned, in the family's layout) is
     the same."""
     if family == DEMO_FAMILIES[0]:
