@@ -40,6 +40,7 @@ SUITE = {
     "demo_world": ("demo_world", {}, None),  # seven demo trainings per family, about 75 minutes for the five
     "family_costs": ("family_costs", {}, {}),  # published shapes on the meta device: about 15 s either way
     "video": ("video", {}, None),  # writing the 720p and 4K sources takes most of its 2 to 3 minutes
+    "video_direction": ("video_direction", {}, None),  # two trainings on made-up latents: about 7 minutes on 2 cores
 }
 
 

@@ -42,3 +42,17 @@ def test_one_benchmark_imports_only_what_it_needs(tmp_path):
                           cwd=Path(__file__).parents[1])
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
     assert "skipped" in next(tmp_path.glob("*.md")).read_text()
+
+
+def test_the_video_direction_benchmark_scores_its_own_clips_as_moving_the_named_way():
+    """Its made-up clips move the blob the way their word names, and its score says so: a sample
+    the same as its clip counts as the named way; the clip with its frames swapped, as another."""
+    import torch
+
+    from benchmarks.video_direction import DIRECTIONS, clips, moved
+
+    colours = torch.randn(2, 3, generator=torch.Generator().manual_seed(7))
+    directions = torch.arange(48) % len(DIRECTIONS)
+    made = clips(directions, colours, torch.Generator().manual_seed(0))
+    assert moved(made, colours, directions) == (48, 0)
+    assert moved(made.flip(2), colours, directions) == (0, 48)
