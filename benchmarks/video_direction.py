@@ -20,9 +20,18 @@ import time
 
 import torch
 
+from tasks.demo.flow_models import FAMILIES
+from tasks.demo.videos import DIRECTIONS as NAMED
+from tasks.families.flow import FlowMatching
+
 SIDE, BLOB, SHIFT, CHANNELS, COLOURED = 8, 3, 2, 16, 3  # tokens a side, blob side, tokens moved, latent channels
-DIRECTIONS = torch.tensor([[0, -1], [0, 1], [-1, 0], [1, 0]])  # (rows, columns) a word moves the blob: left, right, up, down
-FLOW_SHIFT, DROP = 3.0, 0.1
+DIRECTIONS = torch.tensor([(dy, dx) for dx, dy in NAMED.values()])  # (rows, columns) each word moves the blob
+FLOW_SHIFT, DROP = FAMILIES["wan"].scheduler["flow_shift"], 0.1
+
+
+def shifted(sigmas: torch.Tensor) -> torch.Tensor:
+    """Wan's fixed shift of uniform noise levels, as its scheduler applies it."""
+    return FLOW_SHIFT * sigmas / (1 + (FLOW_SHIFT - 1) * sigmas)
 
 
 def clips(directions: torch.Tensor, colours: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -53,8 +62,6 @@ def moved(x: torch.Tensor, colours: torch.Tensor, directions: torch.Tensor) -> t
 def train(first_given: bool, steps: int, every: int, device: torch.device, seed: int = 0, samples: int = 48) -> dict:
     import diffusers
 
-    from tasks.demo.flow_models import FAMILIES
-
     torch.manual_seed(seed)
     shape = dict(FAMILIES["wan"].transformer_shape, patch_size=(1, 1, 1), rope_max_seq_len=64)
     net = diffusers.WanTransformer3DModel(**shape).to(device)
@@ -71,8 +78,7 @@ def train(first_given: bool, steps: int, every: int, device: torch.device, seed:
         directions = torch.arange(samples) % len(DIRECTIONS)
         first = clips(directions, colours, draws)[:, :, 0].to(device)
         x = torch.randn(samples, CHANNELS, 2, SIDE, SIDE, generator=draws).to(device)
-        sigmas = torch.linspace(1, 0, 21)
-        sigmas = FLOW_SHIFT * sigmas / (1 + (FLOW_SHIFT - 1) * sigmas)
+        sigmas = shifted(torch.linspace(1, 0, 21))
         with torch.no_grad():
             for now, after in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
                 if first_given:
@@ -88,13 +94,12 @@ def train(first_given: bool, steps: int, every: int, device: torch.device, seed:
         x0 = clips(directions, colours, data).to(device)
         word = torch.where(torch.rand(16, generator=data) < DROP, len(DIRECTIONS), directions).to(device)
         u = torch.rand(16, generator=data)
-        sigma = (FLOW_SHIFT * u / (1 + (FLOW_SHIFT - 1) * u)).to(device)
+        sigma = shifted(u).to(device)
         noise = torch.randn(x0.shape, generator=data).to(device)
-        s = sigma[:, None, None, None, None]
-        xt = (1 - s) * x0 + s * noise
+        xt = FlowMatching.noised(x0, noise, sigma)
         if first_given:
             xt[:, :, 0] = x0[:, :, 0]
-        error = (velocity(xt, sigma, word) - (noise - x0)) ** 2
+        error = (velocity(xt, sigma, word) - FlowMatching.target(x0, noise, sigma)) ** 2
         loss = (error[:, :, 1:] if first_given else error).mean()
         optimizer.zero_grad()
         loss.backward()
@@ -120,5 +125,5 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
         for step, (named, other) in result[mode]["steps"].items():
             out.append((f"word-named shift, {mode}, {step} steps ({result['device']})",
                         f"{named} of {result['samples']} samples move the named way", f"{other} another way",
-                        f"chance: {result['samples'] // 4} the named way"))
+                        f"chance: {result['samples'] // len(DIRECTIONS)} the named way"))
     return out
