@@ -272,6 +272,12 @@ class TrainingConfig(Section):
     caption_dropout: float = Field(
         0.1, ge=0, le=1, description="Probability of training on the empty caption (for classifier-free guidance)."
     )
+    image_to_video: float = Field(
+        0.0, ge=0, le=1, description="Share of the clips (of more than one latent frame) trained image to video, for a "
+        "family whose pipeline also samples from a first frame (Wan 2.2 TI2V: WanImageToVideoPipeline with "
+        "expand_timesteps): the first latent frame given clean at timestep 0, the loss on the frames after it; "
+        "the others train text to video. 0: text to video only."
+    )
     gradient_accumulation: int = Field(
         1, ge=1, description="Micro-batches each process adds up per optimizer step (when global_batch is not set).")
     global_batch: int | None = Field(

@@ -162,15 +162,30 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 3
 
 
+def picture(path: str, options: dict):
+    """The picture at `path` (a local path, or a URL read with the storage `options`), in RGB."""
+    import io
+
+    import fsspec
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with fsspec.open(path, "rb", **(options if "://" in path else {})) as file:
+            return Image.open(io.BytesIO(file.read())).convert("RGB")
+    except (OSError, UnidentifiedImageError) as error:
+        raise ValueError(f"first frame {path}: not a readable picture ({error})") from error
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     from configs.schema import ModelConfig
     from tasks.runs.sampling import sample_run
 
     options = storage_options(args.option)
     model = ModelConfig(path=args.model) if args.model else None
+    first_frames = [picture(path, options) for path in args.first_frame] if args.first_frame else None
     samples = sample_run(args.url, args.prompt, model=model, options=options, steps=args.steps,
                          guidance_scale=args.guidance_scale, seed=args.seed, device=args.device,
-                         true_cfg_scale=args.true_cfg_scale, frames=args.frames)
+                         true_cfg_scale=args.true_cfg_scale, frames=args.frames, first_frames=first_frames)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     samples.save(args.out)
     print(Path(args.out).resolve())
@@ -292,6 +307,9 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
                         "video runs, any other picture format (.png) holds each sample's first frame")
     sample.add_argument("--frames", type=int, help="frames a sample (default: those of the clips the run trained "
                         "on, 1 for pictures)")
+    sample.add_argument("--first-frame", action="append", metavar="PICTURE",
+                        help="a picture (path or URL) each clip starts from, one a --prompt in order: the family's "
+                        "image-to-video pipeline draws the rest (Wan 2.2 TI2V; train with training.image_to_video)")
     sample.add_argument("--model", help="model path or hub id (default: the run's lineage)")
     sample.add_argument("--steps", type=int, default=20)
     sample.add_argument("--guidance-scale", type=float, default=4.5,

@@ -214,6 +214,60 @@ def test_wan_encodes_and_trains_on_clips_and_a_picture_family_quarantines_them(v
     assert all("trains on pictures" in q["message"] for q in shard["quarantined"]) and len(shard["quarantined"]) == 3
 
 
+def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_frames_given(videos, tmp_path):
+    """A TI2V run with half its clips trained image to video (`training.image_to_video`) samples
+    from a first frame through `precast sample --first-frame`, as `WanImageToVideoPipeline`'s own
+    call with the run's adapter loaded draws it; one frame a prompt, else refused by name."""
+    import torch
+    from diffusers import WanImageToVideoPipeline
+
+    from tasks.demo.flow_models import write_tiny_family
+    from tasks.runner import run_direct
+    from tasks.runs.folder import FinishedRun
+    from tasks.runs.sampling import sample_run
+
+    ti2v = write_tiny_family(tmp_path / "ti2v", "wan2.2-ti2v", vae_steps=0)
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("ok.mp4", "ok.txt", "ok.webm"):
+        shutil.copy(videos / name, source)
+    config = PipelineConfig.model_validate({
+        "storage": {"root": str(tmp_path / "store")},
+        "dataset": {"sources": [{"path": str(source)}], "video": VIDEO, **RULES},
+        "model": {"path": str(ti2v)}, "text_encoding": {"dtype": "fp32", "max_length": 16},
+        "latent_encoding": {"resolution": 64, "storage_dtype": "fp32", "batch_size": 2},
+        "training": {"rank": 4, "alpha": 4, "steps": 3, "batch_size": 2, "validation_samples": 0,
+                     "image_to_video": 0.5, "sample_prompts": ["a grey clip"], "sample_steps": 1}})
+    done = run_direct(config)
+    assert FinishedRun.at(done["train"]["run"]).lineage["training"]["image_to_video"] == 0.5
+    assert done["train"]["final_loss"] == done["train"]["final_loss"]
+
+    first = Image.fromarray(frame_pixels(3, 64, 64))
+    first.save(tmp_path / "first.png")
+    out = tmp_path / "from-first.webp"
+    assert main(["sample", done["train"]["run"], "--prompt", "a grey clip", "--first-frame", str(tmp_path / "first.png"),
+                 "--steps", "2", "--out", str(out), "--device", "cpu"]) == 0
+    assert frame_count(out.read_bytes()) == 17 and Image.open(out).size == (64, 64)
+
+    ours = sample_run(done["train"]["run"], ["a grey clip"], steps=2, first_frames=[first], device="cpu")
+    lora = tmp_path / "lora.safetensors"
+    assert main(["export", done["train"]["run"], "--format", "diffusers", "--out", str(lora)]) == 0
+    pipeline = WanImageToVideoPipeline.from_pretrained(ti2v, image_encoder=None, image_processor=None)
+    pipeline.load_lora_weights(str(lora))
+    pipeline.set_progress_bar_config(disable=True)
+    theirs = pipeline(image=first, prompt=["a grey clip"], negative_prompt=[""], max_sequence_length=16, height=64,
+                      width=64, num_frames=17, num_inference_steps=2, guidance_scale=4.5,
+                      generator=torch.Generator().manual_seed(0), output_type="pil").frames[0]
+    assert len(ours[0]) == 17
+    for mine, reference in zip(ours[0], theirs):
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(reference))
+
+    with pytest.raises(ValueError, match=r"first frames: 1 for 2 prompts; give one a prompt"):
+        sample_run(done["train"]["run"], ["a", "b"], first_frames=[first], device="cpu")
+    assert main(["sample", done["train"]["run"], "--prompt", "a", "--first-frame", str(tmp_path / "none.png"),
+                 "--out", str(out), "--device", "cpu"]) == 1
+
+
 def test_wan_quarantines_clips_that_are_not_4n_plus_1_frames(videos, tmp_path):
     from tasks.demo.flow_models import write_tiny_family
     from tasks.runner import run_direct

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import UniPCMultistepScheduler, WanPipeline, WanVideoToVideoPipeline
+from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline, WanVideoToVideoPipeline
 from diffusers.training_utils import compute_density_for_timestep_sampling
 
 from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig, TrainingConfig
+from tasks.train.loss import Objective, diffusion_loss
 from storage.store import Store
 from tasks.encode.latents import encode_pixels
 from tasks.encode.models import build_vae
@@ -20,6 +21,7 @@ from tasks.families import family_of
 from tasks.families.wan import Wan, Wan22TI2V, frames_rule, latent_frames
 from tasks.identity import text_fingerprints
 from tasks.train.data import TextCaches
+from storage.shards import collate
 from tests.pipeline_calls import transformer_calls
 
 PROMPTS = ["a red circle on a blue background", "  a &amp;lt;b&amp;gt;   green\n square  ", "stripes " * 600]
@@ -192,6 +194,77 @@ def test_the_ti2v_transformer_is_called_as_the_pipeline_calls_it_one_timestep_a_
         ours = family.predict(pipeline.transformer, seen["hidden_states"], {k: v[:1] for k, v in both.items()},
                               seen["timestep"][:, 0], **family.call_options(TrainingConfig()))
     torch.testing.assert_close(ours, output)
+
+
+def test_a_clip_trained_image_to_video_is_what_the_image_to_video_pipeline_gives_the_transformer(ti2v, tmp_path):
+    """Given a clip's first frame, `WanImageToVideoPipeline` (`expand_timesteps`) gives TI2V's
+    transformer that frame's latents as the first latent frame, at timestep 0 on its tokens, and
+    noise after it at t; training a clip image to video (`first_frame_given` on the clip's cached
+    latents) gives the same input and the same prediction."""
+    from PIL import Image
+
+    family = family_of(ti2v)
+    caches = cached_prompts(ti2v, tmp_path, ["a green square moving left"])
+    text = {k: v[:1] for k, v in collate([caches.prompt("a green square moving left"), caches.prompt("")]).items()}
+    clip = torch.randint(0, 256, (1, 3, 5, 64, 96), generator=torch.Generator().manual_seed(0)).float() / 127.5 - 1
+    vae = build_vae(ti2v, "fp32", "cpu")
+    shift, scale = (torch.tensor(f).view(-1, 1, 1, 1) for f in family.latent_factors(vae.config))
+    latents = (encode_pixels(vae, clip)[0] - shift) * scale  # the clip as the latent stage caches it
+
+    pipeline = WanImageToVideoPipeline.from_pretrained(ti2v.path, image_encoder=None, image_processor=None)
+    assert pipeline.config.expand_timesteps
+    pipeline.set_progress_bar_config(disable=True)
+    calls = transformer_calls(pipeline)
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(1))
+    first = Image.fromarray(((clip[0, :, 0].permute(1, 2, 0) + 1) * 127.5).round().byte().numpy())
+    pipeline(image=first, **family.embedding_kwargs(text, 1), latents=noise, num_frames=5, height=64, width=96,
+             num_inference_steps=1, guidance_scale=1.0, output_type="latent")
+    (seen, output), = calls
+
+    sigma, t = pipeline.scheduler.sigmas[:1], pipeline.scheduler.timesteps[:1]  # t: σ·1000 as the scheduler rounds it
+    noisy, timesteps, scored = family.first_frame_given(latents, family.schedule(ti2v).noised(latents, noise, sigma),
+                                                        t, torch.tensor([True]))
+    torch.testing.assert_close(noisy, seen["hidden_states"], rtol=1e-4, atol=1e-4)
+    assert (seen["timestep"][:, : 2 * 3] == 0).all() and (seen["timestep"][:, 2 * 3:] == t).all()
+    assert scored.flatten().tolist() == [0.0, 1.0]  # the loss on the frames after the given one
+    with torch.no_grad():
+        torch.testing.assert_close(family.predict(pipeline.transformer, noisy, text, timesteps), output,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_image_to_video_training_is_refused_for_a_family_that_samples_from_text_alone(wan, ti2v):
+    with pytest.raises(ValueError, match=r"training.image_to_video: .* is a Wan model, whose pipeline samples from "
+                                         r"text alone .*: set it to 0"):
+        Objective.of(wan, TrainingConfig(image_to_video=0.5))
+    with pytest.raises(ValueError, match=r"first frames: Wan samples from text alone .*; sample without them"):
+        family_of(wan).image_pipeline(WanPipeline.from_pretrained(wan.path))
+    assert Objective.of(ti2v, TrainingConfig(image_to_video=0.5)).image_to_video == 0.5
+
+
+def test_image_to_video_clips_are_scored_on_the_frames_after_the_given_one(ti2v):
+    """With every clip given its first frame, the loss does not change with what the transformer
+    predicts of that frame, and does with what it predicts after it."""
+    objective = Objective.of(ti2v, TrainingConfig(image_to_video=1.0))
+    latents = torch.randn(2, 48, 2, 2, 2, generator=torch.Generator().manual_seed(0))
+    text = {"umt5_hidden": torch.zeros(2, 4, 64)}
+
+    class Echo(torch.nn.Module):  # predicts `offset` on the frames it is told to, zero elsewhere
+        config = type("Config", (), {"patch_size": (1, 2, 2)})
+
+        def __init__(self, frame):
+            super().__init__()
+            self.frame = frame
+
+        def forward(self, hidden_states, timestep, encoder_hidden_states):
+            out = torch.zeros_like(hidden_states)
+            out[:, :, self.frame] = 5.0
+            return type("Output", (), {"sample": out})
+
+    def loss(frame):
+        return diffusion_loss(Echo(frame), objective, latents, text, torch.Generator().manual_seed(3), None).item()
+
+    base = diffusion_loss(Echo(slice(0, 0)), objective, latents, text, torch.Generator().manual_seed(3), None).item()
+    assert loss(0) == pytest.approx(base) and loss(1) != pytest.approx(base)
 
 
 def test_a_two_expert_model_needs_its_expert_named_and_a_one_transformer_model_refuses_one(a14b, wan):

@@ -87,6 +87,9 @@ class Family:
     # names the bucket tables in the latent cache's fingerprint; None: diffusers' PixArt tables,
     # which every fingerprint before families covered by `resolution` alone
     bucket_rule: str | None = None
+    # the diffusers pipeline that samples a clip from text and a given first frame (None: none), as
+    # runs of it can train (training.image_to_video, `first_frame_given`)
+    image_pipeline_name: str | None = None
 
     def reads(self, index: dict) -> bool:
         """Whether this family reads a model whose model_index.json is `index` (its pipeline named
@@ -181,6 +184,14 @@ class Family:
         unpacks here), called as its pipeline calls it, with the run's `call_options`."""
         raise NotImplementedError
 
+    def first_frame_given(self, latents: torch.Tensor, noisy: torch.Tensor, timesteps: torch.Tensor,
+                          given: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For clips [B, C, F, h, w] whose first frame is `given` [B] (the rest from text): the
+        transformer's input, its timesteps and what of the prediction the loss scores (a mask that
+        broadcasts over the latents), as the family's image-to-video pipeline conditions on a frame.
+        Only for a family with an `image_pipeline_name`."""
+        raise NotImplementedError
+
     # --- sampling and export ----------------------------------------------------------------
     def sampling_scheduler(self, model: ModelConfig) -> Any:
         """The scheduler sample grids are drawn with during training: the model's own, as saved."""
@@ -191,6 +202,14 @@ class Family:
     def pipeline_class(self) -> type:
         """The diffusers pipeline that samples from this family."""
         return library("diffusers", self.pipeline_name)
+
+    def image_pipeline(self, pipeline: Any) -> Any:
+        """`pipeline`'s components (their weights and adapters) in the family's image-to-video
+        pipeline, which samples from a first frame; refused for a family that has none."""
+        if not self.image_pipeline_name:
+            raise ValueError(f"first frames: {self.name} samples from text alone (its pipeline takes no image); "
+                             f"sample without them")
+        return library("diffusers", self.image_pipeline_name).from_pipe(pipeline)
 
     def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module) -> Any:
         """The family's pipeline without text encoders (prompts come pre-encoded from the cache)."""

@@ -217,10 +217,13 @@ class Wan22TI2V(Wan):
     """Wan 2.2 TI2V-5B (its model_index.json's `expand_timesteps`): the Wan 2.2 VAE (48 channels,
     patches of 2 x 2 pixels inside it, so 16x in space), and one timestep per latent token, which
     the pipeline forms from its first-frame mask (all ones for text to video); sides a multiple of
-    32, the VAE's 16 times the transformer's patch of 2."""
+    32, the VAE's 16 times the transformer's patch of 2. From text (`WanPipeline`) or from text and
+    a first frame (`WanImageToVideoPipeline` with `expand_timesteps`: the first latent frame is the
+    picture's latents, its tokens at timestep 0, whatever the transformer predicts of it dropped)."""
 
     name = "Wan 2.2 TI2V"
     bucket_rule = "area/32"
+    image_pipeline_name = "WanImageToVideoPipeline"
 
     def reads(self, index: dict) -> bool:
         return bool(index.get("expand_timesteps"))
@@ -231,10 +234,24 @@ class Wan22TI2V(Wan):
     def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: Conditioning,
                 timesteps: torch.Tensor, **options: Any) -> torch.Tensor:
         """As the pipeline calls it with `expand_timesteps`: each sample's timestep for each of its
-        latent tokens (frames × h/2 × w/2), [B, tokens]."""
+        latent tokens (frames × h/2 × w/2), [B, tokens], from one a sample [B] or one a latent
+        frame [B, F] (`first_frame_given`'s)."""
         patch = getattr(network, "module", network).config.patch_size
-        tokens = self.image_tokens({"patch_size": patch}, *noisy.shape[-3:])
-        return super().predict(network, noisy, text, timesteps[:, None].expand(-1, tokens), **options)
+        frames = noisy.shape[2] // patch[0]
+        per_frame = timesteps.view(len(noisy), -1).expand(-1, frames)
+        tokens = self.image_tokens({"patch_size": patch}, 1, *noisy.shape[-2:])
+        return super().predict(network, noisy, text, per_frame.repeat_interleave(tokens, dim=1), **options)
+
+    def first_frame_given(self, latents: torch.Tensor, noisy: torch.Tensor, timesteps: torch.Tensor,
+                          given: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As `WanImageToVideoPipeline` (`expand_timesteps`) conditions on a picture: its first-frame
+        mask 0 on the first latent frame (the causal VAE encodes the first frame alone, so the
+        clip's cached first latent frame is the picture's), the input `(1 − mask)·condition +
+        mask·noisy`, the timesteps `mask·t`; the loss on the frames after it. `given` [B] chooses
+        the clips so conditioned; the others keep a mask of ones (text to video)."""
+        mask = torch.ones(len(latents), 1, latents.shape[2], 1, 1, dtype=latents.dtype, device=latents.device)
+        mask[:, 0, 0] = (~given).to(latents.dtype)[:, None, None]
+        return (1 - mask) * latents + mask * noisy, timesteps[:, None] * mask[:, 0, :, 0, 0], mask
 
     def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module) -> Any:
         pipeline = super().embedding_pipeline(model, vae, transformer)

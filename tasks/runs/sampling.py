@@ -91,13 +91,17 @@ def sample_grid(
 def sample_run(
     url: str, prompts: list[str], model: ModelConfig | None = None, options: dict | None = None,
     steps: int = 20, guidance_scale: float = 4.5, seed: int = 0, device: str = "auto", true_cfg_scale: float = 1.0,
-    frames: int | None = None,
+    frames: int | None = None, first_frames: list[Image.Image] | None = None,
 ) -> Samples:
     """Samples for `prompts` from a finished run (`<root>/runs/<id>`, or its `adapter`/`transformer`
     URL) through its family's pipeline `from_pretrained` with the trained weights: a LoRA adapter
     loaded by the pipeline's `load_lora_weights` (merged by PEFT where the pipeline has no LoRA
     loader), or the fully trained transformer. The model is the run's unless given; `frames`
-    (None: those of the clips it trained on, 1 for pictures) a sample."""
+    (None: those of the clips it trained on, 1 for pictures) a sample. With `first_frames` (one a
+    prompt), each clip is drawn from its frame by the family's image-to-video pipeline, one at a
+    time (the pipeline conditions a whole batch on one picture), each from `seed`."""
+    if first_frames is not None and len(first_frames) != len(prompts):
+        raise ValueError(f"first frames: {len(first_frames)} for {len(prompts)} prompts; give one a prompt")
     run = FinishedRun.at(url, options)
     model = model or ModelConfig.model_validate(run.record["model"])
     family = family_of(model)
@@ -117,10 +121,18 @@ def sample_run(
     # the prompts read as the run's text cache read its captions
     text = run.lineage.get("text") or {"caption_preprocessing": TextEncodingConfig().caption_preprocessing,
                                        "max_length": family.default_max_length(model)}
-    options = family.prompt_options(pipeline, prompts, text)
-    if "resolution" in run.lineage:  # the side it trained at (runs before it was recorded: the pipeline's default)
-        options.update(height=run.lineage["resolution"], width=run.lineage["resolution"])
+    sides = {"height": run.lineage["resolution"], "width": run.lineage["resolution"]} if "resolution" in run.lineage \
+        else {}  # the side it trained at (runs before it was recorded: the pipeline's default)
     frames = frames or run.lineage.get("frames", 1)
-    return Samples(family.videos(pipeline(num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
-                                          generator=torch.Generator(device="cpu").manual_seed(seed),
-                                          **family.frame_options(frames), **options)))
+
+    def draw(pipeline, prompts: list[str], **image) -> list[list[Image.Image]]:
+        return family.videos(pipeline(num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
+                                      generator=torch.Generator(device="cpu").manual_seed(seed),
+                                      **family.frame_options(frames), **sides,
+                                      **family.prompt_options(pipeline, prompts, text), **image))
+
+    if first_frames is None:
+        return Samples(draw(pipeline, prompts))
+    pipeline = family.image_pipeline(pipeline)
+    return Samples(video for prompt, frame in zip(prompts, first_frames)
+                   for video in draw(pipeline, [prompt], image=frame.convert("RGB")))

@@ -22,14 +22,18 @@ class Objective:
     family: Family
     schedule: Any
     options: dict[str, Any]  # the family's `call_options` of the run
+    image_to_video: float = 0.0  # the share of clips trained with their first frame given (training.image_to_video)
 
     @classmethod
     def of(cls, model: ModelConfig, training: TrainingConfig) -> Objective:
         family = family_of(model)
-        return cls(family, family.schedule(model, training), family.call_options(training))
+        if training.image_to_video and not family.image_pipeline_name:
+            raise ValueError(f"training.image_to_video: {model.path} is a {family.name} model, whose pipeline samples "
+                             f"from text alone (no first frame to condition on, such as Wan 2.2 TI2V's): set it to 0")
+        return cls(family, family.schedule(model, training), family.call_options(training), training.image_to_video)
 
     def plain(self) -> Objective:
-        """The family's own: uniform timesteps, every sample weighed the same."""
+        """The family's own: uniform timesteps, every sample weighed the same, every clip from text."""
         return Objective(self.family, self.schedule.plain(), self.options)
 
 
@@ -40,16 +44,23 @@ def diffusion_loss(
     """The training loss for one batch: noise the scaled latents at timesteps the schedule draws
     (noise first, then timesteps, on the generator's device) and regress the schedule's target
     from the text-conditioned transformer, called as the family calls it, each sample weighed as
-    the schedule says. Nothing here waits for the device."""
+    the schedule says. Clips drawn to train image to video (then, `objective.image_to_video` of
+    them) have their first frame given clean and no loss on it. Nothing here waits for the device."""
     family, schedule, device = objective.family, objective.schedule, latents.device
     noise = torch.randn(latents.shape, generator=generator, device=generator.device).to(device)
     drawn = schedule.draw(len(latents), generator, latents.shape).to(device)
-    noisy = schedule.noised(latents, noise, drawn)
+    noisy, timesteps, scored = schedule.noised(latents, noise, drawn), schedule.timesteps(drawn), None
+    if objective.image_to_video and latents.ndim == 5 and latents.shape[2] > 1:
+        given = torch.rand(len(latents), generator=generator, device=generator.device).to(device)
+        noisy, timesteps, scored = family.first_frame_given(latents, noisy, timesteps, given < objective.image_to_video)
     with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
-        prediction = family.predict(network, noisy, text, schedule.timesteps(drawn), **objective.options)
+        prediction = family.predict(network, noisy, text, timesteps, **objective.options)
     target = schedule.target(latents, noise, drawn)
     weights = schedule.weights(drawn)
-    if weights is None:
+    if weights is None and scored is None:
         return F.mse_loss(prediction.float(), target.float())
-    per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=list(range(1, latents.ndim)))
-    return (per_sample * weights).mean()
+    error = F.mse_loss(prediction.float(), target.float(), reduction="none")
+    dims = list(range(1, latents.ndim))
+    per_sample = error.mean(dim=dims) if scored is None else \
+        (error * scored).sum(dim=dims) / scored.expand_as(error).sum(dim=dims)
+    return (per_sample * (1.0 if weights is None else weights)).mean()
