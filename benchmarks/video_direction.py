@@ -3,10 +3,12 @@ the VAE, the text encoder or the video path: made-up latents a frame of 8 × 8 t
 patches), a 3 × 3-token blob of fixed colours shifted 2 tokens between two frames the way a word
 names (left, right, up, down; chance: a quarter), the word a random vector a direction (the text).
 
-Two ways to train the same transformer (the wan demo's `transformer_shape`, flow matching with
-Wan's published shift and 10% of the words dropped), each sampled with 20 Euler steps:
+Two ways to train the same transformer (the wan demo's `transformer_shape`, by precast's own loss:
+flow matching with Wan's published shift and 10% of the words dropped), each sampled with 20
+Euler steps:
 - `text to video`: both frames drawn from the same noise level, as Wan 2.1 T2V trains and samples;
-- `image to video`: the first frame given clean, the loss on the second only.
+- `image to video`: the first frame given clean at timestep 0, the loss on the second only, as
+  Wan 2.2 TI2V trains (`training.image_to_video` 1) and `WanImageToVideoPipeline` samples.
 Each reports, at every `every` steps, how many of 48 samples move the blob the named way and how
 many another way (by the shift of the blob's centroid from the first frame to the second). It
 locates why the video world's direction is not learned (docs/design.md): reading the word is
@@ -23,6 +25,8 @@ import torch
 from tasks.demo.flow_models import FAMILIES
 from tasks.demo.videos import DIRECTIONS as NAMED
 from tasks.families.flow import FlowMatching
+from tasks.families.wan import FAMILIES as WAN
+from tasks.train.loss import Objective, diffusion_loss
 
 SIDE, BLOB, SHIFT, CHANNELS, COLOURED = 8, 3, 2, 16, 3  # tokens a side, blob side, tokens moved, latent channels
 DIRECTIONS = torch.tensor([(dy, dx) for dx, dy in NAMED.values()])  # (rows, columns) each word moves the blob
@@ -60,6 +64,9 @@ def moved(x: torch.Tensor, colours: torch.Tensor, directions: torch.Tensor) -> t
 
 
 def train(first_given: bool, steps: int, every: int, device: torch.device, seed: int = 0, samples: int = 48) -> dict:
+    """The transformer trained by precast's own loss (`diffusion_loss`: Wan 2.1's scalar timestep
+    from text, or every clip image to video as Wan 2.2 TI2V trains it, `first_frame_given`) and
+    sampled as the family's pipeline samples (the given frame's tokens at timestep 0)."""
     import diffusers
 
     torch.manual_seed(seed)
@@ -69,23 +76,29 @@ def train(first_given: bool, steps: int, every: int, device: torch.device, seed:
     colours = torch.randn(2, COLOURED, generator=torch.Generator().manual_seed(7))
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     data = torch.Generator().manual_seed(seed)
-
-    def velocity(x, sigma, word):
-        return net(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=words[word][:, None, :]).sample
+    family = WAN[1] if first_given else WAN[0]  # Wan 2.2 TI2V (a timestep a token) or Wan 2.1
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=FLOW_SHIFT)
+    objective = Objective(family, FlowMatching.of(scheduler, family.name, lambda *sides: SIDE * SIDE), {},
+                          image_to_video=1.0 if first_given else 0.0)
 
     def sample_scores() -> tuple[int, int]:
         draws = torch.Generator().manual_seed(123)
         directions = torch.arange(samples) % len(DIRECTIONS)
-        first = clips(directions, colours, draws)[:, :, 0].to(device)
+        condition = clips(directions, colours, draws).to(device)  # only its first frame is given
         x = torch.randn(samples, CHANNELS, 2, SIDE, SIDE, generator=draws).to(device)
+        text = {"umt5_hidden": words[directions.to(device)][:, None, :]}
+        given = torch.full((samples,), first_given, device=device)
         sigmas = shifted(torch.linspace(1, 0, 21))
         with torch.no_grad():
             for now, after in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
-                if first_given:
-                    x[:, :, 0] = first
-                x = x + (after - now) * velocity(x, torch.full((samples,), now, device=device), directions.to(device))
+                t = torch.full((samples,), now * 1000, device=device)
+                if first_given:  # as WanImageToVideoPipeline's step: the frame given, its tokens at 0
+                    model_input, t, _ = family.first_frame_given(condition, x, t, given)
+                else:
+                    model_input = x
+                x = x + (after - now) * family.predict(net, model_input, text, t)
         if first_given:
-            x[:, :, 0] = first
+            x[:, :, 0] = condition[:, :, 0]
         return moved(x.cpu(), colours, directions)
 
     scores, began = {}, time.perf_counter()
@@ -93,14 +106,7 @@ def train(first_given: bool, steps: int, every: int, device: torch.device, seed:
         directions = torch.randint(0, len(DIRECTIONS), (16,), generator=data)
         x0 = clips(directions, colours, data).to(device)
         word = torch.where(torch.rand(16, generator=data) < DROP, len(DIRECTIONS), directions).to(device)
-        u = torch.rand(16, generator=data)
-        sigma = shifted(u).to(device)
-        noise = torch.randn(x0.shape, generator=data).to(device)
-        xt = FlowMatching.noised(x0, noise, sigma)
-        if first_given:
-            xt[:, :, 0] = x0[:, :, 0]
-        error = (velocity(xt, sigma, word) - FlowMatching.target(x0, noise, sigma)) ** 2
-        loss = (error[:, :, 1:] if first_given else error).mean()
+        loss = diffusion_loss(net, objective, x0, {"umt5_hidden": words[word][:, None, :]}, data, None)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
