@@ -330,6 +330,12 @@ class TrainingConfig(Section):
         default_factory=lambda: ["a red circle on a blue background"],
         description="Prompts rendered into the run's sample grid (encoded by the text stage, not here).",
     )
+    sample_first_frames: list[str] = Field(
+        default_factory=list,
+        description="Pictures (paths or URLs, read with the storage options) the sample videos start from, one a "
+        "sample prompt in order: drawn image to video by the family's image-to-video pipeline (Wan 2.2 TI2V: "
+        "WanImageToVideoPipeline), to see what training.image_to_video learns. Empty: drawn from text alone.",
+    )
     sample_every: int = Field(0, ge=0, description="Steps between sample grids during training (0: at the end only).")
     validation_samples: int = Field(
         8, ge=0, description="Samples of the manifest held out of training (chosen by a hash of seed and sample id) "
@@ -384,6 +390,13 @@ class TrainingConfig(Section):
         if self.base_precision != "fp32" and self.method == "full":
             raise ValueError(f"base_precision {self.base_precision} is for LoRA: method full trains every weight "
                              f"in fp32")
+        return self
+
+    @model_validator(mode="after")
+    def _a_first_frame_a_prompt(self) -> TrainingConfig:
+        if self.sample_first_frames and len(self.sample_first_frames) != len(self.sample_prompts):
+            raise ValueError(f"sample_first_frames: {len(self.sample_first_frames)} pictures for "
+                             f"{len(self.sample_prompts)} sample_prompts; give one a prompt")
         return self
 
     @model_validator(mode="after")

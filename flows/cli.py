@@ -162,27 +162,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 3
 
 
-def picture(path: str, options: dict):
-    """The picture at `path` (a local path, or a URL read with the storage `options`), in RGB."""
-    import io
-
-    import fsspec
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with fsspec.open(path, "rb", **(options if "://" in path else {})) as file:
-            return Image.open(io.BytesIO(file.read())).convert("RGB")
-    except (OSError, UnidentifiedImageError) as error:
-        raise ValueError(f"first frame {path}: not a readable picture ({error})") from error
-
-
 def cmd_sample(args: argparse.Namespace) -> int:
     from configs.schema import ModelConfig
-    from tasks.runs.sampling import sample_run
+    from tasks.runs.sampling import read_picture, sample_run
 
     options = storage_options(args.option)
     model = ModelConfig(path=args.model) if args.model else None
-    first_frames = [picture(path, options) for path in args.first_frame] if args.first_frame else None
+    first_frames = [read_picture(path, options) for path in args.first_frame] if args.first_frame else None
     samples = sample_run(args.url, args.prompt, model=model, options=options, steps=args.steps,
                          guidance_scale=args.guidance_scale, seed=args.seed, device=args.device,
                          true_cfg_scale=args.true_cfg_scale, frames=args.frames, first_frames=first_frames)

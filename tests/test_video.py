@@ -231,19 +231,28 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
     source.mkdir()
     for name in ("ok.mp4", "ok.txt", "ok.webm"):
         shutil.copy(videos / name, source)
+    first = Image.fromarray(frame_pixels(3, 64, 64))
+    first.save(tmp_path / "first.png")
     config = PipelineConfig.model_validate({
         "storage": {"root": str(tmp_path / "store")},
         "dataset": {"sources": [{"path": str(source)}], "video": VIDEO, **RULES},
         "model": {"path": str(ti2v)}, "text_encoding": {"dtype": "fp32", "max_length": 16},
         "latent_encoding": {"resolution": 64, "storage_dtype": "fp32", "batch_size": 2},
         "training": {"rank": 4, "alpha": 4, "steps": 3, "batch_size": 2, "validation_samples": 0,
-                     "image_to_video": 0.5, "sample_prompts": ["a grey clip"], "sample_steps": 1}})
+                     "image_to_video": 0.5, "sample_prompts": ["a grey clip"], "sample_steps": 1,
+                     "sample_first_frames": [str(tmp_path / "first.png")]}})
     done = run_direct(config)
     assert FinishedRun.at(done["train"]["run"]).lineage["training"]["image_to_video"] == 0.5
     assert done["train"]["final_loss"] == done["train"]["final_loss"]
+    # the run's sample video starts from the picture: what `precast sample --first-frame` draws
+    store = Store(config.storage)
+    grid = Image.open(io.BytesIO(store.read_bytes(store.key(done["train"]["samples"][-1]))))
+    drawn = sample_run(done["train"]["run"], ["a grey clip"], steps=1, first_frames=[first], device="cpu").grid()
+    plain = sample_run(done["train"]["run"], ["a grey clip"], steps=1, device="cpu").grid()  # from text alone
+    assert np.abs(np.asarray(grid, dtype=float) - np.asarray(drawn, dtype=float)).mean() < 0.5
+    assert np.abs(np.asarray(grid, dtype=float) - np.asarray(plain, dtype=float)).mean() > 5
+    assert frame_count(store.read_bytes(store.key(done["train"]["sample_videos"][-1]))) == 17
 
-    first = Image.fromarray(frame_pixels(3, 64, 64))
-    first.save(tmp_path / "first.png")
     out = tmp_path / "from-first.webp"
     assert main(["sample", done["train"]["run"], "--prompt", "a grey clip", "--first-frame", str(tmp_path / "first.png"),
                  "--steps", "2", "--out", str(out), "--device", "cpu"]) == 0
@@ -264,6 +273,9 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
 
     with pytest.raises(ValueError, match=r"first frames: 1 for 2 prompts; give one a prompt"):
         sample_run(done["train"]["run"], ["a", "b"], first_frames=[first], device="cpu")
+    with pytest.raises(ValueError, match=r"sample_first_frames: 1 pictures for 2 sample_prompts; give one a prompt"):
+        PipelineConfig.model_validate({**config.model_dump(), "training": {
+            **config.training.model_dump(), "sample_prompts": ["a", "b"]}})
     assert main(["sample", done["train"]["run"], "--prompt", "a", "--first-frame", str(tmp_path / "none.png"),
                  "--out", str(out), "--device", "cpu"]) == 1
 

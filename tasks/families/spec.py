@@ -203,13 +203,17 @@ class Family:
         """The diffusers pipeline that samples from this family."""
         return library("diffusers", self.pipeline_name)
 
-    def image_pipeline(self, pipeline: Any) -> Any:
-        """`pipeline`'s components (their weights and adapters) in the family's image-to-video
-        pipeline, which samples from a first frame; refused for a family that has none."""
+    def image_pipeline_class(self, setting: str) -> type:
+        """The family's image-to-video pipeline, which samples from a first frame; refused, naming
+        `setting` (what asked for it), for a family that has none."""
         if not self.image_pipeline_name:
-            raise ValueError(f"first frames: {self.name} samples from text alone (its pipeline takes no image); "
-                             f"sample without them")
-        return library("diffusers", self.image_pipeline_name).from_pipe(pipeline)
+            raise ValueError(f"{setting}: {self.name} samples from text alone (its pipeline takes no first frame, "
+                             f"as Wan 2.2 TI2V's does); leave it out")
+        return library("diffusers", self.image_pipeline_name)
+
+    def image_pipeline(self, pipeline: Any) -> Any:
+        """`pipeline`'s components (their weights and adapters) in the family's image-to-video pipeline."""
+        return self.image_pipeline_class("first frames").from_pipe(pipeline)
 
     def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module) -> Any:
         """The family's pipeline without text encoders (prompts come pre-encoded from the cache)."""

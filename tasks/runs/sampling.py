@@ -7,11 +7,12 @@ sample`): the full pipeline with the trained weights.
 
 from __future__ import annotations
 
+import io
 import tempfile
 from pathlib import Path
 
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from safetensors.torch import load
 
 from configs.schema import ModelConfig, TextEncodingConfig
@@ -56,6 +57,18 @@ class Samples(list):
             self.grid().save(path)
 
 
+def read_picture(path: str, options: dict) -> Image.Image:
+    """The picture at `path` (a local path, or a URL read with the storage `options`), in RGB; an
+    unreadable one is refused naming it."""
+    import fsspec
+
+    try:
+        with fsspec.open(path, "rb", **(options if "://" in path else {})) as file:
+            return Image.open(io.BytesIO(file.read())).convert("RGB")
+    except (OSError, UnidentifiedImageError) as error:
+        raise ValueError(f"first frame {path}: not a readable picture ({error})") from error
+
+
 def sample_grid(
     model: ModelConfig,
     transformer,
@@ -67,9 +80,11 @@ def sample_grid(
     seed: int,
     side: int,
     frames: int = 1,
+    first_frames: list[Image.Image] | None = None,
 ) -> Samples:
     """One sample per prompt of `side` × `side` pixels and `frames` frames, by the family's
-    pipeline from pre-encoded prompts, the empty caption's the negatives."""
+    pipeline from pre-encoded prompts, the empty caption's the negatives; with `first_frames` (one
+    a prompt) by its image-to-video pipeline, a call a picture, as `sample_run` draws them."""
     device = next(transformer.parameters()).device
     family = family_of(model)
     vae = load_vae(model, "fp32", str(device))
@@ -77,15 +92,22 @@ def sample_grid(
     vae.decode = lambda latents, *args, **kwargs: decode(latents.to(vae.dtype), *args, **kwargs)
     pipeline = family.embedding_pipeline(model, vae, transformer)
     pipeline.set_progress_bar_config(disable=True)
-    # positive and negative embeddings must share one length for classifier-free guidance
-    count = len(prompt_features)
-    text = collate(prompt_features + [empty_features] * count)
     dtype = next(transformer.parameters()).dtype  # the features in the transformer's, masks as they are
-    text = {name: value.to(device, dtype if value.is_floating_point() else value.dtype) for name, value in text.items()}
-    return Samples(family.videos(pipeline(**family.embedding_kwargs(text, count), height=side, width=side,
-                                          num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
-                                          **family.frame_options(frames),
-                                          generator=torch.Generator(device="cpu").manual_seed(seed))))
+
+    def draw(pipeline, features: list[dict[str, torch.Tensor]], **image) -> list[list[Image.Image]]:
+        # positive and negative embeddings must share one length for classifier-free guidance
+        text = collate(features + [empty_features] * len(features))
+        text = {name: value.to(device, dtype if value.is_floating_point() else value.dtype) for name, value in text.items()}
+        return family.videos(pipeline(**family.embedding_kwargs(text, len(features)), height=side, width=side,
+                                      num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
+                                      **family.frame_options(frames), **image,
+                                      generator=torch.Generator(device="cpu").manual_seed(seed)))
+
+    if first_frames is None:
+        return Samples(draw(pipeline, prompt_features))
+    pipeline = family.image_pipeline(pipeline)
+    return Samples(video for features, frame in zip(prompt_features, first_frames)
+                   for video in draw(pipeline, [features], image=frame))
 
 
 def sample_run(

@@ -27,9 +27,8 @@ class Objective:
     @classmethod
     def of(cls, model: ModelConfig, training: TrainingConfig) -> Objective:
         family = family_of(model)
-        if training.image_to_video and not family.image_pipeline_name:
-            raise ValueError(f"training.image_to_video: {model.path} is a {family.name} model, whose pipeline samples "
-                             f"from text alone (no first frame to condition on, such as Wan 2.2 TI2V's): set it to 0")
+        if training.image_to_video:
+            family.image_pipeline_class("training.image_to_video")
         return cls(family, family.schedule(model, training), family.call_options(training), training.image_to_video)
 
     def plain(self) -> Objective:

@@ -17,11 +17,11 @@ import yaml
 from configs.schema import ModelConfig, TrainingConfig
 from storage import layout
 from storage.shards import bucket_sides
-from storage.store import Store
+from storage.store import Store, fsspec_options
 from tasks.families import family_of, pipeline_of
 from tasks.runs.folder import write_metrics
 from tasks.runs.plots import loss_curve_png
-from tasks.runs.sampling import sample_grid
+from tasks.runs.sampling import read_picture, sample_grid
 from tasks.train.data import TextCaches
 from tasks.train.network import output_name, sampling_module
 from tasks.train.trackers import Trackers
@@ -36,6 +36,12 @@ class RunPublisher:
         latent_frames = max(sides[0] if len(sides) == 3 else 1 for sides in map(bucket_sides, manifest["buckets"]))
         self.frames = family_of(model).clip_frames(latent_frames)
         self.manifest, self.init, self.prompts = manifest, init, prompts
+        # the pictures the sample videos start from, read (and the family's image pipeline checked)
+        # before the first step: a bad one fails the run at once, not at its end
+        self.first_frames = None
+        if training.sample_first_frames:
+            family_of(model).image_pipeline_class("training.sample_first_frames")
+            self.first_frames = [read_picture(path, fsspec_options(store.config)) for path in training.sample_first_frames]
         self.output = output_name(training)
         # the training config as it ran: LoRA's target modules resolved (the family's, when unset)
         self.settings = {**training.model_dump(), "target_modules": family_of(model).target_modules(training)}
@@ -79,7 +85,7 @@ class RunPublisher:
             samples = sample_grid(self.model, sampling_module(network, training),
                                   [self.prompts.prompt(p) for p in training.sample_prompts], self.prompts.prompt(""),
                                   training.sample_steps, training.guidance_scale, training.true_cfg_scale,
-                                  training.seed, self.resolution, self.frames)
+                                  training.seed, self.resolution, self.frames, self.first_frames)
         network.train()
         buffer = io.BytesIO()
         samples.grid().save(buffer, format="PNG")
