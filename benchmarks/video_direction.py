@@ -87,13 +87,13 @@ def train(first_given: bool, steps: int, every: int, device: torch.device, seed:
         condition = clips(directions, colours, draws).to(device)  # only its first frame is given
         x = torch.randn(samples, CHANNELS, 2, SIDE, SIDE, generator=draws).to(device)
         text = {"umt5_hidden": words[directions.to(device)][:, None, :]}
-        given = torch.full((samples,), first_given, device=device)
         sigmas = shifted(torch.linspace(1, 0, 21))
         with torch.no_grad():
             for now, after in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
                 t = torch.full((samples,), now * 1000, device=device)
                 if first_given:  # as WanImageToVideoPipeline's step: the frame given, its tokens at 0
-                    model_input, t, _ = family.first_frame_given(condition, x, t, given)
+                    model_input, t, _ = family.first_frame_given(condition, x, t, torch.ones(samples, dtype=torch.bool,
+                                                                                             device=device))
                 else:
                     model_input = x
                 x = x + (after - now) * family.predict(net, model_input, text, t)

@@ -276,7 +276,8 @@ class TrainingConfig(Section):
         0.0, ge=0, le=1, description="Share of the clips (of more than one latent frame) trained image to video, for a "
         "family whose pipeline also samples from a first frame (Wan 2.2 TI2V: WanImageToVideoPipeline with "
         "expand_timesteps): the first latent frame given clean at timestep 0, the loss on the frames after it; "
-        "the others train text to video. 0: text to video only."
+        "the others train text to video (and the validation loss is text to video, so runs compare). 0: text to "
+        "video only."
     )
     gradient_accumulation: int = Field(
         1, ge=1, description="Micro-batches each process adds up per optimizer step (when global_batch is not set).")

@@ -271,6 +271,12 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
     for mine, reference in zip(ours[0], theirs):
         np.testing.assert_array_equal(np.asarray(mine), np.asarray(reference))
 
+    # a picture of another shape is centre-cropped to the run's side, not stretched
+    wide = Image.fromarray(frame_pixels(5, 96, 64))
+    cropped = sample_run(done["train"]["run"], ["a grey clip"], steps=1, first_frames=[wide], device="cpu")
+    fitted = sample_run(done["train"]["run"], ["a grey clip"], steps=1, device="cpu",
+                        first_frames=[wide.crop((16, 0, 80, 64))])
+    assert [np.asarray(f).tolist() for f in cropped[0]] == [np.asarray(f).tolist() for f in fitted[0]]
     with pytest.raises(ValueError, match=r"first frames: 1 for 2 prompts; give one a prompt"):
         sample_run(done["train"]["run"], ["a", "b"], first_frames=[first], device="cpu")
     with pytest.raises(ValueError, match=r"sample_first_frames: 1 pictures for 2 sample_prompts; give one a prompt"):

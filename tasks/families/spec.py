@@ -11,6 +11,7 @@ differs in.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,8 +213,15 @@ class Family:
         return library("diffusers", self.image_pipeline_name)
 
     def image_pipeline(self, pipeline: Any) -> Any:
-        """`pipeline`'s components (their weights and adapters) in the family's image-to-video pipeline."""
-        return self.image_pipeline_class("first frames").from_pipe(pipeline)
+        """`pipeline`'s components, as they are, in the family's image-to-video pipeline with the
+        settings of `pipeline` it takes (diffusers' `from_pipe` would cast every module to fp32:
+        the training transformer's half-precision base among them)."""
+        cls = self.image_pipeline_class("first frames")
+        takes = inspect.signature(cls.__init__).parameters
+        components = {name: module for name, module in pipeline.components.items() if name in takes}
+        settings = {name: value for name, value in pipeline.config.items()
+                    if name in takes and name not in pipeline.components}
+        return cls(**components, **settings)
 
     def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module) -> Any:
         """The family's pipeline without text encoders (prompts come pre-encoded from the cache)."""

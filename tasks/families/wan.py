@@ -248,7 +248,10 @@ class Wan22TI2V(Wan):
         mask 0 on the first latent frame (the causal VAE encodes the first frame alone, so the
         clip's cached first latent frame is the picture's), the input `(1 − mask)·condition +
         mask·noisy`, the timesteps `mask·t`; the loss on the frames after it. `given` [B] chooses
-        the clips so conditioned; the others keep a mask of ones (text to video)."""
+        the clips so conditioned; the others keep a mask of ones (text to video). The given frame
+        is the clip's first latent frame as the reader draws it: the posterior's mean under
+        `latent_encoding.posterior: mean`, else a draw around it, where the pipeline takes the
+        picture's mean (the draws' spread is the VAE's posterior std, small beside the latents')."""
         mask = torch.ones(len(latents), 1, latents.shape[2], 1, 1, dtype=latents.dtype, device=latents.device)
         mask[:, 0, 0] = (~given).to(latents.dtype)[:, None, None]
         return (1 - mask) * latents + mask * noisy, timesteps[:, None] * mask[:, 0, :, 0, 0], mask

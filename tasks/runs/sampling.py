@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import io
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps
 from safetensors.torch import load
 
 from configs.schema import ModelConfig, TextEncodingConfig
@@ -65,8 +66,30 @@ def read_picture(path: str, options: dict) -> Image.Image:
     try:
         with fsspec.open(path, "rb", **(options if "://" in path else {})) as file:
             return Image.open(io.BytesIO(file.read())).convert("RGB")
-    except (OSError, UnidentifiedImageError) as error:
-        raise ValueError(f"first frame {path}: not a readable picture ({error})") from error
+    except Exception as error:  # missing, unreachable, not a picture, a decompression bomb: each names the file
+        raise ValueError(f"first frame {path}: not a readable picture ({type(error).__name__}: {error})") from error
+
+
+def draw(family, pipeline, call: Callable[[slice], dict], count: int, first_frames: list[Image.Image] | None,
+         size: tuple[int, int] | None) -> Samples:
+    """`count` samples by `pipeline`, `call(rows)` giving its arguments for those rows of the prompts:
+    in one call, or with `first_frames` (one a prompt, `check_first_frames`) by the family's
+    image-to-video pipeline, a call a picture (it conditions a whole batch on one picture), each picture centre-cropped to the
+    samples' `size` (width, height; None: the pipeline's own) rather than stretched."""
+    if first_frames is None:
+        return Samples(family.videos(pipeline(**call(slice(None)))))
+    pipeline = family.image_pipeline(pipeline)
+    return Samples(video for row, frame in enumerate(first_frames) for video in family.videos(pipeline(
+        **call(slice(row, row + 1)), image=ImageOps.fit(frame.convert("RGB"), size) if size else frame.convert("RGB"))))
+
+
+def check_first_frames(family, first_frames: list[Image.Image] | None, count: int) -> None:
+    """Before anything loads: first frames only for a family with an image-to-video pipeline, one a prompt."""
+    if first_frames is None:
+        return
+    family.image_pipeline_class("first frames")
+    if len(first_frames) != count:
+        raise ValueError(f"first frames: {len(first_frames)} for {count} prompts; give one a prompt")
 
 
 def sample_grid(
@@ -87,6 +110,7 @@ def sample_grid(
     a prompt) by its image-to-video pipeline, a call a picture, as `sample_run` draws them."""
     device = next(transformer.parameters()).device
     family = family_of(model)
+    check_first_frames(family, first_frames, len(prompt_features))
     vae = load_vae(model, "fp32", str(device))
     decode = vae.decode  # latents leave a half-precision transformer in its dtype: the fp32 VAE takes them in its own
     vae.decode = lambda latents, *args, **kwargs: decode(latents.to(vae.dtype), *args, **kwargs)
@@ -94,20 +118,16 @@ def sample_grid(
     pipeline.set_progress_bar_config(disable=True)
     dtype = next(transformer.parameters()).dtype  # the features in the transformer's, masks as they are
 
-    def draw(pipeline, features: list[dict[str, torch.Tensor]], **image) -> list[list[Image.Image]]:
+    def call(rows: slice) -> dict:
+        features = prompt_features[rows]
         # positive and negative embeddings must share one length for classifier-free guidance
         text = collate(features + [empty_features] * len(features))
         text = {name: value.to(device, dtype if value.is_floating_point() else value.dtype) for name, value in text.items()}
-        return family.videos(pipeline(**family.embedding_kwargs(text, len(features)), height=side, width=side,
-                                      num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
-                                      **family.frame_options(frames), **image,
-                                      generator=torch.Generator(device="cpu").manual_seed(seed)))
+        return {**family.embedding_kwargs(text, len(features)), "height": side, "width": side,
+                "num_inference_steps": steps, **family.guidance(guidance_scale, true_cfg_scale),
+                **family.frame_options(frames), "generator": torch.Generator(device="cpu").manual_seed(seed)}
 
-    if first_frames is None:
-        return Samples(draw(pipeline, prompt_features))
-    pipeline = family.image_pipeline(pipeline)
-    return Samples(video for features, frame in zip(prompt_features, first_frames)
-                   for video in draw(pipeline, [features], image=frame))
+    return draw(family, pipeline, call, len(prompt_features), first_frames, (side, side))
 
 
 def sample_run(
@@ -122,11 +142,10 @@ def sample_run(
     (None: those of the clips it trained on, 1 for pictures) a sample. With `first_frames` (one a
     prompt), each clip is drawn from its frame by the family's image-to-video pipeline, one at a
     time (the pipeline conditions a whole batch on one picture), each from `seed`."""
-    if first_frames is not None and len(first_frames) != len(prompts):
-        raise ValueError(f"first frames: {len(first_frames)} for {len(prompts)} prompts; give one a prompt")
     run = FinishedRun.at(url, options)
     model = model or ModelConfig.model_validate(run.record["model"])
     family = family_of(model)
+    check_first_frames(family, first_frames, len(prompts))
     with tempfile.TemporaryDirectory() as local:
         slot = family.transformer_folder(model)  # the pipeline's component the run trained
         if run.weights == "adapter" and hasattr(family.pipeline_class(), "load_lora_weights"):
@@ -147,14 +166,10 @@ def sample_run(
         else {}  # the side it trained at (runs before it was recorded: the pipeline's default)
     frames = frames or run.lineage.get("frames", 1)
 
-    def draw(pipeline, prompts: list[str], **image) -> list[list[Image.Image]]:
-        return family.videos(pipeline(num_inference_steps=steps, **family.guidance(guidance_scale, true_cfg_scale),
-                                      generator=torch.Generator(device="cpu").manual_seed(seed),
-                                      **family.frame_options(frames), **sides,
-                                      **family.prompt_options(pipeline, prompts, text), **image))
+    def call(rows: slice) -> dict:
+        return {"num_inference_steps": steps, **family.guidance(guidance_scale, true_cfg_scale),
+                "generator": torch.Generator(device="cpu").manual_seed(seed), **family.frame_options(frames), **sides,
+                **family.prompt_options(pipeline, prompts[rows], text)}
 
-    if first_frames is None:
-        return Samples(draw(pipeline, prompts))
-    pipeline = family.image_pipeline(pipeline)
-    return Samples(video for prompt, frame in zip(prompts, first_frames)
-                   for video in draw(pipeline, [prompt], image=frame.convert("RGB")))
+    size = (sides["width"], sides["height"]) if sides else None
+    return draw(family, pipeline, call, len(prompts), first_frames, size)

@@ -60,6 +60,6 @@ def diffusion_loss(
         return F.mse_loss(prediction.float(), target.float())
     error = F.mse_loss(prediction.float(), target.float(), reduction="none")
     dims = list(range(1, latents.ndim))
-    per_sample = error.mean(dim=dims) if scored is None else \
-        (error * scored).sum(dim=dims) / scored.expand_as(error).sum(dim=dims)
+    scored = None if scored is None else scored.to(error.dtype).expand_as(error)  # fp32: half latents' counts overflow
+    per_sample = error.mean(dim=dims) if scored is None else (error * scored).sum(dim=dims) / scored.sum(dim=dims)
     return (per_sample * (1.0 if weights is None else weights)).mean()
