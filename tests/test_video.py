@@ -239,7 +239,8 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
         "model": {"path": str(ti2v)}, "text_encoding": {"dtype": "fp32", "max_length": 16},
         "latent_encoding": {"resolution": 64, "storage_dtype": "fp32", "batch_size": 2},
         "training": {"rank": 4, "alpha": 4, "steps": 3, "batch_size": 2, "validation_samples": 0,
-                     "image_to_video": 0.5, "sample_prompts": ["a grey clip"], "sample_steps": 1,
+                     "image_to_video": 0.5, "mixed_precision": "bf16", "base_precision": "bf16",
+                     "sample_prompts": ["a grey clip"], "sample_steps": 1,
                      "sample_first_frames": [str(tmp_path / "first.png")]}})
     done = run_direct(config)
     assert FinishedRun.at(done["train"]["run"]).lineage["training"]["image_to_video"] == 0.5

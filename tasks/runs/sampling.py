@@ -72,15 +72,19 @@ def read_picture(path: str, options: dict) -> Image.Image:
 
 def draw(family, pipeline, call: Callable[[slice], dict], count: int, first_frames: list[Image.Image] | None,
          size: tuple[int, int] | None) -> Samples:
-    """`count` samples by `pipeline`, `call(rows)` giving its arguments for those rows of the prompts:
-    in one call, or with `first_frames` (one a prompt, `check_first_frames`) by the family's
-    image-to-video pipeline, a call a picture (it conditions a whole batch on one picture), each picture centre-cropped to the
-    samples' `size` (width, height; None: the pipeline's own) rather than stretched."""
+    """`count` samples by `pipeline`, `call(rows)` giving its arguments for those rows of the
+    prompts: in one call, or with `first_frames` (one a prompt, `check_first_frames`) by the
+    family's image-to-video pipeline, a call a picture (it conditions a whole batch on one), each
+    picture centre-cropped to the samples' `size` (width, height; None: the pipeline's own) rather
+    than stretched."""
     if first_frames is None:
         return Samples(family.videos(pipeline(**call(slice(None)))))
-    pipeline = family.image_pipeline(pipeline)
-    return Samples(video for row, frame in enumerate(first_frames) for video in family.videos(pipeline(
-        **call(slice(row, row + 1)), image=ImageOps.fit(frame.convert("RGB"), size) if size else frame.convert("RGB"))))
+    pipeline, videos = family.image_pipeline(pipeline), []
+    for row, frame in enumerate(first_frames):
+        picture = frame.convert("RGB")
+        picture = ImageOps.fit(picture, size) if size else picture
+        videos += family.videos(pipeline(**call(slice(row, row + 1)), image=picture))
+    return Samples(videos)
 
 
 def check_first_frames(family, first_frames: list[Image.Image] | None, count: int) -> None:

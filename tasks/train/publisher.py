@@ -41,7 +41,8 @@ class RunPublisher:
         self.first_frames = None
         if training.sample_first_frames:
             family_of(model).image_pipeline_class("training.sample_first_frames")
-            self.first_frames = [read_picture(path, fsspec_options(store.config)) for path in training.sample_first_frames]
+            options = fsspec_options(store.config)
+            self.first_frames = [read_picture(path, options) for path in training.sample_first_frames]
         self.output = output_name(training)
         # the training config as it ran: LoRA's target modules resolved (the family's, when unset)
         self.settings = {**training.model_dump(), "target_modules": family_of(model).target_modules(training)}
