@@ -38,14 +38,11 @@ def _print_result(result: dict, as_json: bool) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from configs.schema import QUICKSTART, load_config
-    from tasks.demo import demo_settings, write_demo_dataset, write_demo_models
+    from tasks.demo import demo_settings, write_demo_inputs
     from tasks.runs.page import loss_text
 
     config = load_config(QUICKSTART, [*demo_settings(args.family), *args.set])  # --set model.path=… still decides
-    write_demo_models(config.model.path, args.family)
-    for source in config.dataset.sources:
-        if not Path(source.path).exists():
-            write_demo_dataset(source.path, args.family, args.count)
+    write_demo_inputs(config, args.family, args.count)
     result = _run_pipeline(config)
     print(f"weights: {result['weights']}")
     for sample in result["samples"]:

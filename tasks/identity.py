@@ -111,9 +111,10 @@ def run_id_for(manifest: str, model: ModelConfig, training: TrainingConfig, init
     init_id = init["sha256"] if init and training.init_from not in ("none", "latest") else None
     # the modules LoRA adapts, resolved: the family's defaults count as if spelled in the config
     # mode_scale shapes only the mode density: other runs' ids do not hold it (nor change with it);
-    # so do true_cfg_scale's default and the runs from before it
+    # so do true_cfg_scale's and image_to_video_warmup's defaults and the runs from before them
     unused = (NOT_IN_RUN_ID | ({"mode_scale"} if training.timestep_sampling != "mode" else set())
-              | ({"true_cfg_scale"} if training.true_cfg_scale == 1 else set()))
+              | ({"true_cfg_scale"} if training.true_cfg_scale == 1 else set())
+              | ({"image_to_video_warmup"} if not training.image_to_video_warmup else set()))
     settings = {**training.model_dump(exclude=unused), "micro_batches": training.micro_batches,
                 "target_modules": family_of(model).target_modules(training)}
     return hash_json({"manifest": manifest, "transformer": transformer_fingerprint(model), "training": settings,

@@ -21,6 +21,9 @@ KNOWN_NOISE = {
     "bitsandbytes.backends.cpu.ops": "kernels-community",
     # only for loading checkpoints serialised by torchao, which precast never does
     "diffusers.quantizers.torchao.torchao_quantizer": "Unable to import `torchao` Tensor objects",
+    # diffusers' Wan image-to-video pipeline imports CLIP's image processor, which Wan 2.2 TI2V has
+    # none of (its first frame goes through the VAE): the PIL one it falls back to is never used
+    "transformers.utils.import_utils": "requires torchvision (not installed)",
 }
 # transformers reports T5's input embedding as missing: it is tied to `shared.weight`
 LOAD_REPORT = "transformers.modeling_utils"

@@ -28,7 +28,7 @@ def folders(tmp_path_factory):
     flux = write_tiny_family(root / "flux", "flux", vae_steps=0)
     written = {family: write_tiny_family(root / family, family, vae_from=flux) for family in ("flux-schnell", "chroma")}
     return {"flux": flux, "sd3": write_tiny_family(root / "sd3", "sd3", vae_steps=0), **written,
-            **{family: write_tiny_family(root / family, family, vae_steps=0) for family in ("wan", "wan2.2-ti2v", "wan2.2-a14b")}}
+            **{family: write_tiny_family(root / family, family, vae_steps=0) for family in ("wan", "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b")}}
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_the_vae_has_16_channels_and_an_untrained_one_the_published_factors(fold
             assert (config.z_dim, config.patch_size, config.scale_factor_spatial) == (48, 2, 16)
             assert len(config.latents_mean) == len(config.latents_std) == 48
             continue
-        if family in ("wan", "wan2.2-a14b"):  # the 3-D VAE, normalised by the published per-channel mean and std
+        if family in ("wan", "wan-ti2v", "wan2.2-a14b"):  # the 3-D VAE, normalised by the published per-channel mean and std
             config = diffusers.AutoencoderKLWan.from_pretrained(folder / "vae").config
             published = inspect.signature(diffusers.AutoencoderKLWan).parameters
             assert config.z_dim == 16 and config.latents_mean == published["latents_mean"].default

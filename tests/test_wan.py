@@ -239,6 +239,8 @@ def test_image_to_video_training_is_refused_for_a_family_that_samples_from_text_
     with pytest.raises(ValueError, match=r"first frames: Wan samples from text alone .*; leave it out"):
         family_of(wan).image_pipeline(WanPipeline.from_pretrained(wan.path))
     assert Objective.of(ti2v, TrainingConfig(image_to_video=0.5)).image_to_video == 0.5
+    with pytest.raises(ValueError, match=r"training.image_to_video_warmup: Wan samples from text alone"):
+        Objective.of(wan, TrainingConfig(image_to_video_warmup=100))
 
 
 def test_a_share_of_the_clips_is_given_its_first_frame_and_each_scored_on_the_frames_after_it(ti2v):
@@ -271,6 +273,13 @@ def test_a_share_of_the_clips_is_given_its_first_frame_and_each_scored_on_the_fr
     assert loss(0.0) == pytest.approx(0.0, abs=1e-6) and loss(1.0) == pytest.approx(1.0, rel=1e-4)
     assert 20 <= given[0] <= 44, f"{given[0]} of 64 clips given their first frame at a share of 0.5"
     assert Objective.of(ti2v, TrainingConfig()).image_to_video == 0.0  # the default trains from text
+
+    # image_to_video_warmup: every clip given its first frame up to that step, then the share
+    warm = Objective.of(ti2v, TrainingConfig(image_to_video=0.5, image_to_video_warmup=3))
+    for step in (1, 3, 4, 1000):
+        given.clear()
+        diffusion_loss(Exact(0.0), warm.at(step), latents, text, torch.Generator().manual_seed(3), None)
+        assert (given[0] == 64) == (step <= 3) and given[0] >= 20, f"step {step}: {given[0]} of 64 given their frame"
 
 
 def test_the_image_to_video_pipeline_shares_the_modules_as_they_are(ti2v):

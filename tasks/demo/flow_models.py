@@ -80,6 +80,15 @@ class TinyFamily(NamedTuple):
     settings: dict | None = None  # the pipeline's own, in model_index.json
 
 
+# Wan 2.1 T2V: umT5 (T5's shape, its own class), the causal 3-D VAE (4x in time, 8x in space,
+# normalised per channel by the published latents_mean / latents_std), 1x2x2 patches, RoPE over
+# (frame, row, column), and UniPC sampling on flow sigmas shifted by 3.0, as published
+_WAN = TinyFamily("WanPipeline", (("", "umt5", "UMT5EncoderModel"),), "WanTransformer3DModel",
+                  dict(patch_size=(1, 2, 2), num_attention_heads=6, attention_head_dim=16, in_channels=16,
+                       out_channels=16, text_dim=T5_SHAPE["d_model"], freq_dim=32, ffn_dim=128, num_layers=2,
+                       rope_max_seq_len=1024),
+                  dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0), (0.0, 1.0),
+                  "UniPCMultistepScheduler", "AutoencoderKLWan")
 _FLUX_TEXT = (("", "clip-l", "CLIPTextModel"), ("_2", "t5", "T5EncoderModel"))
 FAMILIES = {
     "flux": TinyFamily("FluxPipeline", _FLUX_TEXT, "FluxTransformer2DModel", dict(_FLUX, guidance_embeds=True),
@@ -102,15 +111,11 @@ FAMILIES = {
                          dict(_FLUX_BLOCKS, approximator_num_channels=16, approximator_hidden_dim=32,
                               approximator_layers=2),
                          _NO_SHIFT, (0.1159, 0.3611)),
-    # Wan 2.1 T2V: umT5 (T5's shape, its own class), the causal 3-D VAE (4x in time, 8x in space,
-    # normalised per channel by the published latents_mean / latents_std), 1x2x2 patches, RoPE over
-    # (frame, row, column), and UniPC sampling on flow sigmas shifted by 3.0, as published
-    "wan": TinyFamily("WanPipeline", (("", "umt5", "UMT5EncoderModel"),), "WanTransformer3DModel",
-                      dict(patch_size=(1, 2, 2), num_attention_heads=6, attention_head_dim=16, in_channels=16,
-                           out_channels=16, text_dim=T5_SHAPE["d_model"], freq_dim=32, ffn_dim=128, num_layers=2,
-                           rope_max_seq_len=1024),
-                      dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0), (0.0, 1.0),
-                      "UniPCMultistepScheduler", "AutoencoderKLWan"),
+    "wan": _WAN,
+    # the wan demo's: Wan 2.1's layout and VAE (set by hand to show the demo's colours) under Wan
+    # 2.2 TI2V's conditioning (`expand_timesteps`: a timestep a token, so a first frame can be given
+    # at timestep 0), so that it samples from text or from text and a first frame
+    "wan-ti2v": _WAN._replace(settings=dict(expand_timesteps=True, boundary_ratio=None, transformer_2=[None, None])),
     # Wan 2.2 TI2V-5B: the Wan 2.2 VAE (48 channels; 2 x 2 pixel patches in, 16x in space; residual
     # blocks), 48-channel transformer, one timestep per token (`expand_timesteps`), flow shift 5.0
     "wan2.2-ti2v": TinyFamily("WanPipeline", (("", "umt5", "UMT5EncoderModel"),), "WanTransformer3DModel",

@@ -1,11 +1,14 @@
-"""The demo's video world: clips of one shape crossing a coloured background, captions that name
+"""The demo's video world: clips of one shape moving over a coloured background, captions that name
 the background, the shape and which way it moves, written as real video files (PyAV, H.264 in mp4)
 beside a hostile few that ingest must quarantine, each for its reason (`HOSTILE`).
 
-Each video shows the shape from one edge to the other in CLIP_SECONDS, at a rate of its own (8 to
-16 fps): the demo's clips resample it to DEMO_VIDEO's rate and frame count, so the shape crosses
-the whole clip, and what a model learns of "moving left" shows between a sample's first and last
-frames (`motion`). `write_video` and `write_audio_only` also write the tests' videos.
+Each video shows the shape moving TRAVEL pixels in CLIP_SECONDS, from anywhere its path stays in
+the frame, at a rate of its own (8 to 16 fps): the demo's clips resample it to DEMO_VIDEO's rate
+and frame count, so a clip holds the whole move, and what a model learns of "moving left" shows
+between a sample's first and last frames (`motion`). Where a shape starts does not say where it
+goes: from a first frame with the shape in the middle (`first_frame`) every way is open, so a
+sample drawn from it moves the way its prompt names only if the words were learned.
+`write_video` and `write_audio_only` also write the tests' videos.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from PIL import Image, ImageDraw
 from tasks.demo.data import COLORS
 
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up"}
 SHAPES = ("circle", "square", "triangle")
 VIDEO_WORDS = ["moving", "moves", "up", "down", "across", "video"]  # the captions' words the picture demo's lack
 SIDE = 64  # pixels a frame's side: 8 x 8 latents
 MIN_CONTRAST = 150  # RGB distance of a shape's colour from its background's, so that 8 x 8 blocks show it
-CLIP_SECONDS = 1.0  # the time a shape takes to cross
+CLIP_SECONDS = 1.0  # the time a shape takes to move
+TRAVEL = 20  # pixels a shape moves: 2.5 latents of the 8 x 8 a frame, more than its own half side
+SIZES = (16, 20)  # the shapes' sides, in pixels: small to 18, large above
 # the demo's clip policy (dataset.video): 5 frames (Wan's 4N + 1: 2 latent frames) at 4 fps, from
 # the start of each video, so a clip's frames are the shape at 0, 1/4 … 4/4 of its way
 DEMO_VIDEO = {"frames": 5, "fps": 4, "clips": "head", "max_seconds": 10}
@@ -38,14 +44,11 @@ def _distance(a: str, b: str) -> float:
     return float(np.linalg.norm(np.subtract(COLORS[a], COLORS[b])))
 
 
-def shape_box(direction: str, progress: float, across: float, size: int, side: int = SIDE) -> tuple[int, int, int, int]:
-    """Where the shape is `progress` (0 to 1) of its way across in `direction`, `across` (0 to 1)
-    of the way along the other axis."""
+def shape_box(direction: str, progress: float, start: tuple[int, int], size: int) -> tuple[int, int, int, int]:
+    """Where a shape of side `size` whose top left corner starts at `start` is, `progress` (0 to
+    1) of its TRAVEL in `direction`."""
     dx, dy = DIRECTIONS[direction]
-    travel = side - size
-    along = progress if dx + dy > 0 else 1 - progress
-    x, y = (along, across) if dx else (across, along)
-    left, top = round(x * travel), round(y * travel)
+    left, top = round(start[0] + dx * TRAVEL * progress), round(start[1] + dy * TRAVEL * progress)
     return left, top, left + size, top + size
 
 
@@ -63,19 +66,20 @@ def draw_frame(background: str, colour: str, shape: str, box: tuple[int, int, in
 
 
 def draw_clip(rng: random.Random, fps: int, side: int = SIDE) -> tuple[list[np.ndarray], dict[str, str]]:
-    """A shape crossing a background at `fps`: from one edge at the first frame to the other at
-    CLIP_SECONDS, where it stays for a last 1/4 s (so a 4 fps clip of 5 frames fits): the frames,
-    and what they show (background, colour, shape, direction, size)."""
+    """A shape moving TRAVEL pixels over a background at `fps`, from anywhere its path stays in the
+    frame, in CLIP_SECONDS, where it then stays for a last 1/4 s (so a 4 fps clip of 5 frames
+    fits): the frames, and what they show (background, colour, shape, direction, size)."""
     background = rng.choice(list(COLORS))
     colour = rng.choice([name for name in COLORS if _distance(name, background) > MIN_CONTRAST])
     shape, direction = rng.choice(SHAPES), rng.choice(list(DIRECTIONS))
-    size = rng.randint(side * 5 // 16, side * 7 // 16)
-    across = rng.uniform(0.35, 0.65)  # near the middle: where a shape starts is then what its direction says
-    crossing = CLIP_SECONDS * fps
-    pixels = [draw_frame(background, colour, shape, shape_box(direction, min(i / crossing, 1.0), across, size, side), side)
+    size = rng.randint(*SIZES)
+    start = tuple(rng.randint(TRAVEL if step < 0 else 0, side - size - (TRAVEL if step > 0 else 0))
+                  for step in DIRECTIONS[direction])
+    moving = CLIP_SECONDS * fps
+    pixels = [draw_frame(background, colour, shape, shape_box(direction, min(i / moving, 1.0), start, size), side)
               for i in range(round((CLIP_SECONDS + 0.25) * fps))]
     return pixels, {"background": background, "colour": colour, "shape": shape, "direction": direction,
-                    "size": "large" if size > side * 3 // 8 else "small"}
+                    "size": "large" if size > sum(SIZES) // 2 else "small"}
 
 
 def caption(rng: random.Random, seen: dict[str, str]) -> str:
@@ -100,9 +104,31 @@ def held_out() -> list[dict[str, str]]:
         colour = next(name for name in names[i + 1:] + names if _distance(name, background) > MIN_CONTRAST)
         direction = directions[i % len(directions)]
         article = "an" if background[0] in "aeiou" else "a"
-        out.append({"prompt": f"a {colour} {SHAPES[i % len(SHAPES)]} moving {direction} on {article} {background} "
-                              f"background", "background": background, "colour": colour, "direction": direction})
+        shape = SHAPES[i % len(SHAPES)]
+        out.append({"prompt": f"a {colour} {shape} moving {direction} on {article} {background} background",
+                    "background": background, "colour": colour, "shape": shape, "direction": direction})
     return out
+
+
+def first_frame(named: dict[str, str], side: int = SIDE) -> Image.Image:
+    """The picture a held-out prompt's clip starts from (`held_out`'s `named`): its shape in its
+    colour on its background, in the middle, where it has room to move TRAVEL pixels every way."""
+    size = sum(SIZES) // 2
+    corner = (side - size) // 2
+    return Image.fromarray(draw_frame(named["background"], named["colour"], named["shape"],
+                                      shape_box("right", 0.0, (corner, corner), size), side))
+
+
+def write_first_frames(paths: list[str | Path]) -> list[Path]:
+    """The demo's sample prompts' first frames (`demo_prompts`, in order) as PNG files at `paths`,
+    those not there yet."""
+    written = []
+    for path, named in zip(map(Path, paths), held_out()):
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            first_frame(named).save(path)
+        written.append(path)
+    return written
 
 
 def demo_prompts() -> list[str]:

@@ -3,7 +3,7 @@ features, under the family's noise schedule with the run's timestep sampling and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,13 +23,20 @@ class Objective:
     schedule: Any
     options: dict[str, Any]  # the family's `call_options` of the run
     image_to_video: float = 0.0  # the share of clips trained with their first frame given (training.image_to_video)
+    image_to_video_warmup: int = 0  # steps that give every clip its first frame (training.image_to_video_warmup)
 
     @classmethod
     def of(cls, model: ModelConfig, training: TrainingConfig) -> Objective:
         family = family_of(model)
-        if training.image_to_video:
-            family.image_pipeline_class("training.image_to_video")
-        return cls(family, family.schedule(model, training), family.call_options(training), training.image_to_video)
+        for setting in ("image_to_video", "image_to_video_warmup"):
+            if getattr(training, setting):
+                family.image_pipeline_class(f"training.{setting}")
+        return cls(family, family.schedule(model, training), family.call_options(training), training.image_to_video,
+                   training.image_to_video_warmup)
+
+    def at(self, step: int) -> Objective:
+        """The objective of step `step` (from 1): every clip from its first frame in the warm-up."""
+        return replace(self, image_to_video=1.0) if step <= self.image_to_video_warmup else self
 
     def plain(self) -> Objective:
         """The family's own: uniform timesteps, every sample weighed the same, every clip from text."""

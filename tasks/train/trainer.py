@@ -177,7 +177,7 @@ class Trainer:
                 bucket = f"{latents.shape[2]}x{latents.shape[3]}"
             torch.manual_seed(seed_of(training.seed, index, "dropout"))  # LoRA dropout, by the micro-batch
             with kept_activations(training.gradient_checkpointing, device):
-                loss = diffusion_loss(self.replicas, self.objective, latents, text,
+                loss = diffusion_loss(self.replicas, self.objective.at(step), latents, text,
                                       draws(training.seed, index, "noise", device), self.half)
             self.scaler.scale(loss / self.accumulation).backward()
             step_loss += loss.detach() / self.accumulation
