@@ -60,8 +60,9 @@ def test_the_hand_set_wan_vae_gives_back_every_colour_and_which_way_things_move(
         frames = ((decoded.permute(1, 2, 3, 0) + 1) * 127.5).round().byte().numpy()
         assert len(frames) == DEMO_VIDEO["frames"]
         right += motion(list(frames)) == seen["direction"]
-    # 22 to 23 of 24 over three draws: a shape that covers part of a block blurs into its background
-    assert right >= 20, f"{right} of 24 clips move the way they did after the VAE's round trip"
+    # 24 of 24 over three draws: a shape that covers part of a block blurs into its background, but
+    # its 20 px move is 2.5 blocks
+    assert right >= 22, f"{right} of 24 clips move the way they did after the VAE's round trip"
 
 
 def test_samples_follow_the_colours_and_the_ways_of_moving_their_prompts_name_and_are_videos(world):

@@ -32,13 +32,13 @@ def demo_settings(family: str) -> list[str]:
         from tasks.demo.videos import DEMO_VIDEO, SIDE, demo_prompts
 
         # 32 umT5 positions (Wan attends to the zeros that pad them); 2,000 steps from first frames
-        # (the way each word moves a given first frame), then 3,000 with 3 clips in 10 from their
-        # first frame and 7 from text (the colours): docs/design.md has the trials
+        # (the way each word moves a given first frame), then 4,000 with 2 clips in 10 from their
+        # first frame and 8 from text (the colours): docs/design.md has the trials
         prompts = demo_prompts()
         return [f"model.path=precast-demo/models/{family}", "dataset.sources=[{path: precast-demo/videos}]",
                 f"dataset.video={json.dumps(DEMO_VIDEO)}", f"latent_encoding.resolution={SIDE}",
-                "text_encoding.max_length=32", "training.steps=5000", "training.image_to_video_warmup=2000",
-                "training.image_to_video=0.3", f"training.sample_prompts={json.dumps(prompts)}",
+                "text_encoding.max_length=32", "training.steps=6000", "training.image_to_video_warmup=2000",
+                "training.image_to_video=0.2", f"training.sample_prompts={json.dumps(prompts)}",
                 f"training.sample_first_frames={json.dumps([f'{FIRST_FRAMES}/{i}.png' for i in range(len(prompts))])}"]
     return [f"model.path=precast-demo/models/{family}", "latent_encoding.resolution=128", "text_encoding.max_length=32"]
 
