@@ -282,8 +282,8 @@ class TrainingConfig(Section):
     image_to_video_warmup: int = Field(
         0, ge=0, description="Steps at the start of the run in which every clip trains image to video (as "
         "image_to_video describes), before image_to_video's share takes over: a model first learns how the words "
-        "move a given first frame, then also to draw the first frame from text (the wan demo: 2,500 of 5,000 steps, "
-        "then 0.3). 0: image_to_video's share from the first step."
+        "move a given first frame, then also to draw the first frame from text (the wan demo: 2,000 of 6,000 steps, "
+        "then 0.2). 0: image_to_video's share from the first step."
     )
     gradient_accumulation: int = Field(
         1, ge=1, description="Micro-batches each process adds up per optimizer step (when global_batch is not set).")
