@@ -11,9 +11,10 @@ Euler steps:
   Wan 2.2 TI2V trains (`training.image_to_video` 1) and `WanImageToVideoPipeline` samples.
 Each reports, at every `every` steps, how many of 48 samples move the blob the named way and how
 many another way (by the shift of the blob's centroid from the first frame to the second). It
-locates why the video world's direction is not learned (docs/design.md): reading the word is
-learned in a few thousand steps once a frame is given; drawing two frames coupled by it out of
-one noise level is not. Run on a GPU it shows how far `text to video` must go before it is.
+locates why the video world's direction is not learned from text alone (docs/design.md), and why
+the wan demo trains from first frames: reading the word is learned in a few thousand steps once a
+frame is given; drawing two frames coupled by it out of one noise level is not. Run on a GPU it
+shows how far `text to video` must go before it is.
 """
 
 from __future__ import annotations

@@ -240,7 +240,7 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--count", type=int, default=None,
                       help="demo pictures (default 1000) or videos (default 600) to generate when missing")
     demo.add_argument("--family", choices=DEMO_FAMILIES, default=DEMO_FAMILIES[0],
-                      help="the tiny models' family (each but the first in precast-demo/models/<family>)")
+                      help="the tiny models' family (each but the first in precast-demo/models/<family>; wan's: wan-ti2v)")
     demo.set_defaults(func=cmd_demo)
 
     run = commands.add_parser("run", help="run the whole pipeline")

@@ -26,7 +26,7 @@ from tasks.demo.models import palette_confusions
 from tasks.demo.videos import DEMO_VIDEO, DIRECTIONS, HOSTILE, draw_clip, held_out, motion
 from tasks.ingest.video import clip_frames, frame_count
 
-pytestmark = pytest.mark.slow(minutes=2)
+pytestmark = pytest.mark.slow(minutes=5)
 
 
 @pytest.fixture(scope="module")

@@ -243,6 +243,22 @@ def test_image_to_video_training_is_refused_for_a_family_that_samples_from_text_
         Objective.of(wan, TrainingConfig(image_to_video_warmup=100))
 
 
+def test_the_warm_up_is_part_of_a_run_id_only_when_set(ti2v, monkeypatch):
+    """A run with `image_to_video_warmup` is another run; left at 0 it is not in what the id hashes,
+    so the runs from before the setting keep their ids."""
+    import tasks.identity
+
+    hashed = []
+    monkeypatch.setattr(tasks.identity, "hash_json", lambda value: hashed.append(value) or str(len(hashed)))
+
+    def settings(**training):
+        tasks.identity.run_id_for("a manifest", ti2v, TrainingConfig(image_to_video=0.2, **training))
+        return hashed[-1]["training"]
+
+    assert "image_to_video_warmup" not in settings() and "image_to_video_warmup" not in settings(image_to_video_warmup=0)
+    assert settings(image_to_video_warmup=100)["image_to_video_warmup"] == 100
+
+
 def test_a_share_of_the_clips_is_given_its_first_frame_and_each_scored_on_the_frames_after_it(ti2v):
     """With `training.image_to_video` 0.5, about half the clips get their first frame clean at
     timestep 0; a transformer exact on every frame it is scored on and far off on the given ones

@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 DEMO_FAMILIES = ("pixart", "flux", "flux-schnell", "sd3", "chroma", "wan")  # what `--family` chooses
-# every tiny model folder precast writes: the demos' and Wan 2.2's (TI2V-5B, A14B), which have no demo
+# every tiny model folder precast writes: the demos' (the wan demo's is wan-ti2v) and Wan 2.2's
+# published layouts (TI2V-5B, A14B), which have no demo
 TINY_FAMILIES = (*DEMO_FAMILIES, "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b")
 VIDEO_FAMILIES = ("wan",)  # their demo learns from generated videos (`videos`), the others' from pictures
 # the tiny models a demo trains, where not its own family's: the wan demo's sample from a first frame too
@@ -36,7 +37,8 @@ def demo_settings(family: str) -> list[str]:
         # first frame and 8 from text (the colours); the weights' average over about the last 500
         # steps (the quickstart's 200) sharpens the colours: docs/design.md has the trials
         prompts = demo_prompts()
-        return [f"model.path=precast-demo/models/{family}", "dataset.sources=[{path: precast-demo/videos}]",
+        # folders of their own: an earlier demo's Wan 2.1 T2V models and edge-to-edge clips stay apart
+        return [f"model.path=precast-demo/models/{DEMO_MODELS[family]}", "dataset.sources=[{path: precast-demo/moving-shapes}]",
                 f"dataset.video={json.dumps(DEMO_VIDEO)}", f"latent_encoding.resolution={SIDE}",
                 "text_encoding.max_length=32", "training.steps=6000", "training.image_to_video_warmup=2000",
                 "training.image_to_video=0.2", "training.ema_decay=0.998", f"training.sample_prompts={json.dumps(prompts)}",
@@ -63,10 +65,11 @@ def write_demo_inputs(config, family: str, count: int | None = None) -> None:
     for source in config.dataset.sources:
         if not Path(source.path).exists():
             write_demo_dataset(source.path, family, count)
-    if config.training.sample_first_frames:
+    firsts = [path for path in config.training.sample_first_frames if path.startswith(FIRST_FRAMES)]
+    if firsts:  # the demo's own, not pictures a user named
         from tasks.demo.videos import write_first_frames
 
-        write_first_frames(config.training.sample_first_frames)
+        write_first_frames(firsts)
 
 
 def write_demo_models(folder: str | Path, family: str = "pixart", **options) -> Path:

@@ -115,8 +115,8 @@ def first_frame(named: dict[str, str], side: int = SIDE) -> Image.Image:
     colour on its background, in the middle, where it has room to move TRAVEL pixels every way."""
     size = sum(SIZES) // 2
     corner = (side - size) // 2
-    return Image.fromarray(draw_frame(named["background"], named["colour"], named["shape"],
-                                      shape_box("right", 0.0, (corner, corner), size), side))
+    box = (corner, corner, corner + size, corner + size)
+    return Image.fromarray(draw_frame(named["background"], named["colour"], named["shape"], box, side))
 
 
 def write_first_frames(paths: list[str | Path]) -> list[Path]:
