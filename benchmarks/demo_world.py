@@ -39,7 +39,8 @@ PROMPTS = [f"a {colour} {shape} on a {background} background"
 # flow families' and Wan's: the issue's bar)
 THRESHOLDS = {"pixart": (6, 3), "flux": (9, 3), "flux-schnell": (9, 3), "sd3": (9, 3), "chroma": (9, 3), "wan": (9, 3)}
 # the test file that asserts each family's thresholds
-TESTS = {"pixart": "tests/test_learning.py", "wan": "tests/test_learning_video.py"}  # the flow families: test_learning_families.py
+TESTS = {family: "tests/test_learning_families.py" for family in DEMO_FAMILIES} | {
+    "pixart": "tests/test_learning.py", "wan": "tests/test_learning_video.py"}
 # what tests/test_learning_video.py asserts of a video demo's samples from first frames: at least
 # this many of 12 move the way their prompt names, and the opposite way when that is named (chance:
 # 3), below the worst case of its table here
@@ -188,10 +189,10 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
                  "") for name, r in table["perturbations"].items()]
         out.append((f"demo world ({family}): worst case", f"{table['worst_with_text']} of 12 with text",
                     f"{table['worst_without_text']} of 12 without; VAE palette {table['worst_vae_palette']} of 12",
-                    f"{TESTS.get(family, 'tests/test_learning_families.py')}: >= {THRESHOLDS[family][0]} with, <= {THRESHOLDS[family][1]} without"))
+                    f"{TESTS[family]}: >= {THRESHOLDS[family][0]} with, <= {THRESHOLDS[family][1]} without"))
         if "worst_direction" in table:
             out.append((f"demo world ({family}): worst direction", f"{table['worst_direction']} of 12 the named way",
                         f"{table['worst_opposite']} of 12 the opposite way when it is named",
-                        f"{TESTS.get(family, 'tests/test_learning_families.py')}: >= {DIRECTION_THRESHOLDS[family][0]} and "
+                        f"{TESTS[family]}: >= {DIRECTION_THRESHOLDS[family][0]} and "
                         f">= {DIRECTION_THRESHOLDS[family][1]}"))
     return out
