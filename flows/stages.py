@@ -171,6 +171,10 @@ class FlowExecutor:
     attempt: str | None = None
 
     @property
+    def config(self) -> PipelineConfig:
+        return self.plan.config
+
+    @property
     def store(self) -> Store:
         return self.plan.store
 

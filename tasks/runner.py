@@ -35,7 +35,7 @@ from tasks.identity import text_fingerprints, vae_fingerprint
 from tasks.records import (
     CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, Record, Records, RunRecord,
 )
-from tasks.train import train
+from tasks.train import check_training, train
 
 
 class NoDataset(RuntimeError):
@@ -98,6 +98,7 @@ class Executor(Protocol):
     """Where the stages run: one method per stage (its name with `_` for `-`), given the records of
     the earlier stages it reads (`INPUTS`; the encoders get them as `Shards`)."""
 
+    config: PipelineConfig
     store: Store
 
     def ingest(self, committed: Callable[[str], None] | None = None) -> DatasetRecord: ...
@@ -135,6 +136,8 @@ def run_stages(executor: Executor, until: Stage = "train", watch: Watch = lambda
     earliest stage's first."""
     records: Any = {"seconds": {}}
     names = STAGES[: STAGES.index(until) + 1]
+    if "train" in names:  # what training would refuse, before ingest and the encoders work for it
+        check_training(executor.config.model, executor.config.training)
     shards = Shards(executor.store)
 
     def run(name: Stage, call: Callable[[], Record]) -> Record:

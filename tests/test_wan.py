@@ -243,6 +243,30 @@ def test_image_to_video_training_is_refused_for_a_family_that_samples_from_text_
         Objective.of(wan, TrainingConfig(image_to_video_warmup=100))
 
 
+@pytest.mark.parametrize("setting", ["image_to_video=0.2", "image_to_video_warmup=100", "sample_first_frames"])
+def test_a_run_of_them_is_refused_before_any_stage_reads_or_encodes(wan, tmp_path, setting):
+    """Refused when the run is planned (`check_training`), not by the train stage after ingest and
+    both encoders ran for it: the store has nothing of it."""
+    from PIL import Image
+
+    from configs.schema import load_config
+    from tasks.runner import run_direct
+
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (64, 64), "red").save(data / "0.png")
+    (data / "0.txt").write_text("a red background")
+    Image.new("RGB", (64, 64), "blue").save(tmp_path / "first.png")
+    settings = [f"training.sample_first_frames=[{tmp_path / 'first.png'}]",
+                "training.sample_prompts=[a red background]"] if setting == "sample_first_frames" else [f"training.{setting}"]
+    config = load_config("configs/quickstart.yaml", [f"storage.root={tmp_path / 'store'}", f"model.path={wan.path}",
+                                                     f"dataset.sources=[{{path: {data}}}]", *settings])
+    name = settings[0].split("=")[0]
+    with pytest.raises(ValueError, match=rf"{name}: Wan samples from text alone"):
+        run_direct(config)
+    assert [path for path in (tmp_path / "store").rglob("*") if path.is_file()] == []
+
+
 def test_the_warm_up_is_part_of_a_run_id_only_when_set(ti2v, monkeypatch):
     """A run with `image_to_video_warmup` is another run; left at 0 it is not in what the id hashes,
     so the runs from before the setting keep their ids."""

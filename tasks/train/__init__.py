@@ -21,6 +21,7 @@ from tasks.runs.folder import run_record, weights_of
 from tasks.train.data import CachedFeatures
 from tasks.train.distributed import Launcher
 from tasks.train.init import initial_adapter, run_for
+from tasks.train.loss import Objective
 from tasks.train.metrics import Progress
 from tasks.train.trainer import Job, Trainer
 
@@ -38,6 +39,16 @@ def finished_run(store: Store, run: str) -> dict[str, Any] | None:
             "amount": f"{record['steps']} steps, loss {record['first_loss']:.3f} → {record['final_loss']:.3f}"}
 
 
+def check_training(model: ModelConfig, training: TrainingConfig) -> None:
+    """Refuse, naming the setting, what the model's family cannot train or sample of `training`: a
+    loss weighting its schedule lacks, or image-to-video training and sample first frames without
+    an image-to-video pipeline. The runner checks before any stage, so a refused run has not
+    ingested or encoded for nothing."""
+    Objective.of(model, training)
+    if training.sample_first_frames:
+        family_of(model).image_pipeline_class("training.sample_first_frames")
+
+
 def train(
     storage: StorageConfig, model: ModelConfig, training: TrainingConfig, manifest_url: str,
     progress: Progress | None = None, node: int = 0, attempt: str | None = None,
@@ -47,6 +58,7 @@ def train(
     after each step (the validation loss is None at steps without one). With `training.nodes` > 1,
     every node calls this with its `node` index and the `attempt` id they share (a new one for each
     attempt: a re-run resumes from the last checkpoint)."""
+    check_training(model, training)
     store = Store(storage)
     manifest = json.loads(store.read_verified(store.key(manifest_url)))
     run, init = run_for(store, model, training, manifest["id"])

@@ -36,11 +36,10 @@ class RunPublisher:
         latent_frames = max(sides[0] if len(sides) == 3 else 1 for sides in map(bucket_sides, manifest["buckets"]))
         self.frames = family_of(model).clip_frames(latent_frames)
         self.manifest, self.init, self.prompts = manifest, init, prompts
-        # the pictures the sample videos start from, read (and the family's image pipeline checked)
-        # before the first step: a bad one fails the run at once, not at its end
+        # the pictures the sample videos start from, read before the first step: a bad one fails the
+        # run at once, not at its end (the family's image pipeline: `check_training`)
         self.first_frames = None
         if training.sample_first_frames:
-            family_of(model).image_pipeline_class("training.sample_first_frames")
             options = fsspec_options(store.config)
             self.first_frames = [read_picture(path, options) for path in training.sample_first_frames]
         self.output = output_name(training)
