@@ -43,7 +43,12 @@ def check_training(model: ModelConfig, training: TrainingConfig) -> None:
     """Refuse, naming the setting, what the model's family cannot train or sample of `training`: a
     loss weighting its schedule lacks, or image-to-video training and sample first frames without
     an image-to-video pipeline. The runner checks before any stage, so a refused run has not
-    ingested or encoded for nothing."""
+    ingested or encoded for nothing. A model this process cannot read is left to the first stage
+    that reads it, which names itself (and may run where the model is)."""
+    try:
+        family_of(model)
+    except (OSError, ValueError):
+        return
     Objective.of(model, training)
     if training.sample_first_frames:
         family_of(model).image_pipeline_class("training.sample_first_frames")
