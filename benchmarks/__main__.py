@@ -37,7 +37,7 @@ SUITE = {
     "pipeline_shape": ("pipeline_shape", {"count": 600, "sizes": (1000, 20000)}, {"count": 300, "sizes": (1000, 5000)}),
     "end_to_end": ("end_to_end", {"count": 4000, "steps": 2000, "repeat": 3}, {"count": 2000, "steps": 600, "repeat": 1}),  # one run a side, not best of 2
     "gpu": ("gpu", {}, {"captions": 128, "repeat": 2, "max_batch": 32}),
-    "demo_world": ("demo_world", {}, None),  # seven demo trainings per family, about 100 minutes for the six
+    "demo_world": ("demo_world", {}, None),  # seven demo trainings per family, about 75 minutes for the six
     "family_costs": ("family_costs", {}, {}),  # published shapes on the meta device: about 15 s either way
     "video": ("video", {}, None),  # writing the 720p and 4K sources takes most of its 2 to 3 minutes
     "video_direction": ("video_direction", {}, None),  # two trainings on made-up latents: about 7 minutes on 2 cores

@@ -1,8 +1,8 @@
 """The demo's tiny world under perturbations that stand in for another machine, for each family.
 
-A CPU of another kind rounds differently, and the demo's 1,500 steps amplify the last bits, so the
+A CPU of another kind rounds differently, and the demo's 1,000 steps amplify the last bits, so the
 trained bytes differ from machine to machine. What must not differ is what the world teaches: the
-tiny VAE gives back every palette colour, and the demo's training draws the background colour each
+hand-set VAE gives back every palette colour, and the demo's training draws the background colour each
 held-out prompt names (and does not without the text). This retrains each family's demo (`precast
 demo --family F`'s models, data, `configs/quickstart.yaml` and the family's `demo_settings`) under
 each perturbation: other training seeds, other model seeds, 1 torch thread instead of 2, and every
@@ -37,7 +37,7 @@ PROMPTS = [f"a {colour} {shape} on a {background} background"
 # what tests/test_learning.py asserts of each family's unperturbed demo: (at least this many colours
 # right with text, at most this many without), none beyond the worst case of its table here (the
 # flow families' and Wan's: the issue's bar)
-THRESHOLDS = {"pixart": (6, 3), "flux": (9, 3), "flux-schnell": (9, 3), "sd3": (9, 3), "chroma": (9, 3), "wan": (9, 3)}
+THRESHOLDS = {"pixart": (8, 3), "flux": (9, 3), "flux-schnell": (9, 3), "sd3": (9, 3), "chroma": (9, 3), "wan": (9, 3)}
 # the test file that asserts each family's thresholds
 TESTS = {family: "tests/test_learning_families.py" for family in DEMO_FAMILIES} | {
     "pixart": "tests/test_learning.py", "wan": "tests/test_learning_video.py"}

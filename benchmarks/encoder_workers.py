@@ -34,7 +34,7 @@ def run(count: int = 256, shard_size: int = 8, workers: tuple[int, ...] = (1, 2)
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        models = write_tiny_models(folder / "models", vae_steps=0)  # timings do not depend on what the VAE learned
+        models = write_tiny_models(folder / "models", random_vae=True)  # timings do not depend on what the VAE learned
         data = write_demo_data(folder / "data", count=count)
         with prefect_server(folder / "prefect") as env, \
                 temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_HOME: env["PREFECT_HOME"]}):

@@ -106,7 +106,7 @@ def pipeline_run(command: list[str], env: dict[str, str]) -> dict[str, Any]:
 def run(count: int = 3000, steps: int = 1000, repeat: int = 2) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        write_tiny_models(workdir / "models", vae_steps=0)  # timings do not depend on what the VAE learned
+        write_tiny_models(workdir / "models", random_vae=True)  # timings do not depend on what the VAE learned
         write_demo_data(workdir / "data", count=count)
         with prefect_server(workdir / "prefect") as env:
             precast = [sys.executable, "-m", "flows.cli", "run"]

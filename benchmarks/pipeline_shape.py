@@ -91,7 +91,7 @@ def stages(count: int) -> dict[str, Any]:
     result: dict[str, Any] = {"images": count, "shard_size": SHARD_SIZE, "delay_ms": DELAY * 1000}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            models = write_tiny_models(Path(tmp) / "models", vae_steps=0)
+            models = write_tiny_models(Path(tmp) / "models", random_vae=True)
             data = write_demo_data(Path(tmp) / "data", count=count)
             s3 = s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{port}")
             s3.mkdir("bench")

@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> str:
     # a random VAE: these tests check the path, not the pictures (test_learning trains one)
-    return str(write_tiny_models(tmp_path_factory.mktemp("models") / "tiny-pixart-sigma", vae_steps=0))
+    return str(write_tiny_models(tmp_path_factory.mktemp("models") / "tiny-pixart-sigma", random_vae=True))
 
 
 @pytest.fixture(scope="session")
@@ -81,7 +81,7 @@ def family_manifests(tmp_path_factory, demo_data):
     def cached(family: str) -> tuple[PipelineConfig, str]:
         if family not in built:
             folder = tmp_path_factory.mktemp(f"cached-{family}")
-            built[family] = _cached(folder / "store", str(write_tiny_family(folder / "models", family, vae_steps=0)),
+            built[family] = _cached(folder / "store", str(write_tiny_family(folder / "models", family, random_vae=True)),
                                     demo_data)
         return built[family]
 

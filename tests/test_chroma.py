@@ -23,7 +23,7 @@ def chroma(tmp_path_factory) -> ModelConfig:
     from tasks.demo.flow_models import write_tiny_family
 
     return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("chroma") / "chroma", "chroma",
-                                                  vae_steps=0)))
+                                                  random_vae=True)))
 
 
 def cached(model: ModelConfig, prompts: list[str]) -> list[torch.Tensor]:

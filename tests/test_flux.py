@@ -42,7 +42,7 @@ def flux_dev(tmp_path_factory) -> ModelConfig:
     from tasks.demo.flow_models import write_tiny_family
 
     return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("flux") / "flux", "flux",
-                                                  vae_steps=0)))
+                                                  random_vae=True)))
 
 
 def test_the_cache_holds_what_encode_prompt_gives_the_transformer(flux_dev):

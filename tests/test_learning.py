@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from diffusers import AutoencoderKL
 
-from benchmarks.demo_world import PROMPTS, colour_scores, train_demo
+from benchmarks.demo_world import PROMPTS, THRESHOLDS, colour_scores, train_demo
 from tasks.demo.data import write_demo_data
 from tasks.demo.models import palette_confusions, palette_round_trip, write_tiny_models
 
@@ -22,13 +22,13 @@ pytestmark = pytest.mark.slow(minutes=3)
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """The demo's models (their VAE trained as `precast demo` trains it) and the quickstart's run."""
+    """The demo's models (their VAE set by hand as `precast demo` sets it) and the quickstart's run."""
     folder = tmp_path_factory.mktemp("world")
     models = write_tiny_models(folder / "models")
     return models, train_demo(folder, models, write_demo_data(folder / "data", count=1000))["train"]["url"]
 
 
-def test_the_tiny_vae_gives_back_every_palette_colour(demo):
+def test_the_hand_set_vae_gives_back_every_palette_colour(demo):
     vae = AutoencoderKL.from_pretrained(demo[0] / "vae")
     for side in (64, 256):
         wrong = {colour: nearest for colour, (own, nearest, other) in palette_round_trip(vae, side).items() if own >= other}
@@ -38,12 +38,6 @@ def test_the_tiny_vae_gives_back_every_palette_colour(demo):
 
 def test_samples_follow_the_colours_their_prompts_name(demo):
     hits, blind = colour_scores(demo[1], seed=0)
-    # the benchmark's worst cases: 8 of 12 with text, 1 without; a margin of 2 on each
-    assert hits >= 6, f"{hits} of {len(PROMPTS)} samples have the background colour their prompt names"
-    assert blind <= 3, f"{blind} of {len(PROMPTS)} samples match a colour no prompt named: the test cannot tell"
-
-
-def test_a_vae_that_confuses_palette_colours_fails_the_write_naming_them(tmp_path):
-    with pytest.raises(RuntimeError, match=r"wrong palette colours after 3 seeds of 4 steps: \w+ decodes \d+ from \w+ and \d+ from \w+ at \d+ px"):
-        write_tiny_models(tmp_path / "models", vae_steps=4)
-    assert not (tmp_path / "models" / "model_index.json").exists()  # never taken for a complete model folder
+    least, most = THRESHOLDS["pixart"]  # the benchmark's worst cases, 10 of 12 with text and 1 without, less 2 and plus 2
+    assert hits >= least, f"{hits} of {len(PROMPTS)} samples have the background colour their prompt names"
+    assert blind <= most, f"{blind} of {len(PROMPTS)} samples match a colour no prompt named: the test cannot tell"

@@ -20,7 +20,7 @@ from tests.pipeline_calls import transformer_calls
 def sd3(tmp_path_factory) -> ModelConfig:
     from tasks.demo.flow_models import write_tiny_family
 
-    return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("sd3") / "sd3", "sd3", vae_steps=0)))
+    return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("sd3") / "sd3", "sd3", random_vae=True)))
 
 
 def features(model: ModelConfig, prompts: list[str], **text) -> list[dict[str, torch.Tensor]]:

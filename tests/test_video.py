@@ -167,7 +167,7 @@ def test_wan_encodes_and_trains_on_clips_and_a_picture_family_quarantines_them(v
     from tasks.demo.flow_models import write_tiny_family
     from tasks.runner import run_direct
 
-    wan = write_tiny_family(tmp_path / "wan", "wan", vae_steps=0)
+    wan = write_tiny_family(tmp_path / "wan", "wan", random_vae=True)
     source = tmp_path / "source"
     source.mkdir()
     for name in ("ok.mp4", "ok.txt", "portrait.mov", "portrait.txt", "picture.png", "picture.txt"):
@@ -226,7 +226,7 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
     from tasks.runs.folder import FinishedRun
     from tasks.runs.sampling import sample_run
 
-    ti2v = write_tiny_family(tmp_path / "ti2v", "wan2.2-ti2v", vae_steps=0)
+    ti2v = write_tiny_family(tmp_path / "ti2v", "wan2.2-ti2v", random_vae=True)
     source = tmp_path / "source"
     source.mkdir()
     for name in ("ok.mp4", "ok.txt", "ok.webm"):
@@ -291,7 +291,7 @@ def test_wan_quarantines_clips_that_are_not_4n_plus_1_frames(videos, tmp_path):
     from tasks.demo.flow_models import write_tiny_family
     from tasks.runner import run_direct
 
-    wan = write_tiny_family(tmp_path / "wan", "wan", vae_steps=0)
+    wan = write_tiny_family(tmp_path / "wan", "wan", random_vae=True)
     source = tmp_path / "source"
     source.mkdir()
     shutil.copy(videos / "ok.mp4", source)

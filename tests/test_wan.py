@@ -31,7 +31,7 @@ PROMPTS = ["a red circle on a blue background", "  a &amp;lt;b&amp;gt;   green\n
 def wan(tmp_path_factory) -> ModelConfig:
     from tasks.demo.flow_models import write_tiny_family
 
-    return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("wan") / "wan", "wan", vae_steps=0)))
+    return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("wan") / "wan", "wan", random_vae=True)))
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def ti2v(tmp_path_factory) -> ModelConfig:
     from tasks.demo.flow_models import write_tiny_family
 
     return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("ti2v") / "ti2v", "wan2.2-ti2v",
-                                                  vae_steps=0)))
+                                                  random_vae=True)))
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def a14b(tmp_path_factory):
     """Wan 2.2 A14B's layout: two experts split at boundary_ratio 0.875; the model's folder."""
     from tasks.demo.flow_models import write_tiny_family
 
-    return str(write_tiny_family(tmp_path_factory.mktemp("a14b") / "a14b", "wan2.2-a14b", vae_steps=0))
+    return str(write_tiny_family(tmp_path_factory.mktemp("a14b") / "a14b", "wan2.2-a14b", random_vae=True))
 
 
 def cached_prompts(model: ModelConfig, root, prompts: list[str], **text) -> TextCaches:

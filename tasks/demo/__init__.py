@@ -74,7 +74,7 @@ def write_demo_inputs(config, family: str, count: int | None = None) -> None:
 
 def write_demo_models(folder: str | Path, family: str = "pixart", **options) -> Path:
     """The tiny model folder of `family` (one of TINY_FAMILIES): PixArt-Σ's (`models`) or a
-    flow-matching family's (`flow_models`), with the writer's options (seed, vae_steps)."""
+    flow-matching family's (`flow_models`), with the writer's options (seed, random_vae, perturb)."""
     if family == "pixart":
         from tasks.demo.models import write_tiny_models
 

@@ -15,13 +15,12 @@ folder), so that a training step on a CPU takes milliseconds.
   (`SDXLClipGTokenizer(pad_with_end=False)`) and the published tokenizer folders do. The widths keep
   the published proportions that the pipelines depend on: SD3 pads the concatenated CLIP-L and
   CLIP-G states to T5's width, so T5's is the larger, and its pooled vector is both projections.
-- VAE: 16 latent channels and 8x downsampling, trained here as the PixArt writer trains its 4-channel
-  one (`train_vae`, the same palette check and retries) because a random decoder turns any latents
-  into noise. Its `shift_factor` and `scaling_factor` are fitted, so that `(z - shift) * scale` has
-  mean 0 and std 1 on demo pictures, as the published factors do for real ones; untrained
-  (`vae_steps=0`, for tests of shapes and loading) it carries the published factors. It keeps
-  `quant_conv`, which the published Flux and SD3 VAEs drop, because `train_vae` starts the posterior
-  std small through its bias. One training can serve several folders (`vae_from`).
+- VAE: 16 latent channels and 8x downsampling, set by hand as the PixArt writer sets its 4-channel
+  one (`block_vae`: each 8 x 8 block's mean colour) because a random decoder turns any latents into
+  noise. Its `shift_factor` and `scaling_factor` are fitted, so that `(z - shift) * scale` has mean
+  0 and std 1 on demo pictures, as the published factors do for real ones; random (`random_vae`,
+  for tests of shapes and loading) it carries the published factors. It keeps `quant_conv`, which
+  the published Flux and SD3 VAEs drop, as the PixArt one has it.
 - Transformers: random (the demo trains them), one or two blocks of six 16-wide heads (wider than a
   token's 64 latent values, as the published ones are), with the
   published layout of inputs: Flux and Chroma take 2x2-packed latents (64 channels) and 3-axis RoPE,
@@ -35,14 +34,13 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from tasks.demo.models import VAE_STEPS, WORDS, build_tokenizer, perturb_last_bits, position_heads, trained_vae
+from tasks.demo.models import CONSTANT, OFFSET, WORDS, block_vae, build_tokenizer, perturb_last_bits, position_heads
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 # published: T5 v1.1 XXL d_model 4096; CLIP-L 768 (quick_gelu); CLIP-G 1280 (gelu); each CLIP 77 tokens
@@ -140,14 +138,12 @@ FAMILIES = {
 }
 
 
-def write_tiny_family(folder: str | Path, family: str, seed: int = 0, vae_steps: int = VAE_STEPS,
-                      vae_from: str | Path | None = None, perturb: int | None = None) -> Path:
+def write_tiny_family(folder: str | Path, family: str, seed: int = 0, random_vae: bool = False,
+                      perturb: int | None = None) -> Path:
     """Write the tiny model folder of `family` (one of FAMILIES) to `folder` (idempotent: returns
-    early if complete). `vae_steps` trains the VAE as `write_tiny_models` does (0: untrained, for
-    tests of shapes and loading; too few steps fail the palette check and the write). `vae_from`, a
-    folder this wrote before, lends its `vae/` instead: one training for several families.
-    `perturb` (a seed) moves every initial weight by one representable value, as
-    `write_tiny_models` does."""
+    early if complete). Its VAE is set by hand as `write_tiny_models` sets it, or random
+    (`random_vae`, for tests of shapes and loading). `perturb` (a seed) moves every initial weight
+    by one representable value, as `write_tiny_models` does."""
     import diffusers
 
     if family not in FAMILIES:
@@ -159,16 +155,14 @@ def write_tiny_family(folder: str | Path, family: str, seed: int = 0, vae_steps:
         return folder
     torch.manual_seed(seed)
     components = _write_text_encoders(folder, spec.encoders, perturb)
-    if vae_from is not None:
-        shutil.copytree(Path(vae_from) / "vae", folder / "vae", dirs_exist_ok=True)
-    elif spec.vae == "AutoencoderKLWan":  # set by hand, not trained (`set_block_average`): random if vae_steps is 0
-        if vae_steps and spec.vae_shape:
-            raise ValueError(f"the tiny {family} VAE is written random only (vae_steps=0): its family has no demo")
+    if spec.vae == "AutoencoderKLWan":  # set by hand (`set_block_average`) unless random_vae
+        if not random_vae and spec.vae_shape:
+            raise ValueError(f"the tiny {family} VAE is written random only (random_vae): its family has no demo")
         with torch.random.fork_rng():
-            wan_vae(seed, perturb, block_average=bool(vae_steps), **(spec.vae_shape or {})).save_pretrained(folder / "vae")
+            wan_vae(seed, perturb, block_average=not random_vae, **(spec.vae_shape or {})).save_pretrained(folder / "vae")
     else:
-        with torch.random.fork_rng():  # the transformer's draws do not depend on the VAE's training
-            trained_vae(seed, vae_steps, perturb, 16, spec.vae_factors).save_pretrained(folder / "vae")
+        with torch.random.fork_rng():  # the transformer's draws do not depend on the VAE
+            block_vae(seed, 16, spec.vae_factors, random_vae, perturb).save_pretrained(folder / "vae")
     experts = ("transformer", "transformer_2") if (spec.settings or {}).get("boundary_ratio") else ("transformer",)
     for name in experts:  # a two-expert model's second: another draw of the same layout
         transformer = getattr(diffusers, spec.transformer)(**spec.transformer_shape)
@@ -295,13 +289,6 @@ def wan_vae(seed: int, perturb: int | None = None, block_average: bool = False, 
     return vae
 
 
-# Carried through the hand-set VAE: each colour plus OFFSET, so that the SiLU after each output
-# norm is linear to 1e-3 of a colour; a constant channel of CONSTANT, so that the norm (each
-# position's channels over their length) divides by a length within 1e-6 of CONSTANT, which
-# its gain then multiplies back
-OFFSET, CONSTANT = 10.0, 1e4
-
-
 def set_block_average(vae) -> None:
     """Weights for `vae` (a Wan 2.1 `AutoencoderKLWan`) that make it encode each 8 x 8 block's mean
     colour, the first frame alone and then each 4 frames' mean (as its causal chunks take them),
@@ -314,7 +301,9 @@ def set_block_average(vae) -> None:
     convolution on the path copies channels 0 to 3 (the colours and the constant) from its
     centre tap (the current frame); the spatial downsampling averages 2 x 2 pixels, the temporal
     the last two of its three frames (so two of them take a chunk's four); the temporal
-    upsampling repeats a frame."""
+    upsampling repeats a frame. Colours carry OFFSET and a constant channel CONSTANT, as in the
+    2-D VAE (`tasks.demo.models.set_block_average`): Wan's norm divides each position's channels
+    by their length, which CONSTANT sets to within 1e-6, and its gain multiplies back."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanResample, WanResidualBlock
 
     def copy(conv, taps, weights=(1.0,), repeat: int = 1) -> None:

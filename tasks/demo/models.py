@@ -6,25 +6,21 @@ loading path: `text_encoder/` (T5EncoderModel), `tokenizer/` (a T5 Unigram fast 
 here from a word list), `vae/` (AutoencoderKL, 8x downsampling), `transformer/`
 (PixArtTransformer2DModel with learned sigma) and `scheduler/` (DPM-Solver++, PixArt's betas).
 
-The transformer is random: the demo trains all of it. The VAE is trained here, on pictures like
-the demo data's, because a random decoder turns any latents into noise and nothing the demo
-learns would show in its samples. The text encoder is random but for two position heads, and the
+The transformer is random: the demo trains all of it. The VAE is set by hand (`block_vae`) to
+encode each 8 x 8 block's mean colour, because a random decoder turns any latents into noise and
+nothing the demo learns would show in its samples; the demo's world is flat colours and shapes,
+which blocks show, and a trained one took a minute of every demo. The text encoder is random but for two position heads, and the
 scheduler predicts v rather than PixArt's epsilon; the comments below say why each is needed.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import random
 import string
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
 
 # A fixed vocabulary: the demo captions' words plus single characters, so any text tokenizes.
 WORDS = """a an the of on in with and or at to from by for is are this that image photo picture
@@ -49,8 +45,10 @@ def build_tokenizer(words: list[str] = WORDS):
     return T5Tokenizer(vocab=list(vocab.items()), extra_ids=0, model_max_length=512)
 
 
-VAE_STEPS = 2000  # what `precast demo` trains: every seed measured reproduces the palette (docs/design.md)
-VAE_ATTEMPTS = 3  # fresh seeds tried before the palette check fails
+# Carried through a hand-set VAE (`block_vae`, Wan's `set_block_average`): each colour plus
+# OFFSET, so that the SiLU after each output norm is linear to 1e-3 of a colour, and a constant
+# channel of CONSTANT, which sets the norm's statistics
+OFFSET, CONSTANT = 10.0, 1e4
 
 
 def _pixels(image) -> torch.Tensor:
@@ -93,45 +91,6 @@ def palette_confusions(vae, frames: int | None = None, sides: tuple[int, ...] = 
             if own > other / 2]
 
 
-def train_vae(vae, seed: int, steps: int) -> float:
-    """Fit `vae` to demo pictures (reconstruction plus a small KL term) and return the scaling factor
-    that gives whole pictures' posterior means unit std, as PixArt's latents have.
-
-    A flat palette colour in a quarter of the crops, because a tiny VAE with one norm group learns
-    flat colours slowly from scenes alone; 64 px crops (cheap), then 128 px crops for the last 30%,
-    so that the statistics of its norms hold at the demo's 256 px and not only at the crop's size;
-    a cosine learning-rate decay to settle."""
-    from tasks.demo.data import draw_scene
-
-    log.info("training the tiny VAE (%d steps, under a minute on 2 CPU cores)", steps)
-    start = time.perf_counter()
-    rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
-    pool = torch.stack([_pixels(draw_scene(rng, 256, 256)[0]) for _ in range(256)])
-    palette = _palette()
-    with torch.no_grad():  # a small posterior std from the start, so the decoder learns from clean latents
-        vae.quant_conv.bias[vae.config.latent_channels:] = -6.0
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
-    for step in range(steps):
-        crop, batch = (128, 2) if step >= 0.7 * steps else (64, 8)
-        x, y = torch.randint(0, pool.shape[-1] - crop + 1, (2,), generator=generator).tolist()
-        images = pool[torch.randint(len(pool), (batch,), generator=generator), :, y : y + crop, x : x + crop]
-        flat = torch.rand(batch, generator=generator) < 0.25
-        colours = palette[torch.randint(len(palette), (batch,), generator=generator)]
-        images = torch.where(flat[:, None, None, None], colours[:, :, None, None].expand_as(images), images)
-        posterior = vae.encode(images).latent_dist
-        loss = F.mse_loss(vae.decode(posterior.sample(generator)).sample, images)
-        loss = loss + 1e-4 * posterior.kl().mean() / images[0].numel()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-    log.info("tiny VAE trained in %.0f s: last batch loss %.4f (pixel MSE + KL)",
-             time.perf_counter() - start, loss.item())
-    with torch.no_grad():
-        return 1.0 / vae.encode(pool[:64]).latent_dist.mean.std().item()
-
-
 def position_heads(encoder) -> None:
     """Two heads of a T5 encoder's first layer set to look at the next and the previous word. A
     trained T5 attends by position; random position biases are near zero, so each token would come
@@ -160,12 +119,11 @@ def perturb_last_bits(module: torch.nn.Module, seed: int) -> None:
                 tensor.copy_(torch.nextafter(tensor, torch.where(up, math.inf, -math.inf).to(tensor.dtype)))
 
 
-def write_tiny_models(folder: str | Path, seed: int = 0, vae_steps: int = VAE_STEPS, perturb: int | None = None) -> Path:
+def write_tiny_models(folder: str | Path, seed: int = 0, random_vae: bool = False, perturb: int | None = None) -> Path:
     """Write the tiny PixArt-Sigma model set to `folder` (idempotent: returns early if complete).
-    `vae_steps=0` leaves the VAE untrained: for tests that need only its shapes and loading path.
-    A trained VAE must give back every palette colour (`palette_confusions`); it is trained again
-    from the next seed when it does not, and after VAE_ATTEMPTS the write fails naming the colours.
-    `perturb` (a seed) moves every initial weight by one representable value (`perturb_last_bits`)."""
+    `random_vae` leaves the VAE random (`block_vae`): for tests that need only its shapes and
+    loading path. `perturb` (a seed) moves every initial weight by one representable value
+    (`perturb_last_bits`)."""
     from diffusers import DPMSolverMultistepScheduler, PixArtTransformer2DModel
     from transformers import T5Config, T5EncoderModel
 
@@ -188,8 +146,8 @@ def write_tiny_models(folder: str | Path, seed: int = 0, vae_steps: int = VAE_ST
     position_heads(text_encoder)
     text_encoder.save_pretrained(folder / "text_encoder")
 
-    with torch.random.fork_rng():
-        vae = trained_vae(seed, vae_steps, perturb)
+    with torch.random.fork_rng():  # the transformer's draws stay put
+        vae = block_vae(seed, random_weights=random_vae, perturb=perturb)
     vae.save_pretrained(folder / "vae")
 
     transformer = PixArtTransformer2DModel(
@@ -272,38 +230,87 @@ def write_model_index(folder: Path) -> None:
     )
 
 
-def trained_vae(seed: int, steps: int, perturb: int | None = None, channels: int = 4,
-                factors: tuple[float | None, float] = (None, 0.13025)):
-    """The demo's VAE with `channels` latent channels, trained until it gives back every palette
-    colour (random, with the published `factors` (shift_factor, scaling_factor), when `steps` is 0).
-    A trained one's factors are fitted to demo pictures: the scale alone where the published VAE
-    has no shift (PixArt's SDXL VAE), both where it has (Flux's and SD3's, `latent_factors`)."""
+def block_vae(seed: int, channels: int = 4, factors: tuple[float | None, float] = (None, 0.13025),
+              random_weights: bool = False, perturb: int | None = None):
+    """The demo's `AutoencoderKL` (8x downsampling, `channels` latent channels), set by hand
+    (`set_block_average`) with factors fitted to demo pictures (`latent_factors`): the scale alone
+    where the published VAE has no shift (PixArt's SDXL VAE), both where it has (Flux's and SD3's);
+    or `random_weights` with the published `factors`, for checks of shapes and loading. `perturb`
+    moves every weight by one representable value (`perturb_last_bits`)."""
     from diffusers import AutoencoderKL
 
-    for attempt in range(VAE_ATTEMPTS if steps else 1):
-        attempt_seed = seed + 1000 * attempt
-        torch.manual_seed(attempt_seed)  # the caller forked the generator: the transformer's draws stay put
-        # No resnets in the encoder's blocks and no mid-block attention, so it trains here in under a
-        # minute; one norm group, because a group per channel would normalise a flat colour, the
-        # demo's background, away.
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=channels, layers_per_block=0, norm_num_groups=1,
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 8, 8), mid_block_add_attention=False, sample_size=256,
-        )
-        if perturb is not None:
-            perturb_last_bits(vae, perturb + 1)
-        if not steps:
-            vae.register_to_config(shift_factor=factors[0], scaling_factor=factors[1])
-            return vae
-        scale = train_vae(vae, attempt_seed, steps)
-        if not (confused := palette_confusions(vae)):
-            shift, scale = (None, scale) if factors[0] is None else latent_factors(vae, attempt_seed)
-            vae.register_to_config(shift_factor=shift, scaling_factor=scale)
-            return vae
-        log.warning("the tiny VAE (seed %d) confuses palette colours: %s", attempt_seed, "; ".join(confused))
-    raise RuntimeError(f"the tiny VAE gives back the wrong palette colours after {VAE_ATTEMPTS} seeds of "
-                       f"{steps} steps: {'; '.join(confused)}. Train it longer (--vae-steps).")
+    torch.manual_seed(seed)
+    # no resnets in the encoder's blocks and no mid-block attention (what a trained one needed to
+    # train in a minute); one norm group, as a group per channel would normalise a flat colour away
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=channels, layers_per_block=0, norm_num_groups=1,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8), mid_block_add_attention=False, sample_size=256,
+    )
+    if not random_weights:
+        set_block_average(vae)
+    if perturb is not None:
+        perturb_last_bits(vae, perturb + 1)
+    if not random_weights:
+        shift, scale = latent_factors(vae, seed)
+        factors = (None if factors[0] is None else shift, scale)
+    vae.register_to_config(shift_factor=factors[0], scaling_factor=factors[1])
+    return vae
+
+
+def set_block_average(vae) -> None:
+    """Weights for `vae` (`block_vae`'s `AutoencoderKL`) that make it encode each 8 x 8 block's mean
+    colour into latent channels 0 to 2 (the others 0) and decode them back as blocks.
+
+    Every residual branch is zeroed, so each block passes its input on; the input convolutions
+    spread the colours (plus OFFSET) into channels 0 to 2, their negatives (plus OFFSET) into 4 to 6
+    and CONSTANT into 3, so that a position's channels add up to the same whatever its colour and
+    the one-group output norms (over channels and positions) see the same mean and std in every
+    picture, which their weight and bias then put back; each downsampling averages 2 x 2 pixels
+    (the top-left taps of its 3 x 3 kernel at stride 2), each upsampling repeats one (its centre
+    tap after the nearest-neighbour resize); the output convolutions take channels 0 to 2 back,
+    less OFFSET."""
+    from diffusers.models.downsampling import Downsample2D
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.upsampling import Upsample2D
+
+    signs, bias = [1.0, 1.0, 1.0, 0.0, -1.0, -1.0, -1.0], torch.tensor([OFFSET] * 3 + [CONSTANT] + [OFFSET] * 3 + [0.0])
+
+    def carry(conv, taps, weight: float) -> None:  # channels 0 to 6, each to itself
+        conv.weight.zero_()
+        conv.bias.zero_()
+        for channel in range(len(signs)):
+            for tap in taps:
+                conv.weight[(channel, channel, *tap)] = weight
+
+    with torch.no_grad():
+        for module in vae.modules():
+            if isinstance(module, ResnetBlock2D):
+                module.conv2.weight.zero_()
+                module.conv2.bias.zero_()
+            elif isinstance(module, Downsample2D):
+                carry(module.conv, [(0, 0), (0, 1), (1, 0), (1, 1)], 0.25)
+            elif isinstance(module, Upsample2D):
+                carry(module.conv, [(1, 1)], 1.0)
+        for coder in (vae.encoder, vae.decoder):
+            coder.conv_in.weight.zero_()
+            coder.conv_in.bias.copy_(bias)
+            for channel, sign in enumerate(signs):
+                if sign:
+                    coder.conv_in.weight[channel, channel % 4, 1, 1] = sign
+            norm = coder.conv_norm_out
+            norm.weight.fill_(float((bias.var(unbiased=False) + norm.eps).sqrt()))
+            norm.bias.fill_(float(bias.mean()))
+            coder.conv_out.weight.zero_()
+            coder.conv_out.bias.zero_()
+            for channel in range(3):
+                coder.conv_out.weight[channel, channel, 1, 1] = 1.0
+            coder.conv_out.bias[:3] = -OFFSET
+        vae.encoder.conv_out.bias[vae.config.latent_channels:] = -20.0  # log-variances: a posterior std of 5e-5
+        for conv in (vae.quant_conv, vae.post_quant_conv):
+            conv.weight.zero_()
+            conv.bias.zero_()
+            conv.weight[:, :, 0, 0] = torch.eye(conv.out_channels)
 
 
 def latent_factors(vae, seed: int) -> tuple[float, float]:
