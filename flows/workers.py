@@ -23,6 +23,7 @@ import contextvars
 import inspect
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -175,8 +176,9 @@ class OnWorkers:
             index, future = futures.pop(done.key)
             try:
                 state = done.result()
-            except KilledWorker as error:  # its task run would stay RUNNING: end it
-                crashed(future.task_run_id, f"its Dask worker died: {error}")
+            except KilledWorker as error:  # its task run would stay RUNNING: end it, beside the other work
+                threading.Thread(target=crashed, args=(future.task_run_id, f"its Dask worker died: {error}"),
+                                 name=f"precast-crashed-{future.task_run_id}").start()
                 deaths[index] += 1
                 if deaths[index] > self.retries:  # an item that kills every worker it meets (out of memory?)
                     raise RuntimeError(f"{given[index]}: the workers running {task.name} on it died "
@@ -212,9 +214,12 @@ class OnWorkers:
         return encoding_work(records, self.started, len(self.workers()), loads)
 
 
-def crashed(task_run_id: Any, message: str, wait: float = 10.0) -> None:
-    """Set a task run Crashed. A worker reports its task runs to the server as events, so the
-    run may not be there yet: it is waited for, and one that never arrives was never started."""
+def crashed(task_run_id: Any, message: str, wait: float = 60.0) -> None:
+    """Set a task run Crashed (in a thread of its own, beside the stage's other work). A worker
+    reports its task runs to the server as events, which a loaded machine delivers seconds late (a
+    run still unknown after 10 s arrived later, RUNNING for good), so the run is waited for, and one
+    that never arrives was never started. The server gone meanwhile (the flow ended), it gives up."""
+    import httpx
     from prefect.client.orchestration import get_client
     from prefect.exceptions import PrefectHTTPStatusError
     from prefect.states import Crashed
@@ -231,4 +236,7 @@ def crashed(task_run_id: Any, message: str, wait: float = 10.0) -> None:
                 if time.monotonic() > deadline:
                     log.info("task run %s never reached the server: nothing to end", task_run_id)
                     return
-                time.sleep(0.5)
+            except httpx.TransportError as error:
+                log.info("task run %s left as it is: the server went away (%s)", task_run_id, error)
+                return
+            time.sleep(0.5)
