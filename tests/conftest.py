@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> str:
-    # a random VAE: these tests check the path, not the pictures (test_learning trains one)
+    # a random VAE: these tests check the path, not the pictures (the demo sets one by hand)
     return str(write_tiny_models(tmp_path_factory.mktemp("models") / "tiny-pixart-sigma", random_vae=True))
 
 
