@@ -161,8 +161,8 @@ def wan(tiny: bool, device: torch.device, repeat: int, peak: float | None, vae_c
                 vae.enable_slicing() if slicing else vae.disable_slicing()
                 pixels = torch.rand(batch, 3, frames, height, width, dtype=torch.bfloat16) * 2 - 1
                 try:
-                    with torch.inference_mode():
-                        figures = measure(lambda: encode_pixels(vae, family.vae_pixels(pixels)), batch, repeat, device)
+                    with torch.inference_mode():  # `vae` bound now: it is deleted before the LoRA steps
+                        figures = measure(lambda vae=vae: encode_pixels(vae, family.vae_pixels(pixels)), batch, repeat, device)
                     results[f"vae {name} {setting}"] = rounded(figures, peak)
                 except torch.OutOfMemoryError:
                     results[f"vae {name} {setting}"] = {"out_of_memory": True}
