@@ -4,16 +4,18 @@ one picture the run folder, the run page, the demo and the README show."""
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+if TYPE_CHECKING:  # matplotlib is imported where a run draws: it costs every stage process 0.3 s otherwise
+    from matplotlib.figure import Figure
 
 
 def training_curves(metrics: list[dict[str, Any]]) -> Figure:
     """Two panels over the step: the training loss per step (light) and its running mean over ~2%
     of the run, with the held-out validation loss where it was measured; the learning rate below."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     steps = [m["step"] for m in metrics]
     losses = [m["loss"] for m in metrics]
     window = max(1, len(losses) // 50)
@@ -46,6 +48,8 @@ def training_curves(metrics: list[dict[str, Any]]) -> Figure:
 
 
 def png(figure: Figure) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     buffer = io.BytesIO()
     FigureCanvasAgg(figure).print_png(buffer)
     return buffer.getvalue()
