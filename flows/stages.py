@@ -80,8 +80,16 @@ class Plan:
         # hold only the non-secret options (a RemoteFileSystem block shows its settings in the
         # UI), so Prefect's own result I/O takes credentials from the worker's environment or role
         name = f"precast-results-{hash_json(self.store.root_url, chars=12)}"
-        RemoteFileSystem(basepath=self.store.url(layout.PREFECT_RESULTS),
-                         settings=self.config.storage.options).save(name, overwrite=True)
+        block = RemoteFileSystem(basepath=self.store.url(layout.PREFECT_RESULTS), settings=self.config.storage.options)
+        try:
+            saved = RemoteFileSystem.load(name)
+        except ValueError:  # none yet
+            saved = None
+        # written only when missing or changed: every stage's flow run (a shard's, on a worker) gets
+        # here, and writes at once contend for the server's database (SQLite answers "locked", the
+        # client backs off 2, 4, 8, 16 s: a stage 30 s late)
+        if saved is None or (saved.basepath, saved.settings) != (block.basepath, block.settings):
+            block.save(name, overwrite=True)
         return f"remote-file-system/{name}"
 
     def configured(self, task: Task) -> Task:

@@ -231,6 +231,33 @@ def test_pipeline_on_s3(prefect_server, make_config, s3_endpoint):
     assert _without_costs(pipeline(config=config)) == _without_costs(result)
 
 
+def test_every_stage_run_reads_the_result_storage_block_and_writes_it_only_when_it_changes(prefect_server, make_config,
+                                                                                          s3_endpoint):
+    """Each stage's flow run (a shard's, on a worker) asks for the remote root's result storage:
+    written once, the block is read after that, so runs starting at once do not queue their writes
+    at the server's database; new storage options rewrite it."""
+    from prefect import get_client
+    from prefect.filesystems import RemoteFileSystem
+
+    from flows.stages import Plan
+
+    config = make_config(root="s3://precast-flow/blocks")
+    config = config.model_copy(update={"storage": config.storage.model_copy(update={"options": {"endpoint_url": s3_endpoint}})})
+
+    def saved(name: str):
+        with get_client(sync_client=True) as client:
+            return client.read_block_document_by_name(name, "remote-file-system")
+
+    name = Plan(config).results.removeprefix("remote-file-system/")
+    first = saved(name)
+    assert Plan(config).results == f"remote-file-system/{name}" and saved(name).updated == first.updated
+    moved = config.model_copy(update={"storage": config.storage.model_copy(
+        update={"options": {"endpoint_url": s3_endpoint, "use_ssl": False}})})
+    assert Plan(moved).results == f"remote-file-system/{name}"  # the block of the root: its settings follow
+    assert saved(name).updated > first.updated
+    assert RemoteFileSystem.load(name).settings == {"endpoint_url": s3_endpoint, "use_ssl": False}
+
+
 def test_prefect_server_accepts_its_own_clients_default_queries(prefect_server):
     """The pinned fastapi keeps Prefect 3.8.8's server answering queries with null fields (the UI's)."""
     from prefect import get_client
