@@ -166,11 +166,16 @@ def encoder_params() -> dict[str, int]:
 
 
 # --- caches ------------------------------------------------------------------------------
-def model_folder(config: dict[str, Any], folder: Path) -> ModelConfig:
-    """A model folder holding only the transformer's config.json: what the family's default T5
-    length reads (FLUX.1's: 512 with a guidance embedding, 256 without)."""
+def model_folder(family: Family, config: dict[str, Any], folder: Path) -> ModelConfig:
+    """A model folder holding only what the family's text lengths read: the transformer's
+    config.json (FLUX.1's default T5 length: 512 with a guidance embedding, 256 without) and each
+    CLIP tokenizer's settings, with the published length (77)."""
     (folder / "transformer").mkdir(parents=True)
     (folder / "transformer" / "config.json").write_text(json.dumps(config))
+    for spec in family.text_encoders:
+        if spec.tokenizer_length:
+            (folder / spec.tokenizer).mkdir()
+            (folder / spec.tokenizer / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 77}))
     return ModelConfig(path=str(folder))
 
 
@@ -388,7 +393,7 @@ def memory(row: dict[str, Any]) -> dict[str, Any]:
 
 def family_costs(family: Family, config: dict[str, Any], vae: dict[str, Any], caption_tokens: int | None,
                  sample: tuple[int, int, int], folder: Path) -> dict[str, Any]:
-    model_config = model_folder(config, folder)
+    model_config = model_folder(family, config, folder)
     text, latents = conditioning(family, model_config, caption_tokens), latent_shape(vae, sample)
     with torch.device("meta"):
         model = family.transformer_class()(**config)

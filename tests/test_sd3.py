@@ -31,19 +31,42 @@ def features(model: ModelConfig, prompts: list[str], **text) -> list[dict[str, t
              for name, outputs in cached.items() for output, values in outputs.items()} for i in range(len(prompts))]
 
 
-def test_the_joined_cache_is_what_encode_prompt_gives_the_transformer(sd3):
-    """Every output, fp32: CLIP-L's and CLIP-G's penultimate states (77 padded positions each) and
-    pooled projections, T5's 256 padded positions; joined, the pipeline's prompt_embeds
-    [B, 77 + 256, D_T5] and pooled_prompt_embeds; a caption past every limit is cut as it cuts it."""
+def clip_length(model: ModelConfig, tokens: int | None, folder) -> ModelConfig:
+    """A copy of `model` whose two CLIP tokenizers pad to `tokens` (None: unset)."""
+    import json
+    import shutil
+
+    copy = shutil.copytree(model.path, folder / "sd3")
+    for tokenizer in ("tokenizer", "tokenizer_2"):
+        settings = json.loads((copy / tokenizer / "tokenizer_config.json").read_text())
+        settings.pop("model_max_length")
+        settings.update({} if tokens is None else {"model_max_length": tokens})
+        (copy / tokenizer / "tokenizer_config.json").write_text(json.dumps(settings))
+    return ModelConfig(path=str(copy))
+
+
+@pytest.mark.parametrize("tokens", [16, 77])  # the tiny world's CLIP length, the published one
+def test_the_joined_cache_is_what_encode_prompt_gives_the_transformer(sd3, tokens, tmp_path):
+    """Every output, fp32: CLIP-L's and CLIP-G's penultimate states (padded to their tokenizer's
+    model_max_length, which the pipeline reads) and pooled projections, T5's 256 padded positions;
+    joined, the pipeline's prompt_embeds [B, CLIP's + 256, D_T5] and pooled_prompt_embeds; a
+    caption past every limit is cut as it cuts it."""
+    sd3 = clip_length(sd3, tokens, tmp_path)
     family = family_of(sd3)
     assert isinstance(family, StableDiffusion3) and family.default_max_length(sd3) == 256
     prompts = ["a red circle on a blue background", "stripes " * 300, ""]
     embeds, pooled = joined(collate(features(sd3, prompts)))
     pipeline = StableDiffusion3Pipeline.from_pretrained(sd3.path)
     want, _, want_pooled, _ = pipeline.encode_prompt(prompts, None, None, do_classifier_free_guidance=False)
-    assert embeds.shape == want.shape == (3, 77 + 256, pipeline.text_encoder_3.config.d_model)
+    assert pipeline.tokenizer_max_length == tokens
+    assert embeds.shape == want.shape == (3, tokens + 256, pipeline.text_encoder_3.config.d_model)
     torch.testing.assert_close(embeds, want, rtol=1e-4, atol=5e-5)
     torch.testing.assert_close(pooled, want_pooled, rtol=1e-4, atol=5e-5)
+
+
+def test_a_clip_tokenizer_without_its_length_is_refused_naming_its_file(sd3, tmp_path):
+    with pytest.raises(ValueError, match="tokenizer/tokenizer_config.json sets no model_max_length"):
+        features(clip_length(sd3, None, tmp_path), ["a red circle"])
 
 
 def test_t5_at_another_length_is_what_the_pipeline_gives_at_that_max_sequence_length(sd3):

@@ -65,9 +65,9 @@ def test_flux_encode_prompt_gives_t5_states_a_clip_pooled_vector_and_text_ids(pi
 def test_sd3_encode_prompt_pads_both_clips_to_t5s_width_before_t5s_tokens(pipes):
     embeds, negative, pooled, negative_pooled = pipes["sd3"].encode_prompt(
         PROMPTS, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False, max_sequence_length=32)
-    assert embeds.shape == (2, 77 + 32, D_T5) and pooled.shape == (2, D_L + D_G)
+    assert embeds.shape == (2, 16 + 32, D_T5) and pooled.shape == (2, D_L + D_G)  # the tiny SD3's CLIP: 16
     assert negative is None and negative_pooled is None
-    assert D_L + D_G < D_T5 and torch.all(embeds[:, :77, D_L + D_G:] == 0)  # the padding the pipeline adds
+    assert D_L + D_G < D_T5 and torch.all(embeds[:, :16, D_L + D_G:] == 0)  # the padding the pipeline adds
 
 
 def test_chroma_encode_prompt_masks_all_padding_but_the_first_token(pipes):
@@ -102,7 +102,7 @@ def test_schedulers_are_the_published_ones(pipes):
 
 def test_clip_tokenizers_read_demo_words_whole_and_any_text_by_bytes(pipes):
     clip_l, clip_g = pipes["sd3"].tokenizer, pipes["sd3"].tokenizer_2
-    assert clip_l.model_max_length == clip_g.model_max_length == 77
+    assert clip_l.model_max_length == clip_g.model_max_length == 16 and pipes["flux"].tokenizer.model_max_length == 77
     assert all(len(clip_l(word, add_special_tokens=False).input_ids) == 1 for word in WORDS)
     ids = clip_l(PROMPTS[1]).input_ids
     assert ids[0] == clip_l.bos_token_id and ids[-1] == clip_l.eos_token_id and clip_l.eos_token_id not in ids[1:-1]

@@ -15,6 +15,8 @@ folder), so that a training step on a CPU takes milliseconds.
   (`SDXLClipGTokenizer(pad_with_end=False)`) and the published tokenizer folders do. The widths keep
   the published proportions that the pipelines depend on: SD3 pads the concatenated CLIP-L and
   CLIP-G states to T5's width, so T5's is the larger, and its pooled vector is both projections.
+  The CLIP tokenizers pad to 77 as published (their `model_max_length`, which the pipelines read),
+  but SD3's to 16: its transformer reads every CLIP position.
 - VAE: 16 latent channels and 8x downsampling, set by hand as the PixArt writer sets its 4-channel
   one (`block_vae`: each 8 x 8 block's mean colour) because a random decoder turns any latents into
   noise. Its `shift_factor` and `scaling_factor` are fitted, so that `(z - shift) * scale` has mean
@@ -76,6 +78,9 @@ class TinyFamily(NamedTuple):
     vae: str = "AutoencoderKL"
     vae_shape: dict | None = None  # AutoencoderKLWan's settings, where not Wan 2.1's (`wan_vae`)
     settings: dict | None = None  # the pipeline's own, in model_index.json
+    # the CLIP tokenizers' model_max_length, the length the pipelines pad CLIP's captions to (the
+    # published 77; the models keep 77 positions either way)
+    clip_tokens: int = 77
 
 
 # Wan 2.1 T2V: umT5 (T5's shape, its own class), the causal 3-D VAE (4x in time, 8x in space,
@@ -102,7 +107,11 @@ FAMILIES = {
              num_attention_heads=6, caption_projection_dim=96, joint_attention_dim=T5_SHAPE["d_model"],
              pooled_projection_dim=sum(shape["projection_dim"] for shape in CLIP_SHAPES.values()),
              pos_embed_max_size=64, dual_attention_layers=(0,), qk_norm="rms_norm"),
-        dict(shift=3.0), (0.0609, 1.5305)),
+        dict(shift=3.0), (0.0609, 1.5305),
+        # its transformer reads both CLIP sequences whole before T5's: 77 positions would be most of
+        # a demo step's 173 tokens (64 image, 32 T5) and make it 1.6 times as long; 16 hold the 11
+        # words that name a caption's first shape and its background, as T5's 32 do
+        clip_tokens=16),
     # Chroma is Flux-schnell's blocks without their modulation, which a small network (the
     # approximator) computes from the timestep instead; it reads T5 alone, masked
     "chroma": TinyFamily("ChromaPipeline", (("", "t5", "T5EncoderModel"),), "ChromaTransformer2DModel",
@@ -154,7 +163,7 @@ def write_tiny_family(folder: str | Path, family: str, seed: int = 0, random_vae
     if marker.exists():
         return folder
     torch.manual_seed(seed)
-    components = _write_text_encoders(folder, spec.encoders, perturb)
+    components = _write_text_encoders(folder, spec.encoders, spec.clip_tokens, perturb)
     if spec.vae == "AutoencoderKLWan":  # set by hand (`set_block_average`) unless random_vae
         if not random_vae and spec.vae_shape:
             raise ValueError(f"the tiny {family} VAE is written random only (random_vae): its family has no demo")
@@ -179,7 +188,7 @@ def write_tiny_family(folder: str | Path, family: str, seed: int = 0, random_vae
     return folder
 
 
-def _write_text_encoders(folder: Path, encoders, perturb: int | None) -> dict[str, list[str]]:
+def _write_text_encoders(folder: Path, encoders, clip_tokens: int, perturb: int | None) -> dict[str, list[str]]:
     """Each text encoder and its tokenizer under their pipeline names; their model_index.json entries."""
     components = {}
     for suffix, encoder, model_class in encoders:
@@ -187,7 +196,8 @@ def _write_text_encoders(folder: Path, encoders, perturb: int | None) -> dict[st
             _write_t5(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", model_class, perturb)
             tokenizer_class = "T5TokenizerFast"  # what the published folders name, the class T5 loads as
         else:
-            _write_clip(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", encoder, model_class, perturb)
+            _write_clip(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", encoder, model_class,
+                        clip_tokens, perturb)
             tokenizer_class = "CLIPTokenizer"
         components[f"tokenizer{suffix}"] = ["transformers", tokenizer_class]
         components[f"text_encoder{suffix}"] = ["transformers", model_class]
@@ -214,7 +224,7 @@ def _write_t5(tokenizer_folder: Path, encoder_folder: Path, model_class: str, pe
     encoder.save_pretrained(encoder_folder)
 
 
-def _write_clip(tokenizer_folder: Path, encoder_folder: Path, encoder: str, model_class: str,
+def _write_clip(tokenizer_folder: Path, encoder_folder: Path, encoder: str, model_class: str, tokens: int,
                 perturb: int | None) -> None:
     """A CLIP text model and its BPE tokenizer, stored as the published ones are: vocab.json,
     merges.txt and tokenizer_config.json (transformers builds the fast tokenizer from the first two)."""
@@ -227,7 +237,7 @@ def _write_clip(tokenizer_folder: Path, encoder_folder: Path, encoder: str, mode
     (tokenizer_folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     (tokenizer_folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges),
                                                  encoding="utf-8")
-    settings = {"tokenizer_class": "CLIPTokenizer", "model_max_length": 77, "bos_token": BOS, "eos_token": EOS,
+    settings = {"tokenizer_class": "CLIPTokenizer", "model_max_length": tokens, "bos_token": BOS, "eos_token": EOS,
                 "unk_token": EOS, "pad_token": pad, "do_lower_case": True}
     (tokenizer_folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
     # the pooled output is read at the first end token: eos_token_id must be the tokenizer's

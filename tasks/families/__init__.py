@@ -45,22 +45,28 @@ def pipeline_of(path: str, revision: str | None) -> str:
     return model_index(path, revision)["_class_name"]
 
 
-@functools.lru_cache(maxsize=16)
 def model_index(path: str, revision: str | None) -> dict:
     """A model folder's (or hub id's, through the hub cache) model_index.json."""
+    return model_json(path, revision, "model_index.json", "which names the model's pipeline")
+
+
+@functools.lru_cache(maxsize=32)
+def model_json(path: str, revision: str | None, name: str, why: str) -> dict:
+    """The JSON file `name` of a model folder (or hub id, through the hub cache); missing, an error
+    that says `why` it is read."""
     if os.path.exists(path):
-        index = os.path.join(path, "model_index.json")
-        if not os.path.isfile(index):
-            raise FileNotFoundError(f"model.path {path}: has no model_index.json, which names the model's pipeline "
-                                    f"(a model folder in the hub layout has one)")
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"model.path {path}: has no {name}, {why} (a model folder in the hub layout "
+                                    f"has one)")
     else:
         from huggingface_hub import hf_hub_download
 
         check_hub_id(path)
         try:  # the hub cache has it once the model was fingerprinted (storage.fingerprint.hub_files)
-            index = hf_hub_download(path, "model_index.json", revision=revision)
+            file = hf_hub_download(path, name, revision=revision)
         except Exception as error:
-            raise FileNotFoundError(f"model.path {path}: its model_index.json, which names the model's pipeline, "
-                                    f"could not be read ({type(error).__name__}: {error})") from error
-    with open(index) as handle:
+            raise FileNotFoundError(f"model.path {path}: its {name}, {why}, could not be read "
+                                    f"({type(error).__name__}: {error})") from error
+    with open(file) as handle:
         return json.load(handle)

@@ -50,10 +50,12 @@ class Flux(Family):
     pipeline_name = "FluxPipeline"
     transformer_name = "FluxTransformer2DModel"
     # T5 first: its max_length is the one `text_encoding.max_length` sets (512 for dev, 256 for
-    # schnell, as their pipelines are called); CLIP-L reads its 77 tokens for the pooled vector
+    # schnell, as their pipelines are called); CLIP-L reads its tokenizer's length (77) for the pooled
+    # vector
     text_encoders = (
         TextEncoderSpec("t5", "text_encoder_2", "tokenizer_2", "T5EncoderModel", masked=False),
-        TextEncoderSpec("clip_l", "text_encoder", "tokenizer", "CLIPTextModel", 77, masked=False, outputs=("pooled",)),
+        TextEncoderSpec("clip_l", "text_encoder", "tokenizer", "CLIPTextModel", tokenizer_length=True, masked=False,
+                        outputs=("pooled",)),
     )
     # diffusers' train_dreambooth_lora_flux.py default: the double blocks' attention (image and
     # text streams) and both feed-forwards

@@ -20,7 +20,8 @@ from tasks.families.buckets import area_buckets
 from tasks.families.flow import FlowMatching
 from tasks.families.spec import Conditioning, Family, TextEncoderSpec
 
-CLIP = dict(model_class="CLIPTextModelWithProjection", max_length=77, masked=False, outputs=("penultimate", "pooled"))
+CLIP = dict(model_class="CLIPTextModelWithProjection", tokenizer_length=True, masked=False,
+            outputs=("penultimate", "pooled"))
 
 
 def joined(text: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,9 +35,10 @@ class TextEncoderSpec:
     folder: str = "text_encoder"  # the model folder's subfolders of the encoder and its tokenizer
     tokenizer: str = "tokenizer"
     model_class: str = "T5EncoderModel"  # its transformers class
-    # None: `text_encoding.max_length` (T5's, which users set; unset, the family's own); a number:
-    # the tokenizer's fixed length
-    max_length: int | None = None
+    # False: `text_encoding.max_length` (T5's, which users set; unset, the family's own); True: the
+    # tokenizer's own `model_max_length`, which the pipelines pad CLIP's captions to whatever
+    # max_sequence_length says (their `tokenizer_max_length`: 77 in the published folders)
+    tokenizer_length: bool = False
     # True: the encoder sees the attention mask and only the real tokens are kept (ragged);
     # False: the caption is padded to max_length and encoded without a mask, as Flux's and SD3's
     # pipelines call their encoders: the padded positions are real values, so all are kept
@@ -115,7 +116,16 @@ class Family:
 
     def text_length(self, model: ModelConfig, encoder: TextEncoderSpec, text: TextEncodingConfig) -> int:
         """The token limit of one of the family's encoders under `text`."""
-        return encoder.max_length or text.max_length or self.default_max_length(model)
+        if not encoder.tokenizer_length:
+            return text.max_length or self.default_max_length(model)
+        from tasks.families import model_json
+
+        name = f"{encoder.tokenizer}/tokenizer_config.json"
+        settings = model_json(model.path, model.revision, name, f"the settings of {encoder.name}'s tokenizer")
+        if not isinstance(settings.get("model_max_length"), int):
+            raise ValueError(f"model.path {model.path}: {name} sets no model_max_length, the length "
+                             f"{self.pipeline_name} pads {encoder.name}'s captions to")
+        return settings["model_max_length"]
 
     # --- latents: the aspect-ratio buckets images are cropped to ------------------------------
     def bucket_table(self, resolution: int) -> dict[str, list[float]]:
