@@ -106,6 +106,8 @@ def is_transient(error: BaseException) -> bool:
         isinstance(error, OSError) and error.errno in TRANSIENT_ERRNOS)
 
 
+FRESH_LISTINGS = {"use_listings_cache": False}
+
 # how `storage.credentials_block` becomes fsspec options: set by the layer that knows where such
 # blocks live (flows/ registers Prefect Secret blocks' on import); storage knows only the name
 CredentialsResolver = Callable[[str], dict[str, Any]]
@@ -126,9 +128,13 @@ def fsspec_options(config: StorageConfig) -> dict[str, Any]:
     it (`StorageConfig.credentials`, not a field: never in its JSON, so never in Prefect parameters,
     cache keys or logs). A process given the config pickled (a Dask worker, a spawned training
     process) gets them with it and needs no resolver of its own; one given the config as JSON (a
-    child flow run) resolves them again with its own."""
+    child flow run) resolves them again with its own.
+
+    Listings are never kept: fsspec shares one filesystem per options in a process and would answer
+    a later list, check or read from a folder's earlier listing, so a long-lived process (a Dask
+    worker, a training run) would miss what other processes wrote or removed since."""
     if not config.credentials_block:
-        return dict(config.options)
+        return {**config.options, **FRESH_LISTINGS}
     if config.credentials is None:
         if _credentials_resolver is None:
             raise ValueError(f"storage.credentials_block {config.credentials_block!r}: no credentials resolver in "
@@ -139,7 +145,7 @@ def fsspec_options(config: StorageConfig) -> dict[str, Any]:
             raise ValueError(f"storage.credentials_block {config.credentials_block!r} must hold a JSON object of "
                              "fsspec options")
         config.keep_credentials(credentials)
-    return {**config.options, **config.credentials}
+    return {**config.options, **config.credentials, **FRESH_LISTINGS}
 
 
 class RangesRaise:

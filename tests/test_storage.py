@@ -69,6 +69,27 @@ def test_s3_store_round_trip(s3_endpoint, tmp_path):
     assert store.list("cache/text/fp", ".safetensors") == ["cache/text/fp/shard.safetensors"]
 
 
+def test_an_s3_store_sees_what_another_process_wrote_or_removed_after_it_listed(s3_endpoint):
+    """A long-lived process (a Dask worker, a training run, a watcher) lists a folder; another
+    process then writes into it and removes from it. The first process's next list, check and read
+    see the bucket as it is now, not a listing it kept (fsspec keeps one per filesystem instance)."""
+    import s3fs
+
+    other = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)  # another process's client
+    other.mkdir("precast-listing")
+    store = Store(StorageConfig(root="s3://precast-listing/root", options={"endpoint_url": s3_endpoint}))
+    store.commit("runs/r/metrics.jsonl", b"{}\n")
+    assert store.list("runs/r") == ["runs/r/metrics.jsonl", "runs/r/metrics.jsonl.done"]
+    assert store.find("runs") == ["runs/r/metrics.jsonl", "runs/r/metrics.jsonl.done"]
+    other.pipe_file("precast-listing/root/runs/r/lineage.json", b'{"steps": 5}')
+    other.pipe_file("precast-listing/root/runs/r/lineage.json.done", json_bytes({"sha256": "x"}))
+    other.rm_file("precast-listing/root/runs/r/metrics.jsonl.done")
+    assert store.list("runs/r") == ["runs/r/lineage.json", "runs/r/lineage.json.done", "runs/r/metrics.jsonl"]
+    assert store.exists("runs/r/lineage.json") and store.read_json("runs/r/lineage.json") == {"steps": 5}
+    assert store.committed("runs/r/lineage.json") == {"sha256": "x"}
+    assert store.committed("runs/r/metrics.jsonl") is None and not store.exists("runs/r/metrics.jsonl.done")
+
+
 def test_credentials_from_a_prefect_secret_block_never_reach_the_store(prefect_server, s3_endpoint, monkeypatch):
     import multiprocessing
 
