@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fsspec
 import pytest
 import yaml
 
@@ -58,7 +57,7 @@ def test_flaky_storage_retries_to_identical_outputs(prefect_server, make_config,
     done = pipeline(config=flaky)
     assert pipeline(config=clean)["final_loss"] == done["final_loss"]
 
-    faults = fsspec.filesystem("flaky", **flaky.storage.options)
+    faults = Store(flaky.storage).fs  # the one filesystem of those options in this process: the runs' own
     # about 13 faults a run (mostly writes: reads of remote shards are one download each)
     assert sum(faults.injected.values()) >= 5, faults.injected
     # each stage's work counts its own store's retries (not the flow's own reads between stages)
