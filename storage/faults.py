@@ -24,6 +24,9 @@ import fsspec
 from fsspec.spec import AbstractFileSystem
 
 
+LISTING_OPTIONS = ("use_listings_cache", "listings_expiry_time", "max_paths")  # fsspec's DirCache
+
+
 class FlakyFileSystem(AbstractFileSystem):
     protocol = "flaky"
 
@@ -32,7 +35,9 @@ class FlakyFileSystem(AbstractFileSystem):
         super().__init__(**kwargs)
         if not 0 <= fail_rate < 1:
             raise ValueError(f"flaky fail_rate must be in [0, 1), got {fail_rate}")
-        self.target = fsspec.filesystem(target_protocol, **(target_options or {}))
+        # the store's listing setting (`storage.store.FRESH_LISTINGS`) holds for what this wraps
+        listings = {key: value for key, value in kwargs.items() if key in LISTING_OPTIONS}
+        self.target = fsspec.filesystem(target_protocol, **{**listings, **(target_options or {})})
         self.fail_rate, self.permanent = fail_rate, tuple(permanent)
         self.injected: Counter[str] = Counter()
         self._random, self._lock = random.Random(seed), threading.Lock()

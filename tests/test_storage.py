@@ -69,21 +69,26 @@ def test_s3_store_round_trip(s3_endpoint, tmp_path):
     assert store.list("cache/text/fp", ".safetensors") == ["cache/text/fp/shard.safetensors"]
 
 
-def test_an_s3_store_sees_what_another_process_wrote_or_removed_after_it_listed(s3_endpoint):
+@pytest.mark.parametrize("scheme", ["s3", "flaky"])
+def test_an_s3_store_sees_what_another_process_wrote_or_removed_after_it_listed(s3_endpoint, scheme):
     """A long-lived process (a Dask worker, a training run, a watcher) lists a folder; another
     process then writes into it and removes from it. The first process's next list, check and read
-    see the bucket as it is now, not a listing it kept (fsspec keeps one per filesystem instance)."""
+    see the bucket as it is now, not a listing it kept (fsspec keeps one per filesystem instance),
+    also through `flaky://` wrapping S3."""
     import s3fs
 
     other = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)  # another process's client
-    other.mkdir("precast-listing")
-    store = Store(StorageConfig(root="s3://precast-listing/root", options={"endpoint_url": s3_endpoint}))
+    bucket = f"precast-listing-{scheme}"
+    other.mkdir(bucket)
+    s3 = {"endpoint_url": s3_endpoint}
+    options = s3 if scheme == "s3" else {"target_protocol": "s3", "target_options": s3}
+    store = Store(StorageConfig(root=f"{scheme}://{bucket}/root", options=options))
     store.commit("runs/r/metrics.jsonl", b"{}\n")
     assert store.list("runs/r") == ["runs/r/metrics.jsonl", "runs/r/metrics.jsonl.done"]
     assert store.find("runs") == ["runs/r/metrics.jsonl", "runs/r/metrics.jsonl.done"]
-    other.pipe_file("precast-listing/root/runs/r/lineage.json", b'{"steps": 5}')
-    other.pipe_file("precast-listing/root/runs/r/lineage.json.done", json_bytes({"sha256": "x"}))
-    other.rm_file("precast-listing/root/runs/r/metrics.jsonl.done")
+    other.pipe_file(f"{bucket}/root/runs/r/lineage.json", b'{"steps": 5}')
+    other.pipe_file(f"{bucket}/root/runs/r/lineage.json.done", json_bytes({"sha256": "x"}))
+    other.rm_file(f"{bucket}/root/runs/r/metrics.jsonl.done")
     assert store.list("runs/r") == ["runs/r/lineage.json", "runs/r/lineage.json.done", "runs/r/metrics.jsonl"]
     assert store.exists("runs/r/lineage.json") and store.read_json("runs/r/lineage.json") == {"steps": 5}
     assert store.committed("runs/r/lineage.json") == {"sha256": "x"}
