@@ -15,6 +15,7 @@ from prefect.artifacts import Artifact
 from flows.pipeline import stage
 from storage.shards import read_image_shard
 from storage.store import Store
+from storage.verify import PARTIAL, verify_store
 from tasks.demo.data import write_demo_data
 
 pytestmark = pytest.mark.slow(minutes=3)
@@ -139,8 +140,14 @@ def test_a_worker_killed_mid_stage_loses_no_shard(prefect_server, make_config, m
     # a shard whose worker died after committing it is found in Prefect's cache when it runs again
     finished = states.count("Completed") + states.count("Cached")
     assert finished >= SHARDS and set(states) <= {"Completed", "Cached", "Crashed"}, Counter(states)
+    # a worker killed while it wrote leaves at most its temporary file (the other worker may be
+    # writing when the first shard commits), never a half-written artifact: every commit verifies,
+    # `precast verify` names each such file as partial and `--repair` removes it
     leftovers = [key for key in store.find("cache/latents") if not key.endswith((".safetensors", ".done"))]
-    assert leftovers == []
+    report = verify_store(store, repair=True)
+    assert report["ok"] and report["checked"] >= 2 * SHARDS and not report["orphaned"], report
+    assert sorted(report["partial"]) == sorted(report["removed"]) == leftovers and len(leftovers) <= 1, report
+    assert not [key for key in store.find("cache/latents") if PARTIAL.search(key)]
 
 
 def test_ingest_on_two_workers_equals_ingest_in_this_process(prefect_server, make_config, demo_data, tmp_path):
