@@ -141,8 +141,8 @@ def test_a_worker_killed_mid_stage_loses_no_shard(prefect_server, make_config, m
     finished = states.count("Completed") + states.count("Cached")
     assert finished >= SHARDS and set(states) <= {"Completed", "Cached", "Crashed"}, Counter(states)
     # a worker killed while it wrote leaves at most its temporary file (the kill comes as the first
-    # shard commits, when the workers' shards finish together), never a half-written artifact: every commit verifies,
-    # `precast verify` names each such file as partial and `--repair` removes it
+    # shard commits, when the workers' shards finish together), never a half-written artifact:
+    # every commit verifies, `precast verify` names each such file as partial, `--repair` removes it
     leftovers = [key for key in store.find("cache/latents") if not key.endswith((".safetensors", ".done"))]
     report = verify_store(store, repair=True)
     assert report["ok"] and report["checked"] >= 2 * SHARDS and not report["orphaned"], report
