@@ -23,8 +23,7 @@ from typing import Any
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
-
-LISTING_OPTIONS = ("use_listings_cache", "listings_expiry_time", "max_paths")  # fsspec's DirCache
+from storage.store import FRESH_LISTINGS
 
 
 class FlakyFileSystem(AbstractFileSystem):
@@ -35,8 +34,8 @@ class FlakyFileSystem(AbstractFileSystem):
         super().__init__(**kwargs)
         if not 0 <= fail_rate < 1:
             raise ValueError(f"flaky fail_rate must be in [0, 1), got {fail_rate}")
-        # the store's listing setting (`storage.store.FRESH_LISTINGS`) holds for what this wraps
-        listings = {key: value for key, value in kwargs.items() if key in LISTING_OPTIONS}
+        # the store's listing setting holds for what this wraps
+        listings = {key: kwargs[key] for key in FRESH_LISTINGS if key in kwargs}
         self.target = fsspec.filesystem(target_protocol, **{**listings, **(target_options or {})})
         self.fail_rate, self.permanent = fail_rate, tuple(permanent)
         self.injected: Counter[str] = Counter()

@@ -133,9 +133,7 @@ def fsspec_options(config: StorageConfig) -> dict[str, Any]:
     Listings are never kept: fsspec shares one filesystem per options in a process and would answer
     a later list, check or read from a folder's earlier listing, so a long-lived process (a Dask
     worker, a training run) would miss what other processes wrote or removed since."""
-    if not config.credentials_block:
-        return {**config.options, **FRESH_LISTINGS}
-    if config.credentials is None:
+    if config.credentials_block and config.credentials is None:
         if _credentials_resolver is None:
             raise ValueError(f"storage.credentials_block {config.credentials_block!r}: no credentials resolver in "
                              "this process (importing flows registers Prefect Secret blocks'; else call "
@@ -145,7 +143,7 @@ def fsspec_options(config: StorageConfig) -> dict[str, Any]:
             raise ValueError(f"storage.credentials_block {config.credentials_block!r} must hold a JSON object of "
                              "fsspec options")
         config.keep_credentials(credentials)
-    return {**config.options, **config.credentials, **FRESH_LISTINGS}
+    return {**config.options, **(config.credentials or {}), **FRESH_LISTINGS}
 
 
 class RangesRaise:
