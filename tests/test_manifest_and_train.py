@@ -137,6 +137,29 @@ def test_training_reader_draws_seeded_latents_from_one_bucket(make_config):
     assert not torch.equal(first[0][0], scaled_mean)  # sampled, not the mean
 
 
+def test_the_cpu_optimizer_steps_as_torchs_per_tensor_adamw_bit_for_bit():
+    """On a CPU `build_optimizer` takes AdamW's foreach path for its speed: every step must give the
+    bits of torch's default per-tensor AdamW, so runs trained before and after it are the same run."""
+    from configs.schema import TrainingConfig
+    from tasks.train.optimizer import build_optimizer
+
+    def trained(make):
+        draw = torch.Generator().manual_seed(0)
+        weights = [torch.nn.Parameter(torch.randn(shape, generator=draw)) for shape in [(8, 96), (96, 8)] * 8]
+        optimizer = make(weights)
+        for _ in range(50):
+            for weight in weights:
+                weight.grad = torch.randn(weight.shape, generator=draw)
+            optimizer.step()
+        return weights
+
+    training = TrainingConfig(learning_rate=1e-3, weight_decay=0.01)
+    ours = trained(lambda weights: build_optimizer(training, weights, torch.device("cpu")))
+    reference = trained(lambda weights: torch.optim.AdamW(weights, lr=1e-3, weight_decay=0.01, foreach=False))
+    assert all(torch.equal(a, b) for a, b in zip(ours, reference))
+    assert not torch.equal(ours[0], trained(lambda weights: torch.optim.AdamW(weights, lr=2e-3))[0])
+
+
 @pytest.mark.parametrize("optimizer, background_loader", [("adamw", False), ("adamw8bit", False), ("adamw", True)])
 def test_interrupted_training_resumes_bit_identically(make_config, tmp_path, monkeypatch, optimizer,
                                                       background_loader):
