@@ -186,7 +186,9 @@ def write_audio_only(path: Path) -> Path:
 
 def write_demo_videos(folder: str | Path, count: int = 600, seed: int = 0, hostile: bool = True) -> Path:
     """`count` videos (mp4, `SIDE` px square, 8 to 16 fps) with sibling `.txt` captions in
-    `folder`, and the `HOSTILE` files among them. The same `count` and `seed` give the same bytes."""
+    `folder`, and the `HOSTILE` files among them. The same `count` and `seed` give the same frames
+    and captions; x264 encodes about 1 clip in 40 of them to other bytes from one run to the next
+    (docs/reliability.md)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
