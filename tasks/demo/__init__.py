@@ -15,7 +15,9 @@ TINY_FAMILIES = (*DEMO_FAMILIES, "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b")
 VIDEO_FAMILIES = ("wan",)  # their demo learns from generated videos (`videos`), the others' from pictures
 # the tiny models a demo trains, where not its own family's: the wan demo's sample from a first frame too
 DEMO_MODELS = {"wan": "wan-ti2v"}
-# the picture demos' training steps, where not the quickstart's
+# the picture demos' training steps, where not the quickstart's: SD3 and Chroma draw every colour
+# sooner than FLUX.1, and each trains the fewest steps whose seven perturbations stay above its bar
+# (docs/design.md)
 DEMO_STEPS = {"sd3": 600, "chroma": 600}
 FIRST_FRAMES = "precast-demo/first-frames"  # the video demo's sample prompts' first frames (`videos.first_frame`)
 
@@ -48,8 +50,6 @@ def demo_settings(family: str) -> list[str]:
                 "training.image_to_video_warmup=2000", "training.image_to_video=0.2", "training.ema_decay=0.998",
                 f"training.sample_prompts={json.dumps(prompts)}",
                 f"training.sample_first_frames={json.dumps([f'{FIRST_FRAMES}/{i}.png' for i in range(len(prompts))])}"]
-    # SD3 and Chroma draw every colour in fewer steps than FLUX.1 (docs/design.md has each family's
-    # seven perturbations): each demo trains the fewest that keep its worst case above the bar
     steps = [f"training.steps={DEMO_STEPS[family]}"] if family in DEMO_STEPS else []
     return [f"model.path=precast-demo/models/{family}", "latent_encoding.resolution=128", "text_encoding.max_length=32", *steps]
 
