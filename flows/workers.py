@@ -12,6 +12,10 @@ Engine behaviour this relies on, measured here (tests/test_workers.py tests the 
   for their lost results: each future is released as soon as it is done.
 - A task whose worker died `allowed-failures` times raises `KilledWorker`, and its Prefect task run
   stays RUNNING: it is set Crashed here and the shard is submitted again as a new task run.
+- A worker reports its task runs' states to the server as events, sent from a queue after the
+  task returned: a worker killed just after a shard finished took its COMPLETED with it, and the
+  run stayed RUNNING. After a worker left, the final states the flow got back are set where the
+  server lacks them.
 - Without `PREFECT_API_URL` a worker would start a temporary Prefect server of its own: workers
   get this flow run's API URL.
 - Dask sets `OMP_NUM_THREADS=1` in its workers: on CPUs each worker gets its share of the cores.
@@ -165,6 +169,8 @@ class OnWorkers:
         futures: dict[str, tuple[int, Any]] = {}
         results: list[Any] = []
         deaths: list[int] = []
+        finals: dict[Any, Any] = {}  # task run id -> the final state its worker returned
+        began = time.time()
         pending = as_completed([], loop=self.runner.client.loop)
 
         def submit(index: int) -> None:
@@ -177,8 +183,9 @@ class OnWorkers:
             try:
                 state = done.result()
             except KilledWorker as error:  # its task run would stay RUNNING: end it, beside the other work
-                threading.Thread(target=crashed, args=(future.task_run_id, f"its Dask worker died: {error}"),
-                                 name=f"precast-crashed-{future.task_run_id}").start()
+                from prefect.states import Crashed
+
+                settle({future.task_run_id: Crashed(message=f"its Dask worker died: {error}")})
                 deaths[index] += 1
                 if deaths[index] > self.retries:  # an item that kills every worker it meets (out of memory?)
                     raise RuntimeError(f"{given[index]}: the workers running {task.name} on it died "
@@ -188,6 +195,7 @@ class OnWorkers:
                 return
             finally:
                 done.release()  # a result left on a worker that dies later would make Dask rerun the task
+            finals[future.task_run_id] = state
             results[index] = state.result()  # raises the task's error
             if completed is not None:
                 completed(results[index])
@@ -201,11 +209,18 @@ class OnWorkers:
                 finished(done)
         for done in pending:
             finished(done)
+        if self.workers_left(since=began):
+            unreported(finals)
         return results
 
     def workers(self) -> dict[str, Any]:
         """The cluster's workers now, by address (each with its `nthreads`)."""
         return self.runner.client.scheduler_info()["workers"]
+
+    def workers_left(self, since: float) -> bool:
+        """Whether a worker left the cluster (died, or was retired) after `since` (epoch seconds)."""
+        return any(event.get("action") == "remove-worker" and when >= since
+                   for when, event in self.runner.client.get_events("all"))
 
     def work(self, records: list[dict[str, Any]]) -> EncodingWork:
         after = self.runner.client.run(model_loads)
@@ -214,29 +229,60 @@ class OnWorkers:
         return encoding_work(records, self.started, len(self.workers()), loads)
 
 
-def crashed(task_run_id: Any, message: str, wait: float = 60.0) -> None:
-    """Set a task run Crashed (in a thread of its own, beside the stage's other work). A worker
-    reports its task runs to the server as events, which a loaded machine delivers seconds late (a
-    run still unknown after 10 s arrived later, RUNNING for good), so the run is waited for, and one
-    that never arrives was never started. The server gone meanwhile (the flow ended), it gives up."""
+def unreported(finals: dict[Any, Any]) -> None:
+    """Of the task runs whose final state (`finals`, by id) a worker returned, those the server
+    holds as unfinished or not at all: settled (beside the stage's other work) to that state."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterId
+    from prefect.states import State
+
+    ids, known = list(finals), {}
+    with get_client(sync_client=True) as client:
+        for start in range(0, len(ids), 200):  # the server's page size
+            chunk = ids[start:start + 200]
+            for run in client.read_task_runs(task_run_filter=TaskRunFilter(id=TaskRunFilterId(any_=chunk)),
+                                             limit=len(chunk)):
+                known[run.id] = run.state
+    missing = {run: State(type=state.type, name=state.name, message="finished on a Dask worker that died "
+                          "before it reported this state")
+               for run, state in finals.items() if known.get(run) is None or not known[run].is_final()}
+    if missing:
+        log.warning("%d task run(s) finished on a worker that died before reporting them: set on the server",
+                    len(missing))
+        settle(missing)
+
+
+def settle(states: dict[Any, Any], wait: float = 60.0) -> None:
+    """Set each task run's state (`states`, by id) on the server, in a thread of its own beside the
+    stage's other work. A worker reports its task runs to the server as events, which a loaded
+    machine delivers seconds late (a run still unknown after 10 s arrived later), so a run not
+    there yet is waited for, and one that never arrives was never started. The server gone
+    meanwhile (the flow ended), it gives up. A state set here is newer than any event still on its
+    way: the server keeps it."""
+    threading.Thread(target=_settle, args=(dict(states), wait), name="precast-settle").start()
+
+
+def _settle(states: dict[Any, Any], wait: float) -> None:
     import httpx
     from prefect.client.orchestration import get_client
     from prefect.exceptions import PrefectHTTPStatusError
-    from prefect.states import Crashed
 
     deadline = time.monotonic() + wait
     with get_client(sync_client=True) as client:
         while True:
-            try:
-                client.set_task_run_state(task_run_id, Crashed(message=message), force=True)
-                return
-            except PrefectHTTPStatusError as error:
-                if error.response.status_code != 404:
-                    raise
-                if time.monotonic() > deadline:
-                    log.info("task run %s never reached the server: nothing to end", task_run_id)
+            for task_run_id, state in list(states.items()):
+                try:
+                    client.set_task_run_state(task_run_id, state, force=True)
+                    del states[task_run_id]
+                except PrefectHTTPStatusError as error:
+                    if error.response.status_code != 404:
+                        raise
+                except httpx.TransportError as error:
+                    log.info("task runs %s left as they are: the server went away (%s)", list(states), error)
                     return
-            except httpx.TransportError as error:
-                log.info("task run %s left as it is: the server went away (%s)", task_run_id, error)
+            if not states:
+                return
+            if time.monotonic() > deadline:
+                log.info("task runs %s never reached the server: nothing to set", list(states))
                 return
             time.sleep(0.5)

@@ -90,7 +90,7 @@ def test_two_nodes_of_two_processes_train_what_one_process_trains_with_the_same_
     started = [_start(nodes, _manifest(cached_manifest, nodes), node, "attempt-1") for node in (0, 1)]
     results = [_finish(node) for node in started]
     for code, out, err, _ in results:
-        assert code == 0, err[-3000:]
+        assert code == 0, err[-8000:]  # with a crashed process's threads
     records = [json.loads(out.splitlines()[-1]) for _, out, _, _ in results]
     assert records[0]["resumed_from"] == 3
     runs = [record["run"] for record in records]
@@ -127,7 +127,7 @@ def test_a_killed_node_fails_the_run_naming_it_within_the_timeout_and_a_rerun_re
     again = [_start(config, manifest, node, "attempt-2") for node in (0, 1)]
     results = [_finish(node) for node in again]
     for code, out, err, _ in results:
-        assert code == 0, err[-3000:]
+        assert code == 0, err[-8000:]  # with a crashed process's threads
     assert json.loads(results[0][1].splitlines()[-1])["resumed_from"] >= 3
     losses, _, _ = _outputs(store, run)
     assert len(losses) == 16

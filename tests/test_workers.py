@@ -150,6 +150,46 @@ def test_a_worker_killed_mid_stage_loses_no_shard(prefect_server, make_config, m
     assert not [key for key in store.find("cache/latents") if PARTIAL.search(key)]
 
 
+def test_a_shard_whose_worker_died_before_reporting_it_ends_as_the_flow_got_it(prefect_server):
+    """A worker sends its task runs' states as events after the task returned: one killed in
+    between leaves the server a RUNNING run (or none yet) for a shard the flow got back. Each such
+    run is set to the state the flow got, a late one when it arrives; a finished one is left."""
+    import uuid
+
+    from prefect import flow, get_client, task
+    from prefect.context import get_run_context
+    from prefect.states import Completed, Running
+
+    from flows.workers import unreported
+
+    @task
+    def shard() -> None:
+        pass
+
+    @flow
+    def runs() -> tuple:
+        with get_client(sync_client=True) as client:
+            run = get_run_context().flow_run.id
+            return tuple(client.create_task_run(shard, run, key, state=state).id
+                         for key, state in (("0", Running()), ("1", Completed())))
+
+    running, done = runs()
+    late = uuid.uuid4()
+    with get_client(sync_client=True) as client:
+        before = client.read_task_run(done).state
+        unreported({running: Completed(), done: Completed(), late: Completed(name="Cached")})
+        time.sleep(1.5)  # its worker's events arrive after the flow settled it
+        client.create_task_run(shard, client.read_task_run(running).flow_run_id, "2", id=late, state=Running())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not client.read_task_run(late).state.is_final():
+            time.sleep(0.2)
+        states = {name: client.read_task_run(run).state for name, run in
+                  (("running", running), ("done", done), ("late", late))}
+    assert (states["running"].name, states["late"].name) == ("Completed", "Cached"), states
+    assert "died before it reported" in states["running"].message
+    assert states["done"].id == before.id, states
+
+
 def test_ingest_on_two_workers_equals_ingest_in_this_process(prefect_server, make_config, demo_data, tmp_path):
     """Every source format at once (the same hostile corpus in each, so duplicates span sources and
     partitions), and videos decoded into clips, in partitions of four units on two worker

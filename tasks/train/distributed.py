@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import socket
 import time
@@ -125,7 +126,8 @@ class Launcher:
                 return finished()
         else:
             address = f"127.0.0.1:{free_port()}"
-        processes = torch.multiprocessing.spawn(target, nprocs=training.processes, join=False, args=(self.node, address))
+        processes = torch.multiprocessing.spawn(_process, nprocs=training.processes, join=False,
+                                                args=(target, self.node, address))
         self._watch(processes, rendezvous, progress, lease)
         if progress is not None:
             progress(training.steps, training.steps, float("nan"), None)
@@ -165,6 +167,13 @@ class Launcher:
             rendezvous.beat(error=cause)  # the other nodes stop at once instead of at their timeout
             raise NodeFailed(f"training {self.store.url(self.run)} on {self.training.nodes} nodes failed on node "
                              f"{self.node}: {cause}") from error
+
+
+def _process(local: int, target: Callable[..., None], node: int, address: str) -> None:
+    """A spawned training process: `target(local, node, address)`. Killed by a signal (an abort in
+    gloo's or NCCL's C++), it prints where each of its threads was."""
+    faulthandler.enable(all_threads=True)
+    target(local, node, address)
 
 
 def bound_listener(host: str, port: int) -> int:
