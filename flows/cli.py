@@ -47,6 +47,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"weights: {result['weights']}")
     for sample in result["samples"]:
         print(f"samples: {sample}")
+    for video in result.get("sample_videos", []):
+        print(f"sample videos: {video}")
     print(f"loss curve: {result['loss_curve']}")
     print(f"loss: {loss_text(result)}")
     if result["quarantined"]:

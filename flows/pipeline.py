@@ -17,6 +17,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
+from prefect.utilities.urls import url_for
 
 from configs.schema import PipelineConfig, Stage
 from flows.stages import STORED, FlowExecutor, Plan, check_nodes_placed, publish_run_page
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 @flow(name="precast-pipeline", log_prints=True)
 def pipeline(config: PipelineConfig) -> dict[str, Any]:
-    if url := flow_run.ui_url:  # with a server: where to watch it (the terminal's link to the UI)
+    if url := url_for("flow-run", obj_id=flow_run.id):  # with a server: the terminal's link to the UI
         log.info("precast-pipeline run %s: %s", flow_run.name, url)
     plan = Plan(config)  # the store, fingerprints and result storage, each derived once
     plan.store.check_reachable()

@@ -50,9 +50,12 @@ class Summary:
 
 
 def ingest_work_text(work: IngestWork) -> str:
-    """"1.2 MB read: 1 unit read, 399 taken from the last ingest" ("… read on 4 workers: …" on workers)."""
+    """"1.2 MB read: 1 unit read, 399 taken from the last ingest" ("… read on 4 workers: …" on workers;
+    under 100 kB in bytes: a nightly run that read one new caption says how little)."""
     where = f" on {work['workers']} workers" if work.get("workers", 1) > 1 else ""
-    return (f"{work['bytes_read'] / 1e6:,.1f} MB read{where}: {work['units_read']} "
+    count = work["bytes_read"]
+    read = f"{count / 1e6:,.1f} MB" if count >= 100_000 else f"{count:,} B"
+    return (f"{read} read{where}: {work['units_read']} "
             f"unit{'s' * (work['units_read'] != 1)} read, {work['units_reused']} taken from the last ingest"
             f"{retries_text(work)}")
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from storage.store import space_for
+from tasks.log_filter import quiet_diffusers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # from_pretrained patches torch.nn.Module globally while it builds empty weights; two threads
@@ -27,7 +28,10 @@ def library(module: str, name: str) -> Any:
     (importlib breaks the cycle of their import locks), failing with "module 'diffusers' has no
     attribute 'AutoencoderKL'"."""
     with LOAD_LOCK:
-        return getattr(importlib.import_module(module), name)
+        imported = importlib.import_module(module)
+        if module == "diffusers":
+            quiet_diffusers(imported)
+        return getattr(imported, name)
 
 
 def serialised(load):

@@ -61,3 +61,10 @@ def quiet_known_noise() -> None:
     logger = logging.getLogger(LOAD_REPORT)
     if not any(isinstance(f, _Drop) for f in logger.filters):
         logger.addFilter(_Drop(harmless_load_report))
+
+
+def quiet_diffusers(diffusers) -> None:
+    """diffusers' own progress bars (a pipeline's components loading, a sharded checkpoint), which
+    HF_HUB_DISABLE_PROGRESS_BARS does not reach: off once it is imported, unless PRECAST_VERBOSE=1."""
+    if os.environ.get("PRECAST_VERBOSE") != "1":
+        diffusers.utils.logging.disable_progress_bar()

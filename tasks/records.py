@@ -92,6 +92,7 @@ class TextShardCommit(Commit):
 class LatentShardCommit(Commit):
     shard: str
     samples: int
+    clips: NotRequired[int]  # of them clips of more than one frame (shards committed before it was counted: none)
     quarantined: list[dict[str, str]]  # sample_id, reason, message
     buckets: dict[str, int]  # samples per bucket
     seconds: NotRequired[float]  # encoding it took, from its first batch's decoding to the last latent

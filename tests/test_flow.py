@@ -155,7 +155,9 @@ def test_store_is_the_ground_truth_without_prefect_cache(prefect_server, make_co
     assert {p: store.fs.info(p)["mtime"] for p in _files(store) if p in mtimes} == mtimes
 
 
-def test_cli_run_json_and_single_stages(prefect_server, make_config, tmp_path, capsys):
+def test_cli_run_json_and_single_stages(prefect_server, make_config, tmp_path, capsys, caplog):
+    import logging
+
     import yaml
 
     config = make_config()
@@ -173,13 +175,15 @@ def test_cli_run_json_and_single_stages(prefect_server, make_config, tmp_path, c
     for name, record in records.items():
         assert set(direct[name]) == set(record) and direct[name]["url"] == record["url"], name
         assert direct[name]["committed_at"] == record["committed_at"], name
-    assert main(["run", str(path), "--set", "training.steps=3", "--json"]) == 0
+    with caplog.at_level(logging.INFO, logger="flows.pipeline"):
+        assert main(["run", str(path), "--set", "training.steps=3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"dataset", "text_cache", "latent_cache", "manifest", "run", "weights"} <= set(out)
     # the terminal's link to the UI: the flow run and its page on the server
     from prefect.settings import PREFECT_UI_URL
 
     assert out["flow_run_url"] == f"{PREFECT_UI_URL.value()}/runs/flow-run/{out['flow_run']}"
+    assert f": {out['flow_run_url']}" in caplog.text  # the link the run logs as it starts is the same page
     assert out["run"] == record["run"]  # the stages alone built the same run the pipeline finds
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from flows.summary import ingest_work_text
 from storage.shards import read_image_shard
 from storage.store import Store
 from tasks.ingest.stage import ingest
@@ -241,6 +242,8 @@ def test_a_nightly_ingest_reads_only_new_or_rewritten_files(where, demo_data, ma
     added = night()
     assert (added["units_read"], added["bytes_read"]) == (1, sizes("extra.png", "extra.txt"))
     assert added["gets"] in (None, ["extra.png", "extra.txt"])
+    # what the run's summary says of it: the bytes, not "0.0 MB"
+    assert ingest_work_text(added).startswith(f"{sizes('extra.png', 'extra.txt'):,} B read: 1 unit read, 24 taken")
 
     (local / "00003.txt").write_text("the same picture, described again\n")  # rewritten in place
     png = local / "00001.png"

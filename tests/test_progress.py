@@ -62,7 +62,7 @@ def test_progress_artifacts_change_while_the_stages_run(prefect_server, make_con
     assert values[0] < 100 and len({id_ for id_, _, _ in seen["encode-latents"]}) == 1  # one artifact, updated
     final = Artifact.get("encode-latents-progress")
     assert float(final.data) == 100.0
-    assert final.description.startswith("encode-latents: 8/8 shards, 24/24 images (") and "done in" in final.description
+    assert final.description.startswith("encode-latents: 8/8 shards, 24/24 samples (") and "done in" in final.description
     middle = next(d for v, d in latents if 0 < v < 100)
     assert "/8 shards" in middle and "ETA" in middle
     assert float(Artifact.get("ingest-progress").data) == 100.0
@@ -71,7 +71,7 @@ def test_progress_artifacts_change_while_the_stages_run(prefect_server, make_con
     logging.getLogger(progress.__name__).removeHandler(handler)
     assert "|" not in "".join(lines)  # no bar drawn into a log
     latents = [line for line in lines if line.startswith("encode-latents: ")]
-    assert len(latents) == 8 and latents[-1].startswith("encode-latents: 8/8 shards, 24/24 images"), lines
+    assert len(latents) == 8 and latents[-1].startswith("encode-latents: 8/8 shards, 24/24 samples"), lines
     assert "ETA" in latents[3] and "done in" in latents[-1] and any(l.startswith("ingest: 24/24 files") for l in lines)
 
 

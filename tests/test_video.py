@@ -214,10 +214,11 @@ def test_wan_encodes_and_trains_on_clips_and_a_picture_family_quarantines_them(v
     assert all("trains on pictures" in q["message"] for q in shard["quarantined"]) and len(shard["quarantined"]) == 3
 
 
-def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_frames_given(videos, tmp_path):
+def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_frames_given(videos, tmp_path, capfd):
     """A TI2V run with half its clips trained image to video (`training.image_to_video`) samples
     from a first frame through `precast sample --first-frame`, as `WanImageToVideoPipeline`'s own
-    call with the run's adapter loaded draws it; one frame a prompt, else refused by name."""
+    call with the run's adapter loaded draws it, with no progress bar of the pipeline's in the
+    output; one frame a prompt, else refused by name."""
     import torch
     from diffusers import WanImageToVideoPipeline
 
@@ -244,12 +245,15 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
                      "sample_first_frames": [str(tmp_path / "first.png")]}})
     done = run_direct(config)
     assert FinishedRun.at(done["train"]["run"]).lineage["training"]["image_to_video"] == 0.5
+    clips = sum(shard["samples"] for shard in done["encode-latents"]["shards"])
+    assert clips > 0 and done["encode-latents"]["amount"] == f"{clips} clips"  # what the run's summary says
     assert done["train"]["final_loss"] == done["train"]["final_loss"]
     # the run's sample video starts from the picture: what `precast sample --first-frame` draws
     store = Store(config.storage)
     grid = Image.open(io.BytesIO(store.read_bytes(store.key(done["train"]["samples"][-1]))))
     drawn = sample_run(done["train"]["run"], ["a grey clip"], steps=1, first_frames=[first], device="cpu").grid()
     plain = sample_run(done["train"]["run"], ["a grey clip"], steps=1, device="cpu").grid()  # from text alone
+    assert "it/s]" not in capfd.readouterr().err  # the pipelines' progress bars, in training's samples and these
     assert np.abs(np.asarray(grid, dtype=float) - np.asarray(drawn, dtype=float)).mean() < 0.5
     assert np.abs(np.asarray(grid, dtype=float) - np.asarray(plain, dtype=float)).mean() > 5
     assert frame_count(store.read_bytes(store.key(done["train"]["sample_videos"][-1]))) == 17

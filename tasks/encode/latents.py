@@ -204,13 +204,14 @@ def encode_latents_shard(
         "crop_boxes": {sid: boxes[sid] for sid in rows}, "quarantined": quarantined,
         "scaling_factor": scale, "shift_factor": shift,
     }
+    clips = sum(frames[sample_id] > 1 for sample_id in rows)
     record = store.commit(
-        key, pack_latents(buckets, rows, meta), shard=shard_id, samples=len(rows), quarantined=quarantined,
+        key, pack_latents(buckets, rows, meta), shard=shard_id, samples=len(rows), clips=clips, quarantined=quarantined,
         buckets={name: len(parts["mean"]) for name, parts in buckets.items()},
         seconds=round(time.perf_counter() - began, 4), feed_wait_seconds=round(waited, 4),
     )
-    log.info("encoded %d images of shard %s into %d buckets (%d quarantined)", len(rows), shard_id, len(buckets),
-             len(quarantined))
+    log.info("encoded %s of shard %s into %d buckets (%d quarantined)", samples_text(len(rows), clips), shard_id,
+             len(buckets), len(quarantined))
     return {**record, "io_retries": len(store.retried)}
 
 
@@ -218,5 +219,16 @@ def latent_cache_record(store: Store, fingerprint: str, shards: list[dict[str, A
     """What the encode-latents stage returns, wherever its shards ran: the cache's URL, each shard's
     commit record, `amount` and `committed_at` (the newest)."""
     return {"url": store.url(layout.cache("latents", fingerprint)), "shards": shards,
-            "amount": f"{sum(r['samples'] for r in shards)} images",
+            "amount": samples_text(sum(r["samples"] for r in shards),
+                                   None if any("clips" not in r for r in shards) else sum(r["clips"] for r in shards)),
             "committed_at": max((r["committed_at"] for r in shards), default=0.0)}
+
+
+def samples_text(samples: int, clips: int | None) -> str:
+    """"600 images", "600 clips" or "590 images and 10 clips": what latents of `samples` hold
+    ("600 samples" when shards committed before clips were counted are among them: None)."""
+    if clips is None:
+        return f"{samples} samples"
+    if clips == 0:
+        return f"{samples} images"
+    return f"{clips} clips" if clips == samples else f"{samples - clips} images and {clips} clips"

@@ -76,10 +76,12 @@ def draw(family, pipeline, call: Callable[[slice], dict], count: int, first_fram
     prompts: in one call, or with `first_frames` (one a prompt, `check_first_frames`) by the
     family's image-to-video pipeline, a call a picture (it conditions a whole batch on one), each
     picture centre-cropped to the samples' `size` (width, height; None: the pipeline's own) rather
-    than stretched."""
+    than stretched. The pipelines draw without their progress bars (precast reports progress)."""
     if first_frames is None:
+        pipeline.set_progress_bar_config(disable=True)
         return Samples(family.videos(pipeline(**call(slice(None)))))
     pipeline, videos = family.image_pipeline(pipeline), []
+    pipeline.set_progress_bar_config(disable=True)
     for row, frame in enumerate(first_frames):
         picture = frame.convert("RGB")
         picture = ImageOps.fit(picture, size) if size else picture
@@ -119,7 +121,6 @@ def sample_grid(
     decode = vae.decode  # latents leave a half-precision transformer in its dtype: the fp32 VAE takes them in its own
     vae.decode = lambda latents, *args, **kwargs: decode(latents.to(vae.dtype), *args, **kwargs)
     pipeline = family.embedding_pipeline(model, vae, transformer)
-    pipeline.set_progress_bar_config(disable=True)
     dtype = next(transformer.parameters()).dtype  # the features in the transformer's, masks as they are
 
     def call(rows: slice) -> dict:
@@ -162,7 +163,7 @@ def sample_run(
         else:
             pipeline = family.pipeline_class().from_pretrained(model.path, revision=model.revision,
                                                                **{slot: run.trained_transformer(model, local)})
-    pipeline.to(resolve_device(device)).set_progress_bar_config(disable=True)
+    pipeline.to(resolve_device(device))
     # the prompts read as the run's text cache read its captions
     text = run.lineage.get("text") or {"caption_preprocessing": TextEncodingConfig().caption_preprocessing,
                                        "max_length": family.default_max_length(model)}
