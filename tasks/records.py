@@ -152,6 +152,7 @@ class RunRecord(TypedDict):
     committed_at: float
     run: str  # the run folder's URL
     samples: list[str]  # URLs of the sample grids
+    sample_videos: NotRequired[list[str]]  # a run on clips: its samples as animated WebP
     model: dict[str, Any]
     weights: NotRequired[str]  # which weights it trained: "adapter" or "transformer" (`weights_of`)
     adapter: str | None  # the LoRA's folder URL (method lora), else None
