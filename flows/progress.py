@@ -24,8 +24,8 @@ ARTIFACT_SECONDS = 2.0  # each artifact update is an API call: a few a minute, w
 
 class StageProgress:
     """Progress of `stage` over `total` units of work (shards, files, steps) and, when given, the
-    items they hold (`items` of them in all: samples, captioned samples). `advance` may be called from any
-    thread; the ETA follows the pace of the units."""
+    items they hold (`items` of them in all: samples, captioned samples). `advance` may be called
+    from any thread; the ETA follows the pace of the units."""
 
     def __init__(self, stage: str, total: int | None, unit: str, items: int | None = None, item_unit: str = "samples",
                  started: float | None = None):

@@ -245,8 +245,8 @@ def outputs(records: Records) -> dict[str, Any]:
         "manifest": records["manifest"]["url"],
         "run": run["run"],
         "weights": run["url"],  # the adapter, or the transformer of a full fine-tune
-        "samples": run["samples"],  # on clips: the first frames of
-        **({"sample_videos": run["sample_videos"]} if run.get("sample_videos") else {}),  # these videos
+        "samples": run["samples"],  # the sample grids (a run on clips: its videos' first frames)
+        **({"sample_videos": run["sample_videos"]} if run.get("sample_videos") else {}),
         "loss_curve": layout.run_part(run["run"], "loss_curve"),
         "final_loss": run["final_loss"],
         "first_loss": run["first_loss"],

@@ -62,7 +62,8 @@ def test_progress_artifacts_change_while_the_stages_run(prefect_server, make_con
     assert values[0] < 100 and len({id_ for id_, _, _ in seen["encode-latents"]}) == 1  # one artifact, updated
     final = Artifact.get("encode-latents-progress")
     assert float(final.data) == 100.0
-    assert final.description.startswith("encode-latents: 8/8 shards, 24/24 samples (") and "done in" in final.description
+    assert final.description.startswith("encode-latents: 8/8 shards, 24/24 samples (")
+    assert "done in" in final.description
     middle = next(d for v, d in latents if 0 < v < 100)
     assert "/8 shards" in middle and "ETA" in middle
     assert float(Artifact.get("ingest-progress").data) == 100.0
