@@ -38,7 +38,7 @@ SEED = 8_06  # issue 8, point 6
 IMAGE_REASONS = frozenset({"not_image", "unreadable", "too_large", "too_small", "aspect_ratio"})
 CUT = frozenset({"not_image", "unreadable"})
 REASONS = IMAGE_REASONS | {"empty_file", "missing_caption", "empty_caption", "caption_encoding", "caption_too_long",
-                           "missing_image", "bad_metadata", "unsafe_path", "unsafe_member", "special_file",
+                           "missing_image", "orphan_caption", "bad_metadata", "unsafe_path", "unsafe_member", "special_file",
                            "nested_archive", "bad_archive"}
 # a video cut or flipped: not a container, a container that breaks off, or what is left too short
 VIDEO_REASONS = frozenset({"bad_video", "truncated", "too_short", "too_few_frames", "not_image", "no_video_stream"})
@@ -316,6 +316,7 @@ def test_folder(items, make_config, tmp_path):
         ("~907~caption-pipe.png", lambda p: p.write_bytes(_flat(203)), None, _reject("~907~", "special_file")),
         ("~908~new\nline.png", lambda p: p.write_bytes(_flat(204)), "a newline in the name",
          Expect("~908~", captions=["a newline in the name"])),
+        ("~910~lost.mp4", lambda p: None, "a caption whose video never came", _reject("~910~", "orphan_caption")),
     ]
     for name, make, caption, expect in extras:
         make(root / name)
@@ -353,6 +354,7 @@ def _metadata_rows(items: list[Item], root: Path, fmt: str) -> list[tuple[dict, 
                          ("images/../../x.png", "unsafe_path"), ("images/\x00.png", "unsafe_path"),
                          ("images/pipe.png", "special_file"), ("images/zero.png", "special_file"),
                          ("images", "special_file"), ("images/absent.png", "missing_image"),
+                         ("images/absent.mp4", "missing_video"),
                          ("images/sparse.png", "too_large")]:
         # rows refused before their file is known are named by their line
         line = rf"metadata\.{fmt}:{len(rows) + first_row}$"
@@ -492,9 +494,11 @@ def test_webdataset(items, make_config, tmp_path):
     entries += [("~930~meta.png", _flat(930)), ("~930~meta.json", b'{"text": "a \\u001b[1mjson\\u001b[0m caption"}'),
                 ("~931~raw.png", _flat(931)), ("~931~raw.json", b'{"text": "raw\x1b[1m control\x1b[0m"}'),
                 ("~932~deep.png", filler), ("~932~deep.json", b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
-                ("~933~big.png", filler), ("~933~big.txt", b"y" * (3 << 20))]
+                ("~933~big.png", filler), ("~933~big.txt", b"y" * (3 << 20)),
+                ("~934~lost.txt", b"a caption whose clip is not in the archive")]
     expects += [Expect("~930~", captions=["a json caption"]), Expect("~931~", captions=["raw control"]),
-                _reject("~932~", "bad_metadata"), _reject("~933~", "caption_too_long")]
+                _reject("~932~", "bad_metadata"), _reject("~933~", "caption_too_long"),
+                _reject("~934~", "orphan_caption")]
     (root / "shard-00000.tar").write_bytes(_tar(entries))
     for name, (data, inside) in _damaged_tars().items():
         (root / f"{name}.tar").write_bytes(data)

@@ -30,7 +30,7 @@ RULES = {"min_side": 32, "max_pixels": 10_000}
 CLIPS = {"ok.mp4": 2, "ok.webm": 2, "ok.mkv": 2, "portrait.mov": 1, "vfr.mp4": 2}
 QUARANTINED = {"truncated.mp4": {"bad_video"}, "audio.mp4": {"no_video_stream"}, "single.mp4": {"too_few_frames"},
                "short.mp4": {"too_short"}, "huge.mp4": {"too_large"}, "long.mp4": {"too_long"},
-               "uncaptioned.mp4": {"missing_caption"},
+               "uncaptioned.mp4": {"missing_caption"}, "lonely.txt": {"orphan_caption"},
                # an mp4 box, then zeros: FFmpeg's probe may read it as another format, with no video
                "noise.mp4": {"bad_video", "no_video_stream"}}
 VFR_TIMES = [sum(0.04 if i % 2 else 0.08 for i in range(n)) for n in range(30)]  # 12.5 and 25 fps by turns
@@ -38,7 +38,8 @@ VFR_TIMES = [sum(0.04 if i % 2 else 0.08 for i in range(n)) for n in range(30)] 
 
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory):
-    """A folder of videos and a picture, each with its caption but one, and the hostile ones."""
+    """A folder of videos and a picture, each with its caption but one, a caption alone, and the
+    hostile ones."""
     root = tmp_path_factory.mktemp("videos")
     write_video(root / "ok.mp4")  # 40 frames at 24 fps: 1.67 s, 26 frames at 16 fps
     write_video(root / "ok.webm", frames=50, fps=30, codec="libvpx-vp9")
@@ -57,6 +58,7 @@ def videos(tmp_path_factory):
     for path in root.iterdir():
         path.with_suffix(".txt").write_text(f"a grey {path.stem} clip")
     write_video(root / "uncaptioned.mp4")
+    (root / "lonely.txt").write_text("a caption whose video never came")
     return root
 
 
@@ -323,6 +325,61 @@ def test_videos_from_s3_give_the_clips_a_local_folder_gives(videos, tmp_path, s3
     remote = ingest(storage, dataset)
     assert remote["id"] == local["id"] and remote["quarantined"] == local["quarantined"] == len(QUARANTINED)
     assert sum(len(rows) for rows in _samples(Store(storage), remote).values()) == sum(CLIPS.values()) + 1
+
+
+def test_videos_in_metadata_parquet_and_tars_give_the_clips_a_folder_gives(videos, tmp_path):
+    """The good videos as a jsonl's and a csv's files, parquet cells (HF datasets' struct) and tar
+    members: the same clip ids and captions as from the folder; a row naming a video that is not
+    there, a cut video's cell and a tar's caption member alone are quarantined, naming why."""
+    import csv
+    import json
+    import tarfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names = ["ok.mp4", "ok.webm", "ok.mkv", "portrait.mov"]
+    captions = {name: f"a grey {name.split('.')[0]} clip" for name in names + ["gone.mp4"]}
+    record, store = _ingest(tmp_path / "folder", _only(videos, names, tmp_path / "only"))
+    expected = {(row["sample_id"], tuple(row["captions"])) for rows in _samples(store, record).values() for row in rows}
+    assert len(expected) == 7
+    layouts = {fmt: tmp_path / fmt for fmt in ("jsonl", "csv", "parquet", "webdataset")}
+    for root in layouts.values():
+        root.mkdir()
+    for name in names:
+        shutil.copy(videos / name, layouts["jsonl"] / name)
+        shutil.copy(videos / name, layouts["csv"] / name)
+    rows = [{"file_name": name, "text": captions[name]} for name in names + ["gone.mp4"]]
+    (layouts["jsonl"] / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with open(layouts["csv"] / "metadata.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, ["file_name", "text"])
+        writer.writeheader()
+        writer.writerows(rows)
+    cut = (videos / "truncated.mp4").read_bytes()
+    cells = [{"bytes": (videos / name).read_bytes(), "path": name} for name in names] + [{"bytes": cut, "path": "cut.mp4"}]
+    pq.write_table(pa.table({"image": cells, "text": [captions[name] for name in names] + ["cut"]}),
+                   layouts["parquet"] / "part-0.parquet")
+    with tarfile.open(layouts["webdataset"] / "shard-0.tar", "w") as archive:
+        for name in names:
+            archive.add(videos / name, f"{name.replace('.', '-', 1)}.{name.split('.')[1]}")
+            archive.add(videos / name.replace(name.split(".")[1], "txt"), f"{name.replace('.', '-', 1)}.txt")
+        archive.add(videos / "lonely.txt", "lonely.txt")
+    why = {"jsonl": "missing_video", "csv": "missing_video", "parquet": "bad_video", "webdataset": "orphan_caption"}
+    for fmt, root in layouts.items():
+        record, store = _ingest(tmp_path / f"store-{fmt}", root)
+        found = {(row["sample_id"], tuple(row["captions"])) for rows in _samples(store, record).values() for row in rows}
+        assert found == expected, fmt
+        report = store.read_json(store.key(record["report"]))
+        assert report["by_reason"] == {why[fmt]: 1}, (fmt, report["quarantine"])
+
+
+def _only(folder, names, into):
+    """A folder holding only `names` of `folder` and their captions."""
+    into.mkdir()
+    for name in names:
+        for path in (folder / name, (folder / name).with_suffix(".txt")):
+            shutil.copy(path, into / path.name)
+    return into
 
 
 def test_the_demo_videos_are_the_same_bytes_each_time_they_are_written(tmp_path):

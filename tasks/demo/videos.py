@@ -37,7 +37,7 @@ SIZES = (16, 20)  # the shapes' sides, in pixels: small to 18, large above
 DEMO_VIDEO = {"frames": 5, "fps": 4, "clips": "head", "max_seconds": 10}
 # files ingest must refuse, with the reason it must give: the demo writes them among its videos
 HOSTILE = {"truncated.mp4": "bad_video", "audio.mp4": "no_video_stream", "still.mp4": "too_few_frames",
-           "uncaptioned.mp4": "missing_caption"}
+           "uncaptioned.mp4": "missing_caption", "lost.txt": "orphan_caption"}
 
 
 def _distance(a: str, b: str) -> float:
@@ -214,7 +214,7 @@ def _write_hostile(folder: Path, rng: random.Random) -> None:
     write_audio_only(folder / "audio.mp4")
     write_video(folder / "still.mp4", lambda i, *_: pixels[0], frames=1, fps=8, size=(SIDE, SIDE))
     for name in HOSTILE:
-        if name != "uncaptioned.mp4":
+        if name != "uncaptioned.mp4":  # lost.txt: a caption whose video is not there
             (folder / name).with_suffix(".txt").write_text(caption(rng, seen) + "\n", encoding="utf-8")
 
 

@@ -34,6 +34,7 @@ from tasks.ingest.untrusted import (MAX_CAPTION_BYTES, Rejected, caption_variant
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"})
 VIDEO_EXTENSIONS = frozenset({"mp4", "m4v", "mov", "webm", "mkv"})
+MEDIA_EXTENSIONS = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
 Limit = Callable[[str], int]  # the most bytes read of a file by its name (`untrusted.max_bytes`)
 CAPTION_EXTENSIONS = ("txt", "caption")  # in order of preference
 CHUNK = 1 << 20
@@ -80,14 +81,15 @@ def count_units(listing: Listing) -> int:
     if listing.format in ("jsonl", "csv"):
         return 1 + sum(1 for _ in metadata_records(listing, metadata_file(listing)))
     if listing.format == "folder":
-        return sum(1 for file in listing.files() if is_image_name(file.path))
+        return (sum(1 for file in listing.files() if is_image_name(file.path))
+                + sum(1 for _ in listing.alone(CAPTION_EXTENSIONS, MEDIA_EXTENSIONS)))
     return sum(1 for _ in listing.files(".parquet" if listing.format == "parquet" else ".tar"))
 
 
 def is_image_name(path: str) -> bool:
     """A picture's or a video's file name (a video gives clips: tasks/ingest/video.py)."""
     stem, dot, ext = path.rpartition(".")
-    return bool(dot) and ext.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
+    return bool(dot) and ext.lower() in MEDIA_EXTENSIONS
 
 
 def is_video_name(path: str) -> bool:
@@ -95,12 +97,23 @@ def is_video_name(path: str) -> bool:
     return bool(dot) and ext.lower() in VIDEO_EXTENSIONS
 
 
+def media_kind(path: str) -> str:
+    """What a file name says a source file holds: "video" or "image" (a picture)."""
+    return "video" if is_video_name(path) else "image"
+
+
 def folder_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
+    """Each picture or video with its caption file, then each caption file with neither beside it
+    (a unit that reads nothing: its picture or video never arrived, or was removed)."""
     for image, captions in listing.files_beside(*CAPTION_EXTENSIONS):
         if is_image_name(image.path):
             caption = next(filter(None, captions), None)  # in order of preference
             yield Unit(*unit_of(image, caption) if caption else unit_of(image),
                        ["file", image.path, caption and caption.path])
+    for caption in listing.alone(CAPTION_EXTENSIONS, MEDIA_EXTENSIONS):
+        name = posixpath.basename(caption.path)
+        yield Unit("", 0, ["refused", listing.fs.unstrip_protocol(caption.path), "orphan_caption",
+                           f"no picture or video named {name.rpartition('.')[0]}.* beside {name}"])
 
 
 def metadata_file(listing: Listing) -> str:
@@ -186,7 +199,7 @@ def read_unit(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, pla
         path, where, captions = args
         candidate = Candidate(where, fmt, captions=captions)
         try:
-            candidate.image = read_file(fs, path, limit(path), "missing_image")
+            candidate.image = read_file(fs, path, limit(path), f"missing_{media_kind(path)}")
         except Rejected as problem:
             candidate.problem = problem
         yield candidate
@@ -205,11 +218,10 @@ def read_captioned_file(fs: fsspec.AbstractFileSystem, fmt: str, file: str, capt
     candidate = Candidate(fs.unstrip_protocol(file), fmt)
     try:
         if caption_file is None:
-            stem, _, extension = posixpath.basename(file).rpartition(".")
-            kind = "video" if extension.lower() in VIDEO_EXTENSIONS else "image"
-            raise Rejected("missing_caption", f"no {stem}.txt or .caption beside the {kind}")
+            stem = posixpath.basename(file).rpartition(".")[0]
+            raise Rejected("missing_caption", f"no {stem}.txt or .caption beside the {media_kind(file)}")
         candidate.captions = caption_variants(read_file(fs, caption_file, MAX_CAPTION_BYTES, "missing_caption"))
-        candidate.image = read_file(fs, file, limit(file), "missing_image")
+        candidate.image = read_file(fs, file, limit(file), f"missing_{media_kind(file)}")
     except Rejected as problem:
         candidate.problem = problem
     return candidate
@@ -253,7 +265,7 @@ def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, limit: int =
 
 def read_webdataset(fs, file: str, source: SourceConfig, fmt: str, limit: Limit) -> Iterator[Candidate]:
     """webdataset tars: adjacent members sharing a key (`x.jpg` or `x.mp4` + `x.txt` or `x.json`), streamed."""
-    limits = {**{ext: limit(f"x.{ext}") for ext in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS}, "txt": MAX_CAPTION_BYTES,
+    limits = {**{ext: limit(f"x.{ext}") for ext in MEDIA_EXTENSIONS}, "txt": MAX_CAPTION_BYTES,
               "json": MAX_CAPTION_BYTES}
     url = fs.unstrip_protocol(file)
     key, parts, last = None, {}, None
@@ -285,9 +297,13 @@ def read_webdataset(fs, file: str, source: SourceConfig, fmt: str, limit: Limit)
 
 
 def _tar_sample(url: str, key: str, parts: dict[str, bytes], source: SourceConfig, fmt: str) -> Iterator[Candidate]:
-    image_ext = next((ext for ext in parts if ext in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS), None)
-    if image_ext is None:
-        return  # a group with no image (stray metadata) is not a sample
+    image_ext = next((ext for ext in parts if ext in MEDIA_EXTENSIONS), None)
+    if image_ext is None:  # a caption whose picture or video is not in the archive; other strays are no sample
+        caption = next((ext for ext in ("txt", "json") if ext in parts), None)
+        if caption is not None:
+            yield Candidate(f"{url}::{key}.{caption}", fmt, problem=Rejected(
+                "orphan_caption", f"no picture or video named {key}.* beside {key}.{caption} in the archive"))
+        return
     candidate = Candidate(f"{url}::{key}.{image_ext}", fmt, image=parts[image_ext])
     try:
         if "txt" in parts:

@@ -75,6 +75,19 @@ class Listing:
                           for at in range(3, len(row), 3)]
                 yield Listed(path, *row[1:3]), beside
 
+    def alone(self, extensions: tuple[str, ...], partners: frozenset[str]) -> Iterator[Listed]:
+        """The objects under the root with one of `extensions` and no object beside them with one
+        of `partners` (in any case), in path order: a caption file whose picture or video is gone."""
+        marks = ", ".join("?" * len(extensions))
+        kinds = ", ".join("?" * len(partners))
+        query = (f"SELECT o.path, o.size, o.stamp FROM objects o WHERE o.source = ? AND o.ext IN ({marks}) AND NOT EXISTS "
+                 f"(SELECT 1 FROM objects p INDEXED BY objects_stem WHERE p.source = o.source AND p.stem = o.stem "
+                 f"AND lower(p.ext) IN ({kinds})) ORDER BY o.path")
+        for data, size, mark in self.ledger.rows(query, (self.index, *extensions, *sorted(partners))):
+            path = decode_path(data)
+            if path.startswith(self.root + "/"):
+                yield Listed(path, size, mark)
+
     def local_copy(self, path: str) -> str:
         """A local file holding `path` (itself on a local disk), so it can be read more than once."""
         if isinstance(self.fs, LocalFileSystem):
