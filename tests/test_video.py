@@ -32,7 +32,7 @@ QUARANTINED = {"truncated.mp4": {"bad_video"}, "audio.mp4": {"no_video_stream"},
                "short.mp4": {"too_short"}, "huge.mp4": {"too_large"}, "long.mp4": {"too_long"},
                "uncaptioned.mp4": {"missing_caption"}, "lonely.txt": {"orphan_caption"},
                # an mp4 box, then zeros: FFmpeg's probe may read it as another format, with no video
-               "noise.mp4": {"bad_video", "no_video_stream"}}
+               "noise.mp4": {"bad_video", "no_video_stream"}, "notes.mov": {"bad_video"}}
 VFR_TIMES = [sum(0.04 if i % 2 else 0.08 for i in range(n)) for n in range(30)]  # 12.5 and 25 fps by turns
 
 
@@ -50,6 +50,7 @@ def videos(tmp_path_factory):
     data = (root / "ok.mp4").read_bytes()
     (root / "truncated.mp4").write_bytes(data[: len(data) * 2 // 3])
     (root / "noise.mp4").write_bytes(data[:8] + bytes(4000))  # an mp4 box, then nothing
+    (root / "notes.mov").write_text("a text file named as a video")
     write_audio_only(root / "audio.mp4")
     write_video(root / "single.mp4", frames=1)
     write_video(root / "short.mp4", frames=5)  # 0.21 s: 3 frames at 16 fps

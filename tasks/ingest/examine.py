@@ -64,7 +64,12 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
             outcome.width, outcome.height = size
             check_geometry(outcome.width, outcome.height, dataset)
         else:
-            image, outcome.width, outcome.height = normalise_image(candidate.image, dataset)
+            try:
+                image, outcome.width, outcome.height = normalise_image(candidate.image, dataset)
+            except Rejected as problem:  # named a video, and its bytes are no container and no picture
+                if problem.reason == "not_image" and is_video_name(candidate.source):
+                    raise Rejected("bad_video", "not an mp4, mov, webm or mkv container") from problem
+                raise
             keep(outcome.sample_id, image)
             outcome.spilled = True
         # variants are a set (training picks one at random): sorted, so line order or which
