@@ -353,6 +353,9 @@ class TrainingConfig(Section):
         "loss curve and the run's progress."
     )
     sample_steps: int = Field(20, ge=1, description="Denoising steps per sample image.")
+    sample_fps: float = Field(16.0, gt=0, le=240, description="Frames a second of the sample videos of a run on clips "
+                              "(the run's samples/step-N.webp; `precast sample`'s default): the clips' `dataset.video.fps` "
+                              "shows motion at the speed the clips show it (16: Wan's).")
     guidance_scale: float = Field(4.5, ge=1, description="Guidance scale of the samples: classifier-free guidance, "
                                   "or the guidance input of a guidance-distilled transformer (which training gives it too).")
     true_cfg_scale: float = Field(1.0, ge=1, description="Classifier-free guidance of the samples on top of the "

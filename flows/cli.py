@@ -163,8 +163,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_sample(args: argparse.Namespace) -> int:
     from configs.schema import ModelConfig
-    from tasks.runs.sampling import read_picture, sample_run
+    from tasks.runs.sampling import check_output, read_picture, sample_run
 
+    check_output(args.out)
     options = storage_options(args.option)
     model = ModelConfig(path=args.model) if args.model else None
     first_frames = [read_picture(path, options) for path in args.first_frame] if args.first_frame else None
@@ -172,7 +173,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
                          guidance_scale=args.guidance_scale, seed=args.seed, device=args.device,
                          true_cfg_scale=args.true_cfg_scale, frames=args.frames, first_frames=first_frames)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    samples.save(args.out)
+    samples.save(args.out, args.fps or samples.fps)
     print(Path(args.out).resolve())
     return 0
 
@@ -288,10 +289,12 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
     sample = commands.add_parser("sample", help="generate images with a trained run (its family's pipeline)")
     sample.add_argument("url", help="a run URL (<root>/runs/<id>) or its adapter/transformer URL")
     sample.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable: one image each)")
-    sample.add_argument("--out", required=True, help="file to write, samples side by side: a .webp is animated for "
-                        "video runs, any other picture format (.png) holds each sample's first frame")
+    sample.add_argument("--out", required=True, help="file to write, samples side by side: an .mp4 (H.264) or a "
+                        ".webp is animated for video runs, any other picture format (.png) holds each sample's first frame")
     sample.add_argument("--frames", type=int, help="frames a sample (default: those of the clips the run trained "
                         "on, 1 for pictures)")
+    sample.add_argument("--fps", type=float, help="frames a second of an .mp4 or .webp (default: the run's "
+                        "training.sample_fps)")
     sample.add_argument("--first-frame", action="append", metavar="PICTURE",
                         help="a picture (path or URL) each clip starts from, one a --prompt in order: the family's "
                         "image-to-video pipeline draws the rest (Wan 2.2 TI2V; train with training.image_to_video)")

@@ -27,7 +27,7 @@ TRAIN_FORMAT = "precast.train/5"  # the loss, sampling, data order or outputs of
 # the same within float tolerance, as another device does)
 NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints", "nodes", "processes", "node_timeout",
                  "gradient_accumulation", "global_batch", "gradient_checkpointing", "compile", "prefetch",
-                 "log_every", "trackers", "tracker_project", "mlflow_tracking_uri"}
+                 "log_every", "trackers", "tracker_project", "mlflow_tracking_uri", "sample_fps"}
 
 
 def config_hash(dataset: DatasetConfig) -> str:

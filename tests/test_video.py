@@ -11,7 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageSequence
 
 from configs.schema import DatasetConfig, PipelineConfig, StorageConfig
 from storage import layout
@@ -222,6 +222,7 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
     from a first frame through `precast sample --first-frame`, as `WanImageToVideoPipeline`'s own
     call with the run's adapter loaded draws it, with no progress bar of the pipeline's in the
     output; one frame a prompt, else refused by name."""
+    import av
     import torch
     from diffusers import WanImageToVideoPipeline
 
@@ -244,7 +245,7 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
         "latent_encoding": {"resolution": 64, "storage_dtype": "fp32", "batch_size": 2},
         "training": {"rank": 4, "alpha": 4, "steps": 3, "batch_size": 2, "validation_samples": 0,
                      "image_to_video": 0.5, "mixed_precision": "bf16", "base_precision": "bf16",
-                     "sample_prompts": ["a grey clip"], "sample_steps": 1,
+                     "sample_prompts": ["a grey clip"], "sample_steps": 1, "sample_fps": 8,
                      "sample_first_frames": [str(tmp_path / "first.png")]}})
     done = run_direct(config)
     assert FinishedRun.at(done["train"]["run"]).lineage["training"]["image_to_video"] == 0.5
@@ -259,14 +260,30 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
     assert "it/s]" not in capfd.readouterr().err  # the pipelines' progress bars, in training's samples and these
     assert np.abs(np.asarray(grid, dtype=float) - np.asarray(drawn, dtype=float)).mean() < 0.5
     assert np.abs(np.asarray(grid, dtype=float) - np.asarray(plain, dtype=float)).mean() > 5
-    assert frame_count(store.read_bytes(store.key(done["train"]["sample_videos"][-1]))) == 17
+    video = store.read_bytes(store.key(done["train"]["sample_videos"][-1]))
+    assert frame_count(video) == 17 and _shown_ms(video) == 17 * 125  # sample_fps 8
 
     out = tmp_path / "from-first.webp"
     assert main(["sample", done["train"]["run"], "--prompt", "a grey clip", "--first-frame", str(tmp_path / "first.png"),
                  "--steps", "2", "--out", str(out), "--device", "cpu"]) == 0
     assert frame_count(out.read_bytes()) == 17 and Image.open(out).size == (64, 64)
-
     ours = sample_run(done["train"]["run"], ["a grey clip"], steps=2, first_frames=[first], device="cpu")
+    # as an H.264 mp4: at the run's sample_fps, or --fps; a name it cannot write is refused before drawing
+    for fps, args in ((8, []), (24, ["--fps", "24"])):
+        assert main(["sample", done["train"]["run"], "--prompt", "a grey clip", "--first-frame",
+                     str(tmp_path / "first.png"), "--steps", "2", "--out", str(tmp_path / "a.mp4"), "--device", "cpu",
+                     *args]) == 0
+        with av.open(str(tmp_path / "a.mp4")) as container:
+            stream = container.streams.video[0]
+            frames = [frame.to_image() for frame in container.decode(stream)]
+            assert (stream.codec_context.name, stream.average_rate, len(frames)) == ("h264", fps, 17)
+        # the frames drawn, as H.264 keeps noise: its 8 x 8 blocks' colours
+        errors = [np.abs(_blocks(a) - _blocks(b)).mean() for a, b in zip(frames, ours[0])]
+        assert max(errors) < 3, errors  # 1.3 to 1.5 (2026-11-29)
+    capfd.readouterr()
+    assert main(["sample", done["train"]["run"], "--prompt", "a", "--out", str(tmp_path / "a.mkv")]) == 1
+    assert "--out " + str(tmp_path / "a.mkv") + ": write an .mp4 or .webp" in capfd.readouterr().err
+
     lora = tmp_path / "lora.safetensors"
     assert main(["export", done["train"]["run"], "--format", "diffusers", "--out", str(lora)]) == 0
     pipeline = WanImageToVideoPipeline.from_pretrained(ti2v, image_encoder=None, image_processor=None)
@@ -292,6 +309,21 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
             **config.training.model_dump(), "sample_prompts": ["a", "b"]}})
     assert main(["sample", done["train"]["run"], "--prompt", "a", "--first-frame", str(tmp_path / "none.png"),
                  "--out", str(out), "--device", "cpu"]) == 1
+
+
+def _blocks(image: Image.Image) -> np.ndarray:
+    """The mean colour of each 8 x 8 block of a picture."""
+    pixels = np.asarray(image, dtype=float)
+    return pixels.reshape(pixels.shape[0] // 8, 8, pixels.shape[1] // 8, 8, 3).mean(axis=(1, 3))
+
+
+def _shown_ms(webp: bytes) -> int:
+    """How long an animated WebP plays, in milliseconds."""
+    shown = 0
+    for frame in ImageSequence.Iterator(Image.open(io.BytesIO(webp))):
+        frame.load()  # a frame's duration is read with its data
+        shown += frame.info["duration"]
+    return shown
 
 
 def test_wan_quarantines_clips_that_are_not_4n_plus_1_frames(videos, tmp_path):

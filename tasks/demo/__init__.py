@@ -44,6 +44,7 @@ def demo_settings(family: str) -> list[str]:
         # folders of their own: an earlier demo's Wan 2.1 T2V models and edge-to-edge clips stay apart
         return [f"model.path=precast-demo/models/{DEMO_MODELS[family]}", "dataset.sources=[{path: precast-demo/moving-shapes}]",
                 f"dataset.video={json.dumps(DEMO_VIDEO)}", f"latent_encoding.resolution={SIDE}",
+                f"training.sample_fps={DEMO_VIDEO['fps']}",  # the videos move at the clips' speed
                 # 8 clips a VAE call: one at a time, PyTorch runs the tiny 3-D VAE's convolutions on its
                 # slow path, not oneDNN's (31 s for the 600 clips against 14 s, the same bits)
                 "latent_encoding.batch_size=8", "text_encoding.max_length=32", "training.steps=6000",

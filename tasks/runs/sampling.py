@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import tempfile
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -38,6 +39,8 @@ def side_by_side(images: list[Image.Image]) -> Image.Image:
 class Samples(list):
     """Samples drawn by a family's pipeline: a list of PIL frames per prompt (a picture is one)."""
 
+    fps = 16.0  # frames a second their videos are shown at: `sample_run` gives the run's sample_fps
+
     @property
     def frames(self) -> int:
         return len(self[0])
@@ -46,16 +49,47 @@ class Samples(list):
         """Each sample's first frame, side by side."""
         return side_by_side([video[0] for video in self])
 
-    def animation(self, fps: float = 16.0) -> bytes:
+    def animation(self, fps: float) -> bytes:
         """The samples side by side as an animated WebP, each frame shown 1/fps s."""
         return clip_bytes([side_by_side(list(frames)) for frames in zip(*self)], fps, quality=90)
 
-    def save(self, path: str | Path) -> None:
-        """An animated .webp of the videos, or else (a .png, .jpg…) their first frames."""
-        if str(path).lower().endswith(".webp") and self.frames > 1:
-            Path(path).write_bytes(self.animation())
+    def mp4(self, fps: float) -> bytes:
+        """The samples side by side as an H.264 mp4 (yuv420p, which players take: its sides made even
+        with a black edge) at `fps` frames a second."""
+        import av
+
+        frames = [side_by_side(list(frames)) for frames in zip(*self)]
+        width, height = (side + side % 2 for side in frames[0].size)
+        out = io.BytesIO()
+        with av.open(out, "w", format="mp4") as container:
+            stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001), options={"crf": "18"})
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            for frame in frames:
+                canvas = Image.new("RGB", (width, height))
+                canvas.paste(frame)
+                container.mux(stream.encode(av.VideoFrame.from_image(canvas)))
+            container.mux(stream.encode())
+        return out.getvalue()
+
+    def save(self, path: str | Path, fps: float) -> None:
+        """The videos side by side as an .mp4 or an animated .webp at `fps`, or else (a .png, .jpg…)
+        their first frames (`check_output` tells a name that is none of these)."""
+        suffix = Path(path).suffix.lower()
+        if suffix == ".mp4":
+            Path(path).write_bytes(self.mp4(fps))
+        elif suffix == ".webp" and self.frames > 1:
+            Path(path).write_bytes(self.animation(fps))
         else:
             self.grid().save(path)
+
+
+def check_output(path: str | Path) -> None:
+    """Refuses, before any sample is drawn, a file name `Samples.save` cannot write."""
+    suffix = Path(path).suffix.lower()
+    pictures = {ext for ext, kind in Image.registered_extensions().items() if kind in Image.SAVE}
+    if suffix != ".mp4" and suffix not in pictures:
+        raise ValueError(f"--out {path}: write an .mp4 or .webp (videos), or a picture (.png, .jpg…: first frames); "
+                         f"{suffix or 'no extension'} is neither")
 
 
 def read_picture(path: str, options: dict) -> Image.Image:
@@ -177,4 +211,6 @@ def sample_run(
                 **family.prompt_options(pipeline, prompts[rows], text)}
 
     size = (sides["width"], sides["height"]) if sides else None
-    return draw(family, pipeline, call, len(prompts), first_frames, size)
+    samples = draw(family, pipeline, call, len(prompts), first_frames, size)
+    samples.fps = run.lineage["training"].get("sample_fps", Samples.fps)  # runs from before it: Wan's 16
+    return samples

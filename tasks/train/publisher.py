@@ -91,7 +91,7 @@ class RunPublisher:
         samples.grid().save(buffer, format="PNG")
         self.store.write_bytes(layout.sample(self.run, step), buffer.getvalue())
         if samples.frames > 1:  # the videos beside their first frames
-            self.store.write_bytes(layout.sample(self.run, step, "webp"), samples.animation())
+            self.store.write_bytes(layout.sample(self.run, step, "webp"), samples.animation(self.training.sample_fps))
         self.trackers.image(step, "samples", buffer.getvalue())
 
     def publish(self, network: torch.nn.Module, metrics: list[dict[str, Any]], start: int,
