@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import shutil
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from storage.shards import LatentShard, read_image_shard
 from storage.store import Store
 from tasks.ingest.stage import ingest
 from flows.cli import main
-from tasks.ingest.video import clip_frames, clip_times, frame_count, probe
+from tasks.ingest.video import clip_frames, clip_times, decode_clips, frame_count, probe
 from tasks.demo.videos import write_audio_only
 from tests.videos import frame_pixels, level, write_video
 
@@ -27,7 +28,7 @@ from tests.videos import frame_pixels, level, write_video
 # most 10,000 pixels and 3 s
 VIDEO = {"frames": 17, "fps": 16, "clips": "sliding", "max_clips": 2, "stride": 8, "max_seconds": 3}
 RULES = {"min_side": 32, "max_pixels": 10_000}
-CLIPS = {"ok.mp4": 2, "ok.webm": 2, "ok.mkv": 2, "portrait.mov": 1, "vfr.mp4": 2}
+CLIPS = {"ok.mp4": 2, "ok.webm": 2, "ok.mkv": 2, "portrait.mov": 1, "vfr.mp4": 2, "anamorphic.mp4": 2}
 QUARANTINED = {"truncated.mp4": {"bad_video"}, "audio.mp4": {"no_video_stream"}, "single.mp4": {"too_few_frames"},
                "short.mp4": {"too_short"}, "huge.mp4": {"too_large"}, "long.mp4": {"too_long"},
                "uncaptioned.mp4": {"missing_caption"}, "lonely.txt": {"orphan_caption"},
@@ -46,6 +47,7 @@ def videos(tmp_path_factory):
     write_video(root / "ok.mkv", frames=40, fps=25, codec="mpeg4")
     write_video(root / "portrait.mov", frames=30, rotation=90)  # shown 64 wide and 96 high
     write_video(root / "vfr.mp4", times=VFR_TIMES)
+    write_video(root / "anamorphic.mp4", size=(64, 64), pixel_aspect=Fraction(3, 2))  # shown 96 wide
     Image.fromarray(frame_pixels(0, 80, 80)).save(root / "picture.png")
     data = (root / "ok.mp4").read_bytes()
     (root / "truncated.mp4").write_bytes(data[: len(data) * 2 // 3])
@@ -92,6 +94,7 @@ def test_videos_become_clips_and_hostile_videos_are_quarantined_with_their_reaso
             assert len(frames) == 17 and frames[0].size == (row["width"], row["height"])
             assert row["captions"] == [f"a grey {name.split('.')[0]} clip"]
     assert (samples["portrait.mov"][0]["width"], samples["portrait.mov"][0]["height"]) == (64, 96)
+    assert (samples["anamorphic.mp4"][0]["width"], samples["anamorphic.mp4"][0]["height"]) == (96, 64)
     assert len(list(clip_frames(samples["picture.png"][0]["image"]))) == 1
 
 
@@ -109,13 +112,31 @@ def test_clips_take_the_frame_shown_at_each_time_of_the_resampled_rate(videos, t
     assert shown == [[(start + k) * 24 // 16 for k in range(17)] for start in starts]
 
 
+@pytest.mark.parametrize("name, rate, fps", [("at16.webm", 16, 16), ("at24.mkv", 24, 24), ("at24.mkv", 24, 12),
+                                              ("at30.mkv", 30, 15), ("at16.mkv", 16, 16)])
+def test_clips_of_containers_that_store_milliseconds_show_every_frame_they_should(tmp_path, name, rate, fps):
+    """WebM and Matroska store a frame's time in whole milliseconds (a frame due at 187.5 ms says
+    188): a clip at the video's own rate, or half of it, shows each source frame once, or every
+    second one, and a video exactly one clip long gives that clip (17 frames at 16 fps: 1.0625 s)."""
+    codec = "libvpx-vp9" if name.endswith(".webm") else "libx264"
+    frames = 17 if fps == rate == 16 else 40
+    data = write_video(tmp_path / name, frames=frames, fps=rate, codec=codec, container="matroska"
+                       if name.endswith(".mkv") else None).read_bytes()
+    dataset = DatasetConfig(sources=[{"path": "x"}], video={**VIDEO, "fps": fps, "clips": "head"}, **RULES)
+    probed = probe(data, dataset.video, dataset)
+    (times,) = clip_times(probed, dataset.video)
+    clips = {}
+    decode_clips(data, probed, {0: times}, dataset.video, lambda i, frames: clips.update({i: frames}))
+    assert [level(np.asarray(frame)) for frame in clips[0]] == [k * rate // fps for k in range(17)]
+
+
 @pytest.mark.parametrize("name, codec", [("long.mp4", "libx264"), ("long.webm", "libvpx-vp9"), ("long.mkv", "mpeg4")])
 def test_clips_far_apart_are_reached_by_seeking_and_show_the_frames_decoding_from_the_start_shows(
         tmp_path, name, codec):
     """Three clips spread over a 25 s video (a keyframe every 2 s): the decoder seeks over the gaps
     to the keyframe before each clip, and each clip frame is still the source frame shown at its
     time, ⌊t · 24⌋."""
-    from tasks.ingest.video import SEEK_SECONDS, decode_clips
+    from tasks.ingest.video import SEEK_SECONDS
 
     data = write_video(tmp_path / name, frames=600, codec=codec, keyframe_every=48).read_bytes()
     dataset = DatasetConfig(sources=[{"path": "x"}], video={**VIDEO, "clips": "uniform", "max_clips": 3,
@@ -127,6 +148,48 @@ def test_clips_far_apart_are_reached_by_seeking_and_show_the_frames_decoding_fro
     decode_clips(data, probed, dict(enumerate(times)), dataset.video, lambda i, frames: clips.update({i: frames}))
     for index, clip in enumerate(times):
         assert [level(np.asarray(frame)) for frame in clips[index]] == [int(t * 24 + 1e-9) for t in clip], index
+
+
+PROBE_PEAK = """
+import resource, sys
+from configs.schema import DatasetConfig
+from tasks.ingest.untrusted import Rejected
+from tasks.ingest.video import probe
+data = open(sys.argv[1], "rb").read()
+dataset = DatasetConfig(sources=[{"path": "x"}])  # the default rules: at most 89,478,485 pixels
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    probe(data, dataset.video, dataset)
+except Rejected as problem:
+    print(problem.reason, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10)
+"""
+BOMB = """
+import av, sys
+with av.open(sys.argv[1], "w", format="mp4") as out:
+    stream = out.add_stream("libx264", rate=16, options={"preset": "ultrafast"})
+    stream.width = stream.height = 10_000
+    frame = av.VideoFrame(10_000, 10_000, "yuv420p")
+    for plane in frame.planes:
+        plane.update(bytes(plane.buffer_size))
+    for index in range(2):
+        frame.pts = index
+        out.mux(stream.encode(frame))
+    out.mux(stream.encode())
+"""
+
+
+def test_a_video_of_absurd_size_is_refused_from_its_headers_before_a_frame_is_decoded(tmp_path):
+    """10,000 x 10,000 pixels of H.264 in 0.3 MB: refused as too_large with memory flat (a decoded
+    frame alone is 150 MB; FFmpeg's first look at the streams decoded one, and so did the probe).
+    Each side in a process of its own: writing it takes 1 GB."""
+    import subprocess
+    import sys
+
+    bomb = tmp_path / "bomb.mp4"
+    subprocess.run([sys.executable, "-c", BOMB, str(bomb)], check=True)
+    found = subprocess.run([sys.executable, "-c", PROBE_PEAK, str(bomb)], check=True, capture_output=True, text=True)
+    reason, grown = found.stdout.split()
+    assert reason == "too_large" and int(grown) < 50, found.stdout  # MiB
 
 
 def test_a_variable_frame_rate_is_resampled_by_the_frames_timestamps(videos):

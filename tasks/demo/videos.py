@@ -139,12 +139,13 @@ def demo_prompts() -> list[str]:
 def write_video(path: Path, draw: Callable[[int, int, int], np.ndarray], frames: int = 40, fps: int = 24,
                 size: tuple[int, int] = (96, 64), codec: str = "libx264", rotation: int = 0,
                 times: list[float] | None = None, container: str | None = None, keyframe_every: int | None = None,
-                quality: int | None = None) -> Path:
+                quality: int | None = None, pixel_aspect: Fraction | None = None) -> Path:
     """`frames` frames `draw(index, width, height)` (RGB arrays) at `fps` (or shown at `times`,
     seconds: a variable frame rate) of `size` (width, height), the display matrix turned by
     `rotation` degrees counter-clockwise, a keyframe every `keyframe_every` frames (None: the
-    codec's default), H.264 at constant quality `quality` (crf) where given: the same frames, the
-    same H.264 bytes."""
+    codec's default), H.264 at constant quality `quality` (crf) where given, its pixels
+    `pixel_aspect` times as wide as high where given (anamorphic): the same frames, the same H.264
+    bytes."""
     import av
 
     options = {"crf": str(quality)} if quality is not None else {}
@@ -161,6 +162,8 @@ def write_video(path: Path, draw: Callable[[int, int, int], np.ndarray], frames:
             stream.codec_context.time_base = Fraction(1, 1000)
         if rotation:
             stream.set_display_rotation(rotation)
+        if pixel_aspect:
+            stream.codec_context.sample_aspect_ratio = pixel_aspect
         for index in range(frames if times is None else len(times)):
             frame = av.VideoFrame.from_ndarray(draw(index, *size), format="rgb24")
             if times is not None:

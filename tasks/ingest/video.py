@@ -35,6 +35,7 @@ CLIP_FRAMES = "precast.clip_frames"  # a stored clip's XMP: its frame count
 # a gap between clips (seconds) worth a seek to the keyframe before the next rather than decoding
 # through it: about a keyframe interval of common encodes (2 to 10 s), so a seek skips at least one
 SEEK_SECONDS = 4.0
+MAX_STREAMS = 1024  # streams a container is opened with decoding off in (films hold a few; FFmpeg's own cap is 1,000)
 
 # what a video container starts with: an ISO/QuickTime box (mp4, mov) or EBML (webm, mkv)
 MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"wide", b"free", b"skip")
@@ -56,13 +57,19 @@ class Probe:
     fps: float  # frames per second on average (frames over duration)
     duration: float  # seconds, from the first frame's timestamp to the end of the last
     start: float = 0.0  # the first frame's timestamp, seconds: clip times count from it
+    # seconds a timestamp is stored to (the stream's time base): Matroska and WebM store whole
+    # milliseconds, so a frame due at 187.5 ms says 188; a frame within it of a time shows at it
+    precision: float = 0.0
 
 
-def _open(data: bytes):
+def _open(data: bytes, decode: bool = True):
+    """The container; with `decode` False, FFmpeg's look at its streams decodes no frame (a frame
+    of a 16,000-pixel-square video is 384 MB): their sizes come from the headers."""
     import av
 
+    skip = {} if decode else {"stream_options": [{"skip_frame": "all"}] * MAX_STREAMS}
     try:
-        return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+        return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore", **skip)
     except (av.error.FFmpegError, ValueError, OSError) as error:
         raise Rejected("bad_video", f"not a readable video container ({type(error).__name__}: {error})") from None
 
@@ -76,22 +83,23 @@ def _video_stream(container):
 
 
 def probe(data: bytes, video: VideoConfig, dataset: DatasetConfig) -> Probe:
-    """The video's facts from its packets and its first frame (for the display matrix, which
-    PyAV reads from frames); Rejected when it cannot give a clip."""
+    """The video's facts from its headers and packets, nothing decoded (a size or duration bomb is
+    refused before any frame is), then its first frame (for the display matrix, which PyAV reads
+    from frames); Rejected when it cannot give a clip. Its size is as shown: the pixels' aspect
+    ratio applied (anamorphic video), turned by the display matrix."""
     import av
 
-    with _open(data) as container:
+    with _open(data, decode=False) as container:
         stream = _video_stream(container)
-        try:
-            rotation = next((round(frame.rotation) % 360 for frame in container.decode(stream)), 0)
-        except av.error.FFmpegError as error:
-            raise Rejected("bad_video", f"its first frame does not decode ({error})") from None
-    with _open(data) as container:
-        stream = _video_stream(container)
-        width, height, codec = stream.codec_context.width, stream.codec_context.height, stream.codec_context.name
-        if rotation % 180:
-            width, height = height, width
-        check_geometry(width, height, dataset)
+        context = stream.codec_context
+        if context is None:  # a stream whose codec FFmpeg does not know, or a file cut before its headers end
+            raise Rejected("bad_video", "its video stream has no codec FFmpeg decodes")
+        codec, width, height, precision = context.name, context.width, context.height, float(stream.time_base)
+        check_geometry(width, height, dataset)  # the decoded frames' size
+        pixel = stream.sample_aspect_ratio or context.sample_aspect_ratio
+        if pixel and pixel > 0 and pixel != 1:
+            width = max(1, round(width * pixel))
+            check_geometry(width, height, dataset)  # the shown size
         first = end = None
         frames = 0
         try:
@@ -111,7 +119,14 @@ def probe(data: bytes, video: VideoConfig, dataset: DatasetConfig) -> Probe:
     duration = end - first
     if duration <= 0:
         raise Rejected("bad_video", f"its {frames} frames have no duration (timestamps {first:g} to {end:g} s)")
-    return Probe(codec, width, height, rotation, frames, frames / duration, duration, first)
+    with _open(data) as container:
+        try:
+            rotation = next((round(frame.rotation) % 360 for frame in container.decode(_video_stream(container))), 0)
+        except av.error.FFmpegError as error:
+            raise Rejected("bad_video", f"its first frame does not decode ({error})") from None
+    if rotation % 180:
+        width, height = height, width
+    return Probe(codec, width, height, rotation, frames, frames / duration, duration, first, precision)
 
 
 def clip_times(probed: Probe, video: VideoConfig) -> list[list[float]]:
@@ -119,7 +134,7 @@ def clip_times(probed: Probe, video: VideoConfig) -> list[list[float]]:
     `video.fps` (None: the video's own), starting where `video.clips` says, at most
     `video.max_clips` of them. Rejected ("too_short") when not even one fits."""
     fps = video.fps or probed.fps
-    available = math.floor(probed.duration * fps + 1e-6)  # frames at `fps` that the video shows
+    available = math.floor((probed.duration + probed.precision) * fps + 1e-6)  # frames at `fps` that the video shows
     if available < video.frames:
         raise Rejected("too_short", f"{probed.duration:.2f} s holds {available} frames at {fps:g} fps; a clip takes "
                                     f"{video.frames}")
@@ -182,10 +197,10 @@ def decode_clips(data: bytes, probed: Probe, times: dict[int, list[float]], vide
                     if frame.pts is None:
                         continue
                     time = float(frame.pts * stream.time_base) - probed.start
-                    if current is None and time > wanted[next_wanted] + 1e-9 and sought > 0:
+                    if current is None and time > wanted[next_wanted] + probed.precision + 1e-9 and sought > 0:
                         seek_to, seeking = 0.0, False  # it landed past the time: from the start, never again
                         break
-                    show(time - 1e-9)  # every wanted time before this frame shows the one before
+                    show(time - probed.precision - 1e-9)  # every wanted time before this frame shows the one before
                     current, picture = frame, None
                     _hand_on(pending, shown, take)
                     if seeking and pending and wanted[next_wanted] - time > SEEK_SECONDS:
