@@ -8,7 +8,7 @@ text or latent caches.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -109,6 +109,12 @@ class VideoConfig(Section):
         "count (Wan: 4N + 1, such as 17, 33, 49, 81); clips of another count are quarantined when latents are "
         "encoded, naming the rule.",
     )
+    frame_buckets: list[Annotated[int, Field(ge=2, le=1024)]] = Field(
+        default_factory=list, description="Shorter clip lengths for videos too short for `frames`: each video's clips "
+        "take the longest of `frames` and these that it holds (diffusion-pipe's frame_buckets, musubi-tuner's "
+        "target_frames; Wan: 4N + 1 each, such as [17, 33, 49]). Empty: `frames` only; a shorter video is "
+        "quarantined as too_short.",
+    )
     fps: float | None = Field(
         16.0, gt=0, le=240, description="Frames per second clips are resampled to, by the frames' own timestamps "
         "(Wan 2.1 was trained at 16). None: each video's own average rate.",
@@ -119,8 +125,8 @@ class VideoConfig(Section):
     )
     max_clips: int = Field(1, ge=1, le=10_000, description="Clips a video gives at most (uniform, sliding).")
     stride: int | None = Field(
-        None, ge=1, description="sliding: frames (at fps) from one clip's start to the next. None: `frames`, clips "
-        "that do not overlap.",
+        None, ge=1, description="sliding: frames (at fps) from one clip's start to the next. None: the clips' length, "
+        "clips that do not overlap.",
     )
     frame_pixels: int = Field(
         1280 * 720, ge=64 * 64, description="Frames are stored scaled down to at most this many pixels (a clip is "

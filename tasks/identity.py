@@ -32,8 +32,13 @@ NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints", "nodes", "pro
 
 def config_hash(dataset: DatasetConfig) -> str:
     """What names these sources and ingest rules (how many are read at once, and where, is no part of it)."""
-    # the clip policy where it is not the default, so the names of rules from before videos stand
-    unnamed = {"read_concurrency", "partition_size"} | ({"video"} if dataset.video == VideoConfig() else set())
+    # the clip policy where it is not the default (and frame buckets where there are some), so the
+    # names of rules from before videos, and before buckets, stand
+    unnamed: dict[str, Any] = {"read_concurrency": True, "partition_size": True}
+    if dataset.video == VideoConfig():
+        unnamed["video"] = True
+    elif not dataset.video.frame_buckets:
+        unnamed["video"] = {"frame_buckets": True}
     return hash_json(dataset.model_dump(exclude=unnamed))
 
 

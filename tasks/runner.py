@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from configs.schema import STAGES, PipelineConfig, Stage
 from storage import layout
 from storage.store import Store
-from tasks.encode.latents import encode_latents_shard, latent_cache_record
+from tasks.encode.latents import check_clip_policy, encode_latents_shard, latent_cache_record
 from tasks.encode.text import encode_prompts, encode_text_shard, measure_numerics, text_cache_record
 from tasks.ingest.stage import ingest
 from tasks.manifest import build_manifest
@@ -138,6 +138,8 @@ def run_stages(executor: Executor, until: Stage = "train", watch: Watch = lambda
     names = STAGES[: STAGES.index(until) + 1]
     if "train" in names:  # what training would refuse, before ingest and the encoders work for it
         check_training(executor.config.model, executor.config.training)
+    if "encode-latents" in names:
+        check_clip_policy(executor.config.model, executor.config.dataset.video)
     shards = Shards(executor.store)
 
     def run(name: Stage, call: Callable[[], Record]) -> Record:

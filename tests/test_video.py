@@ -192,6 +192,34 @@ def test_a_video_of_absurd_size_is_refused_from_its_headers_before_a_frame_is_de
     assert reason == "too_large" and int(grown) < 50, found.stdout  # MiB
 
 
+def test_frame_buckets_give_short_videos_shorter_clips_and_a_clip_keeps_its_id_under_another_policy(videos, tmp_path):
+    """With frame_buckets a video too short for `frames` gives clips of the longest bucket it holds;
+    a clip's id names what it is (video, rate, start, length, storage), so a policy that takes the
+    same clip, or changes only a limit, keeps its id and its stored frames."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("ok.mp4", "ok.txt", "short.mp4", "short.txt"):  # 26 and 3 frames at 16 fps
+        shutil.copy(videos / name, source)
+    write_video(source / "mid.mp4", frames=12)  # 0.5 s: 8 frames at 16 fps
+    (source / "mid.txt").write_text("a grey mid clip")
+    record, store = _ingest(tmp_path / "buckets", source, clips="head", frame_buckets=[5, 9])
+    samples = _samples(store, record)
+    lengths = {name: [len(list(clip_frames(row["image"]))) for row in rows] for name, rows in samples.items()}
+    assert lengths == {"ok.mp4": [17], "mid.mp4": [5]}
+    (entry,) = store.read_json(store.key(record["report"]))["quarantine"]
+    assert (entry["reason"], entry["message"]) == ("too_short", "0.21 s holds 3 frames at 16 fps; a clip takes at least 5")
+
+    def ids(name: str, **video) -> list[str]:
+        found, found_store = _ingest(tmp_path / name, source, **video)
+        return sorted(row["sample_id"] for row in _samples(found_store, found)["ok.mp4"])
+
+    head = ids("head", clips="head")
+    assert ids("limits", clips="head", max_seconds=30, max_clips=5) == head
+    assert head == [samples["ok.mp4"][0]["sample_id"]]  # buckets do not rename a clip of `frames`
+    sliding = ids("sliding", clips="sliding", stride=8)  # clips from 0 and 8
+    assert len(sliding) == 2 and head[0] in sliding
+
+
 def test_a_variable_frame_rate_is_resampled_by_the_frames_timestamps(videos):
     data = (videos / "vfr.mp4").read_bytes()
     dataset = DatasetConfig(sources=[{"path": "x"}], video=VIDEO, **RULES)
@@ -389,9 +417,10 @@ def _shown_ms(webp: bytes) -> int:
     return shown
 
 
-def test_wan_quarantines_clips_that_are_not_4n_plus_1_frames(videos, tmp_path):
+def test_wan_refuses_a_clip_policy_that_is_not_4n_plus_1_frames_and_quarantines_such_clips(videos, tmp_path):
+    from configs.schema import VideoConfig
     from tasks.demo.flow_models import write_tiny_family
-    from tasks.runner import run_direct
+    from tasks.runner import Direct, Shards, run_direct
 
     wan = write_tiny_family(tmp_path / "wan", "wan", random_vae=True)
     source = tmp_path / "source"
@@ -403,7 +432,16 @@ def test_wan_quarantines_clips_that_are_not_4n_plus_1_frames(videos, tmp_path):
         "dataset": {"sources": [{"path": str(source)}], "video": {**VIDEO, "frames": 16}, **RULES},
         "model": {"path": str(wan)}, "text_encoding": {"dtype": "fp32"},
         "latent_encoding": {"resolution": 64, "storage_dtype": "fp32"}})
-    (shard,) = run_direct(config, until="encode-latents")["encode-latents"]["shards"]
+    # refused before anything is ingested, naming the setting; a frame bucket too
+    for video in ({**VIDEO, "frames": 16}, {**VIDEO, "frame_buckets": [5, 12]}):
+        refused = config.model_copy(update={"dataset": config.dataset.model_copy(update={"video": VideoConfig(**video)})})
+        with pytest.raises(ValueError, match=r"dataset.video: a clip of (16|12) frames: Wan's VAE takes 4N \+ 1"):
+            run_direct(refused, until="encode-latents")
+        assert not Store(config.storage).list("datasets")
+    # clips of such a length ingested all the same (the stage alone) are quarantined one by one
+    executor = Direct(config)
+    shards = Shards.of(executor.store, executor.ingest())
+    (shard,) = executor.encode_latents(shards)["shards"]
     assert shard["samples"] == 0 and len(shard["quarantined"]) == 2
     assert "a clip of 16 frames: Wan's VAE takes 4N + 1 (such as 13 or 17" in shard["quarantined"][0]["message"]
 

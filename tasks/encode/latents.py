@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig
+from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig, VideoConfig
 from storage import layout
 from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id_of
 from storage.store import Store
@@ -213,6 +213,18 @@ def encode_latents_shard(
     log.info("encoded %s of shard %s into %d buckets (%d quarantined)", samples_text(len(rows), clips), shard_id,
              len(buckets), len(quarantined))
     return {**record, "io_retries": len(store.retried)}
+
+
+def check_clip_policy(model: ModelConfig, video: VideoConfig) -> None:
+    """Refuse, naming the setting, clip lengths the model's family never encodes (Wan: 4N + 1), so
+    that no video is ingested and decoded for clips that would all be quarantined. A model this
+    process cannot read is left to the stage that reads it (as `check_training` does)."""
+    try:
+        family = family_of(model)
+    except (OSError, ValueError):
+        return
+    if problem := family.clip_policy_problem(sorted({video.frames, *video.frame_buckets})):
+        raise ValueError(f"dataset.video: {problem}")
 
 
 def latent_cache_record(store: Store, fingerprint: str, shards: list[dict[str, Any]]) -> CacheRecord:

@@ -141,6 +141,12 @@ class Family:
         by default the family trains on pictures."""
         return None if frames == 1 else f"a clip of {frames} frames: {self.name} trains on pictures"
 
+    def clip_policy_problem(self, lengths: list[int]) -> str | None:
+        """Why no clip of these lengths (`dataset.video.frames` and `frame_buckets`) can ever be
+        encoded, told before anything is ingested; None by default: a family that trains on
+        pictures quarantines each clip of a dataset that mixes them, naming why."""
+        return None
+
     def latent_factors(self, config: Any) -> tuple[float | list[float], float | list[float]]:
         """(shift, scale) that normalise the VAE's latents, `(z − shift) · scale`, per channel where
         lists, `config` being the VAE's config: its `shift_factor` (none: 0) and `scaling_factor`."""

@@ -110,7 +110,10 @@ class Wan(Family):
         if frames % 4 == 1:
             return None
         return (f"a clip of {frames} frames: Wan's VAE takes 4N + 1 (such as {frames_rule(frames - 2)} or "
-                f"{frames_rule(frames + 2)}; dataset.video.frames sets it)")
+                f"{frames_rule(frames + 2)}; dataset.video.frames and frame_buckets set it)")
+
+    def clip_policy_problem(self, lengths: list[int]) -> str | None:
+        return next(filter(None, map(self.clip_problem, lengths)), None)
 
     def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """Pictures [B, 3, H, W] are one-frame clips [B, 3, 1, H, W] to the 3-D VAE."""

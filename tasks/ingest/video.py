@@ -130,30 +130,37 @@ def probe(data: bytes, video: VideoConfig, dataset: DatasetConfig) -> Probe:
 
 
 def clip_times(probed: Probe, video: VideoConfig) -> list[list[float]]:
-    """Each clip's frame times, in seconds from the video's first frame: `video.frames` at
-    `video.fps` (None: the video's own), starting where `video.clips` says, at most
-    `video.max_clips` of them. Rejected ("too_short") when not even one fits."""
+    """Each clip's frame times, in seconds from the video's first frame: the longest of
+    `video.frames` and `video.frame_buckets` that the video holds at `video.fps` (None: the
+    video's own), starting where `video.clips` says, at most `video.max_clips` of them. Rejected
+    ("too_short") when not even one fits."""
     fps = video.fps or probed.fps
     available = math.floor((probed.duration + probed.precision) * fps + 1e-6)  # frames at `fps` that the video shows
-    if available < video.frames:
+    lengths = sorted({video.frames, *video.frame_buckets})
+    if available < lengths[0]:
+        takes = f"at least {lengths[0]}" if len(lengths) > 1 else f"{lengths[0]}"
         raise Rejected("too_short", f"{probed.duration:.2f} s holds {available} frames at {fps:g} fps; a clip takes "
-                                    f"{video.frames}")
-    last = available - video.frames  # the latest start
+                                    f"{takes}")
+    frames = max(n for n in lengths if n <= available)
+    last = available - frames  # the latest start
     if video.clips == "head":
         starts = [0]
     elif video.clips == "uniform":
         count = min(video.max_clips, last + 1)
         starts = [round(i * last / (count - 1)) for i in range(count)] if count > 1 else [last // 2]
     else:  # sliding
-        stride = video.stride or video.frames
+        stride = video.stride or frames
         starts = list(range(0, last + 1, stride))[: video.max_clips]
-    return [[(start + k) / fps for k in range(video.frames)] for start in starts]
+    return [[(start + k) / fps for k in range(frames)] for start in starts]
 
 
-def clip_ids(data_sha256: str, video: VideoConfig, count: int) -> list[str]:
-    """The sample ids of a video's clips: its bytes, the clip policy and each clip's place."""
-    policy = video.model_dump()
-    return [hash_json({"video": data_sha256, "clips": policy, "clip": index}) for index in range(count)]
+def clip_ids(data_sha256: str, probed: Probe, video: VideoConfig, times: list[list[float]]) -> list[str]:
+    """The sample ids of a video's clips (`clip_times`): its bytes and what each clip is (its rate,
+    first frame and length at that rate, and how its frames are stored). What only chooses clips
+    (where, how many, the limits) is no part of it: a clip another policy also takes keeps its id."""
+    fps = video.fps or probed.fps
+    return [hash_json({"video": data_sha256, "fps": fps, "start": round(clip[0] * fps), "frames": len(clip),
+                       "frame_pixels": video.frame_pixels, "quality": video.quality}) for clip in times]
 
 
 def decode_clips(data: bytes, probed: Probe, times: dict[int, list[float]], video: VideoConfig,
@@ -282,7 +289,7 @@ def read_video(data: bytes, dataset: DatasetConfig, stored: Callable[[str], Any]
     video = dataset.video
     probed = probe(data, video, dataset)
     times = clip_times(probed, video)
-    ids = clip_ids(sha256_bytes(data), video, len(times))
+    ids = clip_ids(sha256_bytes(data), probed, video, times)
     sizes: dict[int, tuple[int, int]] = {}
     for index, sample_id in enumerate(ids):
         if (known := stored(sample_id)) is not None:  # a shard holds it: not decoded again
