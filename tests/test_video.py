@@ -220,6 +220,39 @@ def test_frame_buckets_give_short_videos_shorter_clips_and_a_clip_keeps_its_id_u
     assert len(sliding) == 2 and head[0] in sliding
 
 
+INGEST_PEAK = """
+import json, resource, sys
+from configs.schema import DatasetConfig, StorageConfig
+from tasks.ingest.stage import ingest
+dataset = DatasetConfig(sources=[{"path": sys.argv[1]}], min_side=32, video=json.loads(sys.argv[3]))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+record = ingest(StorageConfig(root=sys.argv[2]), dataset)
+print(record["samples"], (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10)
+"""
+
+
+def test_a_large_video_file_is_read_through_local_disk_never_held_in_memory(videos, tmp_path):
+    """A 400 MiB mp4 (a short video, then a `free` box of zeros, sparse on disk): its clips come out
+    and the ingest's peak memory grows by far less than the file (it grew by more than the file when
+    a video was read into memory to be hashed and decoded). In a process of its own."""
+    import json
+    import struct
+    import subprocess
+    import sys
+
+    source = tmp_path / "source"
+    source.mkdir()
+    padding = 400 << 20
+    with (source / "large.mp4").open("wb") as handle:
+        handle.write((videos / "ok.mp4").read_bytes() + struct.pack(">I4s", padding, b"free"))
+        handle.truncate(handle.tell() + padding - 8)
+    (source / "large.txt").write_text("a large grey clip")
+    found = subprocess.run([sys.executable, "-c", INGEST_PEAK, str(source), str(tmp_path / "store"),
+                            json.dumps({**VIDEO, "max_seconds": 3})], check=True, capture_output=True, text=True)
+    samples, grown = map(int, found.stdout.split())
+    assert samples == 2 and grown < 200, found.stdout  # MiB
+
+
 def test_a_variable_frame_rate_is_resampled_by_the_frames_timestamps(videos):
     data = (videos / "vfr.mp4").read_bytes()
     dataset = DatasetConfig(sources=[{"path": "x"}], video=VIDEO, **RULES)

@@ -11,8 +11,10 @@ quarantined whole. The same code examines a unit in the ingest's process and on 
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +25,8 @@ from storage.fingerprint import sha256_bytes
 from storage.store import DiskFull, space_for
 from tasks.ingest.formats import Candidate, is_video_name, read_unit
 from tasks.ingest.listing import is_remote
-from tasks.ingest.untrusted import Rejected, check_geometry, max_bytes, normalise_image, printable
+from tasks.ingest.untrusted import (Rejected, check_geometry, max_bytes, max_image_bytes, normalise_image,
+                                    printable)
 from tasks.ingest.video import is_video, read_video
 
 
@@ -43,29 +46,37 @@ class Outcome:
 
 
 def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str], tuple[int, int] | None],
-            keep: Callable[[str, bytes], None]) -> list[Outcome]:
+            keep: Callable[[str, bytes], None], decoding: AbstractContextManager) -> list[Outcome]:
     """One candidate checked: hashed, its geometry checked, and a new image (one `stored` does not
     give the size of) decoded, normalised and handed to `keep` under its sample id; a video, each
-    of its clips. Never raises: one bad file never fails the stage."""
+    of its clips, decoded while `decoding` is held (a bound on the videos decoded at once). Never
+    raises: one bad file never fails the stage."""
     outcome = Outcome(printable(candidate.source), candidate.format)
     try:
         if candidate.problem is not None:
             raise candidate.problem
-        if not candidate.image:
+        data = candidate.image if candidate.file is None else candidate.file
+        size = data.stat().st_size if isinstance(data, Path) else len(data or b"")
+        if not size:
             raise Rejected("empty_file", "zero bytes")
-        if is_video(candidate.image):
-            if len(candidate.image) > dataset.video.max_bytes:
+        if is_video(data[:8] if isinstance(data, bytes) else _head(data)):
+            if size > dataset.video.max_bytes:
                 raise Rejected("too_large", f"over video.max_bytes={dataset.video.max_bytes}")
             captions = sorted(set(candidate.captions))
-            return [Outcome(outcome.source, outcome.format, sample_id, captions, width, height, spilled=new)
-                    for sample_id, width, height, new in read_video(candidate.image, dataset, stored, keep)]
-        outcome.sample_id = sha256_bytes(candidate.image)
+            with decoding:
+                return [Outcome(outcome.source, outcome.format, sample_id, captions, width, height, spilled=new)
+                        for sample_id, width, height, new in read_video(data, dataset, stored, keep)]
+        if isinstance(data, Path):  # named a video, and no container: a picture at most
+            if size > max_image_bytes(dataset):
+                raise Rejected("bad_video", "not an mp4, mov, webm or mkv container")
+            data = data.read_bytes()
+        outcome.sample_id = sha256_bytes(data)
         if (size := stored(outcome.sample_id)) is not None:  # validated when first ingested; only the rules may have changed
             outcome.width, outcome.height = size
             check_geometry(outcome.width, outcome.height, dataset)
         else:
             try:
-                image, outcome.width, outcome.height = normalise_image(candidate.image, dataset)
+                image, outcome.width, outcome.height = normalise_image(data, dataset)
             except Rejected as problem:  # named a video, and its bytes are no container and no picture
                 if problem.reason == "not_image" and is_video_name(candidate.source):
                     raise Rejected("bad_video", "not an mp4, mov, webm or mkv container") from problem
@@ -101,13 +112,33 @@ def spill_image(spill: Path, sample_id: str, image: bytes) -> None:
 
 
 def examine_unit(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, plan: list, dataset: DatasetConfig,
-                 stored: Callable[[str], tuple[int, int] | None], keep: Callable[[str, bytes], None]) -> list[Outcome]:
-    """A unit's candidates (its `plan` read from `fs`), each examined."""
+                 stored: Callable[[str], tuple[int, int] | None], keep: Callable[[str, bytes], None],
+                 decoding: AbstractContextManager) -> list[Outcome]:
+    """A unit's candidates (its `plan` read from `fs`), each examined; a video file copied to local
+    disk to be read is removed once examined."""
     def limit(name: str) -> int:
         return max_bytes(dataset, is_video_name(name))
 
-    return [outcome for candidate in read_unit(fs, fmt, source, plan, limit)
-            for outcome in examine(candidate, dataset, stored, keep)]
+    outcomes: list[Outcome] = []
+    for candidate in read_unit(fs, fmt, source, plan, limit):
+        try:
+            outcomes += examine(candidate, dataset, stored, keep, decoding)
+        finally:
+            if candidate.file is not None:
+                candidate.file.unlink(missing_ok=True)
+    return outcomes
+
+
+def video_decodes() -> threading.BoundedSemaphore:
+    """The bound on videos decoded at once by one ingest process or partition: one a core (each
+    holds its clips' frames in flight, about 0.4 GB for a 4K clip, and FFmpeg decodes a video on
+    several threads already), however many files are read at once to hide an object store's latency."""
+    return threading.BoundedSemaphore(os.cpu_count() or 1)
+
+
+def _head(file: Path) -> bytes:
+    with file.open("rb") as handle:
+        return handle.read(8)
 
 
 def reading_threads(path: str, dataset: DatasetConfig) -> int:

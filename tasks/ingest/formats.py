@@ -22,6 +22,7 @@ import posixpath
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import fsspec
@@ -29,8 +30,8 @@ import pyarrow.parquet as pq
 
 from configs.schema import SourceConfig
 from tasks.ingest.listing import Listed, Listing
-from tasks.ingest.untrusted import (MAX_CAPTION_BYTES, Rejected, caption_variants, member_problem, parse_json,
-                                    read_file)
+from tasks.ingest.untrusted import (MAX_CAPTION_BYTES, Rejected, caption_variants, copy_to_disk, member_problem,
+                                    parse_json, read_file)
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"})
 VIDEO_EXTENSIONS = frozenset({"mp4", "m4v", "mov", "webm", "mkv"})
@@ -47,6 +48,7 @@ class Candidate:
     source: str  # where it came from, e.g. s3://b/x.tar::00012.jpg or meta.jsonl:7
     format: str
     image: bytes | None = None
+    file: Path | None = None  # instead of `image`: a video file's bytes on local disk (`read_file`)
     captions: list[str] | None = None
     problem: Rejected | None = None
 
@@ -199,7 +201,7 @@ def read_unit(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, pla
         path, where, captions = args
         candidate = Candidate(where, fmt, captions=captions)
         try:
-            candidate.image = read_file(fs, path, limit(path), f"missing_{media_kind(path)}")
+            read_media(fs, path, limit, candidate)
         except Rejected as problem:
             candidate.problem = problem
         yield candidate
@@ -221,10 +223,19 @@ def read_captioned_file(fs: fsspec.AbstractFileSystem, fmt: str, file: str, capt
             stem = posixpath.basename(file).rpartition(".")[0]
             raise Rejected("missing_caption", f"no {stem}.txt or .caption beside the {media_kind(file)}")
         candidate.captions = caption_variants(read_file(fs, caption_file, MAX_CAPTION_BYTES, "missing_caption"))
-        candidate.image = read_file(fs, file, limit(file), f"missing_{media_kind(file)}")
+        read_media(fs, file, limit, candidate)
     except Rejected as problem:
         candidate.problem = problem
     return candidate
+
+
+def read_media(fs: fsspec.AbstractFileSystem, path: str, limit: Limit, candidate: Candidate) -> None:
+    """A picture's bytes into `candidate.image`, or a video's onto local disk (`candidate.file`)."""
+    kind = media_kind(path)
+    if kind == "video":
+        candidate.file = read_file(fs, path, limit(path), "missing_video", on_disk=True)
+    else:
+        candidate.image = read_file(fs, path, limit(path), "missing_image")
 
 
 def read_parquet(fs, file: str, source: SourceConfig, fmt: str) -> Iterator[Candidate]:
@@ -250,14 +261,16 @@ def read_parquet(fs, file: str, source: SourceConfig, fmt: str) -> Iterator[Cand
                 yield candidate
 
 
-def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, limit: int = -1) -> bytes:
-    """Up to `limit` + 1 bytes of a member's data (by default none); the rest is read through and
-    dropped. Read here, a member that claims more data than the archive holds ends at the archive's
-    real end, where tarfile's own skip would go on for as long as the header claims."""
+def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, limit: int = -1,
+                 on_disk: bool = False) -> bytes | Path:
+    """Up to `limit` + 1 bytes of a member's data (by default none), or with `on_disk` in a local
+    temporary file (a video's: never held in memory); the rest is read through and dropped. Read
+    here, a member that claims more data than the archive holds ends at the archive's real end,
+    where tarfile's own skip would go on for as long as the header claims."""
     stream = None if member.issym() or member.islnk() else archive.extractfile(member)
     if stream is None:  # links, devices and folders hold no data
         return b""
-    data = stream.read(limit + 1)
+    data = copy_to_disk(stream, limit + 1) if on_disk else stream.read(limit + 1)
     while stream.read(CHUNK):
         pass
     return data
@@ -284,7 +297,9 @@ def read_webdataset(fs, file: str, source: SourceConfig, fmt: str, limit: Limit)
                             yield from _tar_sample(url, key, parts, source, fmt)
                         key, parts = member_key, {}
                     ext = ext.lower()
-                    parts[ext] = _read_member(archive, member, limits.get(ext, -1))  # unused parts: none
+                    _discard(parts.get(ext))  # a second member of the same name: the last counts
+                    parts[ext] = _read_member(archive, member, limits.get(ext, -1),  # unused parts: none
+                                              on_disk=ext in VIDEO_EXTENSIONS)
                 last = member.name
             # a tar ends in zero blocks; tarfile also stops, silently, at a header it cannot read
             if any(archive.fileobj.read(tarfile.RECORDSIZE)):
@@ -296,15 +311,26 @@ def read_webdataset(fs, file: str, source: SourceConfig, fmt: str, limit: Limit)
         yield from _tar_sample(url, key, parts, source, fmt)
 
 
-def _tar_sample(url: str, key: str, parts: dict[str, bytes], source: SourceConfig, fmt: str) -> Iterator[Candidate]:
+def _discard(part: bytes | Path | None) -> None:
+    """A member's data that no candidate takes: a video's local copy is removed."""
+    if isinstance(part, Path):
+        part.unlink(missing_ok=True)
+
+
+def _tar_sample(url: str, key: str, parts: dict[str, bytes | Path], source: SourceConfig,
+                fmt: str) -> Iterator[Candidate]:
     image_ext = next((ext for ext in parts if ext in MEDIA_EXTENSIONS), None)
+    for ext, part in parts.items():
+        if ext != image_ext:
+            _discard(part)
     if image_ext is None:  # a caption whose picture or video is not in the archive; other strays are no sample
         caption = next((ext for ext in ("txt", "json") if ext in parts), None)
         if caption is not None:
             yield Candidate(f"{url}::{key}.{caption}", fmt, problem=Rejected(
                 "orphan_caption", f"no picture or video named {key}.* beside {key}.{caption} in the archive"))
         return
-    candidate = Candidate(f"{url}::{key}.{image_ext}", fmt, image=parts[image_ext])
+    media = parts[image_ext]
+    candidate = Candidate(f"{url}::{key}.{image_ext}", fmt, **{"file" if isinstance(media, Path) else "image": media})
     try:
         if "txt" in parts:
             candidate.captions = caption_variants(parts["txt"])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from configs.schema import DatasetConfig, StorageConfig
 from storage.store import Store
-from tasks.ingest.examine import Outcome, examine_unit, reading_threads, spill_image
+from tasks.ingest.examine import Outcome, examine_unit, reading_threads, spill_image, video_decodes
 from tasks.ingest.formats import Unit, count_units, source_units
 from tasks.ingest.ledger import PAGE, Ledger
 from tasks.ingest.listing import Listing, list_source, source_options
@@ -120,6 +120,7 @@ class Scanner:
         self.scan = Scan(ledger, spill)
         self.recorded = ledger.one("SELECT 1 FROM known LIMIT 1") is not None
         self.failed = threading.Event()  # set when the stage fails: what waits to be read is not read
+        self.decoding = video_decodes()
         # every source listed before any is read: the total is known from the first unit on
         self.listings: list[Listing] = [list_source(source, source_options(source.path, storage), ledger, index)
                                         for index, source in enumerate(dataset.sources)]
@@ -162,7 +163,7 @@ class Scanner:
         """One unit of source `index` read and examined in this process."""
         listing = self.listings[index]
         return examine_unit(listing.fs, listing.format, self.dataset.sources[index], unit.plan, self.dataset,
-                            self.stored, partial(spill_image, self.spill))
+                            self.stored, partial(spill_image, self.spill), self.decoding)
 
     def read_here(self, index: int, units: list[Unit]) -> list[list[Outcome]]:
         """The outcomes of a batch of source `index`'s units, read and examined in this process."""

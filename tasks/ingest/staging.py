@@ -33,7 +33,7 @@ from storage import layout
 from storage.fingerprint import hash_json
 from storage.store import COMMIT_SUFFIX, ArtifactMissing, Damaged, Store
 from tasks.identity import config_hash
-from tasks.ingest.examine import Outcome, examine_unit, reading_threads, spill_image
+from tasks.ingest.examine import Outcome, examine_unit, reading_threads, spill_image, video_decodes
 from tasks.ingest.formats import Unit
 from tasks.ingest.listing import source_options
 from tasks.ingest.scheduler import in_order
@@ -93,7 +93,7 @@ def examine_partition(storage: StorageConfig, dataset: DatasetConfig, index: int
         spill = Path(folder)
         # new images wait on local disk, not in memory
         work = partial(examine_unit, fs, fmt, source, dataset=dataset, stored=lambda _: None,
-                       keep=partial(spill_image, spill))
+                       keep=partial(spill_image, spill), decoding=video_decodes())
         local = spill / "partition.parquet"
         with pq.ParquetWriter(local, schema, compression="none") as writer:  # images are compressed already
             page: list[dict[str, Any]] = []

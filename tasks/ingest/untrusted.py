@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import posixpath
 import re
 import tarfile
-from typing import Any
+import tempfile
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import fsspec
 import numpy as np
@@ -36,6 +39,7 @@ from fsspec.implementations.local import LocalFileSystem
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from configs.schema import DatasetConfig
+from storage.store import space_for
 
 MAX_ASPECT_RATIO = 4.0  # the families' bucket tables span 1:4 … 4:1
 KEEP_AS_IS = ("JPEG", "PNG", "WEBP")  # RGB files in these formats are stored byte for byte
@@ -44,6 +48,7 @@ IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 MAX_BYTES_PER_PIXEL, METADATA_BYTES = 8, 16 << 20
 MAX_CAPTION_CHARS = 10_000  # per variant: about 2,500 T5 tokens, where encoders read 120 to 512
 MAX_CAPTION_BYTES = 1 << 20  # a caption file, member or cell, all variants together
+COPY_CHUNK = 8 << 20  # bytes a read when a file is copied to local disk: a request each on an object store
 ARCHIVE_EXTENSIONS = frozenset({"tar", "tgz", "zip"})
 
 # ECMA-48 escape sequences (colours, cursor moves, OSC titles and links): invisible in a terminal
@@ -69,17 +74,38 @@ def printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode() for ch in text)
 
 
-def read_file(fs: fsspec.AbstractFileSystem, path: str, limit: int, missing: str) -> bytes:
-    """At most `limit` + 1 bytes of a file: enough to tell it is over the limit, never more. A local
-    FIFO or device is refused unopened: reading one would block or never end. A file that is not
-    there (or a link to nothing) is Rejected with the reason `missing`."""
+def read_file(fs: fsspec.AbstractFileSystem, path: str, limit: int, missing: str,
+              on_disk: bool = False) -> bytes | Path:
+    """At most `limit` + 1 bytes of a file: enough to tell it is over the limit, never more; with
+    `on_disk`, copied a chunk at a time into a local temporary file (a video: its bytes are never
+    held in memory, whatever its size; the caller removes the file). A local FIFO or device is
+    refused unopened: reading one would block or never end. A file that is not there (or a link
+    to nothing) is Rejected with the reason `missing`."""
     name = posixpath.basename(path)
     try:
         if isinstance(fs, LocalFileSystem) and fs.info(path)["type"] != "file":  # info follows links
             raise Rejected("special_file", f"{name} is not a regular file")
-        return fs.cat_file(path, start=0, end=limit + 1)
+        if not on_disk:
+            return fs.cat_file(path, start=0, end=limit + 1)
+        with fs.open(path, "rb", block_size=COPY_CHUNK) as source:
+            return copy_to_disk(source, limit + 1)
     except FileNotFoundError as error:
         raise Rejected(missing, f"{name} does not exist") from error
+
+
+def copy_to_disk(source: BinaryIO, most: int) -> Path:
+    """At most `most` bytes of `source` in a local temporary file, copied a chunk at a time (the
+    caller removes it)."""
+    handle, local = tempfile.mkstemp(prefix="precast-video-")
+    try:
+        with os.fdopen(handle, "wb") as out, space_for(local, "a video file's bytes"):
+            while most > 0 and (block := source.read(min(COPY_CHUNK, most))):
+                out.write(block)
+                most -= len(block)
+    except BaseException:
+        os.unlink(local)
+        raise
+    return Path(local)
 
 
 def parse_json(text: str | bytes, what: str) -> Any:

@@ -23,15 +23,18 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
 from configs.schema import DatasetConfig, VideoConfig
 from storage.fingerprint import hash_json, sha256_bytes
+from storage.store import file_sha256
 from tasks.ingest.untrusted import Rejected, check_geometry
 
 CLIP_FRAMES = "precast.clip_frames"  # a stored clip's XMP: its frame count
+Video = bytes | Path  # a video's bytes, or the local file that holds them (one read from a file)
 # a gap between clips (seconds) worth a seek to the keyframe before the next rather than decoding
 # through it: about a keyframe interval of common encodes (2 to 10 s), so a seek skips at least one
 SEEK_SECONDS = 4.0
@@ -43,7 +46,7 @@ EBML = b"\x1a\x45\xdf\xa3"
 
 
 def is_video(data: bytes) -> bool:
-    """Whether a file's bytes are a video container (whatever it was named)."""
+    """Whether a file's bytes (its first 8 will do) are a video container (whatever it was named)."""
     return data[4:8] in MP4_BOXES or data[:4] == EBML
 
 
@@ -62,14 +65,15 @@ class Probe:
     precision: float = 0.0
 
 
-def _open(data: bytes, decode: bool = True):
+def _open(data: Video, decode: bool = True):
     """The container; with `decode` False, FFmpeg's look at its streams decodes no frame (a frame
     of a 16,000-pixel-square video is 384 MB): their sizes come from the headers."""
     import av
 
     skip = {} if decode else {"stream_options": [{"skip_frame": "all"}] * MAX_STREAMS}
     try:
-        return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore", **skip)
+        return av.open(io.BytesIO(data) if isinstance(data, bytes) else str(data), mode="r", metadata_errors="ignore",
+                       **skip)
     except (av.error.FFmpegError, ValueError, OSError) as error:
         raise Rejected("bad_video", f"not a readable video container ({type(error).__name__}: {error})") from None
 
@@ -82,7 +86,7 @@ def _video_stream(container):
     return streams[0]
 
 
-def probe(data: bytes, video: VideoConfig, dataset: DatasetConfig) -> Probe:
+def probe(data: Video, video: VideoConfig, dataset: DatasetConfig) -> Probe:
     """The video's facts from its headers and packets, nothing decoded (a size or duration bomb is
     refused before any frame is), then its first frame (for the display matrix, which PyAV reads
     from frames); Rejected when it cannot give a clip. Its size is as shown: the pixels' aspect
@@ -163,7 +167,7 @@ def clip_ids(data_sha256: str, probed: Probe, video: VideoConfig, times: list[li
                        "frame_pixels": video.frame_pixels, "quality": video.quality}) for clip in times]
 
 
-def decode_clips(data: bytes, probed: Probe, times: dict[int, list[float]], video: VideoConfig,
+def decode_clips(data: Video, probed: Probe, times: dict[int, list[float]], video: VideoConfig,
                  take: Callable[[int, list[Image.Image]], None]) -> None:
     """Decode the video front to back, seeking over gaps of more than SEEK_SECONDS between clips
     (to the keyframe at or before the next clip, so the frames after it are decoded as they would
@@ -282,14 +286,14 @@ def frame_count(data: bytes) -> int:
         return 1
 
 
-def read_video(data: bytes, dataset: DatasetConfig, stored: Callable[[str], Any],
+def read_video(data: Video, dataset: DatasetConfig, stored: Callable[[str], Any],
                keep: Callable[[str, bytes], None]) -> list[tuple[str, int, int, bool]]:
     """A video's clips as samples: (sample id, width, height, whether it was new) each; new clips
     decoded and handed to `keep`. Rejected as a whole when any clip cannot be made."""
     video = dataset.video
     probed = probe(data, video, dataset)
     times = clip_times(probed, video)
-    ids = clip_ids(sha256_bytes(data), probed, video, times)
+    ids = clip_ids(sha256_bytes(data) if isinstance(data, bytes) else file_sha256(data), probed, video, times)
     sizes: dict[int, tuple[int, int]] = {}
     for index, sample_id in enumerate(ids):
         if (known := stored(sample_id)) is not None:  # a shard holds it: not decoded again
