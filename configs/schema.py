@@ -217,9 +217,11 @@ class TextEncodingConfig(Section):
 
 class LatentEncodingConfig(Section):
     resolution: int = Field(
-        512, ge=64, le=4096, multiple_of=16, description="Base resolution in pixels: the model family's aspect-ratio "
-        "buckets for it (as its diffusers pipeline or its trainers bucket). A family with fixed tables has them for "
-        "256, 512, 1024 and 2048 and refuses other sizes before any stage runs; area buckets take any multiple of 16."
+        512, ge=64, le=4096, description="Base resolution in pixels: the model family's aspect-ratio buckets for it "
+        "(as its diffusers pipeline or its trainers bucket). A family with fixed tables has them for 256, 512, 1024 "
+        "and 2048 and refuses other sizes before any stage runs; area buckets (FLUX.1, SD3, Chroma, Wan) take any side, "
+        "the buckets' area its square's: 632 gives Wan 2.1's 480p (832 x 480), 960 its 720p (1280 x 720). Samples "
+        "are drawn at the most nearly square bucket."
     )
     crop: Literal["center", "random"] = Field(
         "center", description="Crop after resizing to cover the bucket: centre (the families' own recipes) or "

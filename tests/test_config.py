@@ -26,7 +26,7 @@ def test_overrides_are_typed_and_unknown_keys_are_refused():
     with pytest.raises(ValueError, match="trainig"):
         load_config(QUICKSTART, ["trainig.steps=7"])
     with pytest.raises(ValueError, match="resolution"):
-        load_config(QUICKSTART, ["latent_encoding.resolution=300"])
+        load_config(QUICKSTART, ["latent_encoding.resolution=32"])
 
 
 def test_a_config_without_a_model_or_sources_is_refused_naming_the_field(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline, WanVideoToVideoPipeline
 from diffusers.training_utils import compute_density_for_timestep_sampling
 
-from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig, TrainingConfig
+from configs.schema import ModelConfig, PipelineConfig, StorageConfig, TextEncodingConfig, TrainingConfig
 from tasks.train.loss import Objective, diffusion_loss
 from storage.store import Store
 from tasks.encode.latents import encode_pixels
@@ -181,6 +181,22 @@ def test_wan_2_2_ti2v_is_its_own_family_with_buckets_its_pipeline_can_draw(ti2v,
     assert isinstance(family, Wan22TI2V) and type(family_of(wan)) is Wan and pipeline.config.expand_timesteps
     step = pipeline.vae_scale_factor_spatial * pipeline.transformer.config.patch_size[1]
     assert step == 32 and all(side % step == 0 for sides in family.bucket_table(512).values() for side in sides)
+
+
+@pytest.mark.parametrize("family, resolution, size", [(Wan, 632, (480, 832)), (Wan, 960, (720, 1280)),
+                                                    (Wan22TI2V, 944, (704, 1280))])
+def test_the_published_video_sizes_are_buckets_and_samples_are_drawn_at_the_squarest(family, resolution, size):
+    """Wan 2.1's 480p and 720p and Wan 2.2 TI2V's 720p are buckets at the resolution whose square
+    has about their area, both ways up, so clips of those sizes are neither scaled nor cropped; the
+    samples' size is the most nearly square bucket, its sides whole multiples of the step."""
+    config = PipelineConfig.model_validate({"storage": {"root": "x"}, "dataset": {"sources": [{"path": "x"}]},
+                                           "model": {"path": "x"}, "latent_encoding": {"resolution": resolution}})
+    table = [tuple(map(int, sides)) for sides in family().bucket_table(config.latent_encoding.resolution).values()]
+    assert size in table and size[::-1] in table
+    height, width = family().sample_size(resolution)
+    step = 32 if family is Wan22TI2V else 16
+    assert height % step == width % step == 0 and abs(height / width - 1) < 0.06 and (height, width) in table
+    assert family().sample_size(512) == (512, 512)
 
 
 def test_the_ti2v_transformer_is_called_as_the_pipeline_calls_it_one_timestep_a_token(ti2v, tmp_path):

@@ -12,6 +12,7 @@ differs in.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +132,12 @@ class Family:
     def bucket_table(self, resolution: int) -> dict[str, list[float]]:
         """height/width ratio → [height, width] in pixels, for `latent_encoding.resolution`."""
         raise NotImplementedError
+
+    def sample_size(self, resolution: int) -> tuple[int, int]:
+        """(height, width) of the samples of a run at `resolution`: its most nearly square bucket
+        (the square itself where the resolution is a multiple of the buckets' step)."""
+        height, width = min(self.bucket_table(resolution).values(), key=lambda sides: abs(math.log(sides[0] / sides[1])))
+        return int(height), int(width)
 
     def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """What the VAE encodes of a batch of pictures [B, 3, H, W] in [-1, 1]: the pictures."""

@@ -141,16 +141,17 @@ def sample_grid(
     guidance_scale: float,
     true_cfg_scale: float,
     seed: int,
-    side: int,
+    resolution: int,
     frames: int = 1,
     first_frames: list[Image.Image] | None = None,
 ) -> Samples:
-    """One sample per prompt of `side` × `side` pixels and `frames` frames, by the family's
+    """One sample per prompt of the family's sample size at `resolution` and `frames` frames, by the family's
     pipeline from pre-encoded prompts, the empty caption's the negatives; with `first_frames` (one
     a prompt) by its image-to-video pipeline, a call a picture, as `sample_run` draws them."""
     device = next(transformer.parameters()).device
     family = family_of(model)
     check_first_frames(family, first_frames, len(prompt_features))
+    height, width = family.sample_size(resolution)
     vae = load_vae(model, "fp32", str(device))
     decode = vae.decode  # latents leave a half-precision transformer in its dtype: the fp32 VAE takes them in its own
     vae.decode = lambda latents, *args, **kwargs: decode(latents.to(vae.dtype), *args, **kwargs)
@@ -162,11 +163,11 @@ def sample_grid(
         # positive and negative embeddings must share one length for classifier-free guidance
         text = collate(features + [empty_features] * len(features))
         text = {name: value.to(device, dtype if value.is_floating_point() else value.dtype) for name, value in text.items()}
-        return {**family.embedding_kwargs(text, len(features)), "height": side, "width": side,
+        return {**family.embedding_kwargs(text, len(features)), "height": height, "width": width,
                 "num_inference_steps": steps, **family.guidance(guidance_scale, true_cfg_scale),
                 **family.frame_options(frames), "generator": torch.Generator(device="cpu").manual_seed(seed)}
 
-    return draw(family, pipeline, call, len(prompt_features), first_frames, (side, side))
+    return draw(family, pipeline, call, len(prompt_features), first_frames, (width, height))
 
 
 def sample_run(
@@ -201,8 +202,9 @@ def sample_run(
     # the prompts read as the run's text cache read its captions
     text = run.lineage.get("text") or {"caption_preprocessing": TextEncodingConfig().caption_preprocessing,
                                        "max_length": family.default_max_length(model)}
-    sides = {"height": run.lineage["resolution"], "width": run.lineage["resolution"]} if "resolution" in run.lineage \
-        else {}  # the side it trained at (runs before it was recorded: the pipeline's default)
+    # the size it sampled at in training (runs from before the resolution was recorded: the pipeline's default)
+    sides = dict(zip(("height", "width"), family.sample_size(run.lineage["resolution"]))) if "resolution" in run.lineage \
+        else {}
     frames = frames or run.lineage.get("frames", 1)
 
     def call(rows: slice) -> dict:
