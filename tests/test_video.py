@@ -113,15 +113,17 @@ def test_clips_take_the_frame_shown_at_each_time_of_the_resampled_rate(videos, t
 
 
 @pytest.mark.parametrize("name, rate, fps", [("at16.webm", 16, 16), ("at24.mkv", 24, 24), ("at24.mkv", 24, 12),
-                                              ("at30.mkv", 30, 15), ("at16.mkv", 16, 16)])
-def test_clips_of_containers_that_store_milliseconds_show_every_frame_they_should(tmp_path, name, rate, fps):
+                                              ("at30.mkv", 30, 15), ("at16.mkv", 16, 16), ("coarse.mp4", 24, 24),
+                                              ("coarse.mp4", 24, 12)])
+def test_clips_of_containers_that_round_their_times_show_every_frame_they_should(tmp_path, name, rate, fps):
     """WebM and Matroska store a frame's time in whole milliseconds (a frame due at 187.5 ms says
-    188): a clip at the video's own rate, or half of it, shows each source frame once, or every
-    second one, and a video exactly one clip long gives that clip (17 frames at 16 fps: 1.0625 s)."""
+    188), some mp4s in ticks of a whole frame: a clip at the video's own rate, or half of it, shows
+    each source frame once, or every second one, and a video exactly one clip long gives that clip
+    (17 frames at 16 fps: 1.0625 s)."""
     codec = "libvpx-vp9" if name.endswith(".webm") else "libx264"
     frames = 17 if fps == rate == 16 else 40
     data = write_video(tmp_path / name, frames=frames, fps=rate, codec=codec, container="matroska"
-                       if name.endswith(".mkv") else None).read_bytes()
+                       if name.endswith(".mkv") else None, timescale=rate if name == "coarse.mp4" else None).read_bytes()
     dataset = DatasetConfig(sources=[{"path": "x"}], video={**VIDEO, "fps": fps, "clips": "head"}, **RULES)
     probed = probe(data, dataset.video, dataset)
     (times,) = clip_times(probed, dataset.video)
@@ -288,6 +290,22 @@ def test_a_nightly_ingest_after_one_new_video_reads_only_that_videos_bytes(video
     assert again["work"]["units_read"] == 1 and again["work"]["units_reused"] == first["work"]["units_read"]
     assert again["work"]["bytes_read"] == (source / "new.mp4").stat().st_size + (source / "new.txt").stat().st_size
     assert again["samples"] == first["samples"] + 1 and again["new_samples"] == 1
+
+
+def test_an_ingest_recorded_before_clips_were_made_this_way_reads_its_videos_again_not_its_pictures(
+        videos, tmp_path, monkeypatch):
+    """Clips made another way (an older CLIPS_VERSION in the last ingest's record) are made again
+    from their videos; its pictures are taken from the record, unread."""
+    import tasks.ingest.record
+
+    monkeypatch.setattr(tasks.ingest.record, "CLIPS_VERSION", 1)
+    first, _ = _ingest(tmp_path / "store", videos)
+    monkeypatch.undo()
+    again, _ = _ingest(tmp_path / "store", videos)
+    pictures = [path for path in videos.iterdir() if path.suffix == ".png"]
+    assert again["work"]["units_reused"] == len(pictures) and again["work"]["units_read"] == first["work"]["units_read"] - 1
+    latest, _ = _ingest(tmp_path / "store", videos)
+    assert latest["work"]["units_read"] == 0
 
 
 def test_wan_encodes_and_trains_on_clips_and_a_picture_family_quarantines_them(videos, tmp_path, tiny_models):
@@ -538,6 +556,59 @@ def test_videos_in_metadata_parquet_and_tars_give_the_clips_a_folder_gives(video
         assert found == expected, fmt
         report = store.read_json(store.key(record["report"]))
         assert report["by_reason"] == {why[fmt]: 1}, (fmt, report["quarantine"])
+
+
+def test_no_copy_of_a_video_is_left_on_local_disk_when_its_tar_breaks_off_or_its_read_fails(videos, tmp_path,
+                                                                                          monkeypatch):
+    """A tar cut inside an over-limit video, a tar of two videos of one key, and a read that fails
+    (the object store resets) inside a group: quarantined or failed as before, and no local copy of
+    any video is left behind."""
+    import tarfile
+    import tempfile
+
+    import fsspec
+
+    from tasks.ingest.examine import examine_unit, video_decodes
+    from configs.schema import SourceConfig
+
+    local = tmp_path / "local"
+    local.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(local))
+    root = tmp_path / "tars"
+    root.mkdir()
+    with tarfile.open(root / "whole.tar", "w") as archive:
+        for name, member in (("ok.txt", "a.txt"), ("ok.mp4", "a.mp4"), ("ok.webm", "a.webm"), ("ok.mp4", "b.mp4")):
+            archive.add(videos / name, member)
+    with tarfile.open(root / "whole.tar") as archive:
+        last = archive.getmember("b.mp4")
+    (root / "cut.tar").write_bytes((root / "whole.tar").read_bytes()[: last.offset_data + last.size // 2])
+    dataset = DatasetConfig(sources=[{"path": str(root)}], video={**VIDEO, "max_bytes": 1000}, **RULES)
+    fs = fsspec.filesystem("file")
+
+    def examined(name: str) -> list[str]:
+        return [o.reason for o in examine_unit(fs, "webdataset", SourceConfig(path=str(root)), ["tar", str(root / name)],
+                                               dataset, lambda _: None, lambda *_: None, video_decodes())]
+
+    assert examined("cut.tar") == ["too_large", "bad_archive"] and not list(local.iterdir())
+    assert examined("whole.tar") == ["too_large", "missing_caption"] and not list(local.iterdir())
+
+    class Resets(type(fs)):
+        def open(self, path, *args, **kwargs):  # the connection resets after the first video's bytes
+            handle = super().open(path, *args, **kwargs)
+            read, given = handle.read, [0]
+
+            def failing(size=-1):
+                given[0] += 1
+                if given[0] > 2:
+                    raise ConnectionResetError("reset by peer")
+                return read(size)
+            handle.read = failing
+            return handle
+
+    with pytest.raises(ConnectionResetError):
+        examine_unit(Resets(), "webdataset", SourceConfig(path=str(root)), ["tar", str(root / "whole.tar")], dataset,
+                     lambda _: None, lambda *_: None, video_decodes())
+    assert not list(local.iterdir())
 
 
 def _only(folder, names, into):

@@ -139,19 +139,20 @@ def demo_prompts() -> list[str]:
 def write_video(path: Path, draw: Callable[[int, int, int], np.ndarray], frames: int = 40, fps: int = 24,
                 size: tuple[int, int] = (96, 64), codec: str = "libx264", rotation: int = 0,
                 times: list[float] | None = None, container: str | None = None, keyframe_every: int | None = None,
-                quality: int | None = None, pixel_aspect: Fraction | None = None) -> Path:
+                quality: int | None = None, pixel_aspect: Fraction | None = None, timescale: int | None = None) -> Path:
     """`frames` frames `draw(index, width, height)` (RGB arrays) at `fps` (or shown at `times`,
     seconds: a variable frame rate) of `size` (width, height), the display matrix turned by
     `rotation` degrees counter-clockwise, a keyframe every `keyframe_every` frames (None: the
     codec's default), H.264 at constant quality `quality` (crf) where given, its pixels
-    `pixel_aspect` times as wide as high where given (anamorphic): the same frames, the same H.264
-    bytes."""
+    `pixel_aspect` times as wide as high where given (anamorphic), an mp4's times in `timescale`
+    ticks a second where given: the same frames, the same H.264 bytes."""
     import av
 
     options = {"crf": str(quality)} if quality is not None else {}
     if codec == "libx264":  # its AVX-512 code encoded 2 to 4 of 20 clips to other bytes now and then (measured)
         options["x264-params"] = "asm=0"
-    with av.open(str(path), "w", format=container) as output:
+    muxer = {"video_track_timescale": str(timescale)} if timescale else None
+    with av.open(str(path), "w", format=container, options=muxer) as output:
         stream = output.add_stream(codec, rate=fps, options=options or None)
         stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
         if keyframe_every:

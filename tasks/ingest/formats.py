@@ -271,8 +271,12 @@ def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, limit: int =
     if stream is None:  # links, devices and folders hold no data
         return b""
     data = copy_to_disk(stream, limit + 1) if on_disk else stream.read(limit + 1)
-    while stream.read(CHUNK):
-        pass
+    try:
+        while stream.read(CHUNK):
+            pass
+    except BaseException:  # the archive breaks off in the member
+        _discard(data)
+        raise
     return data
 
 
@@ -280,8 +284,18 @@ def read_webdataset(fs, file: str, source: SourceConfig, fmt: str, limit: Limit)
     """webdataset tars: adjacent members sharing a key (`x.jpg` or `x.mp4` + `x.txt` or `x.json`), streamed."""
     limits = {**{ext: limit(f"x.{ext}") for ext in MEDIA_EXTENSIONS}, "txt": MAX_CAPTION_BYTES,
               "json": MAX_CAPTION_BYTES}
-    url = fs.unstrip_protocol(file)
-    key, parts, last = None, {}, None
+    parts: dict[str, bytes | Path] = {}
+    try:
+        yield from _read_tar(fs, file, fs.unstrip_protocol(file), source, fmt, limits, parts)
+    finally:  # what a group still holds when reading stops early (an error, or no more wanted)
+        for part in parts.values():
+            _discard(part)
+
+
+def _read_tar(fs, file: str, url: str, source: SourceConfig, fmt: str, limits: dict[str, int],
+              parts: dict[str, bytes | Path]) -> Iterator[Candidate]:
+    """`read_webdataset`'s reading: `parts` holds the members of the group being read."""
+    key, last = None, None
     try:
         with fs.open(file, "rb") as handle, tarfile.open(fileobj=handle, mode="r|*") as archive:
             for member in archive:
@@ -295,7 +309,8 @@ def read_webdataset(fs, file: str, source: SourceConfig, fmt: str, limit: Limit)
                     if member_key != key:
                         if key is not None:
                             yield from _tar_sample(url, key, parts, source, fmt)
-                        key, parts = member_key, {}
+                        key = member_key
+                        parts.clear()
                     ext = ext.lower()
                     _discard(parts.get(ext))  # a second member of the same name: the last counts
                     parts[ext] = _read_member(archive, member, limits.get(ext, -1),  # unused parts: none

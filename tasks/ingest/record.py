@@ -24,7 +24,9 @@ from storage import layout
 from storage.store import Store, file_sha256
 from tasks.identity import config_hash
 from tasks.ingest.examine import Outcome
+from tasks.ingest.formats import VIDEO_EXTENSIONS
 from tasks.ingest.ledger import Ledger
+from tasks.ingest.video import CLIPS_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ def write_sources_record(ledger: Ledger) -> Path:
     candidate is one row without a source), and where each sample's bytes are ("member" rows), as
     a parquet file in the ledger's folder, written a page at a time."""
     path = ledger.folder / "sources-record.parquet"
-    schema = pa.schema(RECORD_COLUMNS)
+    schema = pa.schema(RECORD_COLUMNS, metadata={"clips_version": str(CLIPS_VERSION)})
     with pq.ParquetWriter(path, schema, compression="zstd") as writer:
         records = record_rows(ledger)
         while page := list(itertools.islice(records, RECORD_PAGE)):
@@ -71,7 +73,8 @@ def read_sources_record(store: Store, dataset: DatasetConfig, ledger: Ledger) ->
     local = ledger.folder / "last-sources-record.parquet"
     store.get_file(key, local)
     position = 0
-    for batch in pq.ParquetFile(local).iter_batches(RECORD_PAGE):
+    record = pq.ParquetFile(local)
+    for batch in record.iter_batches(RECORD_PAGE):
         units, members = [], []
         for row in batch.to_pylist():
             captions = row["captions"] if row["captions"] is None else json.dumps(row["captions"])
@@ -83,6 +86,12 @@ def read_sources_record(store: Store, dataset: DatasetConfig, ledger: Ledger) ->
                               row["width"], row["height"], row["reason"], row["message"], False))
         ledger.run_many("INSERT INTO known VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", units)
         ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?)", members)
+    made = (record.schema_arrow.metadata or {}).get(b"clips_version", b"1").decode()
+    if made != str(CLIPS_VERSION):  # clips made another way: every unit that gave a video's is read again
+        videos = " OR ".join(["lower(source) LIKE ?"] * len(VIDEO_EXTENSIONS))
+        with ledger.transaction():
+            ledger.run(f"DELETE FROM known WHERE key IN (SELECT key FROM known WHERE {videos})",
+                       tuple(f"%.{ext}" for ext in sorted(VIDEO_EXTENSIONS)))
     forget_deleted_shards(store, dataset, ledger)
     return file_sha256(local)
 

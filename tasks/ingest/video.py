@@ -34,6 +34,9 @@ from storage.store import file_sha256
 from tasks.ingest.untrusted import Rejected, check_geometry
 
 CLIP_FRAMES = "precast.clip_frames"  # a stored clip's XMP: its frame count
+# what makes a clip, in its id and the ingest record: a change of it makes every video's clips again
+# (2: frames timed to the container's precision, anamorphic pixels made square)
+CLIPS_VERSION = 2
 Video = bytes | Path  # a video's bytes, or the local file that holds them (one read from a file)
 # a gap between clips (seconds) worth a seek to the keyframe before the next rather than decoding
 # through it: about a keyframe interval of common encodes (2 to 10 s), so a seek skips at least one
@@ -60,8 +63,8 @@ class Probe:
     fps: float  # frames per second on average (frames over duration)
     duration: float  # seconds, from the first frame's timestamp to the end of the last
     start: float = 0.0  # the first frame's timestamp, seconds: clip times count from it
-    # seconds a timestamp is stored to (the stream's time base): Matroska and WebM store whole
-    # milliseconds, so a frame due at 187.5 ms says 188; a frame within it of a time shows at it
+    # seconds a stored timestamp may be off (half the stream's time base): Matroska and WebM store
+    # whole milliseconds, so a frame due at 187.5 ms says 188; a frame within it of a time shows at it
     precision: float = 0.0
 
 
@@ -98,7 +101,8 @@ def probe(data: Video, video: VideoConfig, dataset: DatasetConfig) -> Probe:
         context = stream.codec_context
         if context is None:  # a stream whose codec FFmpeg does not know, or a file cut before its headers end
             raise Rejected("bad_video", "its video stream has no codec FFmpeg decodes")
-        codec, width, height, precision = context.name, context.width, context.height, float(stream.time_base)
+        # a timestamp rounded to the time base is off by at most half of it
+        codec, width, height, precision = context.name, context.width, context.height, float(stream.time_base) / 2
         check_geometry(width, height, dataset)  # the decoded frames' size
         pixel = stream.sample_aspect_ratio or context.sample_aspect_ratio
         if pixel and pixel > 0 and pixel != 1:
@@ -164,7 +168,8 @@ def clip_ids(data_sha256: str, probed: Probe, video: VideoConfig, times: list[li
     (where, how many, the limits) is no part of it: a clip another policy also takes keeps its id."""
     fps = video.fps or probed.fps
     return [hash_json({"video": data_sha256, "fps": fps, "start": round(clip[0] * fps), "frames": len(clip),
-                       "frame_pixels": video.frame_pixels, "quality": video.quality}) for clip in times]
+                       "frame_pixels": video.frame_pixels, "quality": video.quality, "made": CLIPS_VERSION})
+            for clip in times]
 
 
 def decode_clips(data: Video, probed: Probe, times: dict[int, list[float]], video: VideoConfig,
