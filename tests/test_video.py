@@ -12,6 +12,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image, ImageSequence
 
 from configs.schema import DatasetConfig, PipelineConfig, StorageConfig
@@ -495,6 +496,46 @@ def test_wan_refuses_a_clip_policy_that_is_not_4n_plus_1_frames_and_quarantines_
     (shard,) = executor.encode_latents(shards)["shards"]
     assert shard["samples"] == 0 and len(shard["quarantined"]) == 2
     assert "a clip of 16 frames: Wan's VAE takes 4N + 1 (such as 13 or 17" in shard["quarantined"][0]["message"]
+
+
+def test_wan_clips_of_shards_encoded_at_once_are_the_latents_one_at_a_time_gives(tmp_path):
+    """Shards encoded in parallel threads, as an encoding stage runs `max_parallel_shards` of them,
+    share one cached VAE: every clip's latents are those of the shards encoded one after another
+    (Wan's VAE keeps its causal cache on itself: two calls at once gave 5-frame clips 5 latent
+    frames, or failed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from storage.shards import LatentShard
+    from tasks.demo.flow_models import write_tiny_family
+    from tasks.demo.videos import DEMO_VIDEO, write_demo_videos
+    from tasks.encode.latents import encode_latents_shard
+    from tasks.identity import vae_fingerprint
+
+    wan = write_tiny_family(tmp_path / "wan", "wan", random_vae=True)
+    source = write_demo_videos(tmp_path / "clips", count=45, hostile=False)
+
+    def encoded(name: str, threads: int) -> dict[str, tuple]:
+        config = PipelineConfig.model_validate({
+            "storage": {"root": str(tmp_path / name)}, "model": {"path": str(wan)},
+            "dataset": {"sources": [{"path": str(source)}], "shard_size": 8, "video": DEMO_VIDEO},
+            "latent_encoding": {"resolution": 64, "storage_dtype": "fp32", "batch_size": 3}})
+        store, latents = Store(config.storage), config.latent_encoding
+        fingerprint = vae_fingerprint(config.model, latents)
+        shards = [shard["id"] for shard in ingest(config.storage, config.dataset)["shards"]]
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda shard: encode_latents_shard(config.storage, config.model, latents, fingerprint,
+                                                             store.url(layout.image_shard(shard))), shards))
+        found = {}
+        for shard in shards:
+            cache = LatentShard(store.local_path(layout.cache_shard("latents", fingerprint, shard)))
+            found.update({sample_id: (cache.rows[sample_id][0], cache.get(sample_id)[0]) for sample_id in cache.rows})
+        return found
+
+    alone, together = encoded("alone", 1), encoded("together", 3)
+    assert len(alone) == 45 and {bucket for bucket, _ in alone.values()} == {"2x8x8"}
+    assert alone.keys() == together.keys()
+    for sample_id, (bucket, mean) in together.items():
+        assert bucket == alone[sample_id][0] and torch.equal(mean, alone[sample_id][1]), sample_id
 
 
 def test_videos_from_s3_give_the_clips_a_local_folder_gives(videos, tmp_path, s3_endpoint):

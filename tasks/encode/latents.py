@@ -28,7 +28,7 @@ from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig, Vid
 from storage import layout
 from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id_of
 from storage.store import Store
-from tasks.encode.models import build_vae, load_vae
+from tasks.encode.models import VAE_IN_USE, build_vae, load_vae
 from tasks.ingest.video import clip_frames, frame_count
 from tasks.families import family_of
 from tasks.loading import DTYPES
@@ -150,9 +150,6 @@ def encode_latents_shard(
     batches = same_size_batches(samples, boxes, latents.batch_size, frames)
 
     vae = load_vae(model, latents.dtype, latents.device)
-    # the cached VAE is shared by shards of any config: set both switches every time
-    vae.enable_tiling() if latents.tiling else vae.disable_tiling()
-    vae.enable_slicing() if latents.slicing else vae.disable_slicing()
     fp32_vae = functools.cache(lambda: build_vae(model, "fp32", latents.device))  # only if a batch is non-finite
     store_dtype = DTYPES[latents.storage_dtype]
     encoded: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
@@ -177,7 +174,10 @@ def encode_latents_shard(
         waited += time.perf_counter() - asked  # the device idle for want of data (on a CPU: the decoding itself)
         if latents.flip:
             pixels = torch.cat([pixels, pixels.flip(-1)])
-        mean, logvar, ok = encode_finite(vae, pixels, fp32_vae, f"shard {shard_id}")
+        with VAE_IN_USE:  # the cached VAE is shared by shards of any config: both switches set every time
+            vae.enable_tiling() if latents.tiling else vae.disable_tiling()
+            vae.enable_slicing() if latents.slicing else vae.disable_slicing()
+            mean, logvar, ok = encode_finite(vae, pixels, fp32_vae, f"shard {shard_id}")
         count = len(batch)
         for row, sample in enumerate(batch):
             sample_id = sample["sample_id"]

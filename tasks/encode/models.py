@@ -8,6 +8,7 @@ so a worker that encodes many shards loads each of its encoders once.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,8 +104,11 @@ def build_vae(model: ModelConfig, dtype: str, device: str):
     return vae.to(resolve_device(device)).eval().requires_grad_(False)
 
 
-# one VAE per worker process, reused by every shard it encodes
+# one VAE per worker process, reused by every shard it encodes, by one call at a time (`VAE_IN_USE`):
+# Wan's 3-D VAE keeps its causal convolutions' cache on itself, so two shards' calls at once mixed
+# their frames (clips of 5 frames got 5 latent frames, not 2, or the call failed)
 load_vae = serialised(functools.lru_cache(maxsize=1)(build_vae))
+VAE_IN_USE = threading.Lock()
 
 
 def model_loads() -> dict[str, int]:
