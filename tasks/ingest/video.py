@@ -77,8 +77,9 @@ def _open(data: Video, decode: bool = True):
     try:
         return av.open(io.BytesIO(data) if isinstance(data, bytes) else str(data), mode="r", metadata_errors="ignore",
                        **skip)
-    except (av.error.FFmpegError, ValueError, OSError) as error:
-        raise Rejected("bad_video", f"not a readable video container ({type(error).__name__}: {error})") from None
+    except (av.error.FFmpegError, ValueError, OSError) as error:  # FFmpeg's words, not the local copy's name
+        why = getattr(error, "strerror", None) or error
+        raise Rejected("bad_video", f"not a readable video container ({type(error).__name__}: {why})") from None
 
 
 def _video_stream(container):
