@@ -33,7 +33,6 @@ def pipeline(config: PipelineConfig) -> dict[str, Any]:
     if url := url_for("flow-run", obj_id=flow_run.id):  # with a server: the terminal's link to the UI
         log.info("precast-pipeline run %s: %s", flow_run.name, url)
     plan = Plan(config)  # the store, fingerprints and result storage, each derived once
-    plan.store.check_reachable()
     check_nodes_placed(config)
     summary = Summary()
     records = run_stages(FlowExecutor(plan), watch=summary.watch)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from configs.schema import STAGES, PipelineConfig, Stage
 from storage import layout
 from storage.store import Store
-from tasks.encode.latents import check_clip_policy, encode_latents_shard, latent_cache_record
+from tasks.encode.latents import check_latent_encoding, encode_latents_shard, latent_cache_record
 from tasks.encode.text import encode_prompts, encode_text_shard, measure_numerics, text_cache_record
 from tasks.ingest.stage import ingest
 from tasks.manifest import build_manifest
@@ -139,7 +139,8 @@ def run_stages(executor: Executor, until: Stage = "train", watch: Watch = lambda
     if "train" in names:  # what training would refuse, before ingest and the encoders work for it
         check_training(executor.config.model, executor.config.training)
     if "encode-latents" in names:
-        check_clip_policy(executor.config.model, executor.config.dataset.video)
+        check_latent_encoding(executor.config.model, executor.config.latent_encoding, executor.config.dataset.video)
+    executor.store.check_reachable()  # only now: a refused config leaves nothing behind, not even the root
     shards = Shards(executor.store)
 
     def run(name: Stage, call: Callable[[], Record]) -> Record:
@@ -183,7 +184,6 @@ class Direct:
 
     def __init__(self, config: PipelineConfig):
         self.config, self.store = config, Store(config.storage)
-        self.store.check_reachable()
         self.text_fps = text_fingerprints(config.model, config.text_encoding)
         self.vae_fp = vae_fingerprint(config.model, config.latent_encoding)
 

@@ -215,14 +215,16 @@ def encode_latents_shard(
     return {**record, "io_retries": len(store.retried)}
 
 
-def check_clip_policy(model: ModelConfig, video: VideoConfig) -> None:
-    """Refuse, naming the setting, clip lengths the model's family never encodes (Wan: 4N + 1), so
-    that no video is ingested and decoded for clips that would all be quarantined. A model this
-    process cannot read is left to the stage that reads it (as `check_training` does)."""
+def check_latent_encoding(model: ModelConfig, latents: LatentEncodingConfig, video: VideoConfig) -> None:
+    """Refuse, naming the setting, a resolution the model's family has no buckets for and clip
+    lengths it never encodes (Wan: 4N + 1), so that nothing is ingested or encoded for latents that
+    cannot be made. A model this process cannot read is left to the stage that reads it (as
+    `check_training` does)."""
     try:
         family = family_of(model)
     except (OSError, ValueError):
         return
+    family.bucket_table(latents.resolution)  # raises, naming latent_encoding.resolution
     if problem := family.clip_policy_problem(sorted({video.frames, *video.frame_buckets})):
         raise ValueError(f"dataset.video: {problem}")
 
