@@ -30,6 +30,9 @@ from tasks.ingest.untrusted import (Rejected, check_geometry, max_bytes, max_ima
 from tasks.ingest.video import is_video, read_video
 
 
+NOT_A_CONTAINER = "not an mp4, mov, webm or mkv container"  # a file named as a video, and no picture either
+
+
 @dataclass
 class Outcome:
     """What one candidate became: a sample (its image spilled when it was new), or quarantined."""
@@ -55,7 +58,7 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
     try:
         if candidate.problem is not None:
             raise candidate.problem
-        data = candidate.image if candidate.file is None else candidate.file
+        data = candidate.image
         size = data.stat().st_size if isinstance(data, Path) else len(data or b"")
         if not size:
             raise Rejected("empty_file", "zero bytes")
@@ -68,7 +71,7 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
                         for sample_id, width, height, new in read_video(data, dataset, stored, keep)]
         if isinstance(data, Path):  # named a video, and no container: a picture at most
             if size > max_image_bytes(dataset):
-                raise Rejected("bad_video", "not an mp4, mov, webm or mkv container")
+                raise Rejected("bad_video", NOT_A_CONTAINER)
             data = data.read_bytes()
         outcome.sample_id = sha256_bytes(data)
         if (size := stored(outcome.sample_id)) is not None:  # validated when first ingested; only the rules may have changed
@@ -79,7 +82,7 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
                 image, outcome.width, outcome.height = normalise_image(data, dataset)
             except Rejected as problem:  # named a video, and its bytes are no container and no picture
                 if problem.reason == "not_image" and is_video_name(candidate.source):
-                    raise Rejected("bad_video", "not an mp4, mov, webm or mkv container") from problem
+                    raise Rejected("bad_video", NOT_A_CONTAINER) from problem
                 raise
             keep(outcome.sample_id, image)
             outcome.spilled = True
@@ -124,8 +127,8 @@ def examine_unit(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, 
         try:
             outcomes += examine(candidate, dataset, stored, keep, decoding)
         finally:
-            if candidate.file is not None:
-                candidate.file.unlink(missing_ok=True)
+            if isinstance(candidate.image, Path):
+                candidate.image.unlink(missing_ok=True)
     return outcomes
 
 

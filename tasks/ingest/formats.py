@@ -47,8 +47,7 @@ class Candidate:
 
     source: str  # where it came from, e.g. s3://b/x.tar::00012.jpg or meta.jsonl:7
     format: str
-    image: bytes | None = None
-    file: Path | None = None  # instead of `image`: a video file's bytes on local disk (`read_file`)
+    image: bytes | Path | None = None  # a video's bytes are in a local file (`read_file`), not in memory
     captions: list[str] | None = None
     problem: Rejected | None = None
 
@@ -230,12 +229,8 @@ def read_captioned_file(fs: fsspec.AbstractFileSystem, fmt: str, file: str, capt
 
 
 def read_media(fs: fsspec.AbstractFileSystem, path: str, limit: Limit, candidate: Candidate) -> None:
-    """A picture's bytes into `candidate.image`, or a video's onto local disk (`candidate.file`)."""
-    kind = media_kind(path)
-    if kind == "video":
-        candidate.file = read_file(fs, path, limit(path), "missing_video", on_disk=True)
-    else:
-        candidate.image = read_file(fs, path, limit(path), "missing_image")
+    """A picture's bytes into `candidate.image`, or a video's into a local file it names."""
+    candidate.image = read_file(fs, path, limit(path), f"missing_{media_kind(path)}", on_disk=is_video_name(path))
 
 
 def read_parquet(fs, file: str, source: SourceConfig, fmt: str) -> Iterator[Candidate]:
@@ -344,8 +339,7 @@ def _tar_sample(url: str, key: str, parts: dict[str, bytes | Path], source: Sour
             yield Candidate(f"{url}::{key}.{caption}", fmt, problem=Rejected(
                 "orphan_caption", f"no picture or video named {key}.* beside {key}.{caption} in the archive"))
         return
-    media = parts[image_ext]
-    candidate = Candidate(f"{url}::{key}.{image_ext}", fmt, **{"file" if isinstance(media, Path) else "image": media})
+    candidate = Candidate(f"{url}::{key}.{image_ext}", fmt, image=parts[image_ext])
     try:
         if "txt" in parts:
             candidate.captions = caption_variants(parts["txt"])

@@ -49,16 +49,20 @@ class Samples(list):
         """Each sample's first frame, side by side."""
         return side_by_side([video[0] for video in self])
 
+    def sheets(self) -> list[Image.Image]:
+        """Each frame of the samples side by side."""
+        return [side_by_side(list(frames)) for frames in zip(*self)]
+
     def animation(self, fps: float) -> bytes:
         """The samples side by side as an animated WebP, each frame shown 1/fps s."""
-        return clip_bytes([side_by_side(list(frames)) for frames in zip(*self)], fps, quality=90)
+        return clip_bytes(self.sheets(), fps, quality=90)
 
     def mp4(self, fps: float) -> bytes:
         """The samples side by side as an H.264 mp4 (yuv420p, which players take: its sides made even
         with a black edge) at `fps` frames a second."""
         import av
 
-        frames = [side_by_side(list(frames)) for frames in zip(*self)]
+        frames = self.sheets()
         width, height = (side + side % 2 for side in frames[0].size)
         out = io.BytesIO()
         with av.open(out, "w", format="mp4") as container:
