@@ -6,6 +6,8 @@ Measured here (CPU): a 1280×720 H.264 video at 30 fps (`write_source`) is probe
 seconds per clip, frames decoded per second, bytes stored per clip (animated WebP at 1280×720
 at most). A 3840×2160 video is decoded in a fresh process, whose peak resident memory shows what
 is held: its clip's frames at the stored size and FFmpeg's few decoding frames, not the video.
+A parquet of 8 such videos in one row group is read as ingest reads it, in a fresh process too:
+Arrow holds the row group's column, the rows are taken one video at a time.
 
 Counted on the meta device (no weights, no GPU): the floating-point operations of Wan 2.1's VAE
 encoder on an 81-frame clip at 480×832 and 720×1280 and of umT5-XXL on a 40-token caption
@@ -22,6 +24,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from configs.schema import DatasetConfig
 
@@ -77,6 +81,31 @@ def peak_decoding(path: str, queue) -> None:
     queue.put({**result, "peak_rise_mib": round((vm("VmHWM") - start) / 1024, 1)})
 
 
+def peak_parquet(path: str, queue) -> None:
+    """In a fresh process: every row of a parquet of videos read as ingest reads it, and how far
+    the peak memory rose (Arrow holds the row group's column; the rows are taken a video at a time)."""
+    import fsspec
+
+    from benchmarks.ingest_memory import vm
+    from configs.schema import SourceConfig
+    from tasks.ingest.formats import read_parquet
+
+    Path("/proc/self/clear_refs").write_text("5")
+    start = vm("VmRSS")
+    rows = sum(1 for _ in read_parquet(fsspec.filesystem("file"), path, SourceConfig(path=path), "parquet"))
+    queue.put({"rows": rows, "peak_rise_mib": round((vm("VmHWM") - start) / 1024, 1)})
+
+
+def in_fresh_process(target, path: Path) -> dict:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=target, args=(str(path), queue))
+    process.start()
+    result = queue.get()
+    process.join()
+    return result
+
+
 def flops() -> dict:
     """Forward FLOPs of Wan 2.1's VAE encoder on a clip and of umT5-XXL on a caption, on meta."""
     import torch
@@ -109,12 +138,15 @@ def run(seconds: float = 12.0, four_k_seconds: float = 6.0) -> dict:
         result["head"] = clips_of(data)
         result["sliding"] = clips_of(data, clips="sliding", max_clips=100, stride=40)
         four_k = write_source(Path(tmp) / "2160p.mp4", four_k_seconds, (3840, 2160))
-        context = multiprocessing.get_context("spawn")
-        queue = context.Queue()
-        process = context.Process(target=peak_decoding, args=(str(four_k), queue))
-        process.start()
-        result["head_2160p"] = {**queue.get(), "bytes": four_k.stat().st_size, "seconds_of_video": four_k_seconds}
-        process.join()
+        result["head_2160p"] = {**in_fresh_process(peak_decoding, four_k), "bytes": four_k.stat().st_size,
+                                "seconds_of_video": four_k_seconds}
+        # HF-datasets-like: a struct cell per video, pyarrow's defaults, the 8 rows one row group
+        cells = [{"bytes": four_k.read_bytes(), "path": f"{row}.mp4"} for row in range(8)]
+        table = pa.table({"image": cells, "text": ["a clip"] * 8})
+        pq.write_table(table, Path(tmp) / "videos.parquet")
+        result["parquet"] = {**in_fresh_process(peak_parquet, Path(tmp) / "videos.parquet"),
+                             "row_group_bytes": 8 * four_k.stat().st_size}
+        del cells, table
     result["flops"] = flops()
     return result
 
@@ -130,6 +162,8 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
         ("video: one clip of a 4K video, peak memory", f"{four_k['peak_rise_mib']:,} MiB",
          f"{four_k['seconds']:.1f} s; the 81 frames at 1280×720 are {81 * 1280 * 720 * 3 / 2**20:.0f} MiB of RGB",
          "bounded: never the video"),
+        ("video: reading a parquet of 8 such videos (one row group)", f"{result['parquet']['peak_rise_mib']:,} MiB",
+         f"the row group is {result['parquet']['row_group_bytes'] / 2**20:,.0f} MiB", "about twice the row group"),
         ("video: Wan VAE encoder FLOPs per clip", f"{counted['vae_encode_480x832'] / 1e12:.1f} TFLOP (480p)",
          f"{counted['vae_encode_720x1280'] / 1e12:.1f} TFLOP (720p); umT5-XXL "
          f"{counted['umt5_40_tokens'] / 1e12:.2f} TFLOP a 40-token caption", ""),

@@ -39,6 +39,7 @@ MEDIA_EXTENSIONS = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
 Limit = Callable[[str], int]  # the most bytes read of a file by its name (`untrusted.max_bytes`)
 CAPTION_EXTENSIONS = ("txt", "caption")  # in order of preference
 CHUNK = 1 << 20
+PARQUET_BATCH_BYTES = 16 << 20  # media bytes a parquet batch holds as Python objects at most
 
 
 @dataclass
@@ -234,15 +235,19 @@ def read_media(fs: fsspec.AbstractFileSystem, path: str, limit: Limit, candidate
 
 
 def read_parquet(fs, file: str, source: SourceConfig, fmt: str) -> Iterator[Candidate]:
-    """Parquet exports: image bytes (or a struct with `bytes`, as HF datasets writes) and caption(s).
-    A batch's cells are in memory already, so ingest checks their size."""
+    """Parquet exports: image or video bytes (or a struct with `bytes`, as HF datasets writes) and
+    caption(s). Arrow holds a row group's media column while its rows are read (about twice its
+    bytes with pages streamed), so a batch is as many rows as fit in `PARQUET_BATCH_BYTES` (one
+    video each), and ingest checks each cell's size."""
     with fs.open(file, "rb") as handle:
-        parquet = pq.ParquetFile(handle)
+        # pages streamed CHUNK at a time, not a column chunk read whole first
+        parquet = pq.ParquetFile(handle, buffer_size=CHUNK, pre_buffer=False)
         missing = {source.image_column, source.caption_column} - set(parquet.schema_arrow.names)
         if missing:
             raise RuntimeError(f"dataset source {fs.unstrip_protocol(file)}: no column {sorted(missing)}")
         row = 0
-        for batch in parquet.iter_batches(batch_size=64, columns=[source.image_column, source.caption_column]):
+        for batch in parquet.iter_batches(batch_size=parquet_batch_rows(parquet, source.image_column),
+                                          columns=[source.image_column, source.caption_column]):
             for image, caption in zip(*(batch.column(i).to_pylist() for i in range(2))):
                 candidate = Candidate(f"{fs.unstrip_protocol(file)}#{row}", fmt)
                 row += 1
@@ -254,6 +259,18 @@ def read_parquet(fs, file: str, source: SourceConfig, fmt: str) -> Iterator[Cand
                 except Rejected as problem:
                     candidate.problem = problem
                 yield candidate
+
+
+def parquet_batch_rows(parquet: pq.ParquetFile, column: str) -> int:
+    """Rows a batch: 64 small pictures, one video (the largest row group's bytes a row decide)."""
+    metadata = parquet.metadata
+    row_bytes = 0
+    for group in range(metadata.num_row_groups):
+        chunks = metadata.row_group(group)
+        media = sum(chunks.column(i).total_uncompressed_size for i in range(chunks.num_columns)
+                    if chunks.column(i).path_in_schema.split(".")[0] == column)
+        row_bytes = max(row_bytes, media // max(chunks.num_rows, 1))
+    return max(1, min(64, PARQUET_BATCH_BYTES // max(row_bytes, 1)))
 
 
 def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo, limit: int = -1,
