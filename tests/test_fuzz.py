@@ -194,19 +194,27 @@ def corpus_items() -> list[Item]:
 
 
 def _videos(rng: random.Random) -> list[Item]:
-    """Two good videos of one default clip each (81 frames at 16 fps: 6 s), and hostile ones."""
+    """Two good videos of one default clip each (81 frames at 16 fps: 6 s), and hostile ones: cut,
+    flipped, audio with or without cover art, growing midway."""
     import tempfile
 
     from tasks.demo.videos import write_audio_only
-    from tests.videos import write_video
+    from tests.videos import remux, write_cover_art, write_resizing, write_video
 
     with tempfile.TemporaryDirectory() as folder:
         mp4 = write_video(Path(folder) / "a.mp4", frames=96, fps=16).read_bytes()
         webm = write_video(Path(folder) / "a.webm", frames=96, fps=16, codec="libvpx-vp9").read_bytes()
         audio = write_audio_only(Path(folder) / "b.mp4").read_bytes()
+        cover = write_cover_art(Path(folder) / "c.mp4").read_bytes()
+        faststart = remux(Path(folder) / "a.mp4", Path(folder) / "f.mp4", movflags="faststart").read_bytes()
+        grows = write_resizing(Path(folder) / "g.mkv", [(96, 64)] * 10 + [(512, 512)] * 86, fps=16).read_bytes()
     items = [good("video", "mp4", mp4, "a grey video", ["a grey video"]),
              good("video", "webm", webm, "a grey webm", ["a grey webm"]),
              bad("audio-only", "mp4", audio, {"no_video_stream"}),
+             bad("cover-art", "mp4", cover, {"no_video_stream"}),
+             bad("grows-midway", "mkv", grows, {"bad_video"}),
+             # the index first: what is cut is known from it
+             bad("faststart-cut-half", "mp4", faststart[: len(faststart) // 2], {"truncated"}),
              bad("magic-ftyp", "mp4", b"\0\0\0\x18ftypisom" + rng.randbytes(3000), {"bad_video"}),
              bad("magic-ebml", "mkv", b"\x1a\x45\xdf\xa3" + rng.randbytes(3000), {"bad_video"})]
     for ext, data in (("mp4", mp4), ("webm", webm)):

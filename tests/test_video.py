@@ -7,6 +7,7 @@ trains on pictures quarantines them, naming why."""
 from __future__ import annotations
 
 import io
+import json
 import shutil
 from fractions import Fraction
 
@@ -21,20 +22,25 @@ from storage.shards import LatentShard, read_image_shard
 from storage.store import Store
 from tasks.ingest.stage import ingest
 from flows.cli import main
-from tasks.ingest.video import clip_frames, clip_times, decode_clips, frame_count, probe
+from tasks.ingest.untrusted import Rejected
+from tasks.ingest.video import CLIP_FRAMES, clip_frames, clip_times, decode_clips, frame_count, probe
 from tasks.demo.videos import write_audio_only
-from tests.videos import frame_pixels, level, write_video
+from tests.videos import frame_pixels, level, remux, write_cover_art, write_resizing, write_video
 
 # 17 frames a clip at 16 fps, every 8 frames, two clips at most a video; pictures and videos of at
 # most 10,000 pixels and 3 s
 VIDEO = {"frames": 17, "fps": 16, "clips": "sliding", "max_clips": 2, "stride": 8, "max_seconds": 3}
 RULES = {"min_side": 32, "max_pixels": 10_000}
-CLIPS = {"ok.mp4": 2, "ok.webm": 2, "ok.mkv": 2, "portrait.mov": 1, "vfr.mp4": 2, "anamorphic.mp4": 2}
+CLIPS = {"ok.mp4": 2, "ok.webm": 2, "ok.mkv": 2, "portrait.mov": 1, "vfr.mp4": 2, "anamorphic.mp4": 2, "still.mp4": 2}
+PICTURES = ("picture.png", "animated.webp", "forged.webp")  # each a one-frame sample
 QUARANTINED = {"truncated.mp4": {"bad_video"}, "audio.mp4": {"no_video_stream"}, "single.mp4": {"too_few_frames"},
                "short.mp4": {"too_short"}, "huge.mp4": {"too_large"}, "long.mp4": {"too_long"},
                "uncaptioned.mp4": {"missing_caption"}, "lonely.txt": {"orphan_caption"},
                # an mp4 box, then zeros: FFmpeg's probe may read it as another format, with no video
-               "noise.mp4": {"bad_video", "no_video_stream"}, "notes.mov": {"bad_video"}}
+               "noise.mp4": {"bad_video", "no_video_stream"}, "notes.mov": {"bad_video"},
+               # cut short with the index first: their demuxers end at the cut without an error
+               "cut-faststart.mp4": {"truncated"}, "cut.mkv": {"truncated"},
+               "song.mp4": {"no_video_stream"}, "resizing.mkv": {"bad_video"}}
 VFR_TIMES = [sum(0.04 if i % 2 else 0.08 for i in range(n)) for n in range(30)]  # 12.5 and 25 fps by turns
 
 
@@ -49,7 +55,19 @@ def videos(tmp_path_factory):
     write_video(root / "portrait.mov", frames=30, rotation=90)  # shown 64 wide and 96 high
     write_video(root / "vfr.mp4", times=VFR_TIMES)
     write_video(root / "anamorphic.mp4", size=(64, 64), pixel_aspect=Fraction(3, 2))  # shown 96 wide
+    write_video(root / "still.mp4", draw=lambda index, width, height: frame_pixels(0, width, height))
     Image.fromarray(frame_pixels(0, 80, 80)).save(root / "picture.png")
+    frames = [Image.fromarray(frame_pixels(index, 64, 64)) for index in range(3)]
+    frames[0].save(root / "animated.webp", save_all=True, append_images=frames[1:], duration=100)
+    # a picture whose XMP says what precast's clips say there: still one frame
+    frames[0].save(root / "forged.webp", xmp=json.dumps({CLIP_FRAMES: 5}).encode())
+    remux(root / "ok.mp4", root / "faststart.mp4", movflags="faststart")
+    for whole, cut in (("faststart.mp4", "cut-faststart.mp4"), ("ok.mkv", "cut.mkv")):
+        data = (root / whole).read_bytes()
+        (root / cut).write_bytes(data[: len(data) * 3 // 5])
+    (root / "faststart.mp4").unlink()
+    write_cover_art(root / "song.mp4")
+    write_resizing(root / "resizing.mkv", [(96, 64)] * 10 + [(3000, 3000)] * 30)
     data = (root / "ok.mp4").read_bytes()
     (root / "truncated.mp4").write_bytes(data[: len(data) * 2 // 3])
     (root / "noise.mp4").write_bytes(data[:8] + bytes(4000))  # an mp4 box, then nothing
@@ -84,7 +102,7 @@ def _samples(store: Store, record: dict) -> dict[str, list[dict]]:
 def test_videos_become_clips_and_hostile_videos_are_quarantined_with_their_reason(videos, tmp_path):
     record, store = _ingest(tmp_path / "store", videos)
     samples = _samples(store, record)
-    assert {name: len(rows) for name, rows in samples.items()} == {**CLIPS, "picture.png": 1}
+    assert {name: len(rows) for name, rows in samples.items()} == {**CLIPS, **dict.fromkeys(PICTURES, 1)}
     report = store.read_json(store.key(record["report"]))
     quarantined = {q["source"].rsplit("/", 1)[-1]: q["reason"] for q in report["quarantine"]}
     assert set(quarantined) == set(QUARANTINED) and report["quarantined"] == len(QUARANTINED), report["quarantine"]
@@ -97,7 +115,10 @@ def test_videos_become_clips_and_hostile_videos_are_quarantined_with_their_reaso
             assert row["captions"] == [f"a grey {name.split('.')[0]} clip"]
     assert (samples["portrait.mov"][0]["width"], samples["portrait.mov"][0]["height"]) == (64, 96)
     assert (samples["anamorphic.mp4"][0]["width"], samples["anamorphic.mp4"][0]["height"]) == (96, 64)
-    assert len(list(clip_frames(samples["picture.png"][0]["image"]))) == 1
+    for name in PICTURES:  # an animated picture is its first frame
+        assert frame_count(samples[name][0]["image"]) == len(list(clip_frames(samples[name][0]["image"]))) == 1
+    still = [level(np.asarray(frame)) for frame in clip_frames(samples["still.mp4"][0]["image"])]
+    assert still == [0] * 17  # libwebp stores it as one frame shown 17 times
 
 
 @pytest.mark.parametrize("clips, starts", [("head", [0]), ("uniform", [0, 4, 9]), ("sliding", [0, 8])])
@@ -273,6 +294,24 @@ def test_a_variable_frame_rate_is_resampled_by_the_frames_timestamps(videos):
         assert [level(np.asarray(frame)) for frame in clips[index]] == expected
 
 
+def test_a_video_trimmed_by_an_edit_list_gives_the_frames_it_shows_not_the_ones_it_hides(tmp_path):
+    """A trim kept without re-encoding (the packets from the keyframe before the cut, an edit list
+    hiding those before it) shows its frames from the cut: a clip starts there, and its length is
+    what is shown."""
+    whole = write_video(tmp_path / "whole.mp4", frames=60, fps=24, keyframe_every=60)  # one keyframe
+    data = remux(whole, tmp_path / "trimmed.mp4", shift=1.0).read_bytes()  # frames 24 to 59 shown
+    dataset = DatasetConfig(sources=[{"path": "x"}], video={"frames": 17, "fps": 16}, **RULES)
+    probed = probe(data, dataset.video, dataset)
+    assert (probed.frames, probed.duration, probed.start) == (36, 1.5, 0.0)
+    clips = {}
+    decode_clips(data, probed, dict(enumerate(clip_times(probed, dataset.video))), dataset.video,
+                 lambda index, frames: clips.update({index: frames}))
+    assert [level(np.asarray(frame)) for frame in clips[0]] == [24 + k * 24 // 16 for k in range(17)]
+    longer = DatasetConfig(sources=[{"path": "x"}], video={"frames": 25, "fps": 16}, **RULES)
+    with pytest.raises(Rejected, match="1.50 s holds 24 frames"):  # the 2.5 s the packets span is not shown
+        clip_times(probe(data, longer.video, longer), longer.video)
+
+
 def test_a_rotated_video_is_stored_upright(videos, tmp_path):
     """The display matrix turns the frames 90° counter-clockwise: the stored clip is portrait, the
     mark that was top left of the coded frame bottom left."""
@@ -304,8 +343,9 @@ def test_an_ingest_recorded_before_clips_were_made_this_way_reads_its_videos_aga
     first, _ = _ingest(tmp_path / "store", videos)
     monkeypatch.undo()
     again, _ = _ingest(tmp_path / "store", videos)
-    pictures = [path for path in videos.iterdir() if path.suffix == ".png"]
-    assert again["work"]["units_reused"] == len(pictures) and again["work"]["units_read"] == first["work"]["units_read"] - 1
+    pictures = [path for path in videos.iterdir() if path.name in PICTURES]
+    assert again["work"]["units_reused"] == len(pictures)
+    assert again["work"]["units_read"] == first["work"]["units_read"] - len(pictures)
     latest, _ = _ingest(tmp_path / "store", videos)
     assert latest["work"]["units_read"] == 0
 
@@ -551,7 +591,7 @@ def test_videos_from_s3_give_the_clips_a_local_folder_gives(videos, tmp_path, s3
     dataset = DatasetConfig(sources=[{"path": "s3://precast-videos/clips"}], shard_size=8, video=VIDEO, **RULES)
     remote = ingest(storage, dataset)
     assert remote["id"] == local["id"] and remote["quarantined"] == local["quarantined"] == len(QUARANTINED)
-    assert sum(len(rows) for rows in _samples(Store(storage), remote).values()) == sum(CLIPS.values()) + 1
+    assert sum(len(rows) for rows in _samples(Store(storage), remote).values()) == sum(CLIPS.values()) + len(PICTURES)
 
 
 def test_videos_in_metadata_parquet_and_tars_give_the_clips_a_folder_gives(videos, tmp_path):

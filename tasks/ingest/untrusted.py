@@ -213,7 +213,10 @@ def normalise_image(data: bytes, config: DatasetConfig) -> tuple[bytes, int, int
             opened.load()
             rotated = opened.getexif().get(0x0112, 1) != 1  # EXIF orientation other than "as stored"
             image = ImageOps.exif_transpose(opened) if rotated else opened
-            converted = rotated or opened.mode != "RGB" or opened.format not in KEEP_AS_IS
+            # an animated picture is stored as its first frame, and a WebP's XMP is dropped: precast's
+            # own clips say their frame count there, and a picture must not pass for one
+            converted = (rotated or opened.mode != "RGB" or opened.format not in KEEP_AS_IS
+                         or getattr(opened, "n_frames", 1) > 1 or (opened.format == "WEBP" and "xmp" in opened.info))
             if converted:
                 image = to_rgb(image)
     except UnidentifiedImageError as error:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +31,13 @@ from PIL import Image
 
 from configs.schema import DatasetConfig, VideoConfig
 from storage.fingerprint import hash_json, sha256_bytes
-from storage.store import file_sha256
+from storage.store import file_sha256, space_for
 from tasks.ingest.untrusted import Rejected, check_geometry
 
 CLIP_FRAMES = "precast.clip_frames"  # a stored clip's XMP: its frame count
 # what makes a clip, in its id and the ingest record: a change of it makes every video's clips again
-# (2: frames timed to the container's precision, anamorphic pixels made square)
-CLIPS_VERSION = 2
+# (2: frames timed to the container's precision, anamorphic pixels made square; 3: edit lists honoured)
+CLIPS_VERSION = 3
 Video = bytes | Path  # a video's bytes, or the local file that holds them (one read from a file)
 # a gap between clips (seconds) worth a seek to the keyframe before the next rather than decoding
 # through it: about a keyframe interval of common encodes (2 to 10 s), so a seek skips at least one
@@ -66,6 +67,7 @@ class Probe:
     # seconds a stored timestamp may be off (half the stream's time base): Matroska and WebM store
     # whole milliseconds, so a frame due at 187.5 ms says 188; a frame within it of a time shows at it
     precision: float = 0.0
+    coded: tuple[int, int] = (0, 0)  # the decoded frames' size, as the headers say (checked against max_pixels)
 
 
 def _open(data: Video, decode: bool = True):
@@ -83,11 +85,29 @@ def _open(data: Video, decode: bool = True):
 
 
 def _video_stream(container):
-    streams = [stream for stream in container.streams if stream.type == "video"]
+    """The first video stream that is not cover art (an mp4's or mkv's attached picture)."""
+    import av
+
+    streams = [stream for stream in container.streams if stream.type == "video"
+               and not stream.disposition & av.stream.Disposition.attached_pic]
     if not streams:
-        kinds = sorted({stream.type for stream in container.streams}) or ["none"]
-        raise Rejected("no_video_stream", f"the container has no video stream (streams: {', '.join(kinds)})")
+        kinds = sorted({"cover art" if stream.type == "video" else stream.type for stream in container.streams})
+        raise Rejected("no_video_stream", f"the container has no video stream (streams: {', '.join(kinds or ['none'])})")
     return streams[0]
+
+
+def _listed_seconds(stream) -> float:
+    """How long the container's index says the stream lasts, where it says so: an mp4's track
+    duration (after its edit list; the index comes first in a file made for streaming) or the
+    per-track DURATION tag FFmpeg and mkvmerge write into Matroska; 0 when neither is there (a
+    fragmented mp4, a live webm)."""
+    if stream.duration:
+        return float(stream.duration * stream.time_base)
+    try:
+        hours, minutes, seconds = stream.metadata.get("DURATION", "").split(":")
+        return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+    except ValueError:
+        return 0.0
 
 
 def probe(data: Video, video: VideoConfig, dataset: DatasetConfig) -> Probe:
@@ -105,6 +125,7 @@ def probe(data: Video, video: VideoConfig, dataset: DatasetConfig) -> Probe:
         # a timestamp rounded to the time base is off by at most half of it
         codec, width, height, precision = context.name, context.width, context.height, float(stream.time_base) / 2
         check_geometry(width, height, dataset)  # the decoded frames' size
+        coded = (width, height)
         pixel = stream.sample_aspect_ratio or context.sample_aspect_ratio
         if pixel and pixel > 0 and pixel != 1:
             width = max(1, round(width * pixel))
@@ -113,8 +134,8 @@ def probe(data: Video, video: VideoConfig, dataset: DatasetConfig) -> Probe:
         frames = 0
         try:
             for packet in container.demux(stream):
-                if packet.size == 0 or packet.pts is None:
-                    continue  # the demuxer's flush packet; a packet without a time shows nothing
+                if packet.size == 0 or packet.pts is None or packet.is_discard:
+                    continue  # the demuxer's flush packet; no time; cut by an edit list (a trim kept without re-encoding)
                 start = float(packet.pts * stream.time_base)
                 first = start if first is None else min(first, start)
                 end = max(end or start, start + float((packet.duration or 0) * stream.time_base))
@@ -123,6 +144,11 @@ def probe(data: Video, video: VideoConfig, dataset: DatasetConfig) -> Probe:
                     raise Rejected("too_long", f"longer than video.max_seconds ({video.max_seconds:g} s)")
         except av.error.FFmpegError as error:
             raise Rejected("bad_video", f"the container breaks off after {frames} frames ({error})") from None
+        listed = _listed_seconds(stream)
+    # a file cut short whose index comes first (a streaming mp4, Matroska) demuxes to its cut
+    # without an error: what it holds is checked against what its index lists, within two frames
+    if frames and listed and end - first + 2 * (end - first) / frames + 2 * precision < listed:
+        raise Rejected("truncated", f"the file ends {end - first:.3f} s in; its index says the video lasts {listed:.3f} s")
     if frames < 2:
         raise Rejected("too_few_frames", f"{frames} frame{'s' * (frames != 1)}: a clip needs at least 2")
     duration = end - first
@@ -130,12 +156,15 @@ def probe(data: Video, video: VideoConfig, dataset: DatasetConfig) -> Probe:
         raise Rejected("bad_video", f"its {frames} frames have no duration (timestamps {first:g} to {end:g} s)")
     with _open(data) as container:
         try:
-            rotation = next((round(frame.rotation) % 360 for frame in container.decode(_video_stream(container))), 0)
+            first_frame = next(container.decode(_video_stream(container)), None)
+            rotation = round(first_frame.rotation) % 360 if first_frame is not None else 0
+            if first_frame is not None:
+                check_frame(first_frame, 0.0, coded)
         except av.error.FFmpegError as error:
             raise Rejected("bad_video", f"its first frame does not decode ({error})") from None
     if rotation % 180:
         width, height = height, width
-    return Probe(codec, width, height, rotation, frames, frames / duration, duration, first, precision)
+    return Probe(codec, width, height, rotation, frames, frames / duration, duration, first, precision, coded)
 
 
 def clip_times(probed: Probe, video: VideoConfig) -> list[list[float]]:
@@ -214,6 +243,7 @@ def decode_clips(data: Video, probed: Probe, times: dict[int, list[float]], vide
                     if frame.pts is None:
                         continue
                     time = float(frame.pts * stream.time_base) - probed.start
+                    check_frame(frame, time, probed.coded)
                     if current is None and time > wanted[next_wanted] + probed.precision + 1e-9 and sought > 0:
                         seek_to, seeking = 0.0, False  # it landed past the time: from the start, never again
                         break
@@ -233,6 +263,14 @@ def decode_clips(data: Video, probed: Probe, times: dict[int, list[float]], vide
     if pending:
         raise Rejected("truncated", f"the video's frames end before its clips do ({len(shown)} of {len(wanted)} "
                                     f"frames decoded)")
+
+
+def check_frame(frame, time: float, coded: tuple[int, int]) -> None:
+    """A decoded frame is the size the headers say: a stream that changes size midway would
+    slip past the size limit (checked on the headers) and be squashed into the first size."""
+    if (frame.width, frame.height) != coded:
+        raise Rejected("bad_video", f"its frames change size at {time:.2f} s: {frame.width}×{frame.height}, the "
+                                    f"stream's headers say {coded[0]}×{coded[1]}")
 
 
 def _hand_on(pending: dict[int, list[float]], shown: dict[float, Image.Image],
@@ -267,19 +305,25 @@ def clip_bytes(frames: list[Image.Image], fps: float, quality: int) -> bytes:
 
 
 def clip_frames(data: bytes) -> Iterator[Image.Image]:
-    """The frames of a stored sample (a picture is one), RGB; a clip's repeated frames, which its
-    WebP holds once, as often as they were shown."""
+    """The frames of a stored sample (a picture is one: its first frame), RGB. libwebp stores a
+    clip's frame that repeats the one before (or is within its lossy tolerance of it: 2 grey levels
+    at quality 90) as a longer showing of it, down to one frame for a still clip; such a frame is
+    given back as often as it was shown, `frame_count` frames in all."""
     from PIL import ImageSequence
 
     count = frame_count(data)
     with Image.open(io.BytesIO(data)) as opened:
-        frames = [(frame.convert("RGB"), frame.info.get("duration", 0)) for frame in ImageSequence.Iterator(opened)]
-    if len(frames) == count:
-        yield from (frame for frame, _ in frames)
-        return
-    shown = sum(duration for _, duration in frames) / count  # every frame was shown as long
+        if count == 1:
+            yield opened.convert("RGB")
+            return
+        frames = [(frame.convert("RGB"), frame.info.get("duration") or 0) for frame in ImageSequence.Iterator(opened)]
+    total = sum(duration for _, duration in frames)
+    given, shown = 0, 0
     for frame, duration in frames:
-        yield from [frame] * round(duration / shown)
+        shown += duration if total else 1
+        until = round(shown * count / (total or len(frames)))  # frames given by the end of this one's showing
+        yield from [frame] * (until - given)
+        given = until
 
 
 def frame_count(data: bytes) -> int:
@@ -304,13 +348,17 @@ def read_video(data: Video, dataset: DatasetConfig, stored: Callable[[str], Any]
     for index, sample_id in enumerate(ids):
         if (known := stored(sample_id)) is not None:  # a shard holds it: not decoded again
             sizes[index] = tuple(known)
-    clips: dict[int, bytes] = {}
+    made: dict[int, tuple[int, int]] = {}  # a clip's offset and length in `spill`
+    with tempfile.TemporaryFile(prefix="precast-clips-") as spill:  # made clips wait on disk, not in memory
 
-    def take(index: int, frames: list[Image.Image]) -> None:
-        clips[index] = clip_bytes(frames, video.fps or probed.fps, video.quality)
-        sizes[index] = frames[0].size
+        def take(index: int, frames: list[Image.Image]) -> None:
+            clip = clip_bytes(frames, video.fps or probed.fps, video.quality)
+            with space_for(tempfile.gettempdir(), "a video's clips"):
+                made[index] = (spill.tell(), spill.write(clip))
+            sizes[index] = frames[0].size
 
-    decode_clips(data, probed, {index: clip for index, clip in enumerate(times) if index not in sizes}, video, take)
-    for index, clip in clips.items():  # only once every clip is made: nothing of a broken video is kept
-        keep(ids[index], clip)
-    return [(ids[index], *sizes[index], index in clips) for index in range(len(ids))]
+        decode_clips(data, probed, {index: clip for index, clip in enumerate(times) if index not in sizes}, video, take)
+        for index, (offset, length) in made.items():  # only once every clip is made: nothing of a broken video is kept
+            spill.seek(offset)
+            keep(ids[index], spill.read(length))
+    return [(ids[index], *sizes[index], index in made) for index in range(len(ids))]
