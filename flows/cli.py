@@ -162,14 +162,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from configs.schema import ModelConfig
     from tasks.runs.sampling import check_output, read_picture, sample_run
 
     check_output(args.out)
     options = storage_options(args.option)
-    model = ModelConfig(path=args.model) if args.model else None
     first_frames = [read_picture(path, options) for path in args.first_frame] if args.first_frame else None
-    samples = sample_run(args.url, args.prompt, model=model, options=options, steps=args.steps,
+    samples = sample_run(args.url, args.prompt, model_path=args.model, options=options, steps=args.steps,
                          guidance_scale=args.guidance_scale, seed=args.seed, device=args.device,
                          true_cfg_scale=args.true_cfg_scale, frames=args.frames, first_frames=first_frames)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -298,7 +296,7 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
     sample.add_argument("--first-frame", action="append", metavar="PICTURE",
                         help="a picture (path or URL) each clip starts from, one a --prompt in order: the family's "
                         "image-to-video pipeline draws the rest (Wan 2.2 TI2V; train with training.image_to_video)")
-    sample.add_argument("--model", help="model path or hub id (default: the run's lineage)")
+    sample.add_argument("--model", help="the run's model at this path or hub id (default: where the run read it)")
     sample.add_argument("--steps", type=int, default=20)
     sample.add_argument("--guidance-scale", type=float, default=4.5,
                         help="classifier-free guidance, or a guidance-distilled transformer's guidance input")

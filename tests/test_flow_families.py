@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -145,6 +146,12 @@ def test_the_adapter_loads_with_load_lora_weights_as_peft_merges_it(runs, models
     grid = sample_run(records["train"]["run"], ["a red circle on a blue background"], steps=2, device="cpu",
                       options=config.storage.options).grid()
     assert grid.size == (256, 256)
+    # the model at a path given (a copy elsewhere): the run's other model settings kept, as its expert
+    shutil.copytree(models[family], tmp_path / "copy")
+    assert main(["sample", records["train"]["run"], "--model", str(tmp_path / "copy"), "--prompt",
+                 "a red circle on a blue background", "--steps", "2", "--device", "cpu", "--out", str(tmp_path / "x.png"),
+                 *_options(config)]) == 0
+    np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "x.png").convert("RGB")), np.asarray(grid))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

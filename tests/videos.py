@@ -39,23 +39,37 @@ def level(pixels: np.ndarray) -> int:
     return round((low - 16) / STEP) + 32 * round((high - 16) / STEP)
 
 
-def remux(source: Path, target: Path, shift: float = 0.0, **options: str) -> Path:
-    """`source`'s packets into another mp4 with the muxer's `options` (e.g. movflags=faststart: the
-    index first), their times `shift` seconds earlier: what a trim kept without re-encoding is
-    (`ffmpeg -ss 1 -c copy`: the packets from the keyframe before, the ones before the cut listed
-    in an edit list that hides them)."""
+def remux(source: Path, target: Path, shift: float = 0.0, audio_seconds: float = 0.0, **options: str) -> Path:
+    """`source`'s video packets into another container (by `target`'s name) with the muxer's
+    `options` (e.g. movflags=faststart: an mp4's index first), their times `shift` seconds earlier
+    (what a trim kept without re-encoding is, `ffmpeg -ss 1 -c copy`: the packets from the keyframe
+    before, the ones before the cut listed in an edit list that hides them), beside `audio_seconds`
+    of silence where given."""
     import av
 
-    with av.open(str(source)) as given, av.open(str(target), "w", format="mp4", options=options or None) as output:
+    with av.open(str(source)) as given, av.open(str(target), "w", options=options or None) as output:
         stream = given.streams.video[0]
         out = output.add_stream_from_template(stream)
+        audio = output.add_stream("aac", rate=16000) if audio_seconds else None
         for packet in given.demux(stream):
             if packet.dts is None:
                 continue  # the demuxer's flush packet
             ticks = round(shift / stream.time_base)
             packet.pts, packet.dts, packet.stream = packet.pts - ticks, packet.dts - ticks, out
             output.mux(packet)
+        if audio is not None:
+            _silence(output, audio, audio_seconds)
     return target
+
+
+def _silence(output, audio, seconds: float) -> None:
+    import av
+
+    for index in range(round(seconds * 16000 / 1024)):
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        frame.sample_rate, frame.pts = 16000, index * 1024
+        output.mux(audio.encode(frame))
+    output.mux(audio.encode())
 
 
 def write_cover_art(path: Path) -> Path:
@@ -73,11 +87,7 @@ def write_cover_art(path: Path) -> Path:
         packet = av.Packet(picture.getvalue())
         packet.stream, packet.time_base, packet.pts, packet.dts, packet.is_keyframe = cover, Fraction(1, 1), 0, 0, True
         output.mux(packet)
-        for index in range(20):
-            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
-            frame.sample_rate, frame.pts = 16000, index * 1024
-            output.mux(audio.encode(frame))
-        output.mux(audio.encode())
+        _silence(output, audio, 1.28)
     return path
 
 

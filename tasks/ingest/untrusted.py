@@ -43,6 +43,7 @@ from storage.store import space_for
 
 MAX_ASPECT_RATIO = 4.0  # the families' bucket tables span 1:4 … 4:1
 KEEP_AS_IS = ("JPEG", "PNG", "WEBP")  # RGB files in these formats are stored byte for byte
+CLIP_FRAMES = "precast.clip_frames"  # a stored clip's XMP: its frame count (tasks/ingest/video.py)
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 # the largest honest encoding is 16-bit RGBA stored uncompressed, plus its metadata
 MAX_BYTES_PER_PIXEL, METADATA_BYTES = 8, 16 << 20
@@ -213,10 +214,12 @@ def normalise_image(data: bytes, config: DatasetConfig) -> tuple[bytes, int, int
             opened.load()
             rotated = opened.getexif().get(0x0112, 1) != 1  # EXIF orientation other than "as stored"
             image = ImageOps.exif_transpose(opened) if rotated else opened
-            # an animated picture is stored as its first frame, and a WebP's XMP is dropped: precast's
-            # own clips say their frame count there, and a picture must not pass for one
+            # an animated picture is stored as its first frame, and a WebP whose XMP names a clip's
+            # frame count is stored without it: a picture never passes for a clip
+            xmp = opened.info.get("xmp") or b""
+            clip_like = opened.format == "WEBP" and CLIP_FRAMES.encode() in (xmp.encode() if isinstance(xmp, str) else xmp)
             converted = (rotated or opened.mode != "RGB" or opened.format not in KEEP_AS_IS
-                         or getattr(opened, "n_frames", 1) > 1 or (opened.format == "WEBP" and "xmp" in opened.info))
+                         or getattr(opened, "n_frames", 1) > 1 or clip_like)
             if converted:
                 image = to_rgb(image)
     except UnidentifiedImageError as error:

@@ -32,9 +32,8 @@ from PIL import Image
 from configs.schema import DatasetConfig, VideoConfig
 from storage.fingerprint import hash_json, sha256_bytes
 from storage.store import file_sha256, space_for
-from tasks.ingest.untrusted import Rejected, check_geometry
+from tasks.ingest.untrusted import CLIP_FRAMES, Rejected, check_geometry
 
-CLIP_FRAMES = "precast.clip_frames"  # a stored clip's XMP: its frame count
 # what makes a clip, in its id and the ingest record: a change of it makes every video's clips again
 # (2: frames timed to the container's precision, anamorphic pixels made square; 3: edit lists honoured)
 CLIPS_VERSION = 3
@@ -67,7 +66,7 @@ class Probe:
     # seconds a stored timestamp may be off (half the stream's time base): Matroska and WebM store
     # whole milliseconds, so a frame due at 187.5 ms says 188; a frame within it of a time shows at it
     precision: float = 0.0
-    coded: tuple[int, int] = (0, 0)  # the decoded frames' size, as the headers say (checked against max_pixels)
+    coded: tuple[int, int] = (0, 0)  # the decoded frames' size: the first's (every frame is checked against it)
 
 
 def _open(data: Video, decode: bool = True):
@@ -96,16 +95,17 @@ def _video_stream(container):
     return streams[0]
 
 
-def _listed_seconds(stream) -> float:
-    """How long the container's index says the stream lasts, where it says so: an mp4's track
-    duration (after its edit list; the index comes first in a file made for streaming) or the
-    per-track DURATION tag FFmpeg and mkvmerge write into Matroska; 0 when neither is there (a
-    fragmented mp4, a live webm)."""
-    if stream.duration:
-        return float(stream.duration * stream.time_base)
+def _listed_span(container, stream, first: float) -> float:
+    """How long the container's index says the video lasts from its first frame, where it says so:
+    an mp4's track duration (after its edit list; the index comes first in a file made for
+    streaming), or the per-track DURATION tag FFmpeg and mkvmerge write into Matroska (the track's
+    end: FFmpeg gives a Matroska stream the file's duration, its longest track's); 0 when neither
+    is there (a live webm)."""
+    if "matroska" not in container.format.name:
+        return float(stream.duration * stream.time_base) if stream.duration else 0.0
     try:
         hours, minutes, seconds = stream.metadata.get("DURATION", "").split(":")
-        return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+        return max(0.0, int(hours) * 3600 + int(minutes) * 60 + float(seconds) - first)
     except ValueError:
         return 0.0
 
@@ -125,7 +125,6 @@ def probe(data: Video, video: VideoConfig, dataset: DatasetConfig) -> Probe:
         # a timestamp rounded to the time base is off by at most half of it
         codec, width, height, precision = context.name, context.width, context.height, float(stream.time_base) / 2
         check_geometry(width, height, dataset)  # the decoded frames' size
-        coded = (width, height)
         pixel = stream.sample_aspect_ratio or context.sample_aspect_ratio
         if pixel and pixel > 0 and pixel != 1:
             width = max(1, round(width * pixel))
@@ -144,7 +143,7 @@ def probe(data: Video, video: VideoConfig, dataset: DatasetConfig) -> Probe:
                     raise Rejected("too_long", f"longer than video.max_seconds ({video.max_seconds:g} s)")
         except av.error.FFmpegError as error:
             raise Rejected("bad_video", f"the container breaks off after {frames} frames ({error})") from None
-        listed = _listed_seconds(stream)
+        listed = _listed_span(container, stream, first) if frames else 0.0
     # a file cut short whose index comes first (a streaming mp4, Matroska) demuxes to its cut
     # without an error: what it holds is checked against what its index lists, within two frames
     if frames and listed and end - first + 2 * (end - first) / frames + 2 * precision < listed:
@@ -157,11 +156,14 @@ def probe(data: Video, video: VideoConfig, dataset: DatasetConfig) -> Probe:
     with _open(data) as container:
         try:
             first_frame = next(container.decode(_video_stream(container)), None)
-            rotation = round(first_frame.rotation) % 360 if first_frame is not None else 0
-            if first_frame is not None:
-                check_frame(first_frame, 0.0, coded)
         except av.error.FFmpegError as error:
             raise Rejected("bad_video", f"its first frame does not decode ({error})") from None
+        if first_frame is None:
+            raise Rejected("bad_video", "its first frame does not decode")
+        # every frame is this size (a few pixels over the headers' where a crop is not aligned in memory)
+        coded = (first_frame.width, first_frame.height)
+        check_geometry(*coded, dataset)
+        rotation = round(first_frame.rotation) % 360
     if rotation % 180:
         width, height = height, width
     return Probe(codec, width, height, rotation, frames, frames / duration, duration, first, precision, coded)
@@ -266,11 +268,12 @@ def decode_clips(data: Video, probed: Probe, times: dict[int, list[float]], vide
 
 
 def check_frame(frame, time: float, coded: tuple[int, int]) -> None:
-    """A decoded frame is the size the headers say: a stream that changes size midway would
-    slip past the size limit (checked on the headers) and be squashed into the first size."""
+    """A decoded frame is the first frame's size: a stream that changes size midway would slip
+    past the size limit (checked on the headers and the first frame) and be squashed into the
+    first size."""
     if (frame.width, frame.height) != coded:
         raise Rejected("bad_video", f"its frames change size at {time:.2f} s: {frame.width}×{frame.height}, the "
-                                    f"stream's headers say {coded[0]}×{coded[1]}")
+                                    f"first is {coded[0]}×{coded[1]}")
 
 
 def _hand_on(pending: dict[int, list[float]], shown: dict[float, Image.Image],

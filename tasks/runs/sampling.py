@@ -175,19 +175,20 @@ def sample_grid(
 
 
 def sample_run(
-    url: str, prompts: list[str], model: ModelConfig | None = None, options: dict | None = None,
+    url: str, prompts: list[str], model_path: str | None = None, options: dict | None = None,
     steps: int = 20, guidance_scale: float = 4.5, seed: int = 0, device: str = "auto", true_cfg_scale: float = 1.0,
     frames: int | None = None, first_frames: list[Image.Image] | None = None,
 ) -> Samples:
     """Samples for `prompts` from a finished run (`<root>/runs/<id>`, or its `adapter`/`transformer`
     URL) through its family's pipeline `from_pretrained` with the trained weights: a LoRA adapter
     loaded by the pipeline's `load_lora_weights` (merged by PEFT where the pipeline has no LoRA
-    loader), or the fully trained transformer. The model is the run's unless given; `frames`
+    loader), or the fully trained transformer. The model is the run's (`model_path`: its copy at
+another path or hub id, the run's other model settings kept, as a Wan 2.2 expert); `frames`
     (None: those of the clips it trained on, 1 for pictures) a sample. With `first_frames` (one a
     prompt), each clip is drawn from its frame by the family's image-to-video pipeline, one at a
     time (the pipeline conditions a whole batch on one picture), each from `seed`."""
     run = FinishedRun.at(url, options)
-    model = model or ModelConfig.model_validate(run.record["model"])
+    model = ModelConfig.model_validate({**run.record["model"], **({"path": model_path} if model_path else {})})
     family = family_of(model)
     check_first_frames(family, first_frames, len(prompts))
     with tempfile.TemporaryDirectory() as local:
