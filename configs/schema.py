@@ -138,6 +138,16 @@ class VideoConfig(Section):
     )
     max_bytes: int = Field(2 << 30, ge=1, description="Video files larger than this are quarantined unread.")
 
+    @model_validator(mode="after")
+    def _clip_lengths(self) -> VideoConfig:
+        if longer := sorted(n for n in self.frame_buckets if n >= self.frames):
+            raise ValueError(f"frame_buckets {longer}: each is a shorter clip length than frames ({self.frames})")
+        shortest = min([self.frames, *self.frame_buckets])
+        if self.fps and (shortest - 1) / self.fps > self.max_seconds:
+            raise ValueError(f"a clip of {shortest} frames at fps {self.fps:g} lasts {(shortest - 1) / self.fps:g} s, "
+                             f"more than max_seconds ({self.max_seconds:g}): no video could give one")
+        return self
+
 
 class DatasetConfig(Section):
     sources: list[SourceConfig] = Field(

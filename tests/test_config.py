@@ -43,6 +43,20 @@ def test_a_config_without_a_model_or_sources_is_refused_naming_the_field(tmp_pat
         load_config(QUICKSTART, ["dataset.sources=[]"])
 
 
+def test_a_clip_policy_no_video_could_follow_is_refused_naming_the_field():
+    refused = {
+        ("dataset.video.frames=17", "dataset.video.frame_buckets=[9, 33]"):
+            "dataset.video: .*frame_buckets \\[33\\]: each is a shorter clip length than frames \\(17\\)",
+        ("dataset.video.frames=81", "dataset.video.max_seconds=3"):
+            "dataset.video: .*a clip of 81 frames at fps 16 lasts 5 s, more than max_seconds \\(3\\)",
+    }
+    for overrides, message in refused.items():
+        with pytest.raises(ValueError, match=message):
+            load_config(QUICKSTART, list(overrides))
+    video = load_config(QUICKSTART, ["dataset.video.fps=null", "dataset.video.max_seconds=3"]).dataset.video
+    assert video.fps is None  # the video's own rate: not known up front
+
+
 def test_training_modes_that_do_not_fit_together_are_refused_by_name():
     config = load_config(QUICKSTART, ["training.gradient_checkpointing=true"])  # the former boolean reads as recompute
     assert config.training.gradient_checkpointing == "recompute"

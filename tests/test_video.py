@@ -100,7 +100,8 @@ def _samples(store: Store, record: dict) -> dict[str, list[dict]]:
     by_source: dict[str, list[dict]] = {}
     for shard in store.read_json(store.key(record["url"]))["shards"]:
         for row in read_image_shard(store.read_bytes(layout.image_shard(shard["id"]))).to_pylist():
-            by_source.setdefault(row["source"].rsplit("/", 1)[-1], []).append(row)
+            if shard["samples"] is None or row["sample_id"] in shard["samples"]:  # a shard partly superseded
+                by_source.setdefault(row["source"].rsplit("/", 1)[-1], []).append(row)
     return by_source
 
 
@@ -342,17 +343,44 @@ def test_a_nightly_ingest_after_one_new_video_reads_only_that_videos_bytes(video
 def test_an_ingest_recorded_before_clips_were_made_this_way_reads_its_videos_again_not_its_pictures(
         videos, tmp_path, monkeypatch):
     """Clips made another way (an older CLIPS_VERSION in the last ingest's record) are made again
-    from their videos; its pictures are taken from the record, unread."""
-    import tasks.ingest.record
+    from their videos, wherever they are (a parquet cell, a file named as a picture); the pictures
+    are taken from the record, unread."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    monkeypatch.setattr(tasks.ingest.record, "CLIPS_VERSION", 1)
-    first, _ = _ingest(tmp_path / "store", videos)
+    import tasks.ingest.record
+    import tasks.ingest.video
+
+    cells = tmp_path / "cells"
+    cells.mkdir()
+    for name, picture in (("video", "ok.mp4"), ("picture", "picture.png")):  # a parquet file each
+        pq.write_table(pa.table({"image": [{"bytes": (videos / picture).read_bytes()}], "text": [f"a {name} cell"]}),
+                       cells / f"{name}.parquet")
+    disguised = tmp_path / "disguised"
+    disguised.mkdir()
+    shutil.copy(videos / "ok.webm", disguised / "clip.jpg")
+    (disguised / "clip.txt").write_text("a video named as a picture")
+    storage = StorageConfig(root=str(tmp_path / "store"))
+    dataset = DatasetConfig(sources=[{"path": str(videos)}, {"path": str(cells)}, {"path": str(disguised)}],
+                            shard_size=8, video=VIDEO, **RULES)
+    for module in (tasks.ingest.record, tasks.ingest.video):  # clips of another version: other ids
+        monkeypatch.setattr(module, "CLIPS_VERSION", 1)
+    first = ingest(storage, dataset)
     monkeypatch.undo()
-    again, _ = _ingest(tmp_path / "store", videos)
-    pictures = [path for path in videos.iterdir() if path.name in PICTURES]
-    assert again["work"]["units_reused"] == len(pictures)
-    assert again["work"]["units_read"] == first["work"]["units_read"] - len(pictures)
-    latest, _ = _ingest(tmp_path / "store", videos)
+    again = ingest(storage, dataset)
+    # the pictures, and what was quarantined before a video was read (no caption, or no video)
+    unread = [path for path in videos.iterdir() if path.name in PICTURES] + [cells / "picture.parquet"] + [
+        videos / "uncaptioned.mp4", videos / "lonely.txt"]
+    assert again["work"]["units_reused"] == len(unread)
+    assert again["work"]["units_read"] == first["work"]["units_read"] - len(unread)
+    fresh = ingest(StorageConfig(root=str(tmp_path / "fresh")), dataset)
+
+    def clips(store: Store, record: dict) -> set[str]:
+        return {row["sample_id"] for rows in _samples(store, record).values() for row in rows}
+
+    # the clips of this version, wherever their video was
+    assert clips(Store(storage), again) == clips(Store(StorageConfig(root=str(tmp_path / "fresh"))), fresh)
+    latest = ingest(storage, dataset)
     assert latest["work"]["units_read"] == 0
 
 

@@ -222,7 +222,7 @@ def test_ingest_on_two_workers_equals_ingest_in_this_process(prefect_server, mak
     shards = [{key: store.read_bytes(key) for key in store.list("shards/images", ".parquet")} for store in stores]
     assert shards[1] == shards[0]
     clips = [row for data in shards[1].values() for row in read_image_shard(data).to_pylist() if "/videos/" in row["source"]]
-    assert len(clips) == 3 and report[1]["by_reason"]["too_short"] == 1  # each video's one clip; the cut one
+    assert len(clips) == 3 and report[1]["by_reason"]["truncated"] == 1  # each video's one clip; the cut one
     assert stores[1].find("staging") == []  # every staged partition merged and deleted
     states = _task_run_states(state.state_details.flow_run_id, 2)
     partitions = states.count("Completed") - 1  # the ingest task itself

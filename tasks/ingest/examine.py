@@ -46,6 +46,7 @@ class Outcome:
     reason: str | None = None
     message: str | None = None
     spilled: bool = False
+    video: bool = False  # from a video (a clip, or why it gave none): read again when CLIPS_VERSION changes
 
 
 def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str], tuple[int, int] | None],
@@ -63,11 +64,12 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
         if not size:
             raise Rejected("empty_file", "zero bytes")
         if is_video(data[:8] if isinstance(data, bytes) else _head(data)):
+            outcome.video = True
             if size > dataset.video.max_bytes:
                 raise Rejected("too_large", f"over video.max_bytes={dataset.video.max_bytes}")
             captions = sorted(set(candidate.captions))
             with decoding:
-                return [Outcome(outcome.source, outcome.format, sample_id, captions, width, height, spilled=new)
+                return [Outcome(outcome.source, outcome.format, sample_id, captions, width, height, spilled=new, video=True)
                         for sample_id, width, height, new in read_video(data, dataset, stored, keep)]
         if isinstance(data, Path):  # named a video, and no container: a picture at most
             if size > max_image_bytes(dataset):

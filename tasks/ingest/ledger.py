@@ -30,7 +30,7 @@ CREATE TABLE objects (source INTEGER, path BLOB, size INTEGER, stamp TEXT, stem 
 CREATE INDEX objects_stem ON objects (source, stem, ext);
 -- the last ingest's record: what each unit became, in order ...
 CREATE TABLE known (key TEXT, position INTEGER, source TEXT, format TEXT, sample_id TEXT, captions TEXT,
-                    width INTEGER, height INTEGER, reason TEXT, message TEXT, spilled INTEGER);
+                    width INTEGER, height INTEGER, reason TEXT, message TEXT, spilled INTEGER, video INTEGER);
 CREATE INDEX known_key ON known (key, position);
 CREATE INDEX known_sample ON known (sample_id);
 -- ... and the samples shards hold: (sample id, captions) -> shard, with the image's size

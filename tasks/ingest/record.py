@@ -34,7 +34,7 @@ RECORD_PAGE = 10_000  # record rows written and read at a time
 RECORD_COLUMNS = MappingProxyType({
     "kind": pa.string(), "key": pa.string(), "source": pa.string(), "format": pa.string(), "sample_id": pa.string(),
     "captions": pa.list_(pa.string()), "width": pa.int32(), "height": pa.int32(), "reason": pa.string(),
-    "message": pa.string(), "shard": pa.string()})
+    "message": pa.string(), "shard": pa.string(), "video": pa.bool_()})
 
 
 def write_sources_record(ledger: Ledger) -> Path:
@@ -83,15 +83,17 @@ def read_sources_record(store: Store, dataset: DatasetConfig, ledger: Ledger) ->
             else:
                 position += 1
                 units.append((row["key"], position, row["source"], row["format"], row["sample_id"], captions,
-                              row["width"], row["height"], row["reason"], row["message"], False))
-        ledger.run_many("INSERT INTO known VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", units)
+                              row["width"], row["height"], row["reason"], row["message"], False, row.get("video")))
+        ledger.run_many("INSERT INTO known VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", units)
         ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?)", members)
     made = (record.schema_arrow.metadata or {}).get(b"clips_version", b"1").decode()
-    if made != str(CLIPS_VERSION):  # clips made another way: every unit that gave a video's is read again
-        videos = " OR ".join(["lower(source) LIKE ?"] * len(VIDEO_EXTENSIONS))
+    if made != str(CLIPS_VERSION):  # clips made another way: every unit that read a video is read again
+        # (a record from before outcomes said so: what names a video, and every parquet file)
+        named = " OR ".join(["lower(source) LIKE ? OR lower(key) LIKE ?"] * len(VIDEO_EXTENSIONS))
         with ledger.transaction():
-            ledger.run(f"DELETE FROM known WHERE key IN (SELECT key FROM known WHERE {videos})",
-                       tuple(f"%.{ext}" for ext in sorted(VIDEO_EXTENSIONS)))
+            ledger.run(f"DELETE FROM known WHERE key IN (SELECT key FROM known WHERE video OR (video IS NULL AND "
+                       f"(format = 'parquet' OR {named})))",
+                       tuple(pattern for ext in sorted(VIDEO_EXTENSIONS) for pattern in (f"%.{ext}", f"%.{ext}%")))
     forget_deleted_shards(store, dataset, ledger)
     return file_sha256(local)
 
@@ -115,9 +117,10 @@ def forget_deleted_shards(store: Store, dataset: DatasetConfig, ledger: Ledger) 
 def known_outcomes(ledger: Ledger, key: str) -> list[Outcome] | None:
     """The outcomes the last ingest recorded for a unit, None if it did not record the unit (they
     were spilled then, not now: a reused outcome's image is in a shard)."""
-    rows = ledger.all("SELECT source, format, sample_id, captions, width, height, reason, message FROM known "
+    rows = ledger.all("SELECT source, format, sample_id, captions, width, height, reason, message, video FROM known "
                       "WHERE key = ? ORDER BY position", (key,))
     if not rows:
         return None
-    return [Outcome(source, fmt, sample_id, captions and json.loads(captions), width, height, reason, message)
-            for source, fmt, sample_id, captions, width, height, reason, message in rows if source is not None]
+    return [Outcome(source, fmt, sample_id, captions and json.loads(captions), width, height, reason, message,
+                    video=bool(video)) for source, fmt, sample_id, captions, width, height, reason, message, video in rows
+            if source is not None]

@@ -43,13 +43,14 @@ log = logging.getLogger(__name__)
 PARTITION_BYTES = 256 << 20  # a partition's listed bytes: what a worker stages for the ingest to fetch (a tar
                              # or parquet file larger than this is a partition of its own)
 # with Pillow's and PyAV's versions, part of a staged partition's key: what decodes and normalises
-# (2: clip frames timed to the container's precision, clip ids naming what a clip is)
-STAGED_VERSION = 2
+# (2: clip frames timed to the container's precision, clip ids naming what a clip is; 3: outcomes say
+# whether they are a video's)
+STAGED_VERSION = 3
 STAGED_PAGE = 64  # staged rows written and read at a time: each may hold an image
 STAGED_COLUMNS = MappingProxyType({
     "unit": pa.int32(), "source": pa.string(), "format": pa.string(), "sample_id": pa.string(),
     "captions": pa.list_(pa.string()), "width": pa.int32(), "height": pa.int32(), "reason": pa.string(),
-    "message": pa.string(), "spilled": pa.bool_(), "image": pa.binary()})
+    "message": pa.string(), "spilled": pa.bool_(), "video": pa.bool_(), "image": pa.binary()})
 
 
 @dataclass(frozen=True)
