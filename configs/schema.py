@@ -112,8 +112,8 @@ class VideoConfig(Section):
     frame_buckets: list[Annotated[int, Field(ge=2, le=1024)]] = Field(
         default_factory=list, description="Shorter clip lengths for videos too short for `frames`: each video's clips "
         "take the longest of `frames` and these that it holds (diffusion-pipe's frame_buckets, musubi-tuner's "
-        "target_frames; Wan: 4N + 1 each, such as [17, 33, 49]). Empty: `frames` only; a shorter video is "
-        "quarantined as too_short.",
+        "target_frames; Wan: 4N + 1 each, such as [17, 33, 49]), none longer than `frames`. Empty: `frames` only; "
+        "a shorter video is quarantined as too_short.",
     )
     fps: float | None = Field(
         16.0, gt=0, le=240, description="Frames per second clips are resampled to, by the frames' own timestamps "
@@ -140,12 +140,13 @@ class VideoConfig(Section):
 
     @model_validator(mode="after")
     def _clip_lengths(self) -> VideoConfig:
-        if longer := sorted(n for n in self.frame_buckets if n >= self.frames):
-            raise ValueError(f"frame_buckets {longer}: each is a shorter clip length than frames ({self.frames})")
+        if longer := sorted(n for n in self.frame_buckets if n > self.frames):
+            raise ValueError(f"frame_buckets {longer}: clip lengths for videos too short for frames ({self.frames}) "
+                             f"are shorter")
         shortest = min([self.frames, *self.frame_buckets])
-        if self.fps and (shortest - 1) / self.fps > self.max_seconds:
-            raise ValueError(f"a clip of {shortest} frames at fps {self.fps:g} lasts {(shortest - 1) / self.fps:g} s, "
-                             f"more than max_seconds ({self.max_seconds:g}): no video could give one")
+        if self.fps and shortest / self.fps > self.max_seconds:  # N frames at fps take N / fps seconds of video
+            raise ValueError(f"a clip of {shortest} frames at fps {self.fps:g} takes {shortest / self.fps:g} s of "
+                             f"video, more than max_seconds ({self.max_seconds:g}): no video could give one")
         return self
 
 

@@ -46,15 +46,18 @@ def test_a_config_without_a_model_or_sources_is_refused_naming_the_field(tmp_pat
 def test_a_clip_policy_no_video_could_follow_is_refused_naming_the_field():
     refused = {
         ("dataset.video.frames=17", "dataset.video.frame_buckets=[9, 33]"):
-            "dataset.video: .*frame_buckets \\[33\\]: each is a shorter clip length than frames \\(17\\)",
+            "dataset.video: .*frame_buckets \\[33\\]: clip lengths for videos too short for frames \\(17\\)",
         ("dataset.video.frames=81", "dataset.video.max_seconds=3"):
-            "dataset.video: .*a clip of 81 frames at fps 16 lasts 5 s, more than max_seconds \\(3\\)",
+            "dataset.video: .*a clip of 81 frames at fps 16 takes 5.0625 s of video, more than max_seconds \\(3\\)",
+        ("dataset.video.frames=17", "dataset.video.max_seconds=1"): "takes 1.0625 s",  # 17 frames at 16 fps: 17/16 s
     }
     for overrides, message in refused.items():
         with pytest.raises(ValueError, match=message):
             load_config(QUICKSTART, list(overrides))
     video = load_config(QUICKSTART, ["dataset.video.fps=null", "dataset.video.max_seconds=3"]).dataset.video
     assert video.fps is None  # the video's own rate: not known up front
+    # musubi-tuner's target_frames and diffusion-pipe's frame_buckets list the longest length too
+    assert load_config(QUICKSTART, ["dataset.video.frames=33", "dataset.video.frame_buckets=[17, 33]"])
 
 
 def test_training_modes_that_do_not_fit_together_are_refused_by_name():

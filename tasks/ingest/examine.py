@@ -46,7 +46,9 @@ class Outcome:
     reason: str | None = None
     message: str | None = None
     spilled: bool = False
-    video: bool = False  # from a video (a clip, or why it gave none): read again when CLIPS_VERSION changes
+    # from a video (a clip, or why it gave none): read again when CLIPS_VERSION changes; None: not
+    # known (recorded before outcomes said so)
+    video: bool | None = False
 
 
 def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str], tuple[int, int] | None],

@@ -358,6 +358,7 @@ def read_video(data: Video, dataset: DatasetConfig, stored: Callable[[str], Any]
             clip = clip_bytes(frames, video.fps or probed.fps, video.quality)
             with space_for(tempfile.gettempdir(), "a video's clips"):
                 made[index] = (spill.tell(), spill.write(clip))
+                spill.flush()  # on disk now: a full disk is DiskFull here, not an error later
             sizes[index] = frames[0].size
 
         decode_clips(data, probed, {index: clip for index, clip in enumerate(times) if index not in sizes}, video, take)

@@ -183,12 +183,14 @@ def sample_run(
     URL) through its family's pipeline `from_pretrained` with the trained weights: a LoRA adapter
     loaded by the pipeline's `load_lora_weights` (merged by PEFT where the pipeline has no LoRA
     loader), or the fully trained transformer. The model is the run's (`model_path`: its copy at
-another path or hub id, the run's other model settings kept, as a Wan 2.2 expert); `frames`
-    (None: those of the clips it trained on, 1 for pictures) a sample. With `first_frames` (one a
+    another path or hub id, the run's other model settings but its revision kept, as a Wan 2.2 expert);
+    `frames` (None: those of the clips it trained on, 1 for pictures) a sample. With `first_frames` (one a
     prompt), each clip is drawn from its frame by the family's image-to-video pipeline, one at a
     time (the pipeline conditions a whole batch on one picture), each from `seed`."""
     run = FinishedRun.at(url, options)
-    model = ModelConfig.model_validate({**run.record["model"], **({"path": model_path} if model_path else {})})
+    # another path is another repository: the run's revision is not its
+    model = ModelConfig.model_validate({**run.record["model"], **({"path": model_path, "revision": None}
+                                                                   if model_path else {})})
     family = family_of(model)
     check_first_frames(family, first_frames, len(prompts))
     with tempfile.TemporaryDirectory() as local:
