@@ -77,12 +77,8 @@ def run_cached(config: PipelineConfig, manifest_url: str) -> dict:
 
 def run_online(config: PipelineConfig, manifest_url: str) -> dict:
     """The same loop, but text and latents computed from the raw data every step."""
-    import io
-
-    import pyarrow.parquet as pq
-
     from storage import layout
-    from storage.shards import read_image_shard
+    from storage.shards import read_image_shard, read_parquet_bytes
     from storage.store import Store
     from tasks.encode.latents import crop_box, preprocess
     from tasks.encode.text import run_encoder, tokenize
@@ -96,7 +92,7 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
     training = config.training
     store = Store(config.storage)
     manifest = store.read_json(store.key(manifest_url))
-    rows = pq.read_table(io.BytesIO(store.read_bytes(manifest["table"]))).to_pylist()
+    rows = read_parquet_bytes(store.read_bytes(manifest["table"])).to_pylist()
     buckets: dict[str, list[str]] = {}
     for row in rows:
         buckets.setdefault(row["bucket"], []).append(row["sample_id"])

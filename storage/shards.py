@@ -22,6 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from storage.store import PYTHON_BYTES
+
 IMAGE_SHARD_SCHEMA = pa.schema(
     [
         ("sample_id", pa.string()),
@@ -68,8 +70,15 @@ def save_deterministic(tensors: dict[str, torch.Tensor], rows: dict[str, Any], m
     return len(text).to_bytes(8, "little") + text + data[8 + length :]
 
 
+
 def read_image_shard(data: bytes, columns: list[str] | None = None) -> pa.Table:
-    return pq.read_table(io.BytesIO(data), columns=columns)
+    return read_parquet_bytes(data, columns)
+
+
+def read_parquet_bytes(data: bytes, columns: list[str] | None = None) -> pa.Table:
+    """A parquet file's table from its bytes, decoded in this thread (`PYTHON_BYTES`)."""
+    with pq.ParquetFile(pa.BufferReader(data)) as parquet:
+        return parquet.read(columns=columns, **PYTHON_BYTES)
 
 
 def ragged_name(output: str | None, tensor: str) -> str:

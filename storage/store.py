@@ -44,6 +44,13 @@ SAFETENSORS_MAX_HEADER = 100_000_000  # the library's own bound
 TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
                     errno.ECONNABORTED, errno.EPIPE}
 log = logging.getLogger(__name__)
+
+# Arrow reading Python-owned bytes (bytes, a Python file object) decodes in this thread, not on its
+# pool: a pool thread lets go of the bytes when it is done, and one that does so while the
+# interpreter exits (it needs the GIL) aborts the process ("terminate called without an active
+# exception", exit 134 after a run that succeeded; one in three runs of a short ingest script)
+PYTHON_BYTES = {"use_threads": False}
+
 T = TypeVar("T")
 
 
@@ -292,7 +299,7 @@ class Store:
             raise Damaged(f"{self.url(key)} is damaged: {error}") from error
         try:  # from memory: an error now is in the bytes (pyarrow reports a page that does not decode as OSError)
             with file:
-                return pq.ParquetFile(file).read(columns=columns)
+                return pq.ParquetFile(file).read(columns=columns, **PYTHON_BYTES)
         except (pa.ArrowException, OSError) as error:
             raise Damaged(f"{self.url(key)} is damaged: {error}") from error
 

@@ -29,6 +29,7 @@ import fsspec
 import pyarrow.parquet as pq
 
 from configs.schema import SourceConfig
+from storage.store import PYTHON_BYTES
 from tasks.ingest.listing import Listed, Listing
 from tasks.ingest.untrusted import (MAX_CAPTION_BYTES, Rejected, caption_variants, copy_to_disk, member_problem,
                                     parse_json, read_file)
@@ -239,15 +240,14 @@ def read_parquet(fs, file: str, source: SourceConfig, fmt: str) -> Iterator[Cand
     caption(s). Arrow holds a row group's media column while its rows are read (about twice its
     bytes with pages streamed), so a batch is as many rows as fit in `PARQUET_BATCH_BYTES` (one
     video each), and ingest checks each cell's size."""
-    with fs.open(file, "rb") as handle:
-        # pages streamed CHUNK at a time, not a column chunk read whole first
-        parquet = pq.ParquetFile(handle, buffer_size=CHUNK, pre_buffer=False)
+    # pages streamed CHUNK at a time, not a column chunk read whole first
+    with fs.open(file, "rb") as handle, pq.ParquetFile(handle, buffer_size=CHUNK, pre_buffer=False) as parquet:
         missing = {source.image_column, source.caption_column} - set(parquet.schema_arrow.names)
         if missing:
             raise RuntimeError(f"dataset source {fs.unstrip_protocol(file)}: no column {sorted(missing)}")
         row = 0
         for batch in parquet.iter_batches(batch_size=parquet_batch_rows(parquet, source.image_column),
-                                          columns=[source.image_column, source.caption_column]):
+                                          columns=[source.image_column, source.caption_column], **PYTHON_BYTES):
             for image, caption in zip(*(batch.column(i).to_pylist() for i in range(2))):
                 candidate = Candidate(f"{fs.unstrip_protocol(file)}#{row}", fmt)
                 row += 1

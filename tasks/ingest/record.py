@@ -73,20 +73,20 @@ def read_sources_record(store: Store, dataset: DatasetConfig, ledger: Ledger) ->
     local = ledger.folder / "last-sources-record.parquet"
     store.get_file(key, local)
     position = 0
-    record = pq.ParquetFile(local)
-    for batch in record.iter_batches(RECORD_PAGE):
-        units, members = [], []
-        for row in batch.to_pylist():
-            captions = row["captions"] if row["captions"] is None else json.dumps(row["captions"])
-            if row["kind"] == "member":
-                members.append((row["sample_id"], captions, row["width"], row["height"], row["shard"]))
-            else:
-                position += 1
-                units.append((row["key"], position, row["source"], row["format"], row["sample_id"], captions,
-                              row["width"], row["height"], row["reason"], row["message"], False, row.get("video")))
-        ledger.run_many("INSERT INTO known VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", units)
-        ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?)", members)
-    made = (record.schema_arrow.metadata or {}).get(b"clips_version", b"1").decode()
+    with pq.ParquetFile(local) as record:
+        for batch in record.iter_batches(RECORD_PAGE):
+            units, members = [], []
+            for row in batch.to_pylist():
+                captions = row["captions"] if row["captions"] is None else json.dumps(row["captions"])
+                if row["kind"] == "member":
+                    members.append((row["sample_id"], captions, row["width"], row["height"], row["shard"]))
+                else:
+                    position += 1
+                    units.append((row["key"], position, row["source"], row["format"], row["sample_id"], captions,
+                                  row["width"], row["height"], row["reason"], row["message"], False, row.get("video")))
+            ledger.run_many("INSERT INTO known VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", units)
+            ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?)", members)
+        made = (record.schema_arrow.metadata or {}).get(b"clips_version", b"1").decode()
     if made != str(CLIPS_VERSION):  # clips made another way: every unit that read a video is read again
         # (a record from before outcomes said so: what names a video, and every parquet file)
         named = " OR ".join(["lower(source) LIKE ? OR lower(key) LIKE ?"] * len(VIDEO_EXTENSIONS))

@@ -142,14 +142,15 @@ def unstage(store: Store, key: str, count: int, spill: Path) -> list[list[Outcom
     spills them (checked against its commit record first); the staged partition is then deleted."""
     local = Path(store.local_path(key, cache_dir=spill))
     outcomes: list[list[Outcome]] = [[] for _ in range(count)]
-    for batch in pq.ParquetFile(local).iter_batches(STAGED_PAGE):
-        for row in batch.to_pylist():
-            unit, image = row.pop("unit"), row.pop("image")
-            if row["source"] is None:
-                continue
-            if image is not None:
-                spill_image(spill, row["sample_id"], image)
-            outcomes[unit].append(Outcome(**row))
+    with pq.ParquetFile(local) as staged:
+        for batch in staged.iter_batches(STAGED_PAGE):
+            for row in batch.to_pylist():
+                unit, image = row.pop("unit"), row.pop("image")
+                if row["source"] is None:
+                    continue
+                if image is not None:
+                    spill_image(spill, row["sample_id"], image)
+                outcomes[unit].append(Outcome(**row))
     if not store.is_local:
         local.unlink()
     store.remove(key + COMMIT_SUFFIX)

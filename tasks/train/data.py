@@ -13,18 +13,16 @@ resumes exactly from its step alone, and trains the same on any number of proces
 from __future__ import annotations
 
 import hashlib
-import io
 import random
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
-import pyarrow.parquet as pq
 import torch
 
 from configs.schema import TrainingConfig
-from storage.shards import LatentShard, RaggedShard, bucket_sides, collate
+from storage.shards import LatentShard, RaggedShard, bucket_sides, collate, read_parquet_bytes
 from storage.store import Store
 from tasks.families.spec import Conditioning, TextEncoderSpec
 from tasks.prefetch import prefetched
@@ -67,7 +65,7 @@ class CachedFeatures:
     def __init__(self, store: Store, manifest: dict[str, Any], encoders: tuple[TextEncoderSpec, ...]):
         # every byte read below is checked against the manifest's checksum in the read that uses it
         checksums = manifest["checksums"]
-        table = pq.read_table(io.BytesIO(store.read_verified(manifest["table"], checksums[manifest["table"]])))
+        table = read_parquet_bytes(store.read_verified(manifest["table"], checksums[manifest["table"]]))
         self.samples = {row["sample_id"]: row for row in table.to_pylist()}
         named = manifest_encoders(manifest)
         if list(named) != [spec.name for spec in encoders]:
