@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -53,10 +54,11 @@ def measured_ingest(root: str, source: str, queue: multiprocessing.Queue) -> Non
                "samples": result["samples"], "units_read": result["work"]["units_read"]})
 
 
-def in_fresh_process(root: str, source: str) -> dict:
+def in_fresh_process(target: Callable[..., None], *args: str) -> dict:
+    """What `target(*args, queue)` puts on its queue, run in a fresh process (its own peak memory)."""
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    process = context.Process(target=measured_ingest, args=(root, source, queue))
+    process = context.Process(target=target, args=(*args, queue))
     process.start()
     result = queue.get()
     process.join()
@@ -69,7 +71,7 @@ def run(sizes: tuple[int, ...] = (20_000, 80_000)) -> dict:
         for count in sizes:
             source, root = Path(tmp) / f"source-{count}", f"file://{tmp}/store-{count}"
             make_source(source, count)
-            first, nightly = in_fresh_process(root, str(source)), in_fresh_process(root, str(source))
+            first, nightly = (in_fresh_process(measured_ingest, root, str(source)) for _ in range(2))
             assert first["samples"] == nightly["samples"] == count and nightly["units_read"] == 0
             result[f"first_{count}"], result[f"nightly_{count}"] = first, nightly
     small, large = sizes[0], sizes[-1]

@@ -18,7 +18,6 @@ Usage: python -m benchmarks.video [--quick]
 from __future__ import annotations
 
 import json
-import multiprocessing
 import tempfile
 import time
 from pathlib import Path
@@ -96,16 +95,6 @@ def peak_parquet(path: str, queue) -> None:
     queue.put({"rows": rows, "peak_rise_mib": round((vm("VmHWM") - start) / 1024, 1)})
 
 
-def in_fresh_process(target, path: Path) -> dict:
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    process = context.Process(target=target, args=(str(path), queue))
-    process.start()
-    result = queue.get()
-    process.join()
-    return result
-
-
 def flops() -> dict:
     """Forward FLOPs of Wan 2.1's VAE encoder on a clip and of umT5-XXL on a caption, on meta."""
     import torch
@@ -130,6 +119,8 @@ def flops() -> dict:
 
 
 def run(seconds: float = 12.0, four_k_seconds: float = 6.0) -> dict:
+    from benchmarks.ingest_memory import in_fresh_process
+
     result: dict = {}
     with tempfile.TemporaryDirectory(prefix="precast-video-") as tmp:
         source = write_source(Path(tmp) / "720p.mp4", seconds, (1280, 720))
@@ -138,13 +129,13 @@ def run(seconds: float = 12.0, four_k_seconds: float = 6.0) -> dict:
         result["head"] = clips_of(data)
         result["sliding"] = clips_of(data, clips="sliding", max_clips=100, stride=40)
         four_k = write_source(Path(tmp) / "2160p.mp4", four_k_seconds, (3840, 2160))
-        result["head_2160p"] = {**in_fresh_process(peak_decoding, four_k), "bytes": four_k.stat().st_size,
+        result["head_2160p"] = {**in_fresh_process(peak_decoding, str(four_k)), "bytes": four_k.stat().st_size,
                                 "seconds_of_video": four_k_seconds}
         # HF-datasets-like: a struct cell per video, pyarrow's defaults, the 8 rows one row group
         cells = [{"bytes": four_k.read_bytes(), "path": f"{row}.mp4"} for row in range(8)]
         table = pa.table({"image": cells, "text": ["a clip"] * 8})
         pq.write_table(table, Path(tmp) / "videos.parquet")
-        result["parquet"] = {**in_fresh_process(peak_parquet, Path(tmp) / "videos.parquet"),
+        result["parquet"] = {**in_fresh_process(peak_parquet, str(Path(tmp) / "videos.parquet")),
                              "row_group_bytes": 8 * four_k.stat().st_size}
         del cells, table
     result["flops"] = flops()

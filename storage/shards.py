@@ -70,7 +70,6 @@ def save_deterministic(tensors: dict[str, torch.Tensor], rows: dict[str, Any], m
     return len(text).to_bytes(8, "little") + text + data[8 + length :]
 
 
-
 def read_image_shard(data: bytes, columns: list[str] | None = None) -> pa.Table:
     return read_parquet_bytes(data, columns)
 

@@ -71,7 +71,8 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
                 raise Rejected("too_large", f"over video.max_bytes={dataset.video.max_bytes}")
             captions = sorted(set(candidate.captions))
             with decoding:
-                return [Outcome(outcome.source, outcome.format, sample_id, captions, width, height, spilled=new, video=True)
+                return [Outcome(outcome.source, outcome.format, sample_id, captions, width, height, spilled=new,
+                                video=True)
                         for sample_id, width, height, new in read_video(data, dataset, stored, keep)]
         if isinstance(data, Path):  # named a video, and no container: a picture at most
             if size > max_image_bytes(dataset):

@@ -122,5 +122,5 @@ def known_outcomes(ledger: Ledger, key: str) -> list[Outcome] | None:
     if not rows:
         return None
     return [Outcome(source, fmt, sample_id, captions and json.loads(captions), width, height, reason, message,
-                    video=None if video is None else bool(video)) for source, fmt, sample_id, captions, width, height, reason, message, video in rows
-            if source is not None]
+                    video=None if video is None else bool(video))
+            for source, fmt, sample_id, captions, width, height, reason, message, video in rows if source is not None]

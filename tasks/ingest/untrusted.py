@@ -217,7 +217,8 @@ def normalise_image(data: bytes, config: DatasetConfig) -> tuple[bytes, int, int
             # an animated picture is stored as its first frame, and a WebP whose XMP names a clip's
             # frame count is stored without it: a picture never passes for a clip
             xmp = opened.info.get("xmp") or b""
-            clip_like = opened.format == "WEBP" and CLIP_FRAMES.encode() in (xmp.encode() if isinstance(xmp, str) else xmp)
+            xmp = xmp.encode() if isinstance(xmp, str) else xmp
+            clip_like = opened.format == "WEBP" and CLIP_FRAMES.encode() in xmp
             converted = (rotated or opened.mode != "RGB" or opened.format not in KEEP_AS_IS
                          or getattr(opened, "n_frames", 1) > 1 or clip_like)
             if converted:

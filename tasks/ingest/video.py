@@ -91,7 +91,8 @@ def _video_stream(container):
                and not stream.disposition & av.stream.Disposition.attached_pic]
     if not streams:
         kinds = sorted({"cover art" if stream.type == "video" else stream.type for stream in container.streams})
-        raise Rejected("no_video_stream", f"the container has no video stream (streams: {', '.join(kinds or ['none'])})")
+        raise Rejected("no_video_stream",
+                       f"the container has no video stream (streams: {', '.join(kinds or ['none'])})")
     return streams[0]
 
 
@@ -134,7 +135,8 @@ def probe(data: Video, video: VideoConfig, dataset: DatasetConfig) -> Probe:
         try:
             for packet in container.demux(stream):
                 if packet.size == 0 or packet.pts is None or packet.is_discard:
-                    continue  # the demuxer's flush packet; no time; cut by an edit list (a trim kept without re-encoding)
+                    # the demuxer's flush packet; no time; hidden by an edit list (a trim kept without re-encoding)
+                    continue
                 start = float(packet.pts * stream.time_base)
                 first = start if first is None else min(first, start)
                 end = max(end or start, start + float((packet.duration or 0) * stream.time_base))
@@ -147,7 +149,8 @@ def probe(data: Video, video: VideoConfig, dataset: DatasetConfig) -> Probe:
     # a file cut short whose index comes first (a streaming mp4, Matroska) demuxes to its cut
     # without an error: what it holds is checked against what its index lists, within two frames
     if frames and listed and end - first + 2 * (end - first) / frames + 2 * precision < listed:
-        raise Rejected("truncated", f"the file ends {end - first:.3f} s in; its index says the video lasts {listed:.3f} s")
+        raise Rejected("truncated",
+                       f"the file ends {end - first:.3f} s in; its index says the video lasts {listed:.3f} s")
     if frames < 2:
         raise Rejected("too_few_frames", f"{frames} frame{'s' * (frames != 1)}: a clip needs at least 2")
     duration = end - first
