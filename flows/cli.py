@@ -21,6 +21,30 @@ def _quiet_prefect() -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks,flows,storage")
 
 
+def _home() -> str | None:
+    """For the commands that run the pipeline, where the user's home cannot hold per-user folders:
+    an error for no home at all (Prefect reads it as it loads, whatever PREFECT_HOME says), else
+    None. With a server set, nothing of Prefect's home is needed, so an unwritable one is replaced
+    by a temporary folder (Prefect would warn that it cannot make it); without one, its database
+    needs a real one (flows/server.py says so as it is made). The caches say so where they are
+    written, naming what moves them."""
+    from storage.store import home_problem
+
+    if not (reason := home_problem()):
+        return None
+    if not os.path.isabs(os.path.expanduser("~")):
+        return f"{reason}: set HOME to a folder this user can write in (Prefect, which the pipeline loads, needs one)"
+    if os.environ.get("PREFECT_API_URL") and not os.environ.get("PREFECT_HOME"):
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="precast-prefect-home-")
+        atexit.register(shutil.rmtree, folder, True)
+        os.environ["PREFECT_HOME"] = folder
+    return None
+
+
 def storage_options(items: list[str]) -> dict:
     """`--option key=value` pairs as fsspec options (values parsed as YAML)."""
     import yaml
@@ -64,7 +88,9 @@ def _run_pipeline(config) -> dict:
     from prefect.utilities.urls import url_for
 
     from flows.pipeline import pipeline
+    from flows.server import ensure_server
 
+    ensure_server()
     state = pipeline(config=config, return_state=True)
     result, run = state.result(), state.state_details.flow_run_id
     url = url_for("flow-run", obj_id=run)
@@ -87,16 +113,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_stage(args: argparse.Namespace) -> int:
     from configs.schema import load_config
     from flows.pipeline import stage
+    from flows.server import ensure_server
 
-    _print_result(stage(name=args.name, config=load_config(args.config, args.set)), args.json)
+    config = load_config(args.config, args.set)
+    ensure_server()
+    _print_result(stage(name=args.name, config=config), args.json)
     return 0
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     from configs.schema import load_config
     from flows.deploy import deploy
+    from flows.server import require_server
 
-    names = deploy(load_config(args.config, args.set), nightly_cron=args.nightly, timezone=args.timezone,
+    config = load_config(args.config, args.set)
+    require_server("deploy registers deployments")
+    names = deploy(config, nightly_cron=args.nightly, timezone=args.timezone,
                    home=args.home)
     for name in names:
         print(f"deployed: {name}")
@@ -107,10 +139,12 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     from configs.schema import load_config
     from flows.deploy import submit
+    from flows.server import require_server
 
     if args.set and not args.config:
         raise ValueError("--set needs --config: it changes that config, not the deployed one")
     config = load_config(args.config, args.set) if args.config else None
+    require_server("submit runs a deployment")
     result = submit(args.deployment, config, echo=lambda line: print(line, flush=True))
     if not result["failures"]:
         print(f"{args.deployment}: {result['state']}")
@@ -242,34 +276,34 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
                       help="demo pictures (default 1000) or videos (default 600) to generate when missing")
     demo.add_argument("--family", choices=DEMO_FAMILIES, default=DEMO_FAMILIES[0],
                       help="the tiny models' family (each but the first in precast-demo/models/<family>; wan's: wan-ti2v)")
-    demo.set_defaults(func=cmd_demo)
+    demo.set_defaults(func=cmd_demo, pipeline=True)
 
     run = commands.add_parser("run", help="run the whole pipeline")
     with_config(run)
     run.add_argument("--json", action="store_true", help="print the output URLs as one JSON line")
     run.add_argument("--direct", action="store_true",
                      help="every stage in order in this process, without Prefect (debugging, profiling)")
-    run.set_defaults(func=cmd_run)
+    run.set_defaults(func=cmd_run, pipeline=True)
 
     stage = commands.add_parser("stage", help="run one stage alone, inputs taken from the store")
     stage.add_argument("name", choices=STAGES)
     with_config(stage)
     stage.add_argument("--json", action="store_true", help="print the stage's record as one JSON line")
-    stage.set_defaults(func=cmd_stage)
+    stage.set_defaults(func=cmd_stage, pipeline=True)
 
     deploy = commands.add_parser("deploy", help="register prefect.yaml's deployments with this config as parameters")
     with_config(deploy)
     deploy.add_argument("--nightly", metavar="CRON", help="the nightly schedule (default: prefect.yaml's, 0 2 * * *)")
     deploy.add_argument("--timezone", help="timezone of the nightly schedule (default: prefect.yaml's, UTC)")
     deploy.add_argument("--home", help="the checkout's path on the workers (default: $PRECAST_HOME, else this one)")
-    deploy.set_defaults(func=cmd_deploy)
+    deploy.set_defaults(func=cmd_deploy, pipeline=True)
 
     submit = commands.add_parser("submit", help="run a deployment and follow it; exit 1 with the failed stage's error")
     submit.add_argument("deployment", help="e.g. precast-pipeline/pipeline")
     submit.add_argument("--config", help="YAML config for this run (default: the one it was deployed with)")
     submit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field of --config (repeatable)")
-    submit.set_defaults(func=cmd_submit)
+    submit.set_defaults(func=cmd_submit, pipeline=True)
 
 
 def add_store_commands(commands: argparse._SubParsersAction) -> None:
@@ -353,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _quiet_prefect()
     args = build_parser().parse_args(argv)
+    if getattr(args, "pipeline", False) and (refused := _home()):
+        print(f"precast: {refused}", file=sys.stderr)
+        return 1
     if args.verbose:  # workers and training processes started from here read it too
         os.environ["PRECAST_VERBOSE"] = "1"
     if args.threads:  # before torch loads, here and in every process started from here

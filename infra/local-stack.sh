@@ -40,10 +40,15 @@ export PREFECT_API_AUTH_STRING PREFECT_SERVER_API_AUTH_STRING=$PREFECT_API_AUTH_
 export AWS_ACCESS_KEY_ID=${AWS_ACCESS_KEY_ID:-precast-local} AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY:-precast-local}
 export AWS_DEFAULT_REGION=${AWS_DEFAULT_REGION:-us-east-1}
 
-wait_for() {  # url, what
+wait_for() {  # url, what, pid, log: fails at once, with the end of its log, if the process has exited
   for _ in $(seq 1 120); do
     if "$BIN/python" -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; then
       return 0
+    fi
+    if ! kill -0 "$3" 2>/dev/null; then
+      echo "local-stack: $2 exited before it answered at $1; the end of $4:" >&2
+      tail -n 20 "$4" >&2
+      return 1
     fi
     sleep 0.5
   done
@@ -58,12 +63,16 @@ up() {
   else
     export PREFECT_API_DATABASE_CONNECTION_URL="sqlite+aiosqlite:///$STACK_DIR/prefect.db"
   fi
-  "$BIN/prefect" server start --host 127.0.0.1 --port "$PREFECT_PORT" >"$STACK_DIR/server.log" 2>&1 &
-  echo $! >"$STACK_DIR/server.pid"
   "$BIN/moto_server" -H 127.0.0.1 -p "$S3_PORT" >"$STACK_DIR/s3.log" 2>&1 &
   echo $! >"$STACK_DIR/s3.pid"
-  wait_for "http://127.0.0.1:$PREFECT_PORT/api/health" "the Prefect server"
-  wait_for "http://127.0.0.1:$S3_PORT/" "the S3 endpoint"
+  # the server's database made first, as precast's own temporary server has it (flows/server.py):
+  # a first start's migrations are shown, and a database that cannot be made is named at once
+  "$BIN/python" -m flows.server
+  "$BIN/prefect" server start --host 127.0.0.1 --port "$PREFECT_PORT" >"$STACK_DIR/server.log" 2>&1 &
+  echo $! >"$STACK_DIR/server.pid"
+  wait_for "http://127.0.0.1:$PREFECT_PORT/api/health" "the Prefect server" "$(cat "$STACK_DIR/server.pid")" \
+    "$STACK_DIR/server.log"
+  wait_for "http://127.0.0.1:$S3_PORT/" "the S3 endpoint" "$(cat "$STACK_DIR/s3.pid")" "$STACK_DIR/s3.log"
   "$BIN/python" -c "import s3fs,sys; s3fs.S3FileSystem(endpoint_url=sys.argv[1]).mkdir(sys.argv[2])" \
     "http://127.0.0.1:$S3_PORT" "$S3_BUCKET"
   for pool in "${POOLS[@]}"; do

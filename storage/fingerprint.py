@@ -66,6 +66,9 @@ def hash_folder(folder: str | Path, digest: Callable[[Path], str] = file_sha256)
             for file in sorted(p for p in folder.rglob("*") if p.is_file())}
 
 
+HUB_CACHE_SETTINGS = "HF_HOME (or HF_HUB_CACHE)"  # what moves the hub cache (~/.cache/huggingface/hub)
+
+
 def _not_a_folder(path: str) -> str:
     return f"model.path {path!r} is not a folder on {socket.gethostname()}"
 
@@ -121,11 +124,13 @@ def hub_files(path: str, subfolders: list[str], revision: str | None = None) -> 
         # snapshot lacks
         snapshot = Path(snapshot_download(path, revision=commit, allow_patterns=small))
     except Exception as error:  # unreachable, unknown repo or component: the cache may still know
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):  # the machine's fault
-            from huggingface_hub import constants
+        from huggingface_hub import constants
 
-            from storage.store import disk_full
+        from storage.store import disk_full, refused_write
 
+        if refused := refused_write(error, constants.HF_HUB_CACHE, HUB_CACHE_SETTINGS):  # the machine's fault
+            raise refused from error
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             raise disk_full(constants.HF_HUB_CACHE, "room for the model's small files", error.errno) from error
         reason = f"the hub's listing could not be read ({type(error).__name__}: {error})"
         return {sub: cached_files(path, sub, revision, reason) for sub in subfolders}

@@ -79,6 +79,53 @@ def free_bytes(path: str | Path) -> int:
     return shutil.disk_usage(folder).free
 
 
+class UnusableFolder(RuntimeError):
+    """A per-user folder (a cache, Prefect's database) that cannot be had: no home to hold it, or
+    a folder this user cannot write in. The message names the variable that moves it."""
+
+
+# a write refused by the folder, not the disk's space: permissions, a read-only disk, a file where a folder should be
+REFUSED_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
+
+
+def home_problem() -> str | None:
+    """Why the user's home directory cannot hold per-user folders, in words, or None when it can:
+    HOME unset for a user the system does not know (a container's numeric user), or a HOME that
+    is not a folder this user can write in (or create)."""
+    home = os.path.expanduser("~")
+    if not os.path.isabs(home):
+        return f"HOME is unset and user {os.getuid()} has no entry in the system's user database"
+    folder = Path(home)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        return f"the home directory {home} is not a folder this user can write in"
+    return None
+
+
+def user_folder(variable: str, default: str, holds: str) -> Path:
+    """The folder the environment variable `variable` names, else `default` (e.g. ".cache/precast")
+    under the user's home; UnusableFolder naming `variable` when it is unset and the home cannot
+    hold `holds` (words for what the folder is for)."""
+    if os.environ.get(variable):
+        return Path(os.environ[variable]).expanduser()
+    if reason := home_problem():
+        raise UnusableFolder(f"{reason}, so there is no ~/{default} for {holds}: set {variable} to a writable "
+                             "folder (or HOME to a writable home)")
+    return Path.home() / default
+
+
+def refused_write(error: BaseException, folder: str | Path, moved_by: str) -> UnusableFolder | None:
+    """The error to raise for `error` when it is a write that `folder` (or a path inside it)
+    refused, naming `moved_by`, the settings that move the folder; else None."""
+    if not isinstance(error, OSError) or error.errno not in REFUSED_ERRNOS or not error.filename:
+        return None
+    if not os.path.abspath(error.filename).startswith(os.path.abspath(folder)):
+        return None
+    return UnusableFolder(f"{folder} cannot be written ({error.strerror}: {error.filename}): set {moved_by} to a "
+                          "folder this user can write in")
+
+
 def size_text(count: int) -> str:
     return f"{count / 1e6:,.1f} MB ({count:,} B)"
 
@@ -92,14 +139,19 @@ def disk_full(path: str | Path, needed: int | str | None, code: int = errno.ENOS
 
 
 @contextlib.contextmanager
-def space_for(path: str | Path, needed: int | str | Callable[[], int] | None) -> Iterator[None]:
+def space_for(path: str | Path, needed: int | str | Callable[[], int] | None,
+              moved_by: str | None = None) -> Iterator[None]:
     """A write to local disk at `path` of `needed` bytes (a count, a callable giving it, or words):
-    a full disk or quota (ENOSPC, EDQUOT) is raised as `disk_full`; nothing else is touched."""
+    a full disk or quota (ENOSPC, EDQUOT) is raised as `disk_full`, and, where `moved_by` names
+    the settings that move `path`, a write the folder refuses as `refused_write`; nothing else is
+    touched."""
     try:
         yield
     except DiskFull:
         raise
     except OSError as error:
+        if moved_by and (refused := refused_write(error, path, moved_by)):
+            raise refused from error
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise disk_full(path, needed() if callable(needed) else needed, error.errno) from error
@@ -362,7 +414,7 @@ class Store:
         if self.is_local:
             self._check(key, file_sha256(self.path(key)), expected)
             return self.path(key)
-        cache = Path(cache_dir or os.environ.get("PRECAST_CACHE", Path.home() / ".cache" / "precast"))
+        cache = Path(cache_dir or user_folder("PRECAST_CACHE", ".cache/precast", "local copies of remote artifacts"))
         target = cache / hashlib.sha256(self.url(key).encode()).hexdigest()[:32] / key.rsplit("/", 1)[-1]
         if target.exists() and file_sha256(target) == expected:
             return str(target)

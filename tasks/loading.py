@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from storage.fingerprint import HUB_CACHE_SETTINGS
 from storage.store import space_for
 from tasks.log_filter import quiet_diffusers
 
@@ -41,7 +42,7 @@ def serialised(load):
         from huggingface_hub import constants
 
         with LOAD_LOCK, space_for(constants.HF_HUB_CACHE, "room for the model's files (HF_HOME / HF_HUB_CACHE "
-                                                          "move the hub cache)"):
+                                                          "move the hub cache)", moved_by=HUB_CACHE_SETTINGS):
             return load(*args, **kwargs)
 
     return locked

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -242,3 +243,29 @@ def test_an_unknown_repo_is_refused_by_name(hub):
     with pytest.raises(FileNotFoundError, match=r"'precast/no-such-model'.*vae/ could not be fingerprinted"
                                                 r"(.|\n)*RepositoryNotFoundError"):
         component_fingerprint("precast/no-such-model", ["vae"])
+
+
+def test_a_hub_cache_this_user_cannot_write_is_refused_naming_what_moves_it(hub, tmp_path, monkeypatch):
+    """A home this user cannot write in (a container's HOME=/ for a numeric user) holds no hub
+    cache: fingerprinting a hub id, and a worker's load of it (its family read from the hub, or
+    already known), say which settings move the cache."""
+    from huggingface_hub import constants
+
+    from storage.store import UnusableFolder
+    from tasks.families import model_json
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a path through a file: no user, root included, can make a folder there
+    refused = rf"{re.escape(str(blocked / 'hub'))} cannot be written \(Not a directory: .*\): set HF_HOME \(or " \
+              r"HF_HUB_CACHE\) to a folder this user can write in"
+    model_json.cache_clear()
+    family_of(ModelConfig(path=REPO))  # the family known (from a cache this user could write)
+    with monkeypatch.context() as patch:
+        patch.setattr(constants, "HF_HUB_CACHE", str(blocked / "hub"))
+        with pytest.raises(UnusableFolder, match=refused):
+            fingerprints(REPO)
+        with pytest.raises(UnusableFolder, match=refused):
+            load_workers_models(REPO)
+        model_json.cache_clear()
+        with pytest.raises(UnusableFolder, match=refused):
+            load_workers_models(REPO)
