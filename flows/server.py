@@ -106,10 +106,13 @@ def ensure_server(echo: Callable[[str], None] = _stderr) -> None:
         SubprocessASGIServer().start()  # the instance Prefect's clients in this process use
     except RuntimeError as error:
         wait = settings.server.ephemeral.startup_timeout_seconds
-        raise RuntimeError(
-            f"{error} Its database was ready; the server did not answer within {wait} s. On a slow machine set "
-            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS higher, or start a server (infra/local-stack.sh up, "
-            "or `prefect server start`) and set PREFECT_API_URL to it") from error
+        if "exited with code" in str(error):  # its own lines above say why
+            advice = "the server stopped as it started: fix what its lines above name"
+        else:
+            advice = (f"the server did not answer within {wait} s: on a slow machine set "
+                      "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS higher")
+        raise RuntimeError(f"{error} Its database was ready; {advice}, or start a server (infra/local-stack.sh up, "
+                           "or `prefect server start`) and set PREFECT_API_URL to it") from error
 
 
 def require_server(what: str) -> None:
