@@ -7,6 +7,8 @@ text or latent caches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -19,6 +21,41 @@ QUICKSTART = CONFIG_DIR / "quickstart.yaml"
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Whether a field counts in the identity of what its stage makes (the dataset's rules, a text
+    or latent cache's fingerprint, a run's id): declared beside every field of the sections those
+    are made of, and read by tasks/identity.py alone. A field that can change the output counts;
+    one that changes only how it is made (a device, a batch size, concurrency) does not. `when`
+    (the section, the field's name): counted only while it holds. `through`: not counted itself,
+    only through the section's property of that name, which the identity holds."""
+    counts: bool
+    when: Callable[[Section, str], bool] | None = None
+    through: str | None = None
+
+    def applies(self, section: Section, name: str) -> bool:
+        return self.counts and (self.when is None or self.when(section, name))
+
+
+def _not_default(section: Section, name: str) -> bool:
+    return getattr(section, name) != type(section).model_fields[name].get_default(call_default_factory=True)
+
+
+COUNTED = Identity(True)
+# where and how fast an output is made (devices, batch sizes, concurrency, memory modes whose math
+# is the same: checkpointing recomputes exactly, compiled blocks compute the same within float
+# tolerance, as another device does), and what is only logged or written beside it
+NOT_COUNTED = Identity(False)
+# a setting added after ids were made: at its default it is left out, so every older id stands
+IF_NOT_DEFAULT = Identity(True, _not_default)
+# settings their section uses in one mode only: changing one in another mode must not change an id
+IF_RANDOM_CROP = Identity(True, lambda latents, name: latents.crop == "random")
+IF_MODE = Identity(True, lambda training, name: training.timestep_sampling == "mode")
+# how the global batch is split over nodes, processes and accumulation: the run id holds the
+# micro-batches a step takes, so a run is the same run on any number of nodes
+IN_MICRO_BATCHES = Identity(False, through="micro_batches")
 
 
 class StorageConfig(Section):
@@ -65,8 +102,8 @@ class StorageConfig(Section):
         Prefect UI): a credential there would be everywhere."""
         if found := credential_keys(options):
             raise ValueError(f"options holds credentials ({', '.join(found)}): they would be copied wherever the "
-                             "config goes (deployments, run pages, lineage). Give them in the environment, the "
-                             "node's role, or a Prefect Secret block named in storage.credentials_block")
+        "config goes (deployments, run pages, lineage). Give them in the environment, the "
+        "node's role, or a Prefect Secret block named in storage.credentials_block")
         return options
 
 
@@ -74,7 +111,7 @@ class StorageConfig(Section):
 # and gcsfs's `token` values that only name where credentials come from
 CREDENTIAL_OPTIONS = {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key",
                       "aws_session_token", "account_key", "sas_token", "connection_string", "client_secret",
-                      "credentials"}
+        "credentials"}
 CREDENTIAL_SOURCES = {"anon", "google_default", "cloud", "cache", "browser"}
 
 
@@ -88,55 +125,60 @@ def credential_keys(options: Any, where: str = "") -> list[str]:
 
 
 class SourceConfig(Section):
-    path: str = Field(
+    path: Annotated[str, COUNTED] = Field(
         ..., description="Local path or fsspec URL (s3://…) of a folder, a metadata.jsonl/.csv, a parquet file or "
         "folder of them, or a webdataset .tar or folder of them."
     )
-    format: Literal["auto", "folder", "jsonl", "csv", "parquet", "webdataset"] = Field(
+    format: Annotated[Literal["auto", "folder", "jsonl", "csv", "parquet", "webdataset"], COUNTED] = Field(
         "auto",
         description="folder: images with sibling .txt/.caption files (one caption variant per line); jsonl/csv: "
         "HF-style metadata with file_name and a caption column; parquet: image bytes and caption columns; "
         "webdataset: tars of x.jpg + x.txt/x.json. auto: by extension or by what the folder holds.",
     )
-    caption_column: str = Field("text", description="Caption field of jsonl/csv/parquet rows and webdataset .json.")
-    image_column: str = Field("image", description="Parquet column with image bytes (or a struct with `bytes`).")
-    file_column: str = Field("file_name", description="jsonl/csv field with the image path, relative to the file.")
+    caption_column: Annotated[str, COUNTED] = Field(
+        "text", description="Caption field of jsonl/csv/parquet rows and webdataset .json.")
+    image_column: Annotated[str, COUNTED] = Field(
+        "image", description="Parquet column with image bytes (or a struct with `bytes`).")
+    file_column: Annotated[str, COUNTED] = Field(
+        "file_name", description="jsonl/csv field with the image path, relative to the file.")
 
 
 class VideoConfig(Section):
-    frames: int = Field(
+    frames: Annotated[int, COUNTED] = Field(
         81, ge=2, le=1024, description="Frames per clip, after resampling to fps. The model family may require a "
         "count (Wan: 4N + 1, such as 17, 33, 49, 81); clips of another count are quarantined when latents are "
         "encoded, naming the rule.",
     )
-    frame_buckets: list[Annotated[int, Field(ge=2, le=1024)]] = Field(
+    frame_buckets: Annotated[list[Annotated[int, Field(ge=2, le=1024)]], IF_NOT_DEFAULT] = Field(
         default_factory=list, description="Shorter clip lengths for videos too short for `frames`: each video's clips "
         "take the longest of `frames` and these that it holds (diffusion-pipe's frame_buckets, musubi-tuner's "
         "target_frames; Wan: 4N + 1 each, such as [17, 33, 49]), none longer than `frames`. Empty: `frames` only; "
         "a shorter video is quarantined as too_short.",
     )
-    fps: float | None = Field(
+    fps: Annotated[float | None, COUNTED] = Field(
         16.0, gt=0, le=240, description="Frames per second clips are resampled to, by the frames' own timestamps "
         "(Wan 2.1 was trained at 16). None: each video's own average rate.",
     )
-    clips: Literal["head", "uniform", "sliding"] = Field(
+    clips: Annotated[Literal["head", "uniform", "sliding"], COUNTED] = Field(
         "head", description="Where a video's clips start: head: one, at the start; uniform: max_clips spread evenly "
         "from the start to the end; sliding: every `stride` frames from the start, at most max_clips.",
     )
-    max_clips: int = Field(1, ge=1, le=10_000, description="Clips a video gives at most (uniform, sliding).")
-    stride: int | None = Field(
+    max_clips: Annotated[int, COUNTED] = Field(
+        1, ge=1, le=10_000, description="Clips a video gives at most (uniform, sliding).")
+    stride: Annotated[int | None, COUNTED] = Field(
         None, ge=1, description="sliding: frames (at fps) from one clip's start to the next. None: the clips' length, "
         "clips that do not overlap.",
     )
-    frame_pixels: int = Field(
+    frame_pixels: Annotated[int, COUNTED] = Field(
         1280 * 720, ge=64 * 64, description="Frames are stored scaled down to at most this many pixels (a clip is "
         "stored as an animated WebP); the latent stage crops and scales them to its buckets as it does pictures.",
     )
-    quality: int = Field(92, ge=1, le=100, description="WebP quality of the stored frames.")
-    max_seconds: float = Field(
+    quality: Annotated[int, COUNTED] = Field(92, ge=1, le=100, description="WebP quality of the stored frames.")
+    max_seconds: Annotated[float, COUNTED] = Field(
         3600.0, gt=0, description="Videos longer than this are quarantined unread (a duration bomb).",
     )
-    max_bytes: int = Field(2 << 30, ge=1, description="Video files larger than this are quarantined unread.")
+    max_bytes: Annotated[int, COUNTED] = Field(
+        2 << 30, ge=1, description="Video files larger than this are quarantined unread.")
 
     @model_validator(mode="after")
     def _clip_lengths(self) -> VideoConfig:
@@ -151,25 +193,27 @@ class VideoConfig(Section):
 
 
 class DatasetConfig(Section):
-    sources: list[SourceConfig] = Field(
+    sources: Annotated[list[SourceConfig], COUNTED] = Field(
         ..., min_length=1, description="Where the training images and captions come from (at least one source).",
     )
-    shard_size: int = Field(256, ge=1, description="Samples per image shard (one encoding task per shard).")
-    min_side: int = Field(64, ge=1, description="Images whose shorter side is below this are quarantined.")
-    max_pixels: int = Field(
+    shard_size: Annotated[int, COUNTED] = Field(
+        256, ge=1, description="Samples per image shard (one encoding task per shard).")
+    min_side: Annotated[int, COUNTED] = Field(
+        64, ge=1, description="Images whose shorter side is below this are quarantined.")
+    max_pixels: Annotated[int, COUNTED] = Field(
         89_478_485, ge=1, description="Images with more pixels than this are quarantined (decompression bombs)."
     )
-    read_concurrency: int = Field(
+    read_concurrency: Annotated[int, NOT_COUNTED] = Field(
         32, ge=1, description="Source objects read (and images checked) at once: enough requests in flight to hide "
         "an object store's per-request latency (~20 ms on S3). A local source uses at most one thread per core: "
         "there is no latency to hide, and Pillow decodes in parallel threads. On workers: per worker.",
     )
-    partition_size: int = Field(
+    partition_size: Annotated[int, NOT_COUNTED] = Field(
         1000, ge=1, description="When ingest runs on workers (execution.workers > 1 or execution.cluster): units (an "
         "image with its caption file or metadata row, or a whole parquet or tar file) a worker reads and examines in "
         "one task, up to 256 MiB of them. Outputs do not depend on it.",
     )
-    video: VideoConfig = Field(
+    video: Annotated[VideoConfig, IF_NOT_DEFAULT] = Field(
         default_factory=VideoConfig, description="How video files (mp4, mov, webm, mkv) become clips, a sample each. "
         "Pictures are one-frame samples.",
     )
@@ -194,10 +238,10 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 
 
 class TextEncodingConfig(Section):
-    max_length: int | None = Field(
+    max_length: Annotated[int | None, COUNTED] = Field(
         None, ge=1, description="T5 token limit; longer captions are truncated. None: the model family's own, as its "
         "pipeline is called (docs/families.md gives each family's).")
-    caption_preprocessing: Literal["diffusers", "none"] = Field(
+    caption_preprocessing: Annotated[Literal["diffusers", "none"], COUNTED] = Field(
         "diffusers",
         description="What T5 reads of a caption or prompt. diffusers: exactly what the model family's diffusers "
         "pipeline feeds its tokenizer by default (e.g. its own clean_caption: lowercased; URLs, HTML, hashtags, IDs "
@@ -205,206 +249,218 @@ class TextEncodingConfig(Section):
         "written. Applied alike to captions, sample prompts and `precast sample`; part of the encoder "
         "fingerprint.",
     )
-    dtype: Literal["fp32", "bf16", "fp16", "int8"] = Field(
+    dtype: Annotated[Literal["fp32", "bf16", "fp16", "int8"], COUNTED] = Field(
         "bf16",
         description="T5 precision. fp16 loads through from_pretrained(dtype=float16), which keeps T5's wo layers "
         "in fp32; int8 is torchao int8 weight-only quantisation with bf16 activations. Embeddings are stored in "
         "the activation dtype (fp32, bf16, fp16; bf16 for int8).",
     )
-    offload: Literal["none", "model", "sequential"] = Field(
+    offload: Annotated[Literal["none", "model", "sequential"], NOT_COUNTED] = Field(
         "none",
         description="none: T5 lives on the device. model: weights wait in CPU memory and move to the device for "
         "each shard. sequential: each layer moves to the device only for its own forward (T5-XXL on a GPU "
         "smaller than its weights). Results do not depend on it.",
     )
-    batch_tokens: int = Field(
+    batch_tokens: Annotated[int, NOT_COUNTED] = Field(
         16384, ge=1, description="Token budget of one encoder batch (captions are sorted by length first)."
     )
-    numerics_samples: int = Field(
+    numerics_samples: Annotated[int, NOT_COUNTED] = Field(
         8, ge=0, description="Captions re-encoded in fp32 to measure the precision's error (0: skip the check)."
     )
-    device: str = Field("auto", description="Torch device for T5: auto, cpu, cuda, cuda:1, …")
+    device: Annotated[str, NOT_COUNTED] = Field("auto", description="Torch device for T5: auto, cpu, cuda, cuda:1, …")
 
 
 class LatentEncodingConfig(Section):
-    resolution: int = Field(
+    resolution: Annotated[int, COUNTED] = Field(
         512, ge=64, le=4096, description="Base resolution in pixels: the model family's aspect-ratio buckets for it "
         "(as its diffusers pipeline or its trainers bucket). A family with fixed tables has them for 256, 512, 1024 "
         "and 2048 and refuses other sizes before any stage runs; area buckets (FLUX.1, SD3, Chroma, Wan) take any side, "
         "the buckets' area its square's: 632 gives Wan 2.1's 480p (832 x 480), 960 its 720p (1280 x 720). Samples "
         "are drawn at the most nearly square bucket."
     )
-    crop: Literal["center", "random"] = Field(
+    crop: Annotated[Literal["center", "random"], COUNTED] = Field(
         "center", description="Crop after resizing to cover the bucket: centre (the families' own recipes) or "
         "random, seeded by crop_seed and the sample id. The crop box is recorded per sample."
     )
-    crop_seed: int = Field(0, description="Seed of random crops.")
-    posterior: Literal["mean_std", "mean_logvar", "mean"] = Field(
+    crop_seed: Annotated[int, IF_RANDOM_CROP] = Field(0, description="Seed of random crops.")
+    posterior: Annotated[Literal["mean_std", "mean_logvar", "mean"], COUNTED] = Field(
         "mean_std", description="What is stored of the VAE posterior: mean and std (training samples a fresh latent "
         "each epoch), mean and log-variance, or the mean only."
     )
-    flip: bool = Field(False, description="Also store the posterior of the horizontally flipped image.")
-    dtype: Dtype = Field(
+    flip: Annotated[bool, COUNTED] = Field(
+        False, description="Also store the posterior of the horizontally flipped image.")
+    dtype: Annotated[Dtype, COUNTED] = Field(
         "fp32", description="Precision of the VAE encoder; a non-finite result is re-encoded in fp32, and a sample "
         "still non-finite is quarantined."
     )
-    storage_dtype: Dtype = Field("fp16", description="Precision of the stored posterior.")
-    batch_size: int = Field(8, ge=1, description="Images per VAE call (one bucket per batch).")
-    tiling: bool = Field(
+    storage_dtype: Annotated[Dtype, COUNTED] = Field("fp16", description="Precision of the stored posterior.")
+    batch_size: Annotated[int, NOT_COUNTED] = Field(8, ge=1, description="Images per VAE call (one bucket per batch).")
+    tiling: Annotated[bool, COUNTED] = Field(
         False, description="Tiled VAE encoding, for large resolutions on small GPUs (changes the latents slightly).")
-    slicing: bool = Field(False, description="Encode a batch one image at a time inside the VAE (less memory).")
-    device: str = Field("auto", description="Torch device for the VAE: auto, cpu, cuda, …")
+    slicing: Annotated[bool, NOT_COUNTED] = Field(
+        False, description="Encode a batch one image at a time inside the VAE (less memory).")
+    device: Annotated[str, NOT_COUNTED] = Field("auto", description="Torch device for the VAE: auto, cpu, cuda, …")
 
 
 class TrainingConfig(Section):
-    method: Literal["lora", "full"] = Field(
+    method: Annotated[Literal["lora", "full"], COUNTED] = Field(
         "lora", description="lora: a PEFT LoRA adapter on the frozen transformer; full: every transformer weight "
         "(saved in diffusers format)."
     )
-    init_from: str = Field(
+    init_from: Annotated[str, COUNTED] = Field(
         "none", description="none; latest: continue from the newest finished LoRA run of this model in the store "
         "(nightly retraining); or a run/adapter URL. Only the weights carry over, not the optimizer."
     )
-    rank: int = Field(32, ge=1, description="LoRA rank r.")
-    alpha: float = Field(16.0, gt=0, description="LoRA alpha (the scale is alpha / rank).")
-    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch.")
-    target_modules: list[str] | None = Field(
+    rank: Annotated[int, COUNTED] = Field(32, ge=1, description="LoRA rank r.")
+    alpha: Annotated[float, COUNTED] = Field(16.0, gt=0, description="LoRA alpha (the scale is alpha / rank).")
+    lora_dropout: Annotated[float, COUNTED] = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch.")
+    target_modules: Annotated[list[str] | None, COUNTED] = Field(
         None, description="Transformer modules that get LoRA layers (PEFT target_modules). None: the model family's "
         "own (attention q/k/v/out and feed-forward; docs/families.md).",
     )
-    steps: int = Field(1000, ge=1, description="Optimizer steps.")
-    batch_size: int = Field(
+    steps: Annotated[int, COUNTED] = Field(1000, ge=1, description="Optimizer steps.")
+    batch_size: Annotated[int, COUNTED] = Field(
         4, ge=1, description="Samples per micro-batch of one process (what fits its device); a micro-batch comes "
         "from one aspect-ratio bucket.")
-    optimizer: Literal["adamw", "adamw8bit"] = Field(
+    optimizer: Annotated[Literal["adamw", "adamw8bit"], COUNTED] = Field(
         "adamw", description="adamw (torch) or adamw8bit (bitsandbytes: 8-bit optimizer state, about a quarter of "
         "AdamW's memory for large tensors)."
     )
-    learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate after warm-up.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    ema_decay: float = Field(
+    learning_rate: Annotated[float, COUNTED] = Field(1e-4, gt=0, description="AdamW learning rate after warm-up.")
+    weight_decay: Annotated[float, COUNTED] = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: Annotated[int, COUNTED] = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    max_grad_norm: Annotated[float, COUNTED] = Field(1.0, gt=0, description="Gradient clipping norm.")
+    ema_decay: Annotated[float, COUNTED] = Field(
         0.0, ge=0, lt=1, description="Decay of an exponential moving average of the trained weights (0: off); "
         "when on, the averaged weights are what the run saves."
     )
-    caption_dropout: float = Field(
+    caption_dropout: Annotated[float, COUNTED] = Field(
         0.1, ge=0, le=1, description="Probability of training on the empty caption (for classifier-free guidance)."
     )
-    image_to_video: float = Field(
+    image_to_video: Annotated[float, COUNTED] = Field(
         0.0, ge=0, le=1, description="Share of the clips (of more than one latent frame) trained image to video, for a "
         "family whose pipeline also samples from a first frame (Wan 2.2 TI2V: WanImageToVideoPipeline with "
         "expand_timesteps): the first latent frame given clean at timestep 0, the loss on the frames after it; "
         "the others train text to video (and the validation loss is text to video, so runs compare). 0: text to "
         "video only."
     )
-    image_to_video_warmup: int = Field(
+    image_to_video_warmup: Annotated[int, IF_NOT_DEFAULT] = Field(
         0, ge=0, description="Steps at the start of the run in which every clip trains image to video (as "
         "image_to_video describes), before image_to_video's share takes over: a model first learns how the words "
         "move a given first frame, then also to draw the first frame from text (the wan demo: 2,000 of 6,000 steps, "
         "then 0.2). 0: image_to_video's share from the first step."
     )
-    gradient_accumulation: int = Field(
+    gradient_accumulation: Annotated[int, IN_MICRO_BATCHES] = Field(
         1, ge=1, description="Micro-batches each process adds up per optimizer step (when global_batch is not set).")
-    global_batch: int | None = Field(
+    global_batch: Annotated[int | None, IN_MICRO_BATCHES] = Field(
         None, ge=1, description="Samples per optimizer step over every process of every node. Set, each process "
         "accumulates global_batch / (batch_size × processes × nodes) micro-batches, so a run trains the same "
         "(same id, same results within float tolerance) on any number of nodes and processes that divides it; "
         "gradient_accumulation must then stay 1. None: batch_size × gradient_accumulation × processes × nodes.")
-    batch_tokens: int | None = Field(
+    batch_tokens: Annotated[int | None, COUNTED] = Field(
         None, ge=1, description="Image tokens per micro-batch instead of a sample count: a bucket whose images are t "
         "tokens each (latent height × width / patch²) gets batch_tokens // t samples (at least 1), so every "
         "micro-batch carries about the same work and small buckets fill the device. None: batch_size samples.")
-    gradient_checkpointing: Literal["none", "recompute", "offload"] = Field(
+    gradient_checkpointing: Annotated[Literal["none", "recompute", "offload"], NOT_COUNTED] = Field(
         "none", description="none: keep every activation for backward; recompute: keep only each transformer "
         "block's input and recompute the block in backward (less memory, ~1/3 more compute); offload: recompute, "
         "and the kept block inputs wait in pinned host memory (non-blocking copies), so the device holds almost no "
         "activations. The same weights in every mode. true/false read as recompute/none.")
-    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+    mixed_precision: Annotated[Literal["no", "bf16", "fp16"], COUNTED] = Field(
         "no", description="Autocast precision of the forward pass; fp16 also scales the loss (GradScaler)."
     )
-    base_precision: Literal["fp32", "bf16", "fp16", "int8", "fp8"] = Field(
+    base_precision: Annotated[Literal["fp32", "bf16", "fp16", "int8", "fp8"], COUNTED] = Field(
         "fp32", description="How the frozen transformer weights are held for LoRA (the LoRA weights, optimizer state "
         "and loss stay fp32): fp32; bf16 or fp16 (half the memory; needs mixed_precision of the same type); int8 "
         "or fp8 (e4m3, weight-only, torchao: a quarter; each weight is widened as its layer runs). method full "
         "trains in fp32.")
-    timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
+    timestep_sampling: Annotated[Literal["uniform", "logit_normal", "mode"], COUNTED] = Field(
         "uniform", description="How training timesteps are drawn (diffusers' compute_density_for_timestep_sampling): "
         "uniform over the schedule; logit_normal: sigmoid of N(logit_mean, logit_std), favouring the middle of the "
         "schedule; mode: the mode-weighted density of the SD3 paper, shaped by mode_scale.")
-    logit_mean: float = Field(0.0, description="Mean of the logit-normal timestep distribution.")
-    logit_std: float = Field(1.0, gt=0, description="Standard deviation of the logit-normal timestep distribution.")
-    mode_scale: float = Field(1.29, description="Scale of the mode timestep density (SD3's and diffusers' default "
-                              "1.29; 0 is uniform); used only by timestep_sampling mode.")
-    loss_weighting: Literal["none", "min_snr", "sigma_sqrt", "cosmap"] = Field(
+    logit_mean: Annotated[float, COUNTED] = Field(0.0, description="Mean of the logit-normal timestep distribution.")
+    logit_std: Annotated[float, COUNTED] = Field(
+        1.0, gt=0, description="Standard deviation of the logit-normal timestep distribution.")
+    mode_scale: Annotated[float, IF_MODE] = Field(
+        1.29, description="Scale of the mode timestep density (SD3's and diffusers' default "
+        "1.29; 0 is uniform); used only by timestep_sampling mode.")
+    loss_weighting: Annotated[Literal["none", "min_snr", "sigma_sqrt", "cosmap"], COUNTED] = Field(
         "none", description="none: every timestep weighs the same (the families' own); min_snr (DDPM families): "
         "Min-SNR-γ weighting, min(SNR, γ) / SNR for epsilon, / (SNR + 1) for v_prediction, min(SNR, γ) for sample; "
         "sigma_sqrt, cosmap (flow-matching families): σ⁻² and 2 / (π(1 − 2σ + 2σ²)), diffusers' "
         "compute_loss_weighting_for_sd3.")
-    min_snr_gamma: float = Field(5.0, gt=0, description="γ of min_snr loss weighting.")
-    log_every: int = Field(
+    min_snr_gamma: Annotated[float, COUNTED] = Field(5.0, gt=0, description="γ of min_snr loss weighting.")
+    log_every: Annotated[int, NOT_COUNTED] = Field(
         10, ge=1, description="Steps between the losses leaving the device (metrics, log, progress): the loop never "
         "waits for the device in between. Also at validation, checkpoints and the last step.")
-    prefetch: int = Field(2, ge=1, description="Batches read ahead of the device (with an accelerator).")
-    compile: bool = Field(False, description="torch.compile each transformer block (compiles once per bucket shape).")
-    checkpoint_every: int = Field(
+    prefetch: Annotated[int, NOT_COUNTED] = Field(
+        2, ge=1, description="Batches read ahead of the device (with an accelerator).")
+    compile: Annotated[bool, NOT_COUNTED] = Field(
+        False, description="torch.compile each transformer block (compiles once per bucket shape).")
+    checkpoint_every: Annotated[int, NOT_COUNTED] = Field(
         500, ge=0, description="Steps between resumable checkpoints (0: none). A re-run resumes from the latest."
     )
-    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept in the run folder.")
-    seed: int = Field(0, description="Seed of data order, noise and LoRA initialisation.")
-    sample_prompts: list[str] = Field(
+    keep_checkpoints: Annotated[int, NOT_COUNTED] = Field(
+        2, ge=1, description="Newest checkpoints kept in the run folder.")
+    seed: Annotated[int, COUNTED] = Field(0, description="Seed of data order, noise and LoRA initialisation.")
+    sample_prompts: Annotated[list[str], COUNTED] = Field(
         default_factory=lambda: ["a red circle on a blue background"],
         description="Prompts rendered into the run's sample grid (encoded by the text stage, not here).",
     )
-    sample_first_frames: list[str] = Field(
+    sample_first_frames: Annotated[list[str], COUNTED] = Field(
         default_factory=list,
         description="Pictures (paths or URLs, read with the storage options) the sample videos start from, one a "
         "sample prompt in order: drawn image to video by the family's image-to-video pipeline (Wan 2.2 TI2V: "
         "WanImageToVideoPipeline), to see what training.image_to_video learns. Empty: drawn from text alone.",
     )
-    sample_every: int = Field(0, ge=0, description="Steps between sample grids during training (0: at the end only).")
-    validation_samples: int = Field(
+    sample_every: Annotated[int, COUNTED] = Field(
+        0, ge=0, description="Steps between sample grids during training (0: at the end only).")
+    validation_samples: Annotated[int, COUNTED] = Field(
         8, ge=0, description="Samples of the manifest held out of training (chosen by a hash of seed and sample id) "
         "to score a validation loss with fixed draws, noise and timesteps (0: no validation)."
     )
-    validation_every: int = Field(
+    validation_every: Annotated[int, COUNTED] = Field(
         50, ge=0, description="Steps between validation losses (0: at the end only); logged in metrics.jsonl, the "
         "loss curve and the run's progress."
     )
-    sample_steps: int = Field(20, ge=1, description="Denoising steps per sample image.")
-    sample_fps: float = Field(16.0, gt=0, le=240, description="Frames a second of the sample videos of a run on clips "
-                              "(the run's samples/step-N.webp; `precast sample`'s default): the clips' `dataset.video.fps` "
-                              "shows motion at the speed the clips show it (16: Wan's).")
-    guidance_scale: float = Field(4.5, ge=1, description="Guidance scale of the samples: classifier-free guidance, "
-                                  "or the guidance input of a guidance-distilled transformer (which training gives it too).")
-    true_cfg_scale: float = Field(1.0, ge=1, description="Classifier-free guidance of the samples on top of the "
-                                  "guidance input of a guidance-distilled transformer (its pipeline's true_cfg_scale): "
-                                  "for a transformer trained on dropped captions; 1: none. Unused where guidance_scale "
-                                  "is the classifier-free guidance.")
-    processes: int = Field(
+    sample_steps: Annotated[int, COUNTED] = Field(20, ge=1, description="Denoising steps per sample image.")
+    sample_fps: Annotated[float, NOT_COUNTED] = Field(
+        16.0, gt=0, le=240, description="Frames a second of the sample videos of a run on clips "
+        "(the run's samples/step-N.webp; `precast sample`'s default): the clips' `dataset.video.fps` "
+        "shows motion at the speed the clips show it (16: Wan's).")
+    guidance_scale: Annotated[float, COUNTED] = Field(
+        4.5, ge=1, description="Guidance scale of the samples: classifier-free guidance, "
+        "or the guidance input of a guidance-distilled transformer (which training gives it too).")
+    true_cfg_scale: Annotated[float, IF_NOT_DEFAULT] = Field(
+        1.0, ge=1, description="Classifier-free guidance of the samples on top of the "
+        "guidance input of a guidance-distilled transformer (its pipeline's true_cfg_scale): "
+        "for a transformer trained on dropped captions; 1: none. Unused where guidance_scale "
+        "is the classifier-free guidance.")
+    processes: Annotated[int, IN_MICRO_BATCHES] = Field(
         1, ge=1, description="Data-parallel training processes per node: one per GPU (NCCL), or CPU processes "
         "(gloo). Each takes every n-th micro-batch of the global batch; gradients are averaged."
     )
-    nodes: int = Field(
+    nodes: Annotated[int, IN_MICRO_BATCHES] = Field(
         1, ge=1, description="Nodes that train together, each running `processes` processes. Above 1 the train stage "
         "starts one flow run per node through execution.placement's train deployment; they find each other through "
         "the store (rank 0 publishes its address) and train as one torch.distributed group."
     )
-    node_timeout: float = Field(
+    node_timeout: Annotated[float, NOT_COUNTED] = Field(
         300.0, gt=0, description="Seconds a node may stay silent (no heartbeat, a collective not completing, not "
         "joining) before the whole run fails naming it; a re-run resumes from the last checkpoint."
     )
-    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+    trackers: Annotated[list[Literal["tensorboard", "mlflow", "wandb"]], NOT_COUNTED] = Field(
         default_factory=lambda: ["tensorboard"], description="Experiment trackers that get the losses, learning rate, "
         "gradient norm, samples/s, peak memory, sample grids and the run's config and lineage: tensorboard (event "
         "files in the run folder on the store), mlflow (to mlflow_tracking_uri), wandb (as WANDB_* say; "
         "WANDB_MODE=offline needs no network). mlflow and wandb are the package's extras. A tracker that fails "
         "warns and is dropped; training never fails or waits for one.")
-    tracker_project: str = Field("precast", description="The MLflow experiment and W&B project runs are logged to.")
-    mlflow_tracking_uri: str | None = Field(
+    tracker_project: Annotated[str, NOT_COUNTED] = Field(
+        "precast", description="The MLflow experiment and W&B project runs are logged to.")
+    mlflow_tracking_uri: Annotated[str | None, NOT_COUNTED] = Field(
         None, description="MLflow tracking URI (a server, or file:/path for a local store); None: MLflow's own "
         "default (MLFLOW_TRACKING_URI, else ./mlruns).")
-    device: str = Field("auto", description="Torch device for training: auto, cpu, cuda, …")
+    device: Annotated[str, NOT_COUNTED] = Field("auto", description="Torch device for training: auto, cpu, cuda, …")
 
     @field_validator("gradient_checkpointing", mode="before")
     @classmethod
@@ -434,10 +490,10 @@ class TrainingConfig(Section):
             return self
         if self.batch_tokens is not None:
             raise ValueError("set global_batch or batch_tokens, not both: with batch_tokens a micro-batch's sample "
-                             "count depends on its bucket; set gradient_accumulation instead")
+        "count depends on its bucket; set gradient_accumulation instead")
         if self.gradient_accumulation != 1:
             raise ValueError("set global_batch or gradient_accumulation, not both: global_batch fixes the "
-                             "accumulation of every process")
+        "accumulation of every process")
         share = self.batch_size * self.world
         if self.global_batch % share:
             raise ValueError(f"global_batch {self.global_batch} is not a multiple of batch_size × processes × nodes "
@@ -519,13 +575,13 @@ class ExecutionConfig(Section):
             raise ValueError(f"cluster {self.cluster}: the address is tls://host:port (or tcp:// on loopback)")
         if scheme == "tls" and self.cluster_tls is None:
             raise ValueError(f"cluster {self.cluster}: set cluster_tls, the folder or Secret block of the cluster's "
-                             "CA and this client's certificate and key")
+        "CA and this client's certificate and key")
         if scheme == "tcp" and self.cluster_tls is not None:
             raise ValueError(f"cluster {self.cluster} is plain tcp:// but cluster_tls is set: use tls://")
         if scheme == "tcp" and host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"cluster {self.cluster} listens beyond this machine without TLS: anyone who reaches it "
-                             "runs code on every worker. Start the scheduler and workers with TLS (`precast "
-                             "certificates DIR`; docs/security.md) and give tls://… with cluster_tls")
+        "runs code on every worker. Start the scheduler and workers with TLS (`precast "
+        "certificates DIR`; docs/security.md) and give tls://… with cluster_tls")
         return self
 
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from configs.schema import DatasetConfig, LatentEncodingConfig, ModelConfig, TextEncodingConfig, TrainingConfig, VideoConfig
+from configs.schema import (
+    DatasetConfig, Identity, LatentEncodingConfig, ModelConfig, Section, SourceConfig, TextEncodingConfig, TrainingConfig,
+    VideoConfig,
+)
 from storage import layout
 from storage.fingerprint import component_fingerprint, hash_json
 from tasks.families import family_of
@@ -20,26 +23,43 @@ from tasks.families import family_of
 TEXT_FORMAT = "precast.text/3"  # the stored text layout or numerics
 LATENT_FORMAT = "precast.latents/2"  # the stored posterior layout or preprocessing
 TRAIN_FORMAT = "precast.train/5"  # the loss, sampling, data order or outputs of training
-# settings that cannot change the trained weights or samples stay out of the run id; how the
-# global batch is split over nodes, processes and accumulation is one of them (the run id holds the
-# micro-batches per step), so a run is the same run on any number of nodes; so are the memory and
-# speed settings whose math is the same (checkpointing recomputes exactly; compiled blocks compute
-# the same within float tolerance, as another device does)
-NOT_IN_RUN_ID = {"device", "checkpoint_every", "keep_checkpoints", "nodes", "processes", "node_timeout",
-                 "gradient_accumulation", "global_batch", "gradient_checkpointing", "compile", "prefetch",
-                 "log_every", "trackers", "tracker_project", "mlflow_tracking_uri", "sample_fps"}
+# the sections whose fields are hashed into an identity, each field declaring whether it counts
+DECLARED = (SourceConfig, VideoConfig, DatasetConfig, TextEncodingConfig, LatentEncodingConfig, TrainingConfig)
+
+
+def declaration(section: type[Section], name: str) -> Identity:
+    """The identity rule declared beside field `name` of `section` (configs.schema.Identity)."""
+    rules = [mark for mark in section.model_fields[name].metadata if isinstance(mark, Identity)]
+    if len(rules) != 1:
+        raise TypeError(f"{section.__name__}.{name} declares no identity rule: annotate it with one of "
+                        "configs.schema's COUNTED, NOT_COUNTED, IF_NOT_DEFAULT (or another Identity), saying whether "
+                        "it can change what its stage makes")
+    return rules[0]
+
+
+def _uncounted(section: Section) -> dict[Any, Any]:
+    """model_dump's `exclude` for what of `section` (nested sections included) does not count."""
+    exclude: dict[Any, Any] = {}
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        if not declaration(type(section), name).applies(section, name):
+            exclude[name] = True
+        elif isinstance(value, Section) and (inner := _uncounted(value)):
+            exclude[name] = inner
+        elif isinstance(value, list) and (items := {index: inner for index, item in enumerate(value)
+                                                    if isinstance(item, Section) and (inner := _uncounted(item))}):
+            exclude[name] = items
+    return exclude
+
+
+def counted(section: Section) -> dict[str, Any]:
+    """What of `section` counts in an identity, field by field as each declares, as model_dump gives it."""
+    return section.model_dump(exclude=_uncounted(section))
 
 
 def config_hash(dataset: DatasetConfig) -> str:
     """What names these sources and ingest rules (how many are read at once, and where, is no part of it)."""
-    # the clip policy where it is not the default (and frame buckets where there are some), so the
-    # names of rules from before videos, and before buckets, stand
-    unnamed: dict[str, Any] = {"read_concurrency": True, "partition_size": True}
-    if dataset.video == VideoConfig():
-        unnamed["video"] = True
-    elif not dataset.video.frame_buckets:
-        unnamed["video"] = {"frame_buckets": True}
-    return hash_json(dataset.model_dump(exclude=unnamed))
+    return hash_json(counted(dataset))
 
 
 def image_shard_id(rows: list[tuple[str, Any]]) -> str:
@@ -62,10 +82,14 @@ def text_fingerprints(model: ModelConfig, text: TextEncodingConfig) -> dict[str,
     fingerprints = {}
     for encoder in family.text_encoders:
         files = component_fingerprint(model.path, [encoder.folder, encoder.tokenizer], model.revision)
+        settings = counted(text)
+        if "max_length" in settings:  # as the family resolves it for this encoder
+            settings["max_length"] = family.text_length(model, encoder, text)
+        if "caption_preprocessing" in settings:  # the family's rule that the word names
+            settings["captions"] = family.caption_rule(settings.pop("caption_preprocessing"))
         fingerprints[encoder.name] = hash_json({
             "files": {"text_encoder": files[encoder.folder], "tokenizer": files[encoder.tokenizer]},
-            "max_length": family.text_length(model, encoder, text), "dtype": text.dtype, "format": TEXT_FORMAT,
-            "captions": family.caption_rule(text.caption_preprocessing), **encoder.stored()})
+            **settings, "format": TEXT_FORMAT, **encoder.stored()})
     return fingerprints
 
 
@@ -79,10 +103,7 @@ def vae_fingerprint(model: ModelConfig, latents: LatentEncodingConfig) -> str:
     """Covers VAE weights, bucket table (the resolution, and the family's `bucket_rule`), crop,
     posterior layout, flip, tiling, both dtypes and format; not device, batch size or slicing."""
     files = component_fingerprint(model.path, ["vae"], model.revision)
-    # tiling blends overlapping tiles, so it changes the latents; slicing does not
-    settings: dict[str, Any] = latents.model_dump(exclude={"device", "batch_size", "slicing"})
-    if latents.crop == "center":
-        settings.pop("crop_seed")  # unused: changing it must not re-encode
+    settings = counted(latents)
     family = family_of(model)
     family.bucket_table(latents.resolution)  # a resolution the family has no buckets for is refused before any stage
     if family.bucket_rule:
@@ -114,13 +135,10 @@ def run_id_for(manifest: str, model: ModelConfig, training: TrainingConfig, init
     # an explicit init_from URL counts by the adapter's bytes; "latest" by the word, so a re-run
     # over an unchanged manifest is the same run, and new data continues from the newest run
     init_id = init["sha256"] if init and training.init_from not in ("none", "latest") else None
-    # the modules LoRA adapts, resolved: the family's defaults count as if spelled in the config
-    # mode_scale shapes only the mode density: other runs' ids do not hold it (nor change with it);
-    # so do true_cfg_scale's and image_to_video_warmup's defaults and the runs from before them
-    unused = (NOT_IN_RUN_ID | ({"mode_scale"} if training.timestep_sampling != "mode" else set())
-              | ({"true_cfg_scale"} if training.true_cfg_scale == 1 else set())
-              | ({"image_to_video_warmup"} if not training.image_to_video_warmup else set()))
-    settings = {**training.model_dump(exclude=unused), "micro_batches": training.micro_batches,
+    # the global batch's split over nodes, processes and accumulation does not count (the schema
+    # says so), the micro-batches a step takes do; the modules LoRA adapts count resolved: the
+    # family's defaults as if spelled in the config
+    settings = {**counted(training), "micro_batches": training.micro_batches,
                 "target_modules": family_of(model).target_modules(training)}
     return hash_json({"manifest": manifest, "transformer": transformer_fingerprint(model), "training": settings,
                       "init": init_id, "format": TRAIN_FORMAT})
