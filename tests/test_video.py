@@ -427,6 +427,7 @@ def test_wan_encodes_and_trains_on_clips_and_a_picture_family_quarantines_them(v
     from tasks.runs.page import RunPage
 
     page = RunPage.at(done["train"]["run"])
+    assert {row["bucket"] for row in page.metrics} <= set(shard["buckets"]), page.metrics  # frames x h x w
     assert f"sample videos: {video}" in page.text() and f"`runs/{video.split('/runs/', 1)[1]}`" in page.markdown()
 
     pictures = run_direct(config(tiny_models, "pixart-store", 256), until="encode-latents")

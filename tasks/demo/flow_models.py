@@ -164,7 +164,7 @@ def write_tiny_family(folder: str | Path, family: str, seed: int = 0, random_vae
         return folder
     torch.manual_seed(seed)
     components = _write_text_encoders(folder, spec.encoders, spec.clip_tokens, perturb)
-    if spec.vae == "AutoencoderKLWan":  # set by hand (`set_block_average`) unless random_vae
+    if spec.vae == "AutoencoderKLWan":  # set by hand (`set_clip_block_average`) unless random_vae
         if not random_vae and spec.vae_shape:
             raise ValueError(f"the tiny {family} VAE is written random only (random_vae): its family has no demo")
         with torch.random.fork_rng():
@@ -284,7 +284,7 @@ def wan_vae(seed: int, perturb: int | None = None, block_average: bool = False, 
     """An `AutoencoderKLWan` of the published Wan 2.1 layout (z_dim 16; 4x in time, 8x in space;
     `shape` changes it, to Wan 2.2's say), 8 channels wide at the top: random, with the published
     `latents_mean` / `latents_std`, or (for the demo) `block_average`: set by hand to encode each
-    8 x 8 block's mean colour and each 4 frames' (`set_block_average`), normalised by the means
+    8 x 8 block's mean colour and each 4 frames' (`set_clip_block_average`), normalised by the means
     and stds of what it encodes."""
     from diffusers import AutoencoderKLWan
 
@@ -292,14 +292,14 @@ def wan_vae(seed: int, perturb: int | None = None, block_average: bool = False, 
     vae = AutoencoderKLWan(**{"base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1,
                               "attn_scales": [], "temperal_downsample": [False, True, True], **shape})
     if block_average:
-        set_block_average(vae)
+        set_clip_block_average(vae)
         vae.register_to_config(**_block_factors(vae, seed))
     if perturb is not None:
         perturb_last_bits(vae, perturb + 1)
     return vae
 
 
-def set_block_average(vae) -> None:
+def set_clip_block_average(vae) -> None:
     """Weights for `vae` (a Wan 2.1 `AutoencoderKLWan`) that make it encode each 8 x 8 block's mean
     colour, the first frame alone and then each 4 frames' mean (as its causal chunks take them),
     into latent channels 0 to 2, and decode them back as blocks: a VAE of the published layout

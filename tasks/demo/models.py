@@ -45,7 +45,7 @@ def build_tokenizer(words: list[str] = WORDS):
     return T5Tokenizer(vocab=list(vocab.items()), extra_ids=0, model_max_length=512)
 
 
-# Carried through a hand-set VAE (`block_vae`, Wan's `set_block_average`): each colour plus
+# Carried through a hand-set VAE (`block_vae`, Wan's `set_clip_block_average`): each colour plus
 # OFFSET, so that the SiLU after each output norm is linear to 1e-3 of a colour, and a constant
 # channel of CONSTANT, which sets the norm's statistics
 OFFSET, CONSTANT = 10.0, 1e4

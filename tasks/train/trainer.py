@@ -26,6 +26,7 @@ import torch
 from configs.schema import ModelConfig, StorageConfig, TrainingConfig
 from storage import layout
 from storage.lease import Lease
+from storage.shards import bucket_name
 from storage.store import Store
 from tasks.loading import DTYPES
 from tasks.train.checkpointer import Checkpointer, TrainingState
@@ -174,7 +175,7 @@ class Trainer:
         for micro in range(self.accumulation):
             index, (latents, text) = next(self.data)
             if micro == 0:
-                bucket = f"{latents.shape[2]}x{latents.shape[3]}"
+                bucket = bucket_name(*latents.shape[2:])  # a clip's frames too
             torch.manual_seed(seed_of(training.seed, index, "dropout"))  # LoRA dropout, by the micro-batch
             with kept_activations(training.gradient_checkpointing, device):
                 loss = diffusion_loss(self.replicas, self.objective.at(step), latents, text,
