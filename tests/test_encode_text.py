@@ -349,3 +349,52 @@ def test_model_loads_never_overlap_and_the_reference_stays_off_the_accelerator(m
     assert errors == [] and peak == 1
     assert models.reference_placement("cpu") == ("cpu", "none")
     assert models.reference_placement("cuda:1") == ("cuda:1", "sequential")  # streamed, never resident
+
+
+def test_a_decoder_only_llm_plugs_into_the_stage_through_its_prompt_function(make_config, tiny_models, tmp_path,
+                                                                            monkeypatch):
+    """The text stage runs a decoder-only LLM encoder of the kind Z-Image, Qwen-Image and FLUX.2
+    condition on, through its encoder's prompt function alone (`ChatEncoderSpec`: the chat
+    template with a system message and enable_thinking, a chosen hidden layer, the template's
+    first tokens dropped): the cache holds, caption by caption, what the LLM gives each caption
+    called alone, in batches of several lengths; only the bare decoder is loaded; the layers are
+    in the fingerprint."""
+    from transformers import Qwen3ForCausalLM
+
+    from configs.schema import ModelConfig
+    from tasks.demo.models import write_tiny_chat_encoder
+    from tasks.encode.models import load_text_encoder
+    from tasks.families.spec import ChatEncoderSpec
+    from tasks.runner import run_direct
+
+    models = tmp_path / "models"
+    shutil.copytree(tiny_models, models)
+    for folder in ("text_encoder", "tokenizer"):
+        shutil.rmtree(models / folder)
+    write_tiny_chat_encoder(models)
+    spec = ChatEncoderSpec("llm", system="Describe the picture.", enable_thinking=False, layers=(-2,), drop=3)
+    monkeypatch.setattr(family_of(ModelConfig(path=str(models))), "text_encoders", (spec,))
+    config = make_config(root=str(tmp_path / "store"), model={"path": str(models)},
+                         text_encoding={"caption_preprocessing": "none", "batch_tokens": 60})
+    done = run_direct(config, until="encode-text")
+
+    tokenizer = AutoTokenizer.from_pretrained(models, subfolder="tokenizer")
+    llm = Qwen3ForCausalLM.from_pretrained(models, subfolder="text_encoder").eval()
+    store, fingerprint = Store(config.storage), done["text_fingerprints"]["llm"]
+    compared = 0
+    for shard in done["ingest"]["shards"]:
+        cache = RaggedShard(store.local_path(layout.cache_shard("text", fingerprint, shard["id"])))
+        for sample in read_image_shard(store.read_bytes(f"shards/images/{shard['id']}.parquet")).to_pylist():
+            for variant, caption in enumerate(sample["captions"]):
+                templated = tokenizer.apply_chat_template(
+                    [{"role": "system", "content": "Describe the picture."}, {"role": "user", "content": caption}],
+                    tokenize=False, add_generation_prompt=True, enable_thinking=False)
+                with torch.no_grad():
+                    states = llm(**tokenizer(templated, return_tensors="pt"), output_hidden_states=True).hidden_states
+                torch.testing.assert_close(cache.get(f"{sample['sample_id']}/{variant}"), states[-2][0, 3:],
+                                           rtol=1e-5, atol=1e-5)
+                compared += 1
+    assert compared >= 24
+    assert not hasattr(load_text_encoder(config.model, spec, "fp32", "cpu", "none").model, "lm_head")
+    monkeypatch.setattr(family_of(config.model), "text_encoders", (ChatEncoderSpec("llm", layers=(-1,), drop=3),))
+    assert text_fingerprints(config.model, config.text_encoding)["llm"] != fingerprint

@@ -35,46 +35,29 @@ Outputs = dict[str, list[torch.Tensor]]  # an encoder's outputs by name, a tenso
 
 
 def tokenize(texts: list[str], encoder: TextEncoder, config: TextEncodingConfig) -> tuple[list[list[int]], int]:
-    """Token ids of each caption (preprocessed as configured, with </s>) cut at the encoder's
-    max_length, and how many were cut: a masked encoder's real tokens, an unmasked one's padded
-    to max_length as its pipeline pads them."""
-    max_length = encoder.max_length(config)
+    """Token ids of each caption, preprocessed as configured, as the encoder's prompt function
+    makes them (`TextEncoderSpec.tokenize`), and how many were cut at its max_length."""
     texts = encoder.family.preprocess_captions(texts, config.caption_preprocessing)
-    full = encoder.tokenizer(texts, add_special_tokens=True).input_ids
-    truncated = sum(len(x) > max_length for x in full)
-    if not encoder.spec.masked:
-        return encoder.tokenizer(texts, padding="max_length", max_length=max_length, truncation=True).input_ids, truncated
-    # the same cut as the tokenizer's own truncation: keep max_length-1 tokens, then </s>
-    return [x if len(x) <= max_length else x[: max_length - 1] + [encoder.tokenizer.eos_token_id] for x in full], truncated
-
-
-def output_of(result: Any, output: str) -> torch.Tensor:
-    """One output of an encoder's forward: [B, L, D] sequences, or [B, D] pooled vectors (a
-    projection model's projected ones, as the pipelines take them)."""
-    if output == "hidden":
-        return result.last_hidden_state
-    if output == "penultimate":
-        return result.hidden_states[-2]
-    return result.text_embeds if getattr(result, "text_embeds", None) is not None else result.pooler_output
+    return encoder.spec.tokenize(encoder.tokenizer, texts, encoder.max_length(config))
 
 
 @torch.inference_mode()
 def run_encoder(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingConfig) -> Outputs:
     """Each of the encoder's outputs (its spec's) for each token sequence, on the CPU in the
-    encoder's output dtype: sequences [len_i, D] (a masked encoder's real tokens and the padding it
-    keeps, up to max_length), a pooled vector as [1, D].
+    encoder's output dtype: sequences [kept_i, D] (`TextEncoderSpec.kept`), a pooled vector as [1, D].
 
     Sequences are sorted by length and batched under `text.batch_tokens`, so a batch pads only to
     its own longest caption and short captions never pay for long ones.
     """
     spec, limit = encoder.spec, encoder.max_length(text)
-    kept = [min(len(x) + spec.pads_kept, limit) if spec.masked else len(x) for x in ids]
-    order = sorted(range(len(ids)), key=lambda i: kept[i], reverse=True)
+    kept = [spec.kept(x, limit) for x in ids]
+    width = [max(len(x), kept[i]) for i, x in enumerate(ids)]  # the positions a caption's call needs
+    order = sorted(range(len(ids)), key=lambda i: width[i], reverse=True)
     outputs: dict[str, list[Any]] = {output: [None] * len(ids) for output in spec.outputs}
     pad = encoder.tokenizer.pad_token_id
     start = 0
     while start < len(order):
-        longest = kept[order[start]]
+        longest = width[order[start]]
         batch = order[start : start + max(1, text.batch_tokens // longest)]
         start += len(batch)
         input_ids = torch.full((len(batch), longest), pad, dtype=torch.long)
@@ -82,11 +65,8 @@ def run_encoder(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingCo
         for row, index in enumerate(batch):
             input_ids[row, : len(ids[index])] = torch.tensor(ids[index])
             mask[row, : len(ids[index])] = 1
-        result = encoder.model(input_ids=input_ids.to(encoder.device),
-                               attention_mask=mask.to(encoder.device) if spec.masked else None,
-                               output_hidden_states="penultimate" in spec.outputs)
-        for output in spec.outputs:
-            values = output_of(result, output).cpu()
+        for output, values in spec.encode(encoder.model, input_ids.to(encoder.device), mask.to(encoder.device)).items():
+            values = values.cpu()
             for row, index in enumerate(batch):
                 outputs[output][index] = (values[row, : kept[index]] if values.ndim == 3 else values[row][None]).clone()
     encoder.release()

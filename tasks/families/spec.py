@@ -1,7 +1,8 @@
 """What the pipeline needs from a model family, in one spec.
 
 A family module (one per family) subclasses `Family` and fills in what its diffusers pipeline does:
-its text encoders and what of their output is cached (`TextEncoderSpec`), what text they read, its
+its text encoders, each with its prompt function and what of its output is cached
+(`TextEncoderSpec`; `ChatEncoderSpec` for a decoder-only LLM), what text they read, its
 aspect-ratio buckets, how its transformer is loaded and called (packing latents into tokens, if it
 does), its noise schedule and what it is trained to predict (`schedule`: tasks/families/ddpm.py,
 tasks/families/flow.py), how it samples, and the layouts its weights export to. The stages ask the model's family (`tasks.families.family_of`) and never
@@ -60,6 +61,40 @@ class TextEncoderSpec:
         """The names its outputs have in a `Conditioning`."""
         return tuple(f"{self.name}_{output}" for output in self.outputs)
 
+    # --- its prompt function, as the pipeline's `_get_*_prompt_embeds`: the stage batches the
+    # captions by length, calls these, checks the numbers and commits what they give -------------
+    def tokenize(self, tokenizer: Any, texts: list[str], max_length: int) -> tuple[list[list[int]], int]:
+        """Token ids of each (preprocessed) caption as the pipeline makes them, and how many were
+        cut at `max_length`: a masked encoder's real tokens, cut as the tokenizer's own truncation
+        cuts (max_length - 1 tokens, then </s>); an unmasked one's padded to max_length."""
+        full = tokenizer(texts, add_special_tokens=True).input_ids
+        truncated = sum(len(x) > max_length for x in full)
+        if not self.masked:
+            return tokenizer(texts, padding="max_length", max_length=max_length, truncation=True).input_ids, truncated
+        return [x if len(x) <= max_length else x[: max_length - 1] + [tokenizer.eos_token_id] for x in full], truncated
+
+    def kept(self, ids: list[int], max_length: int) -> int:
+        """How many positions of a caption's output sequence the cache keeps: a masked encoder's
+        real tokens and the padding its transformer attends to (`pads_kept`), up to max_length; an
+        unmasked one's every position."""
+        return min(len(ids) + self.pads_kept, max_length) if self.masked else len(ids)
+
+    def rebuilt(self, sequence: torch.Tensor, max_length: int) -> torch.Tensor:
+        """What the transformer gets of a cached sequence: as stored, or (zero_padded) with the
+        zeros to max_length that the pipeline pads the real tokens with."""
+        return torch.nn.functional.pad(sequence, (0, 0, 0, max_length - len(sequence))) if self.zero_padded else sequence
+
+    def encode(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each of `outputs` for a batch of right-padded token ids: sequences [B, L, D] whose
+        first `kept` positions are a caption's, or pooled vectors [B, D] (a projection model's
+        projected ones), as the pipeline takes them."""
+        result = model(input_ids=input_ids, attention_mask=mask if self.masked else None,
+                       output_hidden_states="penultimate" in self.outputs)
+        picked = {"hidden": lambda: result.last_hidden_state, "penultimate": lambda: result.hidden_states[-2],
+                  "pooled": lambda: result.text_embeds if getattr(result, "text_embeds", None) is not None
+                  else result.pooler_output}
+        return {output: picked[output]() for output in self.outputs}
+
     def stored(self) -> dict[str, Any]:
         """What the text fingerprint adds for this layout: nothing for the masked last hidden state
         (what every fingerprint before families covered), else the layout."""
@@ -67,6 +102,47 @@ class TextEncoderSpec:
             return {}
         return {"masked": self.masked, "outputs": list(self.outputs), "model_class": self.model_class,
                 **({"pads_kept": self.pads_kept} if self.pads_kept else {})}
+
+
+@dataclass(frozen=True)
+class ChatEncoderSpec(TextEncoderSpec):
+    """A decoder-only LLM as the pipelines conditioned on one call it (Z-Image's `_encode_prompt`,
+    in the manner of Qwen-Image's and FLUX.2's): the caption as the user's message of the
+    tokenizer's own chat template (after a `system` message where there is one, `enable_thinking`
+    given where the template reads it), the hidden states of `layers` (-1 the last, -2 the one
+    before it; several are joined into one width), the template's first `drop` tokens dropped, and
+    the real tokens kept (ragged). Its model class is the bare decoder: the vocabulary head, which
+    the cache never needs, is not loaded."""
+
+    model_class: str = "Qwen3Model"
+    system: str | None = None
+    enable_thinking: bool | None = None
+    layers: tuple[int, ...] = (-1,)
+    drop: int = 0
+
+    def tokenize(self, tokenizer: Any, texts: list[str], max_length: int) -> tuple[list[list[int]], int]:
+        """The templated captions' ids, cut at max_length positions past the dropped ones."""
+        options = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        templated = [tokenizer.apply_chat_template([*system, {"role": "user", "content": text}], tokenize=False,
+                                                   add_generation_prompt=True, **options) for text in texts]
+        full = tokenizer(templated).input_ids
+        limit = max_length + self.drop
+        return [x[:limit] for x in full], sum(len(x) > limit for x in full)
+
+    def kept(self, ids: list[int], max_length: int) -> int:
+        return len(ids) - self.drop
+
+    def encode(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        states = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        return {"hidden": torch.cat([states[layer] for layer in self.layers], dim=-1)[:, self.drop:]}
+
+    def stored(self) -> dict[str, Any]:
+        """The layout, the template's inputs, the layers and the tokens dropped: a change to any
+        of them makes another cache (the template itself is a tokenizer file, hashed with them)."""
+        return {"masked": True, "outputs": list(self.outputs), "model_class": self.model_class,
+                "chat": {"system": self.system, "enable_thinking": self.enable_thinking, "layers": list(self.layers),
+                         "drop": self.drop}}
 
 
 def run_sampling(training: TrainingConfig, family: str, schedule: str, weightings: tuple[str, ...]) -> dict[str, Any]:

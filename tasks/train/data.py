@@ -48,9 +48,7 @@ class TextCaches:
         for spec, shard in zip(self.encoders, shards):
             for index, (output, key) in enumerate(zip(spec.outputs, spec.keys())):
                 value = shard.get(row, None if index == 0 else output)
-                if spec.zero_padded:
-                    value = torch.nn.functional.pad(value, (0, 0, 0, shard.meta["max_length"] - len(value)))
-                features[key] = value[0] if output == "pooled" else value
+                features[key] = value[0] if output == "pooled" else spec.rebuilt(value, shard.meta["max_length"])
         return features
 
     def caption(self, shard_keys: list[str], sample_id: str, variant: int) -> dict[str, torch.Tensor]:
