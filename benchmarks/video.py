@@ -87,11 +87,12 @@ def peak_parquet(path: str, queue) -> None:
 
     from benchmarks.ingest_memory import vm
     from configs.schema import SourceConfig
-    from tasks.ingest.formats import read_parquet
+    from tasks.ingest.formats.parquet import read_parquet
 
     Path("/proc/self/clear_refs").write_text("5")
     start = vm("VmRSS")
-    rows = sum(1 for _ in read_parquet(fsspec.filesystem("file"), path, SourceConfig(path=path), "parquet"))
+    rows = sum(1 for _ in read_parquet(fsspec.filesystem("file"), "parquet", SourceConfig(path=path), [path],
+                                       lambda name: -1))
     queue.put({"rows": rows, "peak_rise_mib": round((vm("VmHWM") - start) / 1024, 1)})
 
 

@@ -168,7 +168,7 @@ def test_every_field_an_identity_is_made_of_declares_whether_it_counts_and_the_i
     with a field exactly when that field's declaration says it counts."""
     from pydantic import Field, ValidationError
 
-    from configs.schema import DatasetConfig, TrainingConfig, VideoConfig
+    from configs.schema import DatasetConfig, TrainingConfig
     from tasks.identity import DECLARED, counted, declaration
 
     for section in DECLARED:

@@ -489,3 +489,59 @@ def test_a_source_file_that_holds_no_sample_is_not_read_again(corpora, make_conf
     again = ingest(*_split(config))
     assert again["id"] == first["id"] and again["work"]["units_read"] == 0
     assert again["work"]["units_reused"] == first["work"]["units_read"]
+
+
+def test_a_format_added_by_a_module_of_its_own_needs_no_stage_changed(corpora, make_config, tmp_path, monkeypatch):
+    """A dataset format is one `SourceFormat`, registered in one place: here a layout of
+    pictures in `images/` and their captions in `captions/` (matched by name) joins by `register`
+    alone. `auto` finds it, ingest counts, reads and quarantines it as it does every format, and
+    its dataset is every other format's."""
+    import posixpath
+
+    from tasks.ingest import formats
+    from tasks.ingest.formats.base import SourceFormat, Unit, is_image_name, unit_of
+    from tasks.ingest.formats.folder import read_captioned_file
+    from tests.corpus import _caption_text
+
+    def pictures(listing):
+        return [entry for entry in listing.files() if entry.path.startswith(f"{listing.root}/images/")
+                and is_image_name(entry.path)]
+
+    def units(listing, source):
+        for picture in pictures(listing):
+            stem = posixpath.basename(picture.path).rpartition(".")[0]
+            caption = listing.entry(f"{listing.root}/captions/{stem}.txt")
+            yield Unit(*unit_of(picture, caption) if caption else unit_of(picture),
+                       ["pair", picture.path, caption and caption.path])
+
+    monkeypatch.setattr(formats, "FORMATS", dict(formats.FORMATS))
+    formats.register(SourceFormat("pairs", units, lambda listing: len(pictures(listing)),
+                                  {"pair": read_captioned_file},
+                                  holds=lambda listing: any(entry.path.startswith(f"{listing.root}/captions/")
+                                                            for entry in listing.files())))
+    root = tmp_path / "pairs"
+    for folder in ("images", "captions"):
+        (root / folder).mkdir(parents=True)
+    for item in items():
+        (root / "images" / item["name"]).write_bytes(item["image"])
+        if item["caption"] is not None:
+            (root / "captions" / f"{item['name'].rpartition('.')[0]}.txt").write_bytes(_caption_text(item["caption"]))
+
+    config = _config(make_config, root)
+    result = ingest(config.storage, config.dataset)
+    store = Store(config.storage)
+    report = store.read_json(store.key(result["report"]))
+    assert report["by_format"] == {"pairs": {"accepted": ACCEPTED, "quarantined": sum(REASONS.values())}}
+    assert report["by_reason"] == REASONS, report["quarantine"]
+    folder = make_config(root=str(tmp_path / "folder-store"), source=str(corpora["folder"]),
+                         dataset={"max_pixels": MAX_PIXELS})
+    assert result["id"] == ingest(folder.storage, folder.dataset)["id"]
+
+
+def test_the_formats_a_config_can_name_are_the_registered_ones():
+    from typing import get_args
+
+    from configs.schema import SourceConfig
+    from tasks.ingest.formats import FORMATS
+
+    assert set(get_args(SourceConfig.model_fields["format"].annotation)) == {"auto", *FORMATS}

@@ -115,13 +115,15 @@ def stamp(info: dict[str, Any]) -> str:
 def list_source(source: SourceConfig, options: dict[str, Any], ledger: Ledger, index: int) -> Listing:
     """One listing of the source (a metadata file's folder, for the images beside it) into the
     ledger; an unreachable source fails the stage, naming it."""
+    from tasks.ingest.formats import FORMATS, file_format, folder_format  # which read listings
+
     try:
         fs, root = fsspec.core.url_to_fs(source.path, **options)
         root = root.rstrip("/")
         info = fs.info(root)
         is_folder = info["type"] == "directory"
-        fmt = source.format if source.format != "auto" or is_folder else format_of(root)
-        if is_folder or fmt in ("jsonl", "csv"):
+        fmt = source.format if source.format != "auto" or is_folder else file_format(root)
+        if is_folder or FORMATS[fmt].beside:
             objects = walk_objects(fs, root if is_folder else posixpath.dirname(root))
         else:
             objects = iter([(root, int(info.get("size") or 0), stamp(info))])
@@ -136,26 +138,6 @@ def list_source(source: SourceConfig, options: dict[str, Any], ledger: Ledger, i
     if listing.format == "auto":
         listing.format = folder_format(listing)
     return listing
-
-
-def format_of(root: str) -> str:
-    """`auto` for a file: by its extension."""
-    ext = root.rsplit(".", 1)[-1].lower()
-    formats = {"jsonl": "jsonl", "csv": "csv", "parquet": "parquet", "tar": "webdataset"}
-    if ext not in formats:
-        raise RuntimeError(f"dataset source {root!r}: cannot tell its format from the extension .{ext}")
-    return formats[ext]
-
-
-def folder_format(listing: Listing) -> str:
-    """`auto` for a folder: by what the folder itself holds."""
-    if listing.entry(f"{listing.root}/metadata.jsonl"):
-        return "jsonl"
-    if listing.entry(f"{listing.root}/metadata.csv"):
-        return "csv"
-    found = {name.rsplit(".", 1)[-1] for name, *_ in listing.files()
-             if "/" not in name[len(listing.root) + 1:] and name.endswith((".parquet", ".tar"))}
-    return "parquet" if "parquet" in found else "webdataset" if "tar" in found else "folder"
 
 
 def walk_objects(fs: fsspec.AbstractFileSystem, folder: str) -> Iterator[tuple[str, int, str]]:

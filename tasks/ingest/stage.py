@@ -7,7 +7,7 @@ shards holding only them. Images already in a shard are not decoded again. A dat
 its shards (and, for a shard only partly current, which of its samples). A bad input never fails
 the stage: it is quarantined with a reason code; an unreachable source fails it, naming the source.
 
-Each source is listed once (tasks/ingest/listing.py) and read as units (tasks/ingest/formats.py),
+Each source is listed once (tasks/ingest/listing.py) and read as units (tasks/ingest/formats/),
 `read_concurrency` at once or a partition at a time on workers (tasks/ingest/scan.py,
 tasks/ingest/staging.py), each image hashed and checked in the reading thread
 (tasks/ingest/examine.py, by the rules of tasks/ingest/untrusted.py). The units and what each
