@@ -268,11 +268,17 @@ def test_prefect_server_accepts_its_own_clients_default_queries(prefect_server):
 
     async def query():
         async with get_client() as client:
-            await client.read_artifacts(limit=5)
-            await client.read_task_runs(limit=5)
-            await client.read_flow_runs(limit=5)
+            typed = [await client.read_artifacts(limit=5), await client.read_task_runs(limit=5),
+                     await client.read_flow_runs(limit=5)]
+            # the UI's own bodies: every filter field null
+            raw = [await client._client.post(f"/{kind}/filter", json={kind: None, "limit": 5, "offset": None,
+                                                                        "sort": None})
+                   for kind in ("artifacts", "task_runs", "flow_runs")]
+        return typed, raw
 
-    asyncio.run(query())
+    typed, raw = asyncio.run(query())
+    assert all(isinstance(answer, list) for answer in typed)
+    assert [(response.status_code, type(response.json())) for response in raw] == [(200, list)] * 3
 
 
 def test_gpu_stages_hold_the_nodes_gpu_slot(prefect_server, monkeypatch):
