@@ -64,8 +64,9 @@ def prepare_database(echo: Callable[[str], None] = _stderr) -> float:
 
     where = database_name()
     if (reason := home_problem()) and not os.environ.get("PREFECT_HOME") and where.startswith(str(settings.home)):
-        raise UnusableFolder(f"{reason}, so there is no ~/.prefect for Prefect's database: set PREFECT_HOME to a writable "
-                     "folder (or HOME to a writable home), or PREFECT_API_URL to a running Prefect server")
+        raise UnusableFolder(f"{reason}, so there is no ~/.prefect for Prefect's database: set PREFECT_HOME to a "
+                             "writable folder (or HOME to a writable home), or PREFECT_API_URL to a running Prefect "
+                             "server")
     started, shown = time.monotonic(), threading.Event()
 
     def announce() -> None:
