@@ -69,6 +69,16 @@ def hash_folder(folder: str | Path, digest: Callable[[Path], str] = file_sha256)
 HUB_CACHE_SETTINGS = "HF_HOME (or HF_HUB_CACHE)"  # what moves the hub cache (~/.cache/huggingface/hub)
 
 
+def hub_cache_refused(error: BaseException):
+    """`storage.store.refused_write` for the hub cache: the error naming HF_HOME when `error` is a
+    write the hub cache refused, else None."""
+    from huggingface_hub import constants
+
+    from storage.store import refused_write
+
+    return refused_write(error, constants.HF_HUB_CACHE, HUB_CACHE_SETTINGS)
+
+
 def _not_a_folder(path: str) -> str:
     return f"model.path {path!r} is not a folder on {socket.gethostname()}"
 
@@ -126,9 +136,9 @@ def hub_files(path: str, subfolders: list[str], revision: str | None = None) -> 
     except Exception as error:  # unreachable, unknown repo or component: the cache may still know
         from huggingface_hub import constants
 
-        from storage.store import disk_full, refused_write
+        from storage.store import disk_full
 
-        if refused := refused_write(error, constants.HF_HUB_CACHE, HUB_CACHE_SETTINGS):  # the machine's fault
+        if refused := hub_cache_refused(error):  # the machine's fault
             raise refused from error
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             raise disk_full(constants.HF_HUB_CACHE, "room for the model's small files", error.errno) from error

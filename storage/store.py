@@ -71,12 +71,17 @@ class DiskFull(OSError):
     the write needed and the space free there."""
 
 
-def free_bytes(path: str | Path) -> int:
-    """Bytes free on the filesystem that holds `path` (or would: its nearest existing folder)."""
+def nearest_existing(path: str | Path) -> Path:
+    """`path`, or the nearest folder above it that exists (what holds it once it is made)."""
     folder = Path(path)
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
-    return shutil.disk_usage(folder).free
+    return folder
+
+
+def free_bytes(path: str | Path) -> int:
+    """Bytes free on the filesystem that holds `path` (or would: its nearest existing folder)."""
+    return shutil.disk_usage(nearest_existing(path)).free
 
 
 class UnusableFolder(RuntimeError):
@@ -95,9 +100,7 @@ def home_problem() -> str | None:
     home = os.path.expanduser("~")
     if not os.path.isabs(home):
         return f"HOME is unset and user {os.getuid()} has no entry in the system's user database"
-    folder = Path(home)
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    folder = nearest_existing(home)
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         return f"the home directory {home} is not a folder this user can write in"
     return None
@@ -120,7 +123,8 @@ def refused_write(error: BaseException, folder: str | Path, moved_by: str) -> Un
     refused, naming `moved_by`, the settings that move the folder; else None."""
     if not isinstance(error, OSError) or error.errno not in REFUSED_ERRNOS or not error.filename:
         return None
-    if not os.path.abspath(error.filename).startswith(os.path.abspath(folder)):
+    inside = os.path.abspath(folder)
+    if os.path.commonpath([inside, os.path.abspath(error.filename)]) != inside:
         return None
     return UnusableFolder(f"{folder} cannot be written ({error.strerror}: {error.filename}): set {moved_by} to a "
                           "folder this user can write in")

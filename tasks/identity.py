@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from configs.schema import (
-    DatasetConfig, Identity, LatentEncodingConfig, ModelConfig, Section, SourceConfig, TextEncodingConfig, TrainingConfig,
-    VideoConfig,
+    DatasetConfig, Identity, LatentEncodingConfig, ModelConfig, Section, SourceConfig, TextEncodingConfig,
+    TrainingConfig, VideoConfig,
 )
 from storage import layout
 from storage.fingerprint import component_fingerprint, hash_json
@@ -79,17 +79,16 @@ def text_fingerprints(model: ModelConfig, text: TextEncodingConfig) -> dict[str,
     preprocessing, what of its output is stored and format; not device, offload or batch size,
     which change nothing beyond float noise."""
     family = family_of(model)
-    fingerprints = {}
+    fingerprints, settings = {}, counted(text)
+    if "caption_preprocessing" in settings:  # the family's rule that the word names
+        settings["captions"] = family.caption_rule(settings.pop("caption_preprocessing"))
     for encoder in family.text_encoders:
         files = component_fingerprint(model.path, [encoder.folder, encoder.tokenizer], model.revision)
-        settings = counted(text)
-        if "max_length" in settings:  # as the family resolves it for this encoder
-            settings["max_length"] = family.text_length(model, encoder, text)
-        if "caption_preprocessing" in settings:  # the family's rule that the word names
-            settings["captions"] = family.caption_rule(settings.pop("caption_preprocessing"))
+        # max_length as the family resolves it for this encoder
+        length = {"max_length": family.text_length(model, encoder, text)} if "max_length" in settings else {}
         fingerprints[encoder.name] = hash_json({
             "files": {"text_encoder": files[encoder.folder], "tokenizer": files[encoder.tokenizer]},
-            **settings, "format": TEXT_FORMAT, **encoder.stored()})
+            **settings, **length, "format": TEXT_FORMAT, **encoder.stored()})
     return fingerprints
 
 

@@ -14,8 +14,7 @@ import json
 import os
 
 from configs.schema import ModelConfig
-from storage.fingerprint import HUB_CACHE_SETTINGS, check_hub_id
-from storage.store import refused_write
+from storage.fingerprint import check_hub_id, hub_cache_refused
 from tasks.families import chroma, flux, pixart, sd3, wan
 from tasks.families.spec import Family
 
@@ -61,13 +60,13 @@ def model_json(path: str, revision: str | None, name: str, why: str) -> dict:
             raise FileNotFoundError(f"model.path {path}: has no {name}, {why} (a model folder in the hub layout "
                                     f"has one)")
     else:
-        from huggingface_hub import constants, hf_hub_download
+        from huggingface_hub import hf_hub_download
 
         check_hub_id(path)
         try:  # the hub cache has it once the model was fingerprinted (storage.fingerprint.hub_files)
             file = hf_hub_download(path, name, revision=revision)
         except Exception as error:
-            if refused := refused_write(error, constants.HF_HUB_CACHE, HUB_CACHE_SETTINGS):  # the machine's fault
+            if refused := hub_cache_refused(error):  # the machine's fault
                 raise refused from error
             raise FileNotFoundError(f"model.path {path}: its {name}, {why}, could not be read "
                                     f"({type(error).__name__}: {error})") from error

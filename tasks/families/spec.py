@@ -82,7 +82,9 @@ class TextEncoderSpec:
     def rebuilt(self, sequence: torch.Tensor, max_length: int) -> torch.Tensor:
         """What the transformer gets of a cached sequence: as stored, or (zero_padded) with the
         zeros to max_length that the pipeline pads the real tokens with."""
-        return torch.nn.functional.pad(sequence, (0, 0, 0, max_length - len(sequence))) if self.zero_padded else sequence
+        if not self.zero_padded:
+            return sequence
+        return torch.nn.functional.pad(sequence, (0, 0, 0, max_length - len(sequence)))
 
     def encode(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each of `outputs` for a batch of right-padded token ids: sequences [B, L, D] whose
@@ -90,10 +92,15 @@ class TextEncoderSpec:
         projected ones), as the pipeline takes them."""
         result = model(input_ids=input_ids, attention_mask=mask if self.masked else None,
                        output_hidden_states="penultimate" in self.outputs)
-        picked = {"hidden": lambda: result.last_hidden_state, "penultimate": lambda: result.hidden_states[-2],
-                  "pooled": lambda: result.text_embeds if getattr(result, "text_embeds", None) is not None
-                  else result.pooler_output}
-        return {output: picked[output]() for output in self.outputs}
+        return {output: self._output(result, output) for output in self.outputs}
+
+    @staticmethod
+    def _output(result: Any, output: str) -> torch.Tensor:
+        if output == "hidden":
+            return result.last_hidden_state
+        if output == "penultimate":
+            return result.hidden_states[-2]
+        return result.text_embeds if getattr(result, "text_embeds", None) is not None else result.pooler_output
 
     def stored(self) -> dict[str, Any]:
         """What the text fingerprint adds for this layout: nothing for the masked last hidden state

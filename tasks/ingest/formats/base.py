@@ -115,3 +115,13 @@ def media_kind(path: str) -> str:
 def read_media(fs: fsspec.AbstractFileSystem, path: str, limit: Limit, candidate: Candidate) -> None:
     """A picture's bytes into `candidate.image`, or a video's into a local file it names."""
     candidate.image = read_file(fs, path, limit(path), f"missing_{media_kind(path)}", on_disk=is_video_name(path))
+
+
+def count_files(suffix: str):
+    """A count of the listing's files that end in `suffix`: one unit each."""
+    return lambda listing: sum(1 for _ in listing.files(suffix))
+
+
+def top_level(listing: Listing, suffix: str) -> bool:
+    """Whether the folder itself (not a subfolder) holds a file ending in `suffix`."""
+    return any("/" not in name[len(listing.root) + 1:] and name.endswith(suffix) for name, *_ in listing.files())

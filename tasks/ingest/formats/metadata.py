@@ -104,7 +104,8 @@ def read_nothing(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, 
 
 def _metadata_format(name: str) -> SourceFormat:
     return SourceFormat(name, metadata_units, count_metadata, {"image": read_row, "none": read_nothing},
-                        extensions=(name,), holds=lambda listing: bool(listing.entry(f"{listing.root}/metadata.{name}")),
+                        extensions=(name,),
+                        holds=lambda listing: bool(listing.entry(f"{listing.root}/metadata.{name}")),
                         beside=True)
 
 

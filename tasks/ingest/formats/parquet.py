@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from configs.schema import SourceConfig
 from storage.store import PYTHON_BYTES
-from tasks.ingest.formats.base import CHUNK, Candidate, Limit, SourceFormat, Unit, unit_of
+from tasks.ingest.formats.base import CHUNK, Candidate, Limit, SourceFormat, Unit, count_files, top_level, unit_of
 from tasks.ingest.listing import Listing
 from tasks.ingest.untrusted import Rejected, caption_variants
 
@@ -20,16 +20,6 @@ PARQUET_BATCH_BYTES = 16 << 20  # media bytes a parquet batch holds as Python ob
 def parquet_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
     for listed in listing.files(".parquet"):
         yield Unit(*unit_of(listed), ["parquet", listed.path])
-
-
-def count_files(suffix: str):
-    """A count of the listing's files that end in `suffix`: one unit each."""
-    return lambda listing: sum(1 for _ in listing.files(suffix))
-
-
-def top_level(listing: Listing, suffix: str) -> bool:
-    """Whether the folder itself (not a subfolder) holds a file ending in `suffix`."""
-    return any("/" not in name[len(listing.root) + 1:] and name.endswith(suffix) for name, *_ in listing.files())
 
 
 def read_parquet(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, args: list,

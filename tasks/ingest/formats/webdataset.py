@@ -12,10 +12,10 @@ import fsspec
 
 from configs.schema import SourceConfig
 from tasks.ingest.formats.base import (CHUNK, MEDIA_EXTENSIONS, VIDEO_EXTENSIONS, Candidate, Limit, SourceFormat, Unit,
-                                       unit_of)
-from tasks.ingest.formats.parquet import count_files, top_level
+                                       count_files, top_level, unit_of)
 from tasks.ingest.listing import Listing
-from tasks.ingest.untrusted import MAX_CAPTION_BYTES, Rejected, caption_variants, copy_to_disk, member_problem, parse_json
+from tasks.ingest.untrusted import (MAX_CAPTION_BYTES, Rejected, caption_variants, copy_to_disk, member_problem,
+                                    parse_json)
 
 
 def webdataset_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
