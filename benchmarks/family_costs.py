@@ -35,12 +35,12 @@ from typing import Any
 import torch
 
 from configs.schema import ModelConfig, TextEncodingConfig
-from tasks.families.chroma import Chroma
-from tasks.families.flux import Flux
-from tasks.families.pixart import PixArt, PixArtSigma
-from tasks.families.sd3 import StableDiffusion3
+from tasks.families.chroma import CHROMA
+from tasks.families.flux import FLUX, PackedFlow
+from tasks.families.pixart import SIGMA, PixArtDenoiser
+from tasks.families.sd3 import SD3
 from tasks.families.spec import Conditioning, Family, TextEncoderSpec
-from tasks.families.wan import Wan, latent_frames
+from tasks.families.wan import WAN, WanDenoiser, latent_frames
 
 # --- published configs: each model's config.json, checked against diffusers' conversion scripts
 # black-forest-labs/FLUX.1-dev transformer (convert_flux_to_diffusers.py: 19 double + 38 single blocks)
@@ -120,16 +120,16 @@ GIB24 = 24 * 2**30  # a "24 GB" card
 # name: (family, transformer config, VAE config, the caption's real T5 tokens (None: as many as
 # T5's limit), the sample's frames, height and width)
 FAMILIES = {
-    "PixArt-Σ XL/2": (PixArtSigma(), PIXART_SIGMA_XL2_1024, VAE4, CAPTION_TOKENS, IMAGE),
-    "FLUX.1-dev": (Flux(), FLUX_DEV, VAE16, CAPTION_TOKENS, IMAGE),
-    "FLUX.1-schnell": (Flux(), FLUX_SCHNELL, VAE16, CAPTION_TOKENS, IMAGE),
-    "SD3.5 Large": (StableDiffusion3(), SD35_LARGE, VAE16, CAPTION_TOKENS, IMAGE),
-    "SD3.5 Medium": (StableDiffusion3(), SD35_MEDIUM, VAE16, CAPTION_TOKENS, IMAGE),
-    "Chroma1-HD (40-token caption)": (Chroma(), CHROMA_HD, VAE16, CAPTION_TOKENS, IMAGE),
-    "Chroma1-HD (512 cap)": (Chroma(), CHROMA_HD, VAE16, None, IMAGE),
-    "Wan 2.1 T2V 1.3B (81 × 480×832)": (Wan(), WAN_1_3B, WAN_VAE, CAPTION_TOKENS, CLIP_480P),
-    "Wan 2.1 T2V 14B (81 × 480×832)": (Wan(), WAN_14B, WAN_VAE, CAPTION_TOKENS, CLIP_480P),
-    "Wan 2.1 T2V 14B (81 × 720×1280)": (Wan(), WAN_14B, WAN_VAE, CAPTION_TOKENS, CLIP_720P),
+    "PixArt-Σ XL/2": (SIGMA, PIXART_SIGMA_XL2_1024, VAE4, CAPTION_TOKENS, IMAGE),
+    "FLUX.1-dev": (FLUX, FLUX_DEV, VAE16, CAPTION_TOKENS, IMAGE),
+    "FLUX.1-schnell": (FLUX, FLUX_SCHNELL, VAE16, CAPTION_TOKENS, IMAGE),
+    "SD3.5 Large": (SD3, SD35_LARGE, VAE16, CAPTION_TOKENS, IMAGE),
+    "SD3.5 Medium": (SD3, SD35_MEDIUM, VAE16, CAPTION_TOKENS, IMAGE),
+    "Chroma1-HD (40-token caption)": (CHROMA, CHROMA_HD, VAE16, CAPTION_TOKENS, IMAGE),
+    "Chroma1-HD (512 cap)": (CHROMA, CHROMA_HD, VAE16, None, IMAGE),
+    "Wan 2.1 T2V 1.3B (81 × 480×832)": (WAN, WAN_1_3B, WAN_VAE, CAPTION_TOKENS, CLIP_480P),
+    "Wan 2.1 T2V 14B (81 × 480×832)": (WAN, WAN_14B, WAN_VAE, CAPTION_TOKENS, CLIP_480P),
+    "Wan 2.1 T2V 14B (81 × 720×1280)": (WAN, WAN_14B, WAN_VAE, CAPTION_TOKENS, CLIP_720P),
 }
 
 
@@ -172,7 +172,7 @@ def model_folder(family: Family, config: dict[str, Any], folder: Path) -> ModelC
     CLIP tokenizer's settings, with the published length (77)."""
     (folder / "transformer").mkdir(parents=True)
     (folder / "transformer" / "config.json").write_text(json.dumps(config))
-    for spec in family.text_encoders:
+    for spec in family.text.encoders:
         if spec.tokenizer_length:
             (folder / spec.tokenizer).mkdir()
             (folder / spec.tokenizer / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 77}))
@@ -192,8 +192,8 @@ def conditioning(family: Family, model: ModelConfig, caption_tokens: int | None,
     `text_encoding` (T5 at the family's own length), or as the training reader gives them (`read`:
     a zero-padded encoder's at its whole length)."""
     text = {}
-    for spec in family.text_encoders:
-        length = family.text_length(model, spec, TextEncodingConfig())
+    for spec in family.text.encoders:
+        length = family.text.length(model, spec, TextEncodingConfig())
         if spec.masked and not (read and spec.zero_padded):  # ragged: the real tokens and the pads attended to
             length = min(length, (caption_tokens or length) + spec.pads_kept)
         for output, key in zip(spec.outputs, spec.keys()):
@@ -328,14 +328,14 @@ def transformer_inputs(family: Family, config: dict[str, Any], vae: dict[str, An
                        sample: tuple[int, int, int]) -> dict:
     """The transformer's call for one sample and caption, as the family's `predict` makes it: the
     text as `embedding_kwargs` joins it, the latents the leaf gradients reach."""
-    embeddings = family.embedding_kwargs(text, 1)
+    embeddings = family.sampler.embedding_kwargs(text, 1)
     embeds, latents = embeddings["prompt_embeds"], latent_shape(vae, sample)
     with torch.device("meta"):
         inputs = dict(encoder_hidden_states=embeds, timestep=torch.empty(1, dtype=BF16))
         if "pooled_prompt_embeds" in embeddings:
             inputs["pooled_projections"] = embeddings["pooled_prompt_embeds"]
-        if isinstance(family, Flux):  # and Chroma: packed latents, 2×2 latent pixels a token, with ids
-            tokens = family.image_tokens(config, *latents[1:])
+        if isinstance(family.denoiser, PackedFlow):  # FLUX.1, Chroma: packed latents, 2×2 latent pixels a token, ids
+            tokens = family.denoiser.image_tokens(config, *latents[1:])
             inputs.update(hidden_states=torch.empty(1, tokens, config["in_channels"], dtype=BF16, requires_grad=True),
                           img_ids=torch.empty(tokens, 3, dtype=BF16),
                           txt_ids=torch.empty(embeds.shape[1], 3, dtype=BF16))
@@ -343,8 +343,8 @@ def transformer_inputs(family: Family, config: dict[str, Any], vae: dict[str, An
                 inputs["guidance"] = torch.empty(1, dtype=BF16)
         else:
             inputs["hidden_states"] = torch.empty(1, *latents, dtype=BF16, requires_grad=True)
-        if isinstance(family, PixArt):
-            inputs["added_cond_kwargs"] = family.micro_conditions(inputs["hidden_states"], embeds)
+        if isinstance(family.denoiser, PixArtDenoiser):
+            inputs["added_cond_kwargs"] = family.denoiser.micro_conditions(inputs["hidden_states"], embeds)
     return inputs
 
 
@@ -352,7 +352,7 @@ def activations(family: Family, model: torch.nn.Module, inputs: dict) -> dict[st
     """What one forward keeps for backward: in all, in and outside the blocks, the blocks' inputs,
     and per block kind its count, the most bytes one keeps and its largest storage."""
     saved = Saved(model)
-    for block in family.blocks(model):
+    for block in family.denoiser.blocks(model):
         block.register_forward_pre_hook(saved.enter, with_kwargs=True)
         block.register_forward_hook(saved.leave, with_kwargs=True)
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -396,21 +396,22 @@ def family_costs(family: Family, config: dict[str, Any], vae: dict[str, Any], ca
     model_config = model_folder(family, config, folder)
     text, latents = conditioning(family, model_config, caption_tokens), latent_shape(vae, sample)
     with torch.device("meta"):
-        model = family.transformer_class()(**config)
+        model = family.denoiser.transformer_class()(**config)
     sizes = count(model)
     model = model.to(BF16).requires_grad_(False)
-    lora_params, matched = inject_lora(model, list(family.lora_targets))
+    lora_params, matched = inject_lora(model, list(family.denoiser.lora_targets))
     inputs = transformer_inputs(family, config, vae, conditioning(family, model_config, caption_tokens, read=True),
                                 sample)
-    text_tokens, image_tokens = inputs["encoder_hidden_states"].shape[1], family.image_tokens(config, *latents[1:])
+    text_tokens = inputs["encoder_hidden_states"].shape[1]
+    image_tokens = family.denoiser.image_tokens(config, *latents[1:])
     # T, the sequence a block runs over: PixArt's and Wan's text is only cross-attended, the others'
     # joins the image's
-    tokens = image_tokens if isinstance(family, (PixArt, Wan)) else image_tokens + text_tokens
+    tokens = image_tokens if isinstance(family.denoiser, (PixArtDenoiser, WanDenoiser)) else image_tokens + text_tokens
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
     act = activations(family, model, inputs)
     for kind in act["block_kinds"].values():  # c: what one block keeps, in T×H bf16 tensors
         kind["c"] = kind["max_saved"] / (tokens * hidden * 2)
-    row = dict(cls=family.transformer_name, text_tokens=text_tokens, image_tokens=image_tokens, sample=sample,
+    row = dict(cls=family.denoiser.transformer, text_tokens=text_tokens, image_tokens=image_tokens, sample=sample,
                latents=latents, **sizes, base=base_bytes(sizes), lora_params=lora_params, matched=matched,
                hidden=hidden, act=act, text_cache=text_cache(text), latent_cache=latent_cache(vae, sample))
     row["memory"] = memory(row)

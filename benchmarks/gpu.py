@@ -109,7 +109,7 @@ def lora_step(model: ModelConfig, mode: str, device: torch.device,
 
     training = TrainingConfig(rank=32, alpha=16, mixed_precision="bf16", device=device.type, **MODES[mode])
     objective = Objective.of(model, training)
-    network = trainable_network(model, training).to(device)
+    network = trainable_network(model, objective.family, training).to(device)
     optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=1e-4,
                                   fused=device.type == "cuda" or None)
 
@@ -153,7 +153,7 @@ def wan(tiny: bool, device: torch.device, repeat: int, peak: float | None, vae_c
                 WanTransformer3DModel(**WAN_1_3B).to(torch.bfloat16).save_pretrained(folder / "transformer")
         model = ModelConfig(path=str(folder))
         family = family_of(model)
-        vae = load_vae(model, "bf16", device.type)
+        vae = load_vae(model, family, "bf16", device.type)
         for name, (frames, height, width) in clips.items() if vae_clips else ():
             for setting, batch, tiling, slicing in (("whole", 1, False, False), ("tiled", 1, True, False),
                                                     ("two, sliced", 2, False, True), ("two", 2, False, False)):
@@ -162,7 +162,8 @@ def wan(tiny: bool, device: torch.device, repeat: int, peak: float | None, vae_c
                 pixels = torch.rand(batch, 3, frames, height, width, dtype=torch.bfloat16) * 2 - 1
                 try:
                     with torch.inference_mode():  # `vae` bound now: it is deleted before the LoRA steps
-                        figures = measure(lambda vae=vae: encode_pixels(vae, family.vae_pixels(pixels)), batch, repeat, device)
+                        figures = measure(lambda vae=vae: encode_pixels(vae, family.codec.vae_pixels(pixels)),
+                                          batch, repeat, device)
                     results[f"vae {name} {setting}"] = rounded(figures, peak)
                 except torch.OutOfMemoryError:
                     results[f"vae {name} {setting}"] = {"out_of_memory": True}
@@ -186,7 +187,7 @@ def wan(tiny: bool, device: torch.device, repeat: int, peak: float | None, vae_c
             latents = torch.randn(1, *latent, device=device)
             features = {k: v.to(device) for k, v in collate([{"umt5_hidden": torch.randn(40, text_dim)}]).items()}
             key = f"lora 1.3B {frames}x480x832 recompute" + (f", {kernel} attention only" if kernel else "")
-            tokens, where = family.image_tokens(transformer, *latent[1:]), "a plain step"
+            tokens, where = family.denoiser.image_tokens(transformer, *latent[1:]), "a plain step"
             try:
                 with sdpa_kernel([kernels[kernel]]) if kernel else contextlib.nullcontext():
                     if device.type == "cuda":  # a plain step first: the trainer's own peak, before any counting
@@ -255,13 +256,14 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
         model = ModelConfig(path=str(write_model_set(Path(tmp), shapes["t5"], shapes["vae"], shapes["transformer"],
                                                      torch.bfloat16, device)))
         text = TextEncodingConfig(dtype="bf16", device=device.type, numerics_samples=0, batch_tokens=65536)
-        t5 = family_of(model).text_encoders[0]
-        encoder = load_text_encoder(model, t5, "bf16", device.type, "none")
-        results["text"] = measure(lambda: encode_captions(texts, model, text, t5), captions, repeat, device)
+        family = family_of(model)
+        t5 = family.text.encoders[0]
+        encoder = load_text_encoder(model, family, t5, "bf16", device.type, "none")
+        results["text"] = measure(lambda: encode_captions(texts, model, family, text, t5), captions, repeat, device)
         print(json.dumps({"text": results["text"]}), flush=True)  # as it goes: a run cut short keeps these
 
         resolution = shapes["resolution"]
-        vae = load_vae(model, "bf16", device.type)
+        vae = load_vae(model, family, "bf16", device.type)
         images = torch.rand(vae_batch, 3, resolution, resolution, device=device, dtype=torch.bfloat16) * 2 - 1
         with torch.inference_mode():
             results["latents"] = measure(lambda: vae.encode(images).latent_dist.mean, vae_batch, repeat, device)

@@ -73,9 +73,9 @@ def run(count: int = 96, width: int = 32, resolution: int = 256, batch: int = 1,
         storage = StorageConfig(root=str(tmp / "store"))
         dataset = ingest(storage, DatasetConfig(sources=[SourceConfig(path=str(data))], shard_size=32))
         settings = LatentEncodingConfig(resolution=resolution, batch_size=batch, device="cpu")
-        vae = load_vae(model, settings.dtype, settings.device)
+        vae = load_vae(model, family_of(model), settings.dtype, settings.device)
         files = sorted(p for p in data.iterdir() if p.suffix in (".png", ".jpg"))
-        table = family_of(model).bucket_table(resolution)
+        table = family_of(model).codec.bucket_table(resolution)
         plain_loop(files[:4], vae, table)  # warm-up
 
         store = Store(storage)

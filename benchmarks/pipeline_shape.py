@@ -2,7 +2,7 @@
 stage reads per image, and what the ingest coordinator's CPU costs per image as the dataset grows.
 
 - Stages: `--count` demo images with captions, source and store on a moto S3 server behind
-  `benchmarks.latency.SlowEndpoint` (20 ms a request, counting the bytes of every response), the
+  `storage.slow_endpoint.SlowEndpoint` (20 ms a request, counting the bytes of every response), the
   demo's tiny PixArt models, shards of `SHARD_SIZE`. The data stages (ingest, encode-text,
   encode-latents, manifest) run on fresh stores two ways, in one process (`tasks.runner.Direct`):
   one stage after another, each whole before the next begins (how precast ran before the stages
@@ -32,43 +32,17 @@ from typing import Any
 
 import psutil
 
-from benchmarks.latency import SlowEndpoint
+from storage.slow_endpoint import SlowEndpoint
 from benchmarks.s3_ingest import moto
 from configs.schema import QUICKSTART, DatasetConfig, SourceConfig, StorageConfig, load_config
 from storage import layout
 from tasks.demo.data import write_demo_data
 from tasks.demo.models import write_tiny_models
 from tasks.manifest import MANIFEST_CONCURRENCY
-from tasks.runner import Direct, Shards, run_stages
+from tasks.runner import Direct, Shards, one_after_another, run_stages
 
 SHARD_SIZE = 64
 DELAY = 0.020
-
-
-def one_after_another(executor: Direct, server: psutil.Process | None = None
-                      ) -> tuple[dict[str, float], dict[str, float]]:
-    """The data stages, each whole before the next: each one's seconds, and its CPU seconds (this
-    process's, and `server`'s where given)."""
-    seconds: dict[str, float] = {}
-    cpu: dict[str, float] = {}
-
-    def timed(name: str, call: Any) -> Any:
-        began, used = time.perf_counter(), cpu_seconds(server)
-        result = call()
-        seconds[name], cpu[name] = time.perf_counter() - began, cpu_seconds(server) - used
-        return result
-
-    dataset = timed("ingest", executor.ingest)
-    timed("encode-text", lambda: executor.encode_text(Shards.of(executor.store, dataset)))
-    timed("encode-latents", lambda: executor.encode_latents(Shards.of(executor.store, dataset)))
-    timed("manifest", lambda: executor.manifest(dataset))
-    return seconds, cpu
-
-
-def cpu_seconds(server: psutil.Process | None) -> float:
-    """CPU seconds used so far by this process and by `server` (if any) with its children."""
-    others = [server, *server.children(True)] if server else []
-    return sum(sum(process.cpu_times()[:2]) for process in (psutil.Process(), *others))
 
 
 def bench_config(root: str, models: Path, endpoint: str):

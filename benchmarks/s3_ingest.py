@@ -2,7 +2,7 @@
 request, and what a nightly run reads.
 
 The source is `count` demo images with captions on a moto S3 server (its own process), reached
-through `benchmarks.latency.SlowEndpoint`, which adds a fixed delay to every request (20 ms: what a
+through `storage.slow_endpoint.SlowEndpoint`, which adds a fixed delay to every request (20 ms: what a
 real object store costs) and counts requests and bytes. The sequential reader is precast's ingest
 with `read_concurrency: 1`, one object after another as the ingest before concurrent reads did;
 the new one uses the default (32). Each run starts on an empty store, so both read everything.
@@ -25,7 +25,7 @@ from pathlib import Path
 from PIL import Image
 
 from configs.schema import DatasetConfig, SourceConfig, StorageConfig
-from benchmarks.latency import SlowEndpoint
+from storage.slow_endpoint import SlowEndpoint
 from tasks.demo.data import write_demo_data
 from tasks.ingest.stage import ingest
 

@@ -68,11 +68,12 @@ def run(captions: int = 512, reference_captions: int = 128, d_model: int = 512, 
         model = ModelConfig(path=str(make_model(Path(tmp), d_model, layers)))
         config = TextEncodingConfig(max_length=max_length, dtype="fp32", device="cpu", batch_tokens=8192,
                                     numerics_samples=0)
-        t5 = family_of(model).text_encoders[0]
-        encoder = load_text_encoder(model, t5, config.dtype, config.device, config.offload)
+        family = family_of(model)
+        t5 = family.text.encoders[0]
+        encoder = load_text_encoder(model, family, t5, config.dtype, config.device, config.offload)
         texts = make_captions(captions)
         lengths = sorted(len(x) for x in encoder.tokenizer(texts).input_ids)
-        encode_captions(texts[:16], model, config, t5)  # warm-up
+        encode_captions(texts[:16], model, family, config, t5)  # warm-up
 
         timings = {}
         started = time.perf_counter()
@@ -82,7 +83,7 @@ def run(captions: int = 512, reference_captions: int = 128, d_model: int = 512, 
         padded(texts, encoder.tokenizer, encoder.model, max_length, batch)
         timings["padded_batched"] = len(texts) / (time.perf_counter() - started)
         started = time.perf_counter()
-        outputs, truncated = encode_captions(texts, model, config, t5)
+        outputs, truncated = encode_captions(texts, model, family, config, t5)
         embeddings = outputs["hidden"]
         timings["precast"] = len(texts) / (time.perf_counter() - started)
 
@@ -90,7 +91,7 @@ def run(captions: int = 512, reference_captions: int = 128, d_model: int = 512, 
         accuracy = {}
         reference = torch.cat(embeddings[:64]).float()
         for dtype in ["bf16", "fp16", "int8"]:
-            low, _ = encode_captions(texts[:64], model, config.model_copy(update={"dtype": dtype}), t5)
+            low, _ = encode_captions(texts[:64], model, family, config.model_copy(update={"dtype": dtype}), t5)
             low = torch.cat(low["hidden"]).float()
             cosine = torch.nn.functional.cosine_similarity(low, reference, dim=-1)
             accuracy[dtype] = {"cosine_min": round(cosine.min().item(), 5), "cosine_mean": round(cosine.mean().item(), 6),

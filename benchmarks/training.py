@@ -65,7 +65,7 @@ def run_cached(config: PipelineConfig, manifest_url: str) -> dict:
 
     record = train(config.storage, config.model, config.training, manifest_url)
     store = Store(config.storage)
-    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family_of(config.model).text_encoders)
+    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family_of(config.model).text.encoders)
     batches = bucket_batches(features.buckets, config.training.batch_size, 0)
     generator = torch.Generator().manual_seed(0)
     started = time.perf_counter()
@@ -100,12 +100,13 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
     for key in store.list(layout.IMAGE_SHARDS, ".parquet"):
         for sample in read_image_shard(store.read_bytes(key)).to_pylist():
             samples[sample["sample_id"]] = sample
-    t5 = family_of(config.model).text_encoders[0]
-    encoder = load_text_encoder(config.model, t5, "fp32", "cpu", "none")
-    vae = load_vae(config.model, "fp32", "cpu")
-    network = trainable_network(config.model, training)
+    family = family_of(config.model)
+    t5 = family.text.encoders[0]
+    encoder = load_text_encoder(config.model, family, t5, "fp32", "cpu", "none")
+    vae = load_vae(config.model, family, "fp32", "cpu")
+    network = trainable_network(config.model, family, training)
     objective = Objective.of(config.model, training)
-    table = family_of(config.model).bucket_table(256)
+    table = family.codec.bucket_table(256)
     optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=training.learning_rate)
     batches = bucket_batches(buckets, training.batch_size, training.seed)
     generator = torch.Generator().manual_seed(training.seed)
@@ -134,7 +135,7 @@ def parameters(folder: Path) -> dict:
     model = ModelConfig(path=str(folder))
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     return {"text_encoder": count(T5EncoderModel.from_pretrained(folder, subfolder="text_encoder")),
-            "transformer": count(family_of(model).load_transformer(model))}
+            "transformer": count(family_of(model).denoiser.load(model))}
 
 
 def run(steps: int = 30, batch: int = 4, count: int = 64) -> dict:

@@ -54,10 +54,10 @@ def held_bytes(config, manifest_url: str) -> dict[str, float]:
     from tasks.train.network import kept_activations, trainable_network
 
     store = Store(config.storage)
-    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family_of(config.model).text_encoders)
+    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family_of(config.model).text.encoders)
     ids = max(features.buckets.values(), key=len)[:2]
     latents, text = features.batch(ids, torch.Generator().manual_seed(0), 0.0)
-    network = trainable_network(config.model, config.training)
+    network = trainable_network(config.model, family_of(config.model), config.training)
     kept: list[int] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:  # sees what checkpointing and offloading did not take
@@ -118,9 +118,9 @@ def token_spread(workdir: Path, manifest_url: str) -> dict:
     config = config_for(workdir, 1, 1)
     store = Store(config.storage)
     family = family_of(config.model)
-    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family.text_encoders)
-    transformer = family.transformer_class().load_config(config.model.path, subfolder="transformer")
-    tokens = {name: family.image_tokens(transformer, *(int(side) for side in name.split("x")))
+    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family.text.encoders)
+    transformer = family.denoiser.transformer_class().load_config(config.model.path, subfolder="transformer")
+    tokens = {name: family.denoiser.image_tokens(transformer, *(int(side) for side in name.split("x")))
               for name in features.buckets}
     return {"buckets": len(tokens), "min_tokens": min(tokens.values()), "max_tokens": max(tokens.values())}
 

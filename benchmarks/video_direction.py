@@ -11,7 +11,7 @@ Euler steps:
   Wan 2.2 TI2V trains (`training.image_to_video` 1) and `WanImageToVideoPipeline` samples.
 Each reports, at every `every` steps, how many of 48 samples move the blob the named way and how
 many another way (by the shift of the blob's centroid from the first frame to the second). It
-locates why the video world's direction is not learned from text alone (docs/design.md), and why
+locates why the video world's direction is not learned from text alone (benchmarks/results/demo-worlds.md), and why
 the wan demo trains from first frames: reading the word is learned in a few thousand steps once a
 frame is given; drawing two frames coupled by it out of one noise level is not. Run on a GPU it
 shows how far `text to video` must go before it is.
@@ -93,11 +93,11 @@ def train(first_given: bool, steps: int, every: int, device: torch.device, seed:
             for now, after in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
                 t = torch.full((samples,), now * 1000, device=device)
                 if first_given:  # as WanImageToVideoPipeline's step: the frame given, its tokens at 0
-                    model_input, t, _ = family.first_frame_given(condition, x, t, torch.ones(samples, dtype=torch.bool,
-                                                                                             device=device))
+                    given = torch.ones(samples, dtype=torch.bool, device=device)
+                    model_input, t, _ = family.denoiser.first_frame_given(condition, x, t, given)
                 else:
                     model_input = x
-                x = x + (after - now) * family.predict(net, model_input, text, t)
+                x = x + (after - now) * family.denoiser.predict(net, model_input, text, t)
         if first_given:
             x[:, :, 0] = condition[:, :, 0]
         return moved(x.cpu(), colours, directions)

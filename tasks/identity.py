@@ -18,7 +18,7 @@ from configs.schema import (
 )
 from storage import layout
 from storage.fingerprint import component_fingerprint, hash_json
-from tasks.families import family_of
+from tasks.families import Family, family_of
 
 TEXT_FORMAT = "precast.text/3"  # the stored text layout or numerics
 LATENT_FORMAT = "precast.latents/2"  # the stored posterior layout or preprocessing
@@ -81,11 +81,11 @@ def text_fingerprints(model: ModelConfig, text: TextEncodingConfig) -> dict[str,
     family = family_of(model)
     fingerprints, settings = {}, counted(text)
     if "caption_preprocessing" in settings:  # the family's rule that the word names
-        settings["captions"] = family.caption_rule(settings.pop("caption_preprocessing"))
-    for encoder in family.text_encoders:
+        settings["captions"] = family.text.captions.rule(settings.pop("caption_preprocessing"))
+    for encoder in family.text.encoders:
         files = component_fingerprint(model.path, [encoder.folder, encoder.tokenizer], model.revision)
         # max_length as the family resolves it for this encoder
-        length = {"max_length": family.text_length(model, encoder, text)} if "max_length" in settings else {}
+        length = {"max_length": family.text.length(model, encoder, text)} if "max_length" in settings else {}
         fingerprints[encoder.name] = hash_json({
             "files": {"text_encoder": files[encoder.folder], "tokenizer": files[encoder.tokenizer]},
             **settings, **length, "format": TEXT_FORMAT, **encoder.stored()})
@@ -104,16 +104,16 @@ def vae_fingerprint(model: ModelConfig, latents: LatentEncodingConfig) -> str:
     files = component_fingerprint(model.path, ["vae"], model.revision)
     settings = counted(latents)
     family = family_of(model)
-    family.bucket_table(latents.resolution)  # a resolution the family has no buckets for is refused before any stage
-    if family.bucket_rule:
-        settings["buckets"] = family.bucket_rule
+    family.codec.bucket_table(latents.resolution)  # a resolution without buckets is refused before any stage
+    if family.codec.buckets.rule:
+        settings["buckets"] = family.codec.buckets.rule
     return hash_json({"files": files, **settings, "format": LATENT_FORMAT})
 
 
-def transformer_fingerprint(model: ModelConfig) -> str:
+def transformer_fingerprint(model: ModelConfig, family: Family) -> str:
     """The trained transformer's files, under its folder's name (an expert's of a two-expert model),
     and the scheduler's."""
-    folder = family_of(model).transformer_folder(model)
+    folder = family.denoiser.folder(model)
     return hash_json(component_fingerprint(model.path, [folder, "scheduler"], model.revision))
 
 
@@ -137,7 +137,8 @@ def run_id_for(manifest: str, model: ModelConfig, training: TrainingConfig, init
     # the global batch's split over nodes, processes and accumulation does not count (the schema
     # says so), the micro-batches a step takes do; the modules LoRA adapts count resolved: the
     # family's defaults as if spelled in the config
+    family = family_of(model)
     settings = {**counted(training), "micro_batches": training.micro_batches,
-                "target_modules": family_of(model).target_modules(training)}
-    return hash_json({"manifest": manifest, "transformer": transformer_fingerprint(model), "training": settings,
+                "target_modules": family.denoiser.target_modules(training)}
+    return hash_json({"manifest": manifest, "transformer": transformer_fingerprint(model, family), "training": settings,
                       "init": init_id, "format": TRAIN_FORMAT})

@@ -227,6 +227,35 @@ class Direct:
         return train(config.storage, config.model, config.training, manifest["url"])
 
 
+def one_after_another(executor: Direct, server: Any = None
+                      ) -> tuple[dict[str, float], dict[str, float]]:
+    """The data stages, each whole before the next (what overlapping them is measured and tested
+    against): each one's seconds, and its CPU seconds (this process's, and `server`'s where given)."""
+    seconds: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+
+    def timed(name: str, call: Any) -> Any:
+        began, used = time.perf_counter(), cpu_seconds(server)
+        result = call()
+        seconds[name], cpu[name] = time.perf_counter() - began, cpu_seconds(server) - used
+        return result
+
+    dataset = timed("ingest", executor.ingest)
+    timed("encode-text", lambda: executor.encode_text(Shards.of(executor.store, dataset)))
+    timed("encode-latents", lambda: executor.encode_latents(Shards.of(executor.store, dataset)))
+    timed("manifest", lambda: executor.manifest(dataset))
+    return seconds, cpu
+
+
+def cpu_seconds(server: Any) -> float:
+    """CPU seconds used so far by this process and by `server` (a `psutil.Process`, if any) with its
+    children."""
+    import psutil
+
+    others = [server, *server.children(True)] if server else []
+    return sum(sum(process.cpu_times()[:2]) for process in (psutil.Process(), *others))
+
+
 def run_direct(config: PipelineConfig, until: Stage = "train") -> Records:
     """Run the stages up to `until` in this process (`Direct`); returns `run_stages`' records and
     the encoders' fingerprints."""

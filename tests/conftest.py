@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,22 @@ def pytest_collection_modifyitems(items):
 def tiny_models(tmp_path_factory) -> str:
     # a random VAE: these tests check the path, not the pictures (the demo sets one by hand)
     return str(write_tiny_models(tmp_path_factory.mktemp("models") / "tiny-pixart-sigma", random_vae=True))
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory, request):
+    """The tiny model folder of a family by its demo name (`tasks.demo.flow_models.FAMILIES`, or
+    `pixart-sigma`: `tiny_models`), each written once a session, its VAE random."""
+    from tasks.demo.flow_models import write_tiny_family
+
+    root = tmp_path_factory.mktemp("families")
+
+    def folder(name: str) -> Path:
+        if name == "pixart-sigma":
+            return Path(request.getfixturevalue("tiny_models"))
+        return write_tiny_family(root / name, name, random_vae=True)
+
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -71,18 +88,15 @@ def cached_manifest(tmp_path_factory, tiny_models, demo_data):
 
 
 @pytest.fixture(scope="session")
-def family_manifests(tmp_path_factory, demo_data):
+def family_manifests(tmp_path_factory, demo_data, tiny_family):
     """A flow-matching family's cached store (`_cached`) by its demo name, built when first asked
     for (its tiny models' VAE untrained: these check the math, not the pictures)."""
-    from tasks.demo.flow_models import write_tiny_family
-
     built = {}
 
     def cached(family: str) -> tuple[PipelineConfig, str]:
         if family not in built:
             folder = tmp_path_factory.mktemp(f"cached-{family}")
-            built[family] = _cached(folder / "store", str(write_tiny_family(folder / "models", family, random_vae=True)),
-                                    demo_data)
+            built[family] = _cached(folder / "store", str(tiny_family(family)), demo_data)
         return built[family]
 
     return cached

@@ -13,38 +13,20 @@ from configs.schema import ModelConfig, TextEncodingConfig, TrainingConfig
 from storage.shards import collate
 from tasks.encode.text import encode_captions
 from tasks.families import family_of
-from tasks.families.chroma import Chroma
 from tasks.families.flux import unpack
 from tests.pipeline_calls import transformer_calls
 
 
 @pytest.fixture(scope="module")
-def chroma(tmp_path_factory) -> ModelConfig:
-    from tasks.demo.flow_models import write_tiny_family
-
-    return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("chroma") / "chroma", "chroma",
-                                                  random_vae=True)))
+def chroma(tiny_family) -> ModelConfig:
+    return ModelConfig(path=str(tiny_family("chroma")))
 
 
 def cached(model: ModelConfig, prompts: list[str]) -> list[torch.Tensor]:
-    (spec,) = family_of(model).text_encoders
+    family = family_of(model)
+    (spec,) = family.text.encoders
     config = TextEncodingConfig(dtype="fp32", device="cpu", numerics_samples=0)
-    return encode_captions(prompts, model, config, spec)[0]["hidden"]
-
-
-def test_the_cache_holds_the_positions_the_transformer_attends_to_as_encode_prompt_gives_them(chroma):
-    """The real tokens and the first padding position, fp32, each as `_get_t5_prompt_embeds` gives
-    it (T5 under the tokenizer's mask); a caption of 512 tokens or more keeps all 512."""
-    family = family_of(chroma)
-    assert isinstance(family, Chroma) and family.default_max_length(chroma) == 512
-    prompts = ["a red circle on a blue background", "stripes " * 600, ""]
-    ours = cached(chroma, prompts)
-    pipeline = ChromaPipeline.from_pretrained(chroma.path)
-    embeds, mask = pipeline._get_t5_prompt_embeds(prompts, max_sequence_length=512)
-    assert [len(e) for e in ours] == mask.sum(dim=1).long().tolist() == [9, 512, 2]
-    for index, embedding in enumerate(ours):
-        torch.testing.assert_close(embedding, embeds[index, : len(embedding)], rtol=1e-4, atol=5e-5)
-    assert mask.dtype == torch.float32  # the pipeline's own mask is additive: see the module's docstring
+    return encode_captions(prompts, model, family, config, spec)[0]["hidden"]
 
 
 def test_the_transformer_is_called_as_the_pipeline_calls_it_with_a_boolean_mask(chroma):
@@ -57,13 +39,13 @@ def test_the_transformer_is_called_as_the_pipeline_calls_it_with_a_boolean_mask(
     prompts = ["a green square on a white background", ""]  # the prompt, the negative
     both = collate([{"t5_hidden": e} for e in cached(chroma, prompts)])
     generate = dict(height=96, width=64, num_inference_steps=1, guidance_scale=2.0, output_type="latent")
-    pipeline(**family.embedding_kwargs(both, 1), generator=torch.Generator().manual_seed(0), **generate)
+    pipeline(**family.sampler.embedding_kwargs(both, 1), generator=torch.Generator().manual_seed(0), **generate)
     (seen, output), (seen_negative, _) = calls
     assert seen["attention_mask"].dtype == torch.bool and seen["attention_mask"].shape == (1, 7 + 1 + 1 + 6 * 4)  # 7 words, </s>, a pad; 12 × 8 latents in 2 × 2 tokens
     noisy = unpack(seen["hidden_states"], 12, 8)
     with torch.no_grad():
-        ours = family.predict(pipeline.transformer, noisy, {k: v[:1] for k, v in both.items()},
-                              seen["timestep"] * 1000, **family.call_options(TrainingConfig()))
+        ours = family.denoiser.predict(pipeline.transformer, noisy, {k: v[:1] for k, v in both.items()},
+                              seen["timestep"] * 1000, **family.denoiser.call_options(TrainingConfig()))
     torch.testing.assert_close(ours, unpack(output, 12, 8))
 
     calls.clear()

@@ -18,7 +18,7 @@ from storage.shards import LatentShard, read_image_shard
 from storage.store import Store
 from tasks.encode import latents as encode_latents
 from tasks.encode.latents import crop_box, encode_latents_shard, preprocess
-from tasks.families.pixart import PixArtAlpha, PixArtSigma
+from tasks.families.pixart import ALPHA, SIGMA
 from tasks.ingest.stage import ingest
 from tasks.identity import vae_fingerprint
 
@@ -68,7 +68,7 @@ def test_cached_posterior_equals_a_direct_vae_encode(make_config, tiny_models, p
         torch.testing.assert_close(cache.get(row["sample_id"], flipped=True)[0], flipped.mean[0], rtol=1e-4, atol=1e-5)
 
 
-bucket_table = PixArtSigma().bucket_table  # the demo model's family
+bucket_table = SIGMA.codec.bucket_table  # the demo model's family
 
 
 def test_the_bucket_tables_are_diffusers_own():
@@ -80,10 +80,10 @@ def test_the_bucket_tables_are_diffusers_own():
     for resolution in (256, 512, 1024):
         assert bucket_table(resolution) == getattr(pipeline_pixart_alpha, f"ASPECT_RATIO_{resolution}_BIN")
     assert bucket_table(2048) == pipeline_pixart_sigma.ASPECT_RATIO_2048_BIN
-    assert PixArtAlpha().bucket_table(1024) == bucket_table(1024)
+    assert ALPHA.codec.bucket_table(1024) == bucket_table(1024)
     with pytest.raises(ValueError, match="latent_encoding.resolution 2048: PixArt-α has aspect-ratio buckets for 256, 512, 1024 only"):
-        PixArtAlpha().bucket_table(2048)
-    probe = ("import sys; from tasks.families.pixart import PixArtSigma; PixArtSigma().bucket_table(1024); "
+        ALPHA.codec.bucket_table(2048)
+    probe = ("import sys; from tasks.families.pixart import SIGMA; SIGMA.codec.bucket_table(1024); "
              "print(sorted(m for m in sys.modules if m.startswith(('diffusers.pipelines', 'transformers.models'))))")
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]", loaded.stdout

@@ -157,8 +157,9 @@ def test_offload_modes_agree_and_share_the_cache(ingested):
     outputs = {}
     for offload in ["none", "model", "sequential"]:
         settings = config.text_encoding.model_copy(update={"offload": offload})
-        outputs[offload] = encode_captions(["a red circle", "a long caption " * 12, ""], config.model, settings,
-                                           family_of(config.model).text_encoders[0])[0]["hidden"]
+        family = family_of(config.model)
+        outputs[offload] = encode_captions(["a red circle", "a long caption " * 12, ""], config.model, family,
+                                           settings, family.text.encoders[0])[0]["hidden"]
     for offload in ["model", "sequential"]:
         for a, b in zip(outputs["none"], outputs[offload]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -254,7 +255,7 @@ def test_text_cache_reads_padded_batches_from_local_and_remote_shards(make_confi
     import s3fs
     from PIL import Image
 
-    from benchmarks.latency import SlowEndpoint
+    from storage.slow_endpoint import SlowEndpoint
     from storage.shards import collate
     from tasks.train.data import TextCaches
 
@@ -276,7 +277,7 @@ def test_text_cache_reads_padded_batches_from_local_and_remote_shards(make_confi
         record, cache, rows = _encode_first_shard(config, dataset)
         shards.append(Store(config.storage).read_bytes(Store(config.storage).key(record["url"])))
         key = Store(config.storage).key(record["url"])
-        caches = TextCaches(Store(config.storage), family_of(config.model).text_encoders, {key: record["sha256"]})
+        caches = TextCaches(Store(config.storage), family_of(config.model).text.encoders, {key: record["sha256"]})
         batch = collate([caches.caption([key], row["sample_id"], 0) for row in rows])
         embeddings, mask = batch["t5_hidden"], batch["t5_hidden_mask"]
         lengths = [len(cache[f"{row['sample_id']}/0"]) for row in rows]
@@ -329,11 +330,12 @@ def test_model_loads_never_overlap_and_the_reference_stays_off_the_accelerator(m
     monkeypatch.setattr(AutoencoderKL, "from_pretrained", tracked(AutoencoderKL.from_pretrained))
     models.TEXT_LOADERS.clear()
     models.load_vae.__wrapped__.cache_clear()
-    t5 = family_of(config.model).text_encoders[0]
-    loads = [lambda: models.load_text_encoder(config.model, t5, "int8", "cpu", "none"),
-             lambda: models.build_text_encoder(config.model, t5, "fp32", *models.reference_placement("cpu")),
-             lambda: models.load_vae(config.model, "bf16", "cpu"),
-             lambda: models.build_vae(config.model, "fp32", "cpu")] * 2
+    family = family_of(config.model)
+    t5 = family.text.encoders[0]
+    loads = [lambda: models.load_text_encoder(config.model, family, t5, "int8", "cpu", "none"),
+             lambda: models.build_text_encoder(config.model, family, t5, "fp32", *models.reference_placement("cpu")),
+             lambda: models.load_vae(config.model, family, "bf16", "cpu"),
+             lambda: models.build_vae(config.model, family, "fp32", "cpu")] * 2
 
     def run(load):
         try:
@@ -395,6 +397,7 @@ def test_a_decoder_only_llm_plugs_into_the_stage_through_its_prompt_function(mak
                                            rtol=1e-5, atol=1e-5)
                 compared += 1
     assert compared >= 24
-    assert not hasattr(load_text_encoder(config.model, spec, "fp32", "cpu", "none").model, "lm_head")
+    loaded = load_text_encoder(config.model, family_of(config.model), spec, "fp32", "cpu", "none")
+    assert not hasattr(loaded.model, "lm_head")
     monkeypatch.setattr(family_of(config.model), "text_encoders", (ChatEncoderSpec("llm", layers=(-1,), drop=3),))
     assert text_fingerprints(config.model, config.text_encoding)["llm"] != fingerprint

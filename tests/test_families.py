@@ -12,7 +12,7 @@ from configs.schema import ModelConfig, StorageConfig
 from storage import layout
 from storage.store import Store
 from tasks.families import family_of
-from tasks.families.pixart import PixArtAlpha, PixArtSigma
+from tasks.families.pixart import ALPHA, SIGMA
 from tasks.runs.folder import FinishedRun
 
 
@@ -24,8 +24,8 @@ def _with_pipeline(tiny_models, folder, pipeline):
 
 
 def test_the_family_is_the_pipeline_model_index_names(tiny_models, tmp_path):
-    assert isinstance(family_of(ModelConfig(path=tiny_models)), PixArtSigma)
-    assert isinstance(family_of(_with_pipeline(tiny_models, tmp_path / "alpha", "PixArtAlphaPipeline")), PixArtAlpha)
+    assert family_of(ModelConfig(path=tiny_models)) is SIGMA
+    assert family_of(_with_pipeline(tiny_models, tmp_path / "alpha", "PixArtAlphaPipeline")) is ALPHA
     unknown = _with_pipeline(tiny_models, tmp_path / "unknown", "StableCascadeCombinedPipeline")
     with pytest.raises(ValueError, match=r"unknown: its model_index.json names StableCascadeCombinedPipeline, which "
                                          r"precast does not train; it trains PixArtAlphaPipeline \(PixArt-α\)"):
@@ -33,6 +33,16 @@ def test_the_family_is_the_pipeline_model_index_names(tiny_models, tmp_path):
     (tmp_path / "bare").mkdir()
     with pytest.raises(FileNotFoundError, match="bare: has no model_index.json"):
         family_of(ModelConfig(path=str(tmp_path / "bare")))
+
+
+def test_every_family_is_a_record_of_parts_none_a_subclass():
+    """A family declares its parts; none inherits another family's methods to undo them."""
+    from tasks.families import FAMILIES, Family
+
+    assert FAMILIES and all(type(family) is Family for family in FAMILIES)
+    assert len({family.name for family in FAMILIES}) == len(FAMILIES)
+    for family in FAMILIES:  # each part knows whose it is, for its errors
+        assert {family.text.family, family.codec.family, family.denoiser.family, family.sampler.family} == {family.name}
 
 
 def test_pixart_alpha_gets_the_micro_conditions_its_pipeline_gives(tiny_models):
@@ -56,10 +66,10 @@ def test_pixart_alpha_gets_the_micro_conditions_its_pipeline_gives(tiny_models):
              guidance_scale=1.0, use_resolution_binning=False)
     theirs = seen[0]
     noisy = torch.zeros(1, 4, 96, 128)
-    ours = PixArtAlpha().micro_conditions(noisy, embeds)
+    ours = ALPHA.denoiser.micro_conditions(noisy, embeds)
     assert torch.equal(ours["resolution"], theirs["resolution"]) and torch.equal(ours["aspect_ratio"],
                                                                                   theirs["aspect_ratio"])
-    assert PixArtSigma().micro_conditions(noisy, embeds) == {"resolution": None, "aspect_ratio": None}
+    assert SIGMA.denoiser.micro_conditions(noisy, embeds) == {"resolution": None, "aspect_ratio": None}
 
 
 def test_a_finished_run_knows_its_family_from_its_lineage_alone(tmp_path):
@@ -71,12 +81,12 @@ def test_a_finished_run_knows_its_family_from_its_lineage_alone(tmp_path):
     store.commit_json(layout.run_part(run, "lineage"), {"model": model}, model=model, adapter=None,
                       transformer=store.url(layout.run_part(run, "transformer")))
     finished = FinishedRun.at(store.url(run))
-    assert isinstance(finished.family, PixArtSigma) and finished.weights == "transformer"
+    assert finished.family is SIGMA and finished.weights == "transformer"
     with pytest.raises(FileNotFoundError, match="has no LoRA adapter"):
         finished.adapter()
     store.commit_json(layout.run_part(run, "lineage"), {"model": model, "pipeline": "PixArtAlphaPipeline"},
                       model=model, adapter=None, transformer=None, weights="transformer")
-    assert isinstance(FinishedRun.at(store.url(run) + "/transformer").family, PixArtAlpha)
+    assert FinishedRun.at(store.url(run) + "/transformer").family is ALPHA
 
 
 def test_a_resolution_the_family_has_no_buckets_for_is_refused_before_any_stage(make_config, tmp_path):

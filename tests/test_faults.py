@@ -74,7 +74,7 @@ def test_an_object_store_that_throttles_resets_and_cuts_bodies_short_gives_the_s
     with a fault in turn: 503 SlowDown, 400 RequestTimeout, a connection reset (a PUT stored, its
     answer lost) and a GET body cut at half. The client's retries and the store's ride them out:
     every committed artifact has the sha256 of a clean run, and `verify` finds nothing wrong."""
-    from benchmarks.latency import FAULTS, SlowEndpoint
+    from storage.slow_endpoint import FAULTS, SlowEndpoint
     from tasks.runner import run_direct
 
     clean = _config(make_config, "s3://precast-faults/http-clean", options={"endpoint_url": s3_endpoint})

@@ -41,13 +41,9 @@ def _adapter_folder(config, records, tmp_path) -> str:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tiny_family):
     """Each family's tiny folder, their VAEs random (this checks paths and numbers, not pictures)."""
-    from tasks.demo.flow_models import write_tiny_family
-
-    root = tmp_path_factory.mktemp("flow-families")
-    return {family: write_tiny_family(root / family, family, random_vae=True)
-            for family in ("flux", "sd3", "chroma", "wan", "wan2.2-ti2v", "wan2.2-a14b")}
+    return {family: tiny_family(family) for family in FAMILIES}
 
 
 # the configurations users run, one per family: Flux through the Prefect flow on an S3 root with
@@ -106,9 +102,9 @@ def runs(models, demo_data, tmp_path_factory, request):
 def test_each_family_trains_its_default_lora_on_its_own_caches(runs, family):
     config, records = runs[family]
     spec = family_of(config.model)
-    assert set(records["text_fingerprints"]) == {encoder.name for encoder in spec.text_encoders}
+    assert set(records["text_fingerprints"]) == {encoder.name for encoder in spec.text.encoders}
     lineage = FinishedRun.at(records["train"]["run"], config.storage.options).lineage
-    assert lineage["training"]["target_modules"] == list(spec.lora_targets)
+    assert lineage["training"]["target_modules"] == list(spec.denoiser.lora_targets)
     assert records["train"]["final_loss"] == records["train"]["final_loss"]  # finite: not NaN
     assert records["train"]["samples"], "the run drew its sample grid"
     assert lineage["training"]["base_precision"] == config.training.base_precision
@@ -128,8 +124,8 @@ def test_the_adapter_loads_with_load_lora_weights_as_peft_merges_it(runs, models
     spec = family_of(config.model)
     out = tmp_path / "lora.safetensors"
     assert main(["export", records["train"]["run"], "--format", "diffusers", "--out", str(out), *_options(config)]) == 0
-    pipeline = spec.pipeline_class().from_pretrained(models[family])
-    slot = spec.transformer_folder(config.model)  # an expert's: transformer_2 for the low-noise one
+    pipeline = spec.sampler.pipeline_class().from_pretrained(models[family])
+    slot = spec.denoiser.folder(config.model)  # an expert's: transformer_2 for the low-noise one
     before = {k: v.clone() for k, v in getattr(pipeline, slot).state_dict().items()}
     untouched = {k: v.clone() for k, v in pipeline.transformer.state_dict().items()} if slot != "transformer" else {}
     pipeline.load_lora_weights(str(out), **({"load_into_transformer_2": True} if slot == "transformer_2" else {}))
@@ -137,7 +133,7 @@ def test_the_adapter_loads_with_load_lora_weights_as_peft_merges_it(runs, models
     pipeline.unload_lora_weights()
     loaded = getattr(pipeline, slot).state_dict()
     assert all(torch.equal(value, pipeline.transformer.state_dict()[key]) for key, value in untouched.items())
-    merged = PeftModel.from_pretrained(spec.load_transformer(config.model),
+    merged = PeftModel.from_pretrained(spec.denoiser.load(config.model),
                                        _adapter_folder(config, records, tmp_path)).merge_and_unload().state_dict()
     assert set(loaded) == set(merged)
     assert any(not torch.equal(loaded[k], before[k]) for k in before)  # the adapter changed the weights
@@ -160,7 +156,7 @@ def test_comfyui_export_patches_what_peft_merges(runs, family, tmp_path):
     out = tmp_path / "lora.safetensors"
     assert main(["export", records["train"]["run"], "--format", "comfyui", "--out", str(out), *_options(config)]) == 0
     spec = family_of(config.model)
-    base = spec.load_transformer(config.model)
+    base = spec.denoiser.load(config.model)
     diffusers_map, key_map = maps_for(base)
     weights = comfy_weights(base.state_dict(), diffusers_map)
     assert apply_lora(weights, load_file(out), key_map) == []  # every key is read
@@ -177,7 +173,7 @@ def test_true_cfg_scale_guides_flux_samples_as_the_pipeline_does(runs, models, t
     config, records = runs["flux"]
     out = tmp_path / "lora.safetensors"
     assert main(["export", records["train"]["run"], "--format", "diffusers", "--out", str(out), *_options(config)]) == 0
-    pipeline = family_of(config.model).pipeline_class().from_pretrained(models["flux"])
+    pipeline = family_of(config.model).sampler.pipeline_class().from_pretrained(models["flux"])
     pipeline.load_lora_weights(str(out))
     prompt = "a red circle on a blue background"
     expected = pipeline([prompt], negative_prompt=[""], true_cfg_scale=3.0, guidance_scale=4.5, height=256, width=256,
@@ -211,11 +207,11 @@ def test_a_wan_comfyui_export_is_wans_own_layout_which_wan_pipeline_loads_as_pef
     tensors = load_file(out)
     assert all(key.startswith("diffusion_model.blocks.") and ".attn1." not in key for key in tensors)
     assert "diffusion_model.blocks.0.self_attn.q.lora_A.weight" in tensors
-    pipeline = family_of(config.model).pipeline_class().from_pretrained(models["wan"])
+    pipeline = family_of(config.model).sampler.pipeline_class().from_pretrained(models["wan"])
     pipeline.load_lora_weights(str(out))
     pipeline.fuse_lora()
     pipeline.unload_lora_weights()
-    merged = PeftModel.from_pretrained(family_of(config.model).load_transformer(config.model),
+    merged = PeftModel.from_pretrained(family_of(config.model).denoiser.load(config.model),
                                        _adapter_folder(config, records, tmp_path)).merge_and_unload().state_dict()
     loaded = pipeline.transformer.state_dict()
     for key in merged:

@@ -8,12 +8,9 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
-from configs.schema import ModelConfig, TextEncodingConfig, TrainingConfig
-from tasks.encode.text import encode_captions
-from tasks.families import family_of
+from configs.schema import ModelConfig, TrainingConfig
 from tasks.families.buckets import area_buckets
-from tasks.families.flux import Flux, image_ids, pack, unpack
-from tests.pipeline_calls import transformer_calls
+from tasks.families.flux import image_ids, pack, unpack
 
 
 def test_packing_and_image_ids_are_the_pipelines():
@@ -38,46 +35,8 @@ def test_area_buckets_have_sides_of_whole_tokens_and_the_target_area():
 
 
 @pytest.fixture(scope="module")
-def flux_dev(tmp_path_factory) -> ModelConfig:
-    from tasks.demo.flow_models import write_tiny_family
-
-    return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("flux") / "flux", "flux",
-                                                  random_vae=True)))
-
-
-def test_the_cache_holds_what_encode_prompt_gives_the_transformer(flux_dev):
-    """Every output, fp32: T5's states at every one of the 512 padded positions (the pipeline
-    passes no mask), and CLIP-L's pooled vector; a caption past the limit is cut as the pipeline cuts it."""
-    family = family_of(flux_dev)
-    assert isinstance(family, Flux) and family.default_max_length(flux_dev) == 512
-    text = TextEncodingConfig(dtype="fp32", device="cpu", numerics_samples=0)
-    prompts = ["a red circle on a blue background", "stripes " * 520, ""]
-    cached = {spec.name: encode_captions(prompts, flux_dev, text, spec)[0] for spec in family.text_encoders}
-    pipeline = FluxPipeline.from_pretrained(flux_dev.path)
-    embeds, pooled, _ = pipeline.encode_prompt(prompts, prompt_2=None, max_sequence_length=512)
-    for index in range(len(prompts)):
-        assert cached["t5"]["hidden"][index].shape == embeds[index].shape == (512, embeds.shape[-1])
-        torch.testing.assert_close(cached["t5"]["hidden"][index], embeds[index], rtol=1e-4, atol=5e-5)  # batching
-        torch.testing.assert_close(cached["clip_l"]["pooled"][index], pooled[index][None])
-
-
-def test_the_transformer_is_called_as_the_pipeline_calls_it(flux_dev):
-    """The pipeline's own call, recorded: its packed latents, timestep and guidance given to
-    `predict` unpacked and in the schedule's units give the pipeline's prediction."""
-    family = family_of(flux_dev)
-    pipeline = FluxPipeline.from_pretrained(flux_dev.path)
-    calls = transformer_calls(pipeline)
-    embeds = torch.randn(1, 7, pipeline.transformer.config.joint_attention_dim)
-    pooled = torch.randn(1, pipeline.transformer.config.pooled_projection_dim)
-    pipeline(prompt_embeds=embeds, pooled_prompt_embeds=pooled, height=96, width=64, num_inference_steps=1,
-             guidance_scale=3.5, output_type="latent", generator=torch.Generator().manual_seed(0))
-    ((seen, output),) = calls
-    noisy = unpack(seen["hidden_states"], 12, 8)
-    with torch.no_grad():
-        ours = family.predict(pipeline.transformer, noisy, {"t5_hidden": embeds, "clip_l_pooled": pooled},
-                              seen["timestep"] * 1000, **family.call_options(TrainingConfig(guidance_scale=3.5)))
-    torch.testing.assert_close(ours, unpack(output, 12, 8))
-    assert torch.equal(seen["guidance"], torch.full((1,), 3.5))
+def flux_dev(tiny_family) -> ModelConfig:
+    return ModelConfig(path=str(tiny_family("flux")))
 
 
 def test_mode_scale_is_part_of_a_run_only_when_mode_draws_its_timesteps(flux_dev):

@@ -172,7 +172,8 @@ def fingerprints(path: str) -> tuple[str, str]:
 def load_workers_models(path: str):
     """What an encoding worker loads: T5 and the VAE, by precast's own from_pretrained loaders."""
     model = ModelConfig(path=path)
-    return build_text_encoder(model, family_of(model).text_encoders[0], "fp32", "cpu", "none"), build_vae(model, "fp32", "cpu")
+    return build_text_encoder(model, family := family_of(model), family.text.encoders[0], "fp32", "cpu", "none"), \
+        build_vae(model, family, "fp32", "cpu")
 
 
 def test_a_hub_id_is_fingerprinted_without_downloading_weights_and_as_its_local_copy(hub, tiny_models):

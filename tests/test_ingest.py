@@ -189,7 +189,7 @@ def test_a_nightly_ingest_reads_only_new_or_rewritten_files(where, demo_data, ma
     ingest, one read at a time): datasets and shards are byte for byte the same. An unchanged night
     reads nothing; one new image reads only it; a file rewritten in place is read again. On S3 the
     object GETs are counted at the HTTP level, behind an endpoint that adds 20 ms a request."""
-    from benchmarks.latency import SlowEndpoint
+    from storage.slow_endpoint import SlowEndpoint
 
     local = tmp_path / "src"
     shutil.copytree(demo_data, local)
@@ -386,7 +386,7 @@ def test_partitions_on_s3_give_the_same_dataset_and_survive_the_coordinator_dyin
     only the other units' objects, and leaves no staged partition behind."""
     import s3fs
 
-    from benchmarks.latency import SlowEndpoint
+    from storage.slow_endpoint import SlowEndpoint
     from tasks.ingest.staging import Partitions, examine_partition
 
     s3 = s3fs.S3FileSystem(endpoint_url=s3_endpoint)

@@ -5,7 +5,7 @@ A falling loss cannot show this (a model that ignores the text lowers it too); t
 sampled images can, through the whole path at once: caption encoding, latents and their scale,
 the noise schedule and target, text conditioning, classifier-free guidance and the sampler.
 The thresholds sit below the worst case of `python -m benchmarks --only demo_world`, which retrains
-this world under perturbations that stand in for another machine (docs/design.md has the table).
+this world under perturbations that stand in for another machine (benchmarks/results/demo-worlds.md has the table).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from diffusers import AutoencoderKL
 
-from benchmarks.demo_world import PROMPTS, THRESHOLDS, colour_scores, train_demo
+from tasks.demo.world import PROMPTS, THRESHOLDS, colour_scores, train_demo
 from tasks.demo.data import write_demo_data
 from tasks.demo.models import palette_confusions, palette_round_trip, write_tiny_models
 

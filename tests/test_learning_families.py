@@ -4,7 +4,7 @@ encoders, its 16-channel latents packed as its transformer reads them, its flow-
 and its pipeline for the samples), draws the background colour each held-out prompt names, and does
 not without the text. Their VAE is set by hand, the same for the three; the thresholds are the
 issue's bar, which no draw of each family's table in `python -m benchmarks --only demo_world`
-falls outside (docs/design.md).
+falls outside (benchmarks/results/demo-worlds.md).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from diffusers import AutoencoderKL
 
-from benchmarks.demo_world import PROMPTS, THRESHOLDS, colour_scores, train_demo
+from tasks.demo.world import PROMPTS, THRESHOLDS, colour_scores, train_demo
 from tasks.demo import write_demo_models
 from tasks.demo.data import write_demo_data
 from tasks.demo.models import palette_confusions

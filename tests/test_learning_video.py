@@ -5,7 +5,7 @@ background colour each held-out prompt names and does not without the text; draw
 frame with the shape in the middle, its clips move the way the prompt names, and the opposite way
 when that is named; its samples are videos. The thresholds are the issue's bar for colours and a
 stated margin over chance (3 of 12) for the direction, each below the worst case of the wan table
-of `python -m benchmarks --only demo_world` (docs/design.md).
+of `python -m benchmarks --only demo_world` (benchmarks/results/demo-worlds.md).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan
 
-from benchmarks.demo_world import DIRECTION_THRESHOLDS, THRESHOLDS, held_out_scores, train_demo
+from tasks.demo.world import DIRECTION_THRESHOLDS, THRESHOLDS, held_out_scores, train_demo
 from configs.schema import StorageConfig
 from storage.store import Store
 from tasks.demo import DEMO_MODELS, write_demo_dataset, write_demo_models

@@ -10,7 +10,7 @@ import pytest
 
 from storage.store import Store
 from tasks.ingest import shards as ingest_shards
-from tasks.runner import Direct, Shards, run_direct, run_stages
+from tasks.runner import Direct, Shards, one_after_another, run_direct, run_stages
 
 
 def _store_bytes(store: Store) -> dict[str, bytes]:
@@ -21,8 +21,6 @@ def _store_bytes(store: Store) -> dict[str, bytes]:
 
 def _one_after_another(config) -> Store:
     """The reference: each stage whole before the next begins (as the benchmark runs it)."""
-    from benchmarks.pipeline_shape import one_after_another
-
     executor = Direct(config)
     one_after_another(executor)
     return executor.store

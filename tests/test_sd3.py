@@ -8,25 +8,22 @@ import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
 
-from configs.schema import ModelConfig, TextEncodingConfig, TrainingConfig
+from configs.schema import ModelConfig, TextEncodingConfig
 from storage.shards import collate
 from tasks.encode.text import encode_captions
 from tasks.families import family_of
-from tasks.families.sd3 import StableDiffusion3, joined
-from tests.pipeline_calls import transformer_calls
+from tasks.families.sd3 import SD3, joined
 
 
 @pytest.fixture(scope="module")
-def sd3(tmp_path_factory) -> ModelConfig:
-    from tasks.demo.flow_models import write_tiny_family
-
-    return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("sd3") / "sd3", "sd3", random_vae=True)))
+def sd3(tiny_family) -> ModelConfig:
+    return ModelConfig(path=str(tiny_family("sd3")))
 
 
 def features(model: ModelConfig, prompts: list[str], **text) -> list[dict[str, torch.Tensor]]:
     """Each prompt's cached features by `Conditioning` key, as training reads them."""
     family, config = family_of(model), TextEncodingConfig(dtype="fp32", device="cpu", numerics_samples=0, **text)
-    cached = {spec.name: encode_captions(prompts, model, config, spec)[0] for spec in family.text_encoders}
+    cached = {spec.name: encode_captions(prompts, model, family, config, spec)[0] for spec in family.text.encoders}
     return [{f"{name}_{output}": values[i][0] if output == "pooled" else values[i]
              for name, outputs in cached.items() for output, values in outputs.items()} for i in range(len(prompts))]
 
@@ -45,7 +42,8 @@ def clip_length(model: ModelConfig, tokens: int | None, folder) -> ModelConfig:
     return ModelConfig(path=str(copy))
 
 
-@pytest.mark.parametrize("tokens", [16, 77])  # the tiny world's CLIP length, the published one
+# the published CLIP length (the tiny world's, 16: tests/test_family_contracts.py)
+@pytest.mark.parametrize("tokens", [77])
 def test_the_joined_cache_is_what_encode_prompt_gives_the_transformer(sd3, tokens, tmp_path):
     """Every output, fp32: CLIP-L's and CLIP-G's penultimate states (padded to their tokenizer's
     model_max_length, which the pipeline reads) and pooled projections, T5's 256 padded positions;
@@ -53,7 +51,7 @@ def test_the_joined_cache_is_what_encode_prompt_gives_the_transformer(sd3, token
     caption past every limit is cut as it cuts it."""
     sd3 = clip_length(sd3, tokens, tmp_path)
     family = family_of(sd3)
-    assert isinstance(family, StableDiffusion3) and family.default_max_length(sd3) == 256
+    assert family is SD3 and family.text.default_max_length(sd3) == 256
     prompts = ["a red circle on a blue background", "stripes " * 300, ""]
     embeds, pooled = joined(collate(features(sd3, prompts)))
     pipeline = StableDiffusion3Pipeline.from_pretrained(sd3.path)
@@ -76,16 +74,5 @@ def test_t5_at_another_length_is_what_the_pipeline_gives_at_that_max_sequence_le
     torch.testing.assert_close(embeds, want, rtol=1e-4, atol=5e-5)
 
 
-def test_the_transformer_is_called_as_the_pipeline_calls_it(sd3):
-    family = family_of(sd3)
-    pipeline = StableDiffusion3Pipeline.from_pretrained(sd3.path)
-    calls = transformer_calls(pipeline)
-    both = collate(features(sd3, ["a green square on a white background", ""]))  # the prompt, the negative
-    pipeline(**family.embedding_kwargs(both, 1), height=96, width=64, num_inference_steps=1, guidance_scale=1.0,
-             output_type="latent", generator=torch.Generator().manual_seed(0))
-    ((seen, output),) = calls
-    with torch.no_grad():
-        ours = family.predict(pipeline.transformer, seen["hidden_states"], {k: v[:1] for k, v in both.items()},
-                              seen["timestep"], **family.call_options(TrainingConfig()))
-    torch.testing.assert_close(ours, output)
-    assert family.schedule(sd3).scheduler.config.shift == 3.0
+def test_the_schedule_is_the_models_flow_matching_with_its_shift(sd3):
+    assert family_of(sd3).denoiser.schedule(sd3).scheduler.config.shift == 3.0

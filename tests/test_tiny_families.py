@@ -21,10 +21,9 @@ D_T5, D_L, D_G = T5_SHAPE["d_model"], CLIP_SHAPES["clip-l"]["hidden_size"], CLIP
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
+def folders(tiny_family):
     """Each family with a random VAE (with the published factors)."""
-    root = tmp_path_factory.mktemp("families")
-    return {family: write_tiny_family(root / family, family, random_vae=True)
+    return {family: tiny_family(family)
             for family in ("flux", "flux-schnell", "chroma", "sd3", "wan", "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b")}
 
 

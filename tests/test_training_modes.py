@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load
 
 from storage.store import Store
+from tasks.families import family_of
 from tasks.train import train
 from tests.conftest import SAMPLE_PROMPT as PROMPT
 from tests.test_manifest_and_train import kill_training_at
@@ -93,7 +94,7 @@ def test_offload_keeps_the_checkpointed_activations_in_host_memory(cached_manife
     for mode in ("none", "recompute", "offload"):
         training = type(base.training).model_validate({**base.training.model_dump(), "rank": 4, "alpha": 4,
                                                        "gradient_checkpointing": mode})
-        network = trainable_network(base.model, training)
+        network = trainable_network(base.model, family_of(base.model), training)
         draws = torch.Generator().manual_seed(0)
         latents = torch.randn(2, 4, 32, 32, generator=draws)
         text = {"t5_hidden": torch.randn(2, 7, network.config.caption_channels, generator=draws),
@@ -146,7 +147,7 @@ def test_a_low_precision_frozen_base_trains_the_fp32_adapter_within_tolerance_an
                                      ("fp8", "no", {"Float8Tensor"})):
         training = type(base.training).model_validate({**base.training.model_dump(), "rank": 4, "alpha": 4,
                                                        "base_precision": precision, "mixed_precision": mixed})
-        network = trainable_network(base.model, training)
+        network = trainable_network(base.model, family_of(base.model), training)
         lora = [p for p in network.parameters() if p.requires_grad]
         assert lora and all(p.dtype == torch.float32 for p in lora)
         linears = [m.base_layer.weight for m in network.modules() if hasattr(m, "lora_A")]
@@ -160,15 +161,14 @@ def test_token_budget_batches_size_each_bucket_by_its_image_tokens(cached_manife
     bit, as another run."""
     from diffusers import PixArtTransformer2DModel
 
-    from tasks.families import family_of
     from tasks.train.data import CachedFeatures, batch_sizes
 
     base, manifest_key = cached_manifest
     transformer = PixArtTransformer2DModel.from_pretrained(base.model.path, subfolder="transformer")
     store = Store(base.storage)
     family = family_of(base.model)
-    features = CachedFeatures(store, store.read_json(manifest_key), family.text_encoders)
-    counted_tokens = lambda height, width: family.image_tokens(transformer.config, height, width)  # noqa: E731
+    features = CachedFeatures(store, store.read_json(manifest_key), family.text.encoders)
+    counted_tokens = lambda height, width: family.denoiser.image_tokens(transformer.config, height, width)  # noqa: E731
 
     def tokens(name: str) -> int:
         height, width = (int(side) for side in name.split("x"))

@@ -384,11 +384,11 @@ def test_an_ingest_recorded_before_clips_were_made_this_way_reads_its_videos_aga
     assert latest["work"]["units_read"] == 0
 
 
-def test_wan_encodes_and_trains_on_clips_and_a_picture_family_quarantines_them(videos, tmp_path, tiny_models):
-    from tasks.demo.flow_models import write_tiny_family
+def test_wan_encodes_and_trains_on_clips_and_a_picture_family_quarantines_them(videos, tmp_path, tiny_models,
+                                                                                tiny_family):
     from tasks.runner import run_direct
 
-    wan = write_tiny_family(tmp_path / "wan", "wan", random_vae=True)
+    wan = tiny_family("wan")
     source = tmp_path / "source"
     source.mkdir()
     for name in ("ok.mp4", "ok.txt", "portrait.mov", "portrait.txt", "picture.png", "picture.txt"):
@@ -436,7 +436,8 @@ def test_wan_encodes_and_trains_on_clips_and_a_picture_family_quarantines_them(v
     assert all("trains on pictures" in q["message"] for q in shard["quarantined"]) and len(shard["quarantined"]) == 3
 
 
-def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_frames_given(videos, tmp_path, capfd):
+def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_frames_given(videos, tmp_path, capfd,
+                                                                                           tiny_family):
     """A TI2V run with half its clips trained image to video (`training.image_to_video`) samples
     from a first frame through `precast sample --first-frame`, as `WanImageToVideoPipeline`'s own
     call with the run's adapter loaded draws it, with no progress bar of the pipeline's in the
@@ -445,12 +446,11 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
     import torch
     from diffusers import WanImageToVideoPipeline
 
-    from tasks.demo.flow_models import write_tiny_family
     from tasks.runner import run_direct
     from tasks.runs.folder import FinishedRun
     from tasks.runs.sampling import sample_run
 
-    ti2v = write_tiny_family(tmp_path / "ti2v", "wan2.2-ti2v", random_vae=True)
+    ti2v = tiny_family("wan2.2-ti2v")
     source = tmp_path / "source"
     source.mkdir()
     for name in ("ok.mp4", "ok.txt", "ok.webm"):
@@ -545,12 +545,12 @@ def _shown_ms(webp: bytes) -> int:
     return shown
 
 
-def test_wan_refuses_a_clip_policy_that_is_not_4n_plus_1_frames_and_quarantines_such_clips(videos, tmp_path):
+def test_wan_refuses_a_clip_policy_that_is_not_4n_plus_1_frames_and_quarantines_such_clips(videos, tmp_path,
+                                                                                            tiny_family):
     from configs.schema import VideoConfig
-    from tasks.demo.flow_models import write_tiny_family
     from tasks.runner import Direct, Shards, run_direct
 
-    wan = write_tiny_family(tmp_path / "wan", "wan", random_vae=True)
+    wan = tiny_family("wan")
     source = tmp_path / "source"
     source.mkdir()
     shutil.copy(videos / "ok.mp4", source)
@@ -574,7 +574,7 @@ def test_wan_refuses_a_clip_policy_that_is_not_4n_plus_1_frames_and_quarantines_
     assert "a clip of 16 frames: Wan's VAE takes 4N + 1 (such as 13 or 17" in shard["quarantined"][0]["message"]
 
 
-def test_wan_clips_of_shards_encoded_at_once_are_the_latents_one_at_a_time_gives(tmp_path):
+def test_wan_clips_of_shards_encoded_at_once_are_the_latents_one_at_a_time_gives(tmp_path, tiny_family):
     """Shards encoded in parallel threads, as an encoding stage runs `max_parallel_shards` of them,
     share one cached VAE: every clip's latents are those of the shards encoded one after another
     (Wan's VAE keeps its causal cache on itself: two calls at once gave 5-frame clips 5 latent
@@ -582,12 +582,11 @@ def test_wan_clips_of_shards_encoded_at_once_are_the_latents_one_at_a_time_gives
     from concurrent.futures import ThreadPoolExecutor
 
     from storage.shards import LatentShard
-    from tasks.demo.flow_models import write_tiny_family
     from tasks.demo.videos import DEMO_VIDEO, write_demo_videos
     from tasks.encode.latents import encode_latents_shard
     from tasks.identity import vae_fingerprint
 
-    wan = write_tiny_family(tmp_path / "wan", "wan", random_vae=True)
+    wan = tiny_family("wan")
     source = write_demo_videos(tmp_path / "clips", count=45, hostile=False)
 
     def encoded(name: str, threads: int) -> dict[str, tuple]:

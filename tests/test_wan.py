@@ -18,7 +18,7 @@ from tasks.encode.latents import encode_pixels
 from tasks.encode.models import build_vae
 from tasks.encode.text import encode_prompts
 from tasks.families import family_of
-from tasks.families.wan import Wan, Wan22TI2V, frames_rule, latent_frames
+from tasks.families.wan import TI2V, WAN, frames_rule, latent_frames
 from tasks.identity import text_fingerprints
 from tasks.train.data import TextCaches
 from storage.shards import collate
@@ -28,27 +28,20 @@ PROMPTS = ["a red circle on a blue background", "  a &amp;lt;b&amp;gt;   green\n
 
 
 @pytest.fixture(scope="module")
-def wan(tmp_path_factory) -> ModelConfig:
-    from tasks.demo.flow_models import write_tiny_family
-
-    return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("wan") / "wan", "wan", random_vae=True)))
+def wan(tiny_family) -> ModelConfig:
+    return ModelConfig(path=str(tiny_family("wan")))
 
 
 @pytest.fixture(scope="module")
-def ti2v(tmp_path_factory) -> ModelConfig:
+def ti2v(tiny_family) -> ModelConfig:
     """Wan 2.2 TI2V-5B's layout: the 48-channel Wan 2.2 VAE (16x), one timestep a token."""
-    from tasks.demo.flow_models import write_tiny_family
-
-    return ModelConfig(path=str(write_tiny_family(tmp_path_factory.mktemp("ti2v") / "ti2v", "wan2.2-ti2v",
-                                                  random_vae=True)))
+    return ModelConfig(path=str(tiny_family("wan2.2-ti2v")))
 
 
 @pytest.fixture(scope="module")
-def a14b(tmp_path_factory):
+def a14b(tiny_family):
     """Wan 2.2 A14B's layout: two experts split at boundary_ratio 0.875; the model's folder."""
-    from tasks.demo.flow_models import write_tiny_family
-
-    return str(write_tiny_family(tmp_path_factory.mktemp("a14b") / "a14b", "wan2.2-a14b", random_vae=True))
+    return str(tiny_family("wan2.2-a14b"))
 
 
 def cached_prompts(model: ModelConfig, root, prompts: list[str], **text) -> TextCaches:
@@ -58,17 +51,17 @@ def cached_prompts(model: ModelConfig, root, prompts: list[str], **text) -> Text
     fingerprints = text_fingerprints(model, config)
     records = encode_prompts(storage, model, config, fingerprints, prompts)
     keys = {name: Store(storage).key(record["url"]) for name, record in records.items()}
-    return TextCaches(Store(storage), family_of(model).text_encoders,
+    return TextCaches(Store(storage), family_of(model).text.encoders,
                       {keys[name]: record["sha256"] for name, record in records.items()}, keys)
 
 
-@pytest.mark.parametrize("max_length", [None, 64])
+@pytest.mark.parametrize("max_length", [64])  # at the default, 512: tests/test_family_contracts.py
 def test_the_cache_keeps_the_real_tokens_and_the_reader_gives_what_encode_prompt_gives(wan, tmp_path, max_length):
     """fp32, each prompt cleaned by the pipeline's `prompt_clean` (HTML entities, whitespace), cut
     at max_sequence_length (512 by default), stored as its real tokens only and read back zero-padded
     to max_sequence_length, as `encode_prompt` gives it."""
     family = family_of(wan)
-    assert isinstance(family, Wan) and family.default_max_length(wan) == 512
+    assert family is WAN and family.text.default_max_length(wan) == 512
     length = max_length or 512
     caches = cached_prompts(wan, tmp_path, PROMPTS, **({"max_length": max_length} if max_length else {}))
     pipeline = WanPipeline.from_pretrained(wan.path)
@@ -95,12 +88,12 @@ def test_latents_are_normalised_and_noised_as_the_video_to_video_pipeline_does(w
     the reader's normalisation with the factors the latent stage records, is the pipeline's; and
     the schedule's noisy input at σ is what its scheduler's `add_noise` gives at σ's timestep."""
     family = family_of(wan)
-    vae = build_vae(wan, "fp32", "cpu")
+    vae = build_vae(wan, WAN, "fp32", "cpu")
     pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    mean, _ = encode_pixels(vae, family.vae_pixels(pixels))
+    mean, _ = encode_pixels(vae, family.codec.vae_pixels(pixels))
     factor = vae.config.scale_factor_spatial
     assert mean.shape == (2, vae.config.z_dim, 1, 64 // factor, 48 // factor)
-    shift, scale = (torch.tensor(f) for f in family.latent_factors(vae.config))
+    shift, scale = (torch.tensor(f) for f in family.codec.latent_factors(vae.config))
     ours = (mean - shift.view(-1, 1, 1, 1)) * scale.view(-1, 1, 1, 1)
 
     pipeline = WanVideoToVideoPipeline.from_pretrained(wan.path)
@@ -110,7 +103,7 @@ def test_latents_are_normalised_and_noised_as_the_video_to_video_pipeline_does(w
     theirs = pipeline.prepare_latents(pixels.unsqueeze(2), 2, vae.config.z_dim, 64, 48, torch.float32, torch.device("cpu"),
                                       torch.Generator().manual_seed(1), timestep=timestep)
     sigma = pipeline.scheduler.sigmas[1:2].repeat(2)
-    schedule = family.schedule(wan)
+    schedule = family.denoiser.schedule(wan)
     torch.testing.assert_close(schedule.noised(ours, noise, sigma), theirs, rtol=1e-5, atol=1e-5)
     # the transformer's timestep: σ · 1000, which the scheduler truncates to a whole timestep
     assert ((schedule.timesteps(sigma) - timestep) % 1 == schedule.timesteps(sigma) - timestep).all()
@@ -133,7 +126,7 @@ def test_sigmas_are_the_schedulers_flow_sigmas_with_its_shift(wan, sampling):
     `flow_shift` (3.0 as published): the UniPC scheduler given the unshifted values shifts them to
     the same σ and timesteps."""
     family = family_of(wan)
-    schedule = family.schedule(wan, TrainingConfig(timestep_sampling=sampling))
+    schedule = family.denoiser.schedule(wan, TrainingConfig(timestep_sampling=sampling))
     sigmas = schedule.draw(8, torch.Generator().manual_seed(2), torch.Size((8, 16, 1, 8, 8)))
     u = compute_density_for_timestep_sampling("none" if sampling == "uniform" else sampling, 8, 0.0, 1.0,
                                               generator=torch.Generator().manual_seed(2))
@@ -145,71 +138,29 @@ def test_sigmas_are_the_schedulers_flow_sigmas_with_its_shift(wan, sampling):
     assert ((schedule.timesteps(sigmas) - reference.timesteps) % 1 == schedule.timesteps(sigmas) - reference.timesteps).all()
 
 
-def _first_call(model: ModelConfig, tmp_path, **call):
-    """The pipeline run for one step on a cached prompt (through `embedding_kwargs`, the empty
-    caption its negative): the family, the pipeline, the prompts' features, and the keyword
-    arguments and output of its transformer's first call."""
-    from storage.shards import collate
-
-    family = family_of(model)
-    caches = cached_prompts(model, tmp_path, ["a green square on a white background"])
-    both = collate([caches.prompt("a green square on a white background"), caches.prompt("")])
-    pipeline = WanPipeline.from_pretrained(model.path)
-    pipeline.set_progress_bar_config(disable=True)
-    calls = transformer_calls(pipeline)
-    pipeline(**family.embedding_kwargs(both, 1), output_type="latent", num_inference_steps=1, guidance_scale=2.0,
-             generator=torch.Generator().manual_seed(0), **call)
-    (seen, output), _ = calls
-    return family, pipeline, both, seen, output
-
-
-def test_the_transformer_is_called_as_the_pipeline_calls_it(wan, tmp_path):
-    """Given the cached prompt through `embedding_kwargs`, the pipeline calls its transformer on
-    [B, C, F, h, w] latents with umT5's zero-padded states; `predict` gives its prediction."""
-    family, pipeline, both, seen, output = _first_call(wan, tmp_path, num_frames=1, height=48, width=32)
-    assert seen["hidden_states"].shape == (1, 16, 1, 6, 4) and seen["encoder_hidden_states"].shape == (1, 512, 64)
-    with torch.no_grad():
-        ours = family.predict(pipeline.transformer, seen["hidden_states"], {k: v[:1] for k, v in both.items()},
-                              seen["timestep"], **family.call_options(TrainingConfig()))
-    torch.testing.assert_close(ours, output)
-
-
 def test_wan_2_2_ti2v_is_its_own_family_with_buckets_its_pipeline_can_draw(ti2v, wan):
     """`expand_timesteps` in model_index.json chooses Wan 2.2 TI2V; its buckets' sides are
     multiples of what the pipeline needs (the VAE's 16 times the transformer's patch of 2)."""
     family, pipeline = family_of(ti2v), WanPipeline.from_pretrained(ti2v.path)
-    assert isinstance(family, Wan22TI2V) and type(family_of(wan)) is Wan and pipeline.config.expand_timesteps
+    assert family is TI2V and family_of(wan) is WAN and pipeline.config.expand_timesteps
     step = pipeline.vae_scale_factor_spatial * pipeline.transformer.config.patch_size[1]
-    assert step == 32 and all(side % step == 0 for sides in family.bucket_table(512).values() for side in sides)
+    assert step == 32 and all(side % step == 0 for sides in family.codec.bucket_table(512).values() for side in sides)
 
 
-@pytest.mark.parametrize("family, resolution, size", [(Wan, 632, (480, 832)), (Wan, 960, (720, 1280)),
-                                                    (Wan22TI2V, 944, (704, 1280))])
+@pytest.mark.parametrize("family, resolution, size", [(WAN, 632, (480, 832)), (WAN, 960, (720, 1280)),
+                                                    (TI2V, 944, (704, 1280))])
 def test_the_published_video_sizes_are_buckets_and_samples_are_drawn_at_the_squarest(family, resolution, size):
     """Wan 2.1's 480p and 720p and Wan 2.2 TI2V's 720p are buckets at the resolution whose square
     has about their area, both ways up, so clips of those sizes are neither scaled nor cropped; the
     samples' size is the most nearly square bucket, its sides whole multiples of the step."""
     config = PipelineConfig.model_validate({"storage": {"root": "x"}, "dataset": {"sources": [{"path": "x"}]},
                                            "model": {"path": "x"}, "latent_encoding": {"resolution": resolution}})
-    table = [tuple(map(int, sides)) for sides in family().bucket_table(config.latent_encoding.resolution).values()]
+    table = [tuple(map(int, sides)) for sides in family.codec.bucket_table(config.latent_encoding.resolution).values()]
     assert size in table and size[::-1] in table
-    height, width = family().sample_size(resolution)
-    step = 32 if family is Wan22TI2V else 16
+    height, width = family.codec.sample_size(resolution)
+    step = 32 if family is TI2V else 16
     assert height % step == width % step == 0 and abs(height / width - 1) < 0.06 and (height, width) in table
-    assert family().sample_size(512) == (512, 512)
-
-
-def test_the_ti2v_transformer_is_called_as_the_pipeline_calls_it_one_timestep_a_token(ti2v, tmp_path):
-    """The pipeline gives TI2V's transformer a timestep for each latent token (its first-frame
-    mask, all ones from text, times t); `predict`, given one timestep a sample as the schedule
-    draws them, gives its prediction."""
-    family, pipeline, both, seen, output = _first_call(ti2v, tmp_path, num_frames=5, height=64, width=96)
-    assert seen["hidden_states"].shape == (1, 48, 2, 4, 6) and seen["timestep"].shape == (1, 2 * 2 * 3)
-    assert (seen["timestep"] == seen["timestep"][:, :1]).all()
-    with torch.no_grad():
-        ours = family.predict(pipeline.transformer, seen["hidden_states"], {k: v[:1] for k, v in both.items()},
-                              seen["timestep"][:, 0], **family.call_options(TrainingConfig()))
-    torch.testing.assert_close(ours, output)
+    assert family.codec.sample_size(512) == (512, 512)
 
 
 def test_a_clip_trained_image_to_video_is_what_the_image_to_video_pipeline_gives_the_transformer(ti2v, tmp_path):
@@ -223,8 +174,8 @@ def test_a_clip_trained_image_to_video_is_what_the_image_to_video_pipeline_gives
     caches = cached_prompts(ti2v, tmp_path, ["a green square moving left"])
     text = {k: v[:1] for k, v in collate([caches.prompt("a green square moving left"), caches.prompt("")]).items()}
     clip = torch.randint(0, 256, (1, 3, 5, 64, 96), generator=torch.Generator().manual_seed(0)).float() / 127.5 - 1
-    vae = build_vae(ti2v, "fp32", "cpu")
-    shift, scale = (torch.tensor(f).view(-1, 1, 1, 1) for f in family.latent_factors(vae.config))
+    vae = build_vae(ti2v, TI2V, "fp32", "cpu")
+    shift, scale = (torch.tensor(f).view(-1, 1, 1, 1) for f in family.codec.latent_factors(vae.config))
     latents = (encode_pixels(vae, clip)[0] - shift) * scale  # the clip as the latent stage caches it
 
     pipeline = WanImageToVideoPipeline.from_pretrained(ti2v.path, image_encoder=None, image_processor=None)
@@ -233,18 +184,18 @@ def test_a_clip_trained_image_to_video_is_what_the_image_to_video_pipeline_gives
     calls = transformer_calls(pipeline)
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(1))
     first = Image.fromarray(((clip[0, :, 0].permute(1, 2, 0) + 1) * 127.5).round().byte().numpy())
-    pipeline(image=first, **family.embedding_kwargs(text, 1), latents=noise, num_frames=5, height=64, width=96,
+    pipeline(image=first, **family.sampler.embedding_kwargs(text, 1), latents=noise, num_frames=5, height=64, width=96,
              num_inference_steps=1, guidance_scale=1.0, output_type="latent")
     (seen, output), = calls
 
     sigma, t = pipeline.scheduler.sigmas[:1], pipeline.scheduler.timesteps[:1]  # t: σ·1000 as the scheduler rounds it
-    noisy, timesteps, scored = family.first_frame_given(latents, family.schedule(ti2v).noised(latents, noise, sigma),
-                                                        t, torch.tensor([True]))
+    noisy = family.denoiser.schedule(ti2v).noised(latents, noise, sigma)
+    noisy, timesteps, scored = family.denoiser.first_frame_given(latents, noisy, t, torch.tensor([True]))
     torch.testing.assert_close(noisy, seen["hidden_states"], rtol=1e-4, atol=1e-4)
     assert (seen["timestep"][:, : 2 * 3] == 0).all() and (seen["timestep"][:, 2 * 3:] == t).all()
     assert scored.flatten().tolist() == [0.0, 1.0]  # the loss on the frames after the given one
     with torch.no_grad():
-        torch.testing.assert_close(family.predict(pipeline.transformer, noisy, text, timesteps), output,
+        torch.testing.assert_close(family.denoiser.predict(pipeline.transformer, noisy, text, timesteps), output,
                                    rtol=1e-4, atol=1e-4)
 
 
@@ -253,7 +204,7 @@ def test_image_to_video_training_is_refused_for_a_family_that_samples_from_text_
                                          r"no first frame, as Wan 2.2 TI2V's does\); leave it out"):
         Objective.of(wan, TrainingConfig(image_to_video=0.5))
     with pytest.raises(ValueError, match=r"first frames: Wan samples from text alone .*; leave it out"):
-        family_of(wan).image_pipeline(WanPipeline.from_pretrained(wan.path))
+        family_of(wan).sampler.image_pipeline(WanPipeline.from_pretrained(wan.path))
     assert Objective.of(ti2v, TrainingConfig(image_to_video=0.5)).image_to_video == 0.5
     with pytest.raises(ValueError, match=r"training.image_to_video_warmup: Wan samples from text alone"):
         Objective.of(wan, TrainingConfig(image_to_video_warmup=100))
@@ -344,7 +295,7 @@ def test_the_image_to_video_pipeline_shares_the_modules_as_they_are(ti2v):
     pipeline = WanPipeline.from_pretrained(ti2v.path)
     pipeline.transformer.to(torch.bfloat16)
     before = {name: p.dtype for name, p in pipeline.transformer.named_parameters()}
-    image = family_of(ti2v).image_pipeline(pipeline)
+    image = family_of(ti2v).sampler.image_pipeline(pipeline)
     assert type(image) is WanImageToVideoPipeline and image.config.expand_timesteps
     assert image.transformer is pipeline.transformer and image.vae is pipeline.vae
     assert {name: p.dtype for name, p in image.transformer.named_parameters()} == before
@@ -353,9 +304,9 @@ def test_the_image_to_video_pipeline_shares_the_modules_as_they_are(ti2v):
 def test_a_two_expert_model_needs_its_expert_named_and_a_one_transformer_model_refuses_one(a14b, wan):
     with pytest.raises(ValueError, match=r"model.expert: .* has two experts, transformer/ .* boundary_ratio 0.875 .* "
                                          r"transformer_2/ below it: set model.expert to high_noise or low_noise"):
-        family_of(ModelConfig(path=a14b)).schedule(ModelConfig(path=a14b))
+        family_of(ModelConfig(path=a14b)).denoiser.schedule(ModelConfig(path=a14b))
     with pytest.raises(ValueError, match=r"model.expert: .* has one transformer; leave model.expert unset"):
-        family_of(wan).load_transformer(ModelConfig(path=wan.path, expert="low_noise"))
+        family_of(wan).denoiser.load(ModelConfig(path=wan.path, expert="low_noise"))
 
 
 def test_each_expert_trains_on_the_noise_levels_the_pipeline_gives_it(a14b):
@@ -373,13 +324,13 @@ def test_each_expert_trains_on_the_noise_levels_the_pipeline_gives_it(a14b):
     spans = {}
     for expert, name in (("high_noise", "transformer"), ("low_noise", "transformer_2")):
         model = ModelConfig(path=a14b, expert=expert)
-        schedule = family.schedule(model, TrainingConfig(timestep_sampling="logit_normal"))
+        schedule = family.denoiser.schedule(model, TrainingConfig(timestep_sampling="logit_normal"))
         drawn = schedule.draw(4000, torch.Generator().manual_seed(0), torch.Size((1, 16, 1, 4, 4)))
         low, high = float(drawn.min()), float(drawn.max())
         assert all(low - 1e-3 <= sigma <= high + 1e-3 for sigma in called[name]), (expert, called[name], low, high)
         assert schedule.plain().span == schedule.span  # validation loss stays on the expert's levels
         spans[expert] = schedule.span
-        trained = family.load_transformer(model)
+        trained = family.denoiser.load(model)
         reference = getattr(pipeline, name)
         assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), reference.state_dict().values()))
     (first, high_count), (second, low_count) = spans["high_noise"], spans["low_noise"]

@@ -17,7 +17,7 @@ VIDEO_FAMILIES = ("wan",)  # their demo learns from generated videos (`videos`),
 DEMO_MODELS = {"wan": "wan-ti2v"}
 # the picture demos' training steps, where not the quickstart's: SD3 and Chroma draw every colour
 # sooner than FLUX.1, and each trains the fewest steps whose seven perturbations stay above its bar
-# (docs/design.md)
+# (benchmarks/results/demo-worlds.md)
 DEMO_STEPS = {"sd3": 600, "chroma": 600}
 FIRST_FRAMES = "precast-demo/first-frames"  # the video demo's sample prompts' first frames (`videos.first_frame`)
 
@@ -39,7 +39,7 @@ def demo_settings(family: str) -> list[str]:
         # 32 umT5 positions (Wan attends to the zeros that pad them); 2,000 steps from first frames
         # (the way each word moves a given first frame), then 4,000 with 2 clips in 10 from their
         # first frame and 8 from text (the colours); the weights' average over about the last 500
-        # steps (the quickstart's 200) sharpens the colours: docs/design.md has the trials
+        # steps (the quickstart's 200) sharpens the colours: benchmarks/results/demo-worlds.md has the trials
         prompts = demo_prompts()
         # folders of their own: an earlier demo's Wan 2.1 T2V models and edge-to-edge clips stay apart
         return [f"model.path=precast-demo/models/{DEMO_MODELS[family]}", "dataset.sources=[{path: precast-demo/moving-shapes}]",

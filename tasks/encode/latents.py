@@ -5,8 +5,8 @@ Each image goes to the nearest ratio of the model family's bucket table for the 
 resolution, is resized to cover it and cropped (centred, or at a seeded position), and encoded in
 batches that never mix shapes. A clip (a video's, stored as an animated WebP) is cropped frame by
 frame as its first frame's box says and encoded whole, for a family that takes clips of its frame
-count (`Family.clip_problem`; others quarantine it, naming why). The posterior (mean, std) is stored unscaled so training samples a
-fresh latent each epoch; the VAE's scaling factor is recorded in the shard and applied by the reader.
+count (`Family.codec.clip_problem`; others quarantine it, naming why). The posterior (mean, std)
+is stored unscaled so training samples a fresh latent each epoch; the VAE's scaling factor is recorded in the shard and applied by the reader.
 Output: `cache/latents/<vae_fp>/<shard_id>.safetensors`.
 """
 
@@ -139,18 +139,20 @@ def encode_latents_shard(
     family = family_of(model)
     quarantined: list[dict[str, str]] = []
     frames = {s["sample_id"]: frame_count(s["image"]) for s in samples}  # a picture is one frame
-    problems = {s["sample_id"]: problem for s in samples if (problem := family.clip_problem(frames[s["sample_id"]]))}
+    problems = {s["sample_id"]: problem for s in samples
+                if (problem := family.codec.clip_problem(frames[s["sample_id"]]))}
     for sample_id, problem in problems.items():
         quarantined.append({"sample_id": sample_id, "reason": "frames", "message": problem})
         log.warning("quarantined sample %s of shard %s: %s", sample_id, shard_id, problem)
     samples = [s for s in samples if s["sample_id"] not in problems]
-    table = family.bucket_table(latents.resolution)
+    table = family.codec.bucket_table(latents.resolution)
     boxes = {s["sample_id"]: crop_box(table, s["width"], s["height"], latents.crop, latents.crop_seed, s["sample_id"])
              for s in samples}
     batches = same_size_batches(samples, boxes, latents.batch_size, frames)
 
-    vae = load_vae(model, latents.dtype, latents.device)
-    fp32_vae = functools.cache(lambda: build_vae(model, "fp32", latents.device))  # only if a batch is non-finite
+    vae = load_vae(model, family, latents.dtype, latents.device)
+    # only if a batch is non-finite
+    fp32_vae = functools.cache(lambda: build_vae(model, family, "fp32", latents.device))
     store_dtype = DTYPES[latents.storage_dtype]
     encoded: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
     rows: dict[str, tuple[str, int]] = {}
@@ -159,7 +161,8 @@ def encode_latents_shard(
         if frames[batch[0]["sample_id"]] > 1:
             pixels = torch.stack([preprocess_clip(s["image"], boxes[s["sample_id"]]) for s in batch])
         else:
-            pixels = family.vae_pixels(torch.stack([preprocess(s["image"], boxes[s["sample_id"]]) for s in batch]))
+            pixels = torch.stack([preprocess(s["image"], boxes[s["sample_id"]]) for s in batch])
+            pixels = family.codec.vae_pixels(pixels)
         return pixels.pin_memory() if vae.device.type == "cuda" else pixels
 
     # with an accelerator, the next batches are decoded and resized (Pillow releases the GIL) by
@@ -196,7 +199,7 @@ def encode_latents_shard(
             for part, tensor in parts.items():
                 encoded[name][part].append(tensor.to(store_dtype))
             rows[sample_id] = (name, len(encoded[name]["mean"]) - 1)
-    shift, scale = family.latent_factors(vae.config)
+    shift, scale = family.codec.latent_factors(vae.config)
     buckets = {name: {part: torch.cat(ts) for part, ts in parts.items()} for name, parts in encoded.items()}
     meta = {
         "format": LATENT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "resolution": latents.resolution,
@@ -224,8 +227,8 @@ def check_latent_encoding(model: ModelConfig, latents: LatentEncodingConfig, vid
         family = family_of(model)
     except (OSError, ValueError):
         return
-    family.bucket_table(latents.resolution)  # raises, naming latent_encoding.resolution
-    if problem := family.clip_policy_problem(sorted({video.frames, *video.frame_buckets})):
+    family.codec.bucket_table(latents.resolution)  # raises, naming latent_encoding.resolution
+    if problem := family.codec.clip_policy_problem(sorted({video.frames, *video.frame_buckets})):
         raise ValueError(f"dataset.video: {problem}")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from configs.schema import ModelConfig, TextEncodingConfig
-from tasks.families import Family, family_of
+from tasks.families import Family
 from tasks.families.spec import TextEncoderSpec
 from tasks.loading import DTYPES, library, resolve_device, serialised
 
@@ -36,7 +36,7 @@ class TextEncoder:
     offload_hook: Any = None
 
     def max_length(self, text: TextEncodingConfig) -> int:
-        return self.family.text_length(self.model_config, self.spec, text)
+        return self.family.text.length(self.model_config, self.spec, text)
 
     def release(self) -> None:
         """Give the device memory back between shards (offload "model")."""
@@ -45,15 +45,14 @@ class TextEncoder:
 
 
 @serialised
-def build_text_encoder(model: ModelConfig, spec: TextEncoderSpec, dtype: str, device: str, offload: str
-                       ) -> TextEncoder:
-    """Load one of the family's text encoders by the real `from_pretrained` path in `dtype` and
+def build_text_encoder(model: ModelConfig, family: Family, spec: TextEncoderSpec, dtype: str, device: str,
+                       offload: str) -> TextEncoder:
+    """Load one of `family`'s text encoders by the real `from_pretrained` path in `dtype` and
     place it for `offload`.
 
     fp16 goes through `from_pretrained(dtype=float16)`, which keeps T5's `wo` projections in fp32
     (T5 v1.1 overflows in plain fp16; a later `.to(float16)` would undo that).
     """
-    family = family_of(model)
     tokenizer = library("transformers", "AutoTokenizer").from_pretrained(model.path, subfolder=spec.tokenizer,
                                                                         revision=model.revision)
     encoder = library("transformers", spec.model_class).from_pretrained(
@@ -83,10 +82,10 @@ TEXT_LOADERS: dict[str, Any] = {}
 
 
 @serialised  # outside the caches: concurrent first calls load once
-def load_text_encoder(model: ModelConfig, spec: TextEncoderSpec, dtype: str, device: str, offload: str
-                      ) -> TextEncoder:
+def load_text_encoder(model: ModelConfig, family: Family, spec: TextEncoderSpec, dtype: str, device: str,
+                      offload: str) -> TextEncoder:
     loader = TEXT_LOADERS.setdefault(spec.name, functools.lru_cache(maxsize=1)(build_text_encoder))
-    return loader(model, spec, dtype, device, offload)
+    return loader(model, family, spec, dtype, device, offload)
 
 
 def reference_placement(device: str) -> tuple[str, str]:
@@ -98,8 +97,8 @@ def reference_placement(device: str) -> tuple[str, str]:
 
 
 @serialised
-def build_vae(model: ModelConfig, dtype: str, device: str):
-    vae = library("diffusers", family_of(model).vae_name).from_pretrained(
+def build_vae(model: ModelConfig, family: Family, dtype: str, device: str):
+    vae = library("diffusers", family.codec.vae).from_pretrained(
         model.path, subfolder="vae", revision=model.revision, torch_dtype=DTYPES[dtype])
     return vae.to(resolve_device(device)).eval().requires_grad_(False)
 

@@ -21,7 +21,7 @@ from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig
 from storage import layout
 from storage.shards import pack_ragged, shard_id_of
 from storage.store import Damaged, Store, json_bytes
-from tasks.families import family_of
+from tasks.families import Family, family_of
 from tasks.families.spec import TextEncoderSpec
 from tasks.identity import TEXT_FORMAT, image_shard_id, prompt_rows, prompts_cache_key
 from tasks.records import CacheRecord
@@ -37,7 +37,7 @@ Outputs = dict[str, list[torch.Tensor]]  # an encoder's outputs by name, a tenso
 def tokenize(texts: list[str], encoder: TextEncoder, config: TextEncodingConfig) -> tuple[list[list[int]], int]:
     """Token ids of each caption, preprocessed as configured, as the encoder's prompt function
     makes them (`TextEncoderSpec.tokenize`), and how many were cut at its max_length."""
-    texts = encoder.family.preprocess_captions(texts, config.caption_preprocessing)
+    texts = encoder.family.text.captions.preprocess(texts, config.caption_preprocessing)
     return encoder.spec.tokenize(encoder.tokenizer, texts, encoder.max_length(config))
 
 
@@ -73,11 +73,11 @@ def run_encoder(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingCo
     return outputs
 
 
-def encode_captions(texts: list[str], model: ModelConfig, config: TextEncodingConfig,
+def encode_captions(texts: list[str], model: ModelConfig, family: Family, config: TextEncodingConfig,
                     spec: TextEncoderSpec) -> tuple[Outputs, int]:
-    """One encoder's outputs for `texts` (in the stored dtype) and the truncation count.
-    Non-finite output fails with the encoder and the caption named instead of being cached."""
-    encoder = load_text_encoder(model, spec, config.dtype, config.device, config.offload)
+    """One of `family`'s encoders' outputs for `texts` (in the stored dtype) and the truncation
+    count. Non-finite output fails with the encoder and the caption named instead of being cached."""
+    encoder = load_text_encoder(model, family, spec, config.dtype, config.device, config.offload)
     ids, truncated = tokenize(texts, encoder, config)
     outputs = {name: [e.to(TEXT_ACTIVATIONS[config.dtype]) for e in values]
                for name, values in run_encoder(ids, encoder, config).items()}
@@ -100,13 +100,14 @@ def measure_numerics(
     shard_url: str | None,
 ) -> dict[str, dict[str, Any]]:
     """Each encoder's precision check, by name (`measure_encoder`)."""
-    return {spec.name: measure_encoder(storage, model, text, spec, fingerprints[spec.name], shard_url)
-            for spec in family_of(model).text_encoders}
+    family = family_of(model)
+    return {spec.name: measure_encoder(storage, model, family, text, spec, fingerprints[spec.name], shard_url)
+            for spec in family.text.encoders}
 
 
 def measure_encoder(
-    storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, spec: TextEncoderSpec, fingerprint: str,
-    shard_url: str | None,
+    storage: StorageConfig, model: ModelConfig, family: Family, text: TextEncodingConfig, spec: TextEncoderSpec,
+    fingerprint: str, shard_url: str | None,
 ) -> dict[str, Any]:
     """The precision check of an encoder's fingerprint, measured once and committed before any
     shard is encoded, so every shard of the fingerprint embeds this one record: error of the
@@ -123,9 +124,9 @@ def measure_encoder(
         step = max(1, len(texts) // text.numerics_samples)
         picked = texts[::step][: text.numerics_samples]
         first = spec.outputs[0]
-        got = torch.cat([e.float() for e in encode_captions(picked, model, text, spec)[0][first]])
+        got = torch.cat([e.float() for e in encode_captions(picked, model, family, text, spec)[0][first]])
         # the fp32 reference never shares the accelerator with the encoder (T5-XXL: ~19 GB)
-        reference = build_text_encoder(model, spec, "fp32", *reference_placement(text.device))
+        reference = build_text_encoder(model, family, spec, "fp32", *reference_placement(text.device))
         ids, _ = tokenize(picked, reference, text)
         want = torch.cat(run_encoder(ids, reference, text)[first]).float()
         del reference
@@ -164,39 +165,39 @@ def encode_text_shard(
     precision checks (`measure_numerics`) must be committed first."""
     store = Store(storage)
     shard_id = shard_id_of(shard_url)
-    records, captions = [], None
-    for spec in family_of(model).text_encoders:
+    records, captions, family = [], None, family_of(model)
+    for spec in family.text.encoders:
         fingerprint = fingerprints[spec.name]
         key = layout.cache_shard("text", fingerprint, shard_id)
         retried = len(store.retried)
         if (record := store.committed(key)) is None:
             captions = captions or shard_captions(store, shard_url)
-            record = encode_shard(store, model, text, spec, fingerprint, key, shard_id, *captions)
+            record = encode_shard(store, model, family, text, spec, fingerprint, key, shard_id, *captions)
         records.append({**record, "encoder": spec.name, "io_retries": len(store.retried) - retried})
     return records
 
 
-def coinciding(texts: list[str], rows: dict[str, int], model: ModelConfig, text: TextEncodingConfig,
+def coinciding(texts: list[str], rows: dict[str, int], model: ModelConfig, family: Family, text: TextEncodingConfig,
                spec: TextEncoderSpec) -> tuple[list[str], dict[str, int]]:
     """The texts the encoder sees differently, and each row's index into them: captions that
     coincide once preprocessed and tokenized as the encoder takes them (case and markup a
     pipeline's cleaning removes, whitespace, words past its max length) are encoded and stored
     once."""
-    tokens = tokenize(texts, load_text_encoder(model, spec, text.dtype, text.device, text.offload), text)[0]
+    tokens = tokenize(texts, load_text_encoder(model, family, spec, text.dtype, text.device, text.offload), text)[0]
     first: dict[tuple[int, ...], int] = {}
     same = [first.setdefault(tuple(ids), index) for index, ids in enumerate(tokens)]
     kept = {index: position for position, index in enumerate(first.values())}
     return [texts[index] for index in kept], {row: kept[same[index]] for row, index in rows.items()}
 
 
-def encode_shard(store: Store, model: ModelConfig, text: TextEncodingConfig, spec: TextEncoderSpec,
+def encode_shard(store: Store, model: ModelConfig, family: Family, text: TextEncodingConfig, spec: TextEncoderSpec,
                  fingerprint: str, key: str, shard_id: str, texts: list[str], rows: dict[str, int]) -> dict[str, Any]:
     """One encoder's cache shard of an image shard's captions, committed."""
     numerics = json.loads(store.read_verified(layout.text_numerics(fingerprint)))
-    texts, rows = coinciding(texts, rows, model, text, spec)
-    outputs, truncated = encode_captions(texts, model, text, spec)
+    texts, rows = coinciding(texts, rows, model, family, text, spec)
+    outputs, truncated = encode_captions(texts, model, family, text, spec)
     meta = {"format": TEXT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "truncated": truncated,
-            "numerics": numerics, "max_length": family_of(model).text_length(model, spec, text)}
+            "numerics": numerics, "max_length": family.text.length(model, spec, text)}
     record = store.commit(
         key, packed(rows, outputs, spec, meta), shard=shard_id, rows=len(rows), captions=len(texts),
         samples=len({row.rsplit("/", 1)[0] for row in rows}),
@@ -213,16 +214,16 @@ def encode_prompts(
 ) -> dict[str, dict[str, Any]]:
     """Encode the empty caption and the sample prompts with each encoder; rows are keyed by the
     prompt text. Returns each encoder's commit record by name."""
-    store, texts = Store(storage), prompt_rows(prompts)
+    store, texts, family = Store(storage), prompt_rows(prompts), family_of(model)
     records = {}
-    for spec in family_of(model).text_encoders:
+    for spec in family.text.encoders:
         key = prompts_cache_key(fingerprints[spec.name], prompts)
         if (record := store.committed(key)) is None:
-            outputs, truncated = encode_captions(texts, model, text, spec)
+            outputs, truncated = encode_captions(texts, model, family, text, spec)
             # what `precast sample` must do to a prompt to match: kept with the run's lineage
             meta = {"format": TEXT_FORMAT, "fingerprint": fingerprints[spec.name], "truncated": truncated,
                     "caption_preprocessing": text.caption_preprocessing,
-                    "max_length": family_of(model).text_length(model, spec, text)}
+                    "max_length": family.text.length(model, spec, text)}
             rows = {t: i for i, t in enumerate(texts)}
             record = store.commit(key, packed(rows, outputs, spec, meta), rows=len(rows), captions=len(rows))
         records[spec.name] = record

@@ -22,7 +22,7 @@ __all__ = ["FAMILIES", "Family", "family_named", "family_of"]
 
 FAMILIES: tuple[Family, ...] = (*pixart.FAMILIES, *flux.FAMILIES, *sd3.FAMILIES, *chroma.FAMILIES, *wan.FAMILIES)
 # the pipeline of runs published before their lineage recorded one: precast then trained one family
-UNRECORDED_PIPELINE = pixart.PixArtSigma.pipelines[0]
+UNRECORDED_PIPELINE = pixart.SIGMA.pipelines[0]
 
 
 def family_of(model: ModelConfig) -> Family:

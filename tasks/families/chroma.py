@@ -11,13 +11,14 @@ boolean mask; precast's samples give it one, and the tests pin both.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from configs.schema import ModelConfig, TrainingConfig
-from tasks.families.flux import Flux, image_ids, pack, unpack
-from tasks.families.spec import Conditioning, Family, TextEncoderSpec
+from tasks.families import flux
+from tasks.families.flux import FluxDenoiser, PackedFlow, image_ids, pack, unpack
+from tasks.families.spec import Conditioning, Family, Sampler, Text, TextEncoderSpec
 
 
 def attention_mask(text_mask: torch.Tensor, image_tokens: int) -> torch.Tensor:
@@ -27,18 +28,12 @@ def attention_mask(text_mask: torch.Tensor, image_tokens: int) -> torch.Tensor:
     return torch.cat([text_mask.bool(), ones], dim=1)
 
 
-class Chroma(Flux):
-    name = "Chroma"
-    pipelines = ("ChromaPipeline",)
-    pipeline_name = "ChromaPipeline"
-    transformer_name = "ChromaTransformer2DModel"
-    text_encoders = (TextEncoderSpec("t5", pads_kept=1),)
+@dataclass(frozen=True)
+class ChromaDenoiser(PackedFlow):
+    """FLUX.1's packing, blocks and schedule; no pooled vector nor guidance input; the boolean mask."""
 
-    def default_max_length(self, model: ModelConfig) -> int:
-        return 512  # the pipeline's max_sequence_length
-
-    def call_options(self, training: TrainingConfig | None) -> dict[str, Any]:
-        return {}  # no guidance embedding
+    transformer: str = "ChromaTransformer2DModel"
+    lora_targets: tuple[str, ...] = FluxDenoiser.lora_targets
 
     def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: Conditioning,
                 timesteps: torch.Tensor, **options: Any) -> torch.Tensor:
@@ -53,6 +48,14 @@ class Chroma(Flux):
             attention_mask=attention_mask(text["t5_hidden_mask"], packed.shape[1])).sample
         return unpack(prediction, height, width)
 
+
+@dataclass(frozen=True)
+class ChromaSampler(Sampler):
+    """Its guidance_scale is classifier-free guidance with the negative prompts (it has no guidance
+    input, nor true_cfg_scale); prompts with boolean masks."""
+
+    pipeline_name: str = "ChromaPipeline"
+
     def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
         """The prompts and their empty negatives encoded by the pipeline's own `encode_prompt`, with
         their masks made boolean: its float masks would not mask."""
@@ -62,9 +65,6 @@ class Chroma(Flux):
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask.bool(),
                 "negative_prompt_embeds": negatives, "negative_prompt_attention_mask": negative_mask.bool()}
 
-    # its guidance_scale is classifier-free guidance: it has no guidance input (nor true_cfg_scale)
-    guidance = Family.guidance
-
     def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
         """Prompt embeddings with their boolean masks, negatives the same (Chroma uses true CFG)."""
         embeds, mask = text["t5_hidden"], text["t5_hidden_mask"].bool()
@@ -72,4 +72,7 @@ class Chroma(Flux):
                 "negative_prompt_embeds": embeds[count:], "negative_prompt_attention_mask": mask[count:]}
 
 
-FAMILIES = (Chroma(),)
+# T5 masked, its real tokens and the first padding position kept; 512: the pipeline's max_sequence_length
+CHROMA = Family("Chroma", ("ChromaPipeline",), Text((TextEncoderSpec("t5", pads_kept=1),), max_length=512),
+                flux.CODEC, ChromaDenoiser(), ChromaSampler())
+FAMILIES = (CHROMA,)

@@ -11,14 +11,15 @@ tests call their functions on the other side.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from configs.schema import ModelConfig, TrainingConfig
-from tasks.families.buckets import area_buckets
 from tasks.families.flow import FlowMatching
-from tasks.families.spec import Conditioning, Family, TextEncoderSpec
+from tasks.loading import library
+from tasks.families.spec import Buckets, Codec, Conditioning, Denoiser, Family, Sampler, Text, TextEncoderSpec
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -44,42 +45,38 @@ def image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype)
     return ids.reshape(-1, 3).to(device=device, dtype=dtype)
 
 
-class Flux(Family):
-    name = "FLUX.1"
-    pipelines = ("FluxPipeline",)
-    pipeline_name = "FluxPipeline"
-    transformer_name = "FluxTransformer2DModel"
-    # T5 first: its max_length is the one `text_encoding.max_length` sets (512 for dev, 256 for
-    # schnell, as their pipelines are called); CLIP-L reads its tokenizer's length (77) for the pooled
-    # vector
-    text_encoders = (
-        TextEncoderSpec("t5", "text_encoder_2", "tokenizer_2", "T5EncoderModel", masked=False),
-        TextEncoderSpec("clip_l", "text_encoder", "tokenizer", "CLIPTextModel", tokenizer_length=True, masked=False,
-                        outputs=("pooled",)),
-    )
-    # diffusers' train_dreambooth_lora_flux.py default: the double blocks' attention (image and
-    # text streams) and both feed-forwards
-    lora_targets = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
-                    "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                    "ff_context.net.2")
-    bucket_rule = "area/16"
+def flux_max_length(model: ModelConfig) -> int:
+    """512 for FLUX.1-dev (a guidance embedding), 256 for schnell, as their pipelines are called."""
+    config = library("diffusers", "FluxTransformer2DModel").load_config(model.path, subfolder="transformer",
+                                                                        revision=model.revision)
+    return 512 if config.get("guidance_embeds") else 256
 
-    def default_max_length(self, model: ModelConfig) -> int:
-        """512 for FLUX.1-dev (a guidance embedding), 256 for schnell, as their pipelines are called."""
-        config = self.transformer_class().load_config(model.path, subfolder="transformer", revision=model.revision)
-        return 512 if config.get("guidance_embeds") else 256
 
-    def bucket_table(self, resolution: int) -> dict[str, list[float]]:
-        return area_buckets(resolution)
+@dataclass(frozen=True)
+class PackedFlow(Denoiser):
+    """A transformer of FLUX.1's kind: latents packed 2×2 into tokens with their image ids, double
+    then single blocks, flow matching with the resolution-dependent shift of the model's scheduler."""
 
     def schedule(self, model: ModelConfig, training: TrainingConfig | None = None) -> FlowMatching:
-        return FlowMatching.load(model, self.name, lambda height, width: (height // 2) * (width // 2), training)
+        return FlowMatching.load(model, self.family, lambda height, width: (height // 2) * (width // 2), training)
 
     def image_tokens(self, config: Any, *sides: int) -> int:
         return (sides[-2] // 2) * (sides[-1] // 2)  # 2×2 latent pixels a token
 
     def blocks(self, transformer: torch.nn.Module) -> list[torch.nn.Module]:
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+
+
+@dataclass(frozen=True)
+class FluxDenoiser(PackedFlow):
+    """FLUX.1's transformer, given CLIP's pooled vector and, for dev, the guidance value."""
+
+    transformer: str = "FluxTransformer2DModel"
+    # diffusers' train_dreambooth_lora_flux.py default: the double blocks' attention (image and
+    # text streams) and both feed-forwards
+    lora_targets: tuple[str, ...] = (
+        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+        "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
 
     def call_options(self, training: TrainingConfig | None) -> dict[str, Any]:
         """The guidance value FLUX.1-dev's guidance embedding is given (`training.guidance_scale`,
@@ -101,8 +98,10 @@ class Flux(Family):
             img_ids=image_ids(height, width, noisy.device, embeds.dtype)).sample
         return unpack(prediction, height, width)
 
-    def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
-        return {**super().prompt_options(pipeline, prompts, text), "max_sequence_length": text["max_length"]}
+
+@dataclass(frozen=True)
+class FluxSampler(Sampler):
+    pipeline_name: str = "FluxPipeline"
 
     def guidance(self, guidance_scale: float, true_cfg_scale: float) -> dict[str, Any]:
         """`guidance_scale` is dev's guidance input (schnell ignores it); `true_cfg_scale` > 1 adds
@@ -116,4 +115,15 @@ class Flux(Family):
                 "negative_pooled_prompt_embeds": text["clip_l_pooled"][count:]}
 
 
-FAMILIES = (Flux(),)
+# the 16-channel VAE with shift and scale, pictures in buckets of 16 px sides
+CODEC = Codec(Buckets(step=16))
+FLUX = Family(
+    "FLUX.1", ("FluxPipeline",),
+    # T5 first: its max_length is the one `text_encoding.max_length` sets (512 for dev, 256 for
+    # schnell, as their pipelines are called); CLIP-L reads its tokenizer's length (77) for the
+    # pooled vector
+    Text((TextEncoderSpec("t5", "text_encoder_2", "tokenizer_2", "T5EncoderModel", masked=False),
+          TextEncoderSpec("clip_l", "text_encoder", "tokenizer", "CLIPTextModel", tokenizer_length=True,
+                          masked=False, outputs=("pooled",))), max_length=flux_max_length),
+    CODEC, FluxDenoiser(), FluxSampler())
+FAMILIES = (FLUX,)

@@ -14,16 +14,18 @@ import importlib.util
 import inspect
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from configs.schema import ModelConfig
-from configs.schema import TrainingConfig
+from configs.schema import ModelConfig, TrainingConfig
 from storage.fingerprint import hash_json
 from tasks.families.ddpm import Ddpm
-from tasks.families.spec import Conditioning, Family, TextEncoderSpec
+from tasks.families.spec import (Buckets, Captions, Codec, Conditioning, Denoiser, Family, Sampler, Text,
+                                 TextEncoderSpec)
+from tasks.loading import library
 
 @functools.lru_cache(maxsize=1)
 def bucket_tables() -> dict[int, dict[str, list[float]]]:
@@ -47,24 +49,41 @@ def bucket_tables() -> dict[int, dict[str, list[float]]]:
     return tables
 
 
-class PixArt(Family):
-    transformer_name = "PixArtTransformer2DModel"
-    text_encoders = (TextEncoderSpec("t5"),)  # T5 masked, its real tokens kept
-    lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")  # attention and feed-forward
+@dataclass(frozen=True)
+class PixArtBuckets(Buckets):
+    """diffusers' PixArt tables (named in no fingerprint: every one before families covered them by
+    `resolution` alone), for the resolutions the family has tables for."""
+
     resolutions: tuple[int, ...] = ()
 
-    def caption_rule(self, mode: str) -> str:
+    @property
+    def rule(self) -> str | None:
+        return None
+
+    def table(self, resolution: int) -> dict[str, list[float]]:
+        if resolution not in self.resolutions:
+            raise ValueError(f"latent_encoding.resolution {resolution}: {self.family} has aspect-ratio buckets for "
+                             f"{', '.join(map(str, self.resolutions))} only")
+        return bucket_tables()[resolution]
+
+
+@dataclass(frozen=True)
+class PipelineCleaning(Captions):
+    """`diffusers`: the pipeline's own `_text_preprocessing` with `clean_caption=True` (what its
+    `encode_prompt` feeds its tokenizer by default); `none`: as written."""
+
+    pipeline: str
+
+    def rule(self, mode: str) -> str:
         """For `diffusers`, the source of the pipeline's cleaning code, so a diffusers release that
         cleans otherwise re-encodes (and one that does not, does not)."""
         if mode == "none":
             return mode
-        pipeline = self.pipeline_class()
+        pipeline = library("diffusers", self.pipeline)
         return hash_json([inspect.getsource(pipeline._text_preprocessing), inspect.getsource(pipeline._clean_caption),
                           pipeline.bad_punct_regex.pattern])
 
-    def preprocess_captions(self, texts: list[str], mode: str) -> list[str]:
-        """As written (`none`), or what the pipeline's `encode_prompt` feeds its tokenizer by
-        default (`diffusers`: the pipeline's own `_text_preprocessing` with `clean_caption=True`)."""
+    def preprocess(self, texts: list[str], mode: str) -> list[str]:
         if mode == "none":
             return list(texts)
         from diffusers.utils import is_bs4_available, is_ftfy_available
@@ -72,20 +91,22 @@ class PixArt(Family):
         if not (is_bs4_available() and is_ftfy_available()):  # the pipeline would fall back to lowercasing only
             raise ImportError("text_encoding.caption_preprocessing 'diffusers' needs beautifulsoup4 and ftfy, as the "
                               "pipeline's clean_caption does: pip install beautifulsoup4 ftfy")
-        cleaner = object.__new__(self.pipeline_class())  # the method uses no model: nothing is loaded
+        cleaner = object.__new__(library("diffusers", self.pipeline))  # the method uses no model: nothing is loaded
         return cleaner._text_preprocessing(list(texts), clean_caption=True)
 
-    def default_max_length(self, model: ModelConfig) -> int:
-        return 300  # what precast always used for PixArt (PixArt-Σ's pipeline default; α's is 120)
 
-    def bucket_table(self, resolution: int) -> dict[str, list[float]]:
-        if resolution not in self.resolutions:
-            raise ValueError(f"latent_encoding.resolution {resolution}: {self.name} has aspect-ratio buckets for "
-                             f"{', '.join(map(str, self.resolutions))} only")
-        return bucket_tables()[resolution]
+@dataclass(frozen=True)
+class PixArtDenoiser(Denoiser):
+    """`PixArtTransformer2DModel` on a DDPM schedule, given the micro-conditions of its pipeline:
+    α's 1024 px model each image's size and aspect ratio (`vae_scale` pixels a latent pixel), Σ's
+    none (`vae_scale` None)."""
+
+    transformer: str = "PixArtTransformer2DModel"
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
+    vae_scale: int | None = None
 
     def schedule(self, model: ModelConfig, training: TrainingConfig | None = None) -> Ddpm:
-        return Ddpm.load(model, self.name, training)
+        return Ddpm.load(model, self.family, training)
 
     def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: Conditioning,
                 timesteps: torch.Tensor, **options: Any) -> torch.Tensor:
@@ -97,10 +118,22 @@ class PixArt(Family):
         return prediction.chunk(2, dim=1)[0] if prediction.shape[1] == 2 * noisy.shape[1] else prediction
 
     def micro_conditions(self, noisy: torch.Tensor, text: torch.Tensor) -> dict[str, torch.Tensor | None]:
-        """The `added_cond_kwargs` the pipeline gives the transformer: none (PixArt-Σ's pipeline)."""
-        return {"resolution": None, "aspect_ratio": None}
+        """The `added_cond_kwargs` the pipeline gives the transformer: for α, each image's [height,
+        width] in pixels and height / width (a transformer without additional conditions ignores
+        them); for Σ none."""
+        if self.vae_scale is None:
+            return {"resolution": None, "aspect_ratio": None}
+        height, width = noisy.shape[2] * self.vae_scale, noisy.shape[3] * self.vae_scale
+        conditions = {"resolution": torch.tensor([[height, width]], dtype=text.dtype, device=noisy.device),
+                      "aspect_ratio": torch.tensor([[height / width]], dtype=text.dtype, device=noisy.device)}
+        return {name: value.repeat(len(noisy), 1) for name, value in conditions.items()}
 
-    def sampling_scheduler(self, model: ModelConfig) -> Any:
+
+@dataclass(frozen=True)
+class PixArtSampler(Sampler):
+    """Sampled with DPM-Solver++, prompts and their masks as the pipelines take them."""
+
+    def scheduler(self, model: ModelConfig) -> Any:
         """DPM-Solver++ with the model's scheduler config, as the published pipelines sample."""
         from diffusers import DPMSolverMultistepScheduler
 
@@ -110,39 +143,23 @@ class PixArt(Family):
         if text["caption_preprocessing"] == "none":  # the pipeline lowercases even without clean_caption
             pipeline._text_preprocessing = lambda texts, clean_caption=False: (
                 [texts] if isinstance(texts, str) else list(texts))
-        return {**super().prompt_options(pipeline, prompts, text), "clean_caption": True,
-                "max_sequence_length": text["max_length"]}
+        return {**super().prompt_options(pipeline, prompts, text), "clean_caption": True}
 
     def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
-        """The pipeline's arguments for pre-encoded prompts (the first `count` rows) and negative
-        prompts (the rest), masks with them."""
+        """Prompt embeddings and negatives (the rows after `count`), masks with them."""
         embeds, mask = text["t5_hidden"], text["t5_hidden_mask"]
         return {"prompt_embeds": embeds[:count], "prompt_attention_mask": mask[:count],
                 "negative_prompt_embeds": embeds[count:], "negative_prompt_attention_mask": mask[count:],
                 "negative_prompt": None}
 
 
-class PixArtAlpha(PixArt):
-    name = "PixArt-α"
-    pipelines = ("PixArtAlphaPipeline",)
-    pipeline_name = "PixArtAlphaPipeline"
-    resolutions = (256, 512, 1024)
-    vae_scale = 8  # pixels per latent pixel of its VAE
-
-    def micro_conditions(self, noisy: torch.Tensor, text: torch.Tensor) -> dict[str, torch.Tensor | None]:
-        """What PixArtAlphaPipeline gives its 1024 px model: each image's [height, width] in pixels
-        and height / width (a transformer without additional conditions ignores them)."""
-        height, width = noisy.shape[2] * self.vae_scale, noisy.shape[3] * self.vae_scale
-        conditions = {"resolution": torch.tensor([[height, width]], dtype=text.dtype, device=noisy.device),
-                      "aspect_ratio": torch.tensor([[height / width]], dtype=text.dtype, device=noisy.device)}
-        return {name: value.repeat(len(noisy), 1) for name, value in conditions.items()}
+def pixart(name: str, pipeline: str, resolutions: tuple[int, ...], vae_scale: int | None) -> Family:
+    # 300 tokens: what precast always used for PixArt (PixArt-Σ's pipeline default; α's is 120)
+    text = Text((TextEncoderSpec("t5"),), max_length=300, captions=PipelineCleaning(pipeline=pipeline))
+    return Family(name, (pipeline,), text, Codec(PixArtBuckets(resolutions=resolutions)),
+                  PixArtDenoiser(vae_scale=vae_scale), PixArtSampler(pipeline))
 
 
-class PixArtSigma(PixArt):
-    name = "PixArt-Σ"
-    pipelines = ("PixArtSigmaPipeline",)
-    pipeline_name = "PixArtSigmaPipeline"
-    resolutions = (256, 512, 1024, 2048)
-
-
-FAMILIES = (PixArtAlpha(), PixArtSigma())
+ALPHA = pixart("PixArt-α", "PixArtAlphaPipeline", (256, 512, 1024), vae_scale=8)
+SIGMA = pixart("PixArt-Σ", "PixArtSigmaPipeline", (256, 512, 1024, 2048), vae_scale=None)
+FAMILIES = (ALPHA, SIGMA)

@@ -11,14 +11,15 @@ the tests call their functions on the other side.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from configs.schema import ModelConfig, TrainingConfig
-from tasks.families.buckets import area_buckets
+from tasks.families import flux
 from tasks.families.flow import FlowMatching
-from tasks.families.spec import Conditioning, Family, TextEncoderSpec
+from tasks.families.spec import Conditioning, Denoiser, Family, Sampler, Text, TextEncoderSpec
 
 CLIP = dict(model_class="CLIPTextModelWithProjection", tokenizer_length=True, masked=False,
             outputs=("penultimate", "pooled"))
@@ -32,30 +33,18 @@ def joined(text: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([clip, t5], dim=-2), torch.cat([text["clip_l_pooled"], text["clip_g_pooled"]], dim=-1)
 
 
-class StableDiffusion3(Family):
-    name = "SD3"
-    pipelines = ("StableDiffusion3Pipeline",)
-    pipeline_name = "StableDiffusion3Pipeline"
-    transformer_name = "SD3Transformer2DModel"
-    text_encoders = (
-        TextEncoderSpec("clip_l", "text_encoder", "tokenizer", **CLIP),
-        TextEncoderSpec("clip_g", "text_encoder_2", "tokenizer_2", **CLIP),
-        TextEncoderSpec("t5", "text_encoder_3", "tokenizer_3", "T5EncoderModel", masked=False),
-    )
+@dataclass(frozen=True)
+class SD3Denoiser(Denoiser):
+    """`SD3Transformer2DModel`: 2×2 patches inside it, flow matching with the scheduler's `shift`."""
+
+    transformer: str = "SD3Transformer2DModel"
     # diffusers' train_dreambooth_lora_sd3.py default: the joint blocks' attention, both streams
-    lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
-                    "attn.to_out.0", "attn.to_q", "attn.to_v")
-    bucket_rule = "area/16"
-
-    def default_max_length(self, model: ModelConfig) -> int:
-        return 256  # the pipeline's max_sequence_length
-
-    def bucket_table(self, resolution: int) -> dict[str, list[float]]:
-        return area_buckets(resolution)
+    lora_targets: tuple[str, ...] = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                                     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
 
     def schedule(self, model: ModelConfig, training: TrainingConfig | None = None) -> FlowMatching:
         # the pipeline's image_seq_len for a dynamic shift: latent pixels over the 2×2 patches
-        return FlowMatching.load(model, self.name, lambda height, width: (height // 2) * (width // 2), training)
+        return FlowMatching.load(model, self.family, lambda height, width: (height // 2) * (width // 2), training)
 
     def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: Conditioning,
                 timesteps: torch.Tensor, **options: Any) -> torch.Tensor:
@@ -64,8 +53,10 @@ class StableDiffusion3(Family):
         return network(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=embeds,
                        pooled_projections=pooled).sample
 
-    def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
-        return {**super().prompt_options(pipeline, prompts, text), "max_sequence_length": text["max_length"]}
+
+@dataclass(frozen=True)
+class SD3Sampler(Sampler):
+    pipeline_name: str = "StableDiffusion3Pipeline"
 
     def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
         embeds, pooled = joined(text)
@@ -73,4 +64,11 @@ class StableDiffusion3(Family):
                 "negative_prompt_embeds": embeds[count:], "negative_pooled_prompt_embeds": pooled[count:]}
 
 
-FAMILIES = (StableDiffusion3(),)
+SD3 = Family(
+    "SD3", ("StableDiffusion3Pipeline",),
+    Text((TextEncoderSpec("clip_l", "text_encoder", "tokenizer", **CLIP),
+          TextEncoderSpec("clip_g", "text_encoder_2", "tokenizer_2", **CLIP),
+          TextEncoderSpec("t5", "text_encoder_3", "tokenizer_3", "T5EncoderModel", masked=False)),
+         max_length=256),  # the pipeline's max_sequence_length
+    flux.CODEC, SD3Denoiser(), SD3Sampler())
+FAMILIES = (SD3,)

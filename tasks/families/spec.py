@@ -1,25 +1,34 @@
-"""What the pipeline needs from a model family, in one spec.
+"""What the pipeline needs from a model family: a record of parts, as torchtitan's `TrainSpec`.
 
-A family module (one per family) subclasses `Family` and fills in what its diffusers pipeline does:
-its text encoders, each with its prompt function and what of its output is cached
-(`TextEncoderSpec`; `ChatEncoderSpec` for a decoder-only LLM), what text they read, its
-aspect-ratio buckets, how its transformer is loaded and called (packing latents into tokens, if it
-does), its noise schedule and what it is trained to predict (`schedule`: tasks/families/ddpm.py,
-tasks/families/flow.py), how it samples, and the layouts its weights export to. The stages ask the model's family (`tasks.families.family_of`) and never
-name one. The defaults are what most diffusers families share; a family overrides what it
-differs in.
+A family module (one per family) declares its `Family`: the pipelines of model_index.json it reads
+and its parts, each what its diffusers pipeline does, read from that pipeline:
+- `text`: its text encoders, each with its prompt function and what of its output is cached
+  (`TextEncoderSpec`; `ChatEncoderSpec` for a decoder-only LLM), their token limits and what they
+  read of a caption (`Captions`);
+- `codec`: its VAE, the aspect-ratio buckets pictures are cropped to and the latents'
+  normalisation;
+- `denoiser`: how its transformer is loaded and called (packing latents into tokens, if it does),
+  the modules LoRA adapts, its noise schedule and what it is trained to predict (`schedule`:
+  tasks/families/ddpm.py, tasks/families/flow.py);
+- `sampler`: the pipeline that samples from it, on cached prompts or on text;
+- `export`: the names its LoRA takes outside diffusers.
+The defaults are what most diffusers families share. Families that share a way of doing a thing
+declare the same part (Chroma declares FLUX.1's codec); a part never undoes another's methods. The
+stages resolve the model's family once (`tasks.families.family_of`), pass it down and never name one.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
 from configs.schema import ModelConfig, TextEncodingConfig, TrainingConfig
+from tasks.families.buckets import area_buckets
 from tasks.loading import library, serialised
 
 Conditioning = dict[str, torch.Tensor]
@@ -162,44 +171,45 @@ def run_sampling(training: TrainingConfig, family: str, schedule: str, weighting
             "logit_std": training.logit_std, "mode_scale": training.mode_scale, "weighting": training.loss_weighting}
 
 
-class Family:
-    name: str = ""  # what reports and errors call it
-    pipelines: tuple[str, ...] = ()  # the `_class_name`s of model_index.json this family reads
-    pipeline_name: str = ""  # the diffusers pipeline that samples from it
-    transformer_name: str = ""  # the diffusers class of its transformer
-    vae_name: str = "AutoencoderKL"  # the diffusers class of its VAE
-    text_encoders: tuple[TextEncoderSpec, ...] = ()  # in the order the family's pipeline joins them
-    lora_targets: tuple[str, ...] = ()  # the modules LoRA adapts when training.target_modules is None
-    # names the bucket tables in the latent cache's fingerprint; None: diffusers' PixArt tables,
-    # which every fingerprint before families covered by `resolution` alone
-    bucket_rule: str | None = None
-    # the diffusers pipeline that samples a clip from text and a given first frame (None: none), as
-    # runs of it can train (training.image_to_video, `first_frame_given`)
-    image_pipeline_name: str | None = None
+@dataclass(frozen=True)
+class Part:
+    """A part of a family. `family` is the family's name, which its errors give: the `Family` that
+    declares the part fills it in, so two families can declare the same part."""
 
-    def reads(self, index: dict) -> bool:
-        """Whether this family reads a model whose model_index.json is `index` (its pipeline named
-        in `pipelines`): by default every one."""
-        return True
+    family: str = field(default="", compare=False, kw_only=True)
 
-    # --- text: what the encoders read ------------------------------------------------------
-    def caption_rule(self, mode: str) -> str:
-        """What decides the text `preprocess_captions` gives for `mode` (part of the text cache's
-        fingerprint). By default the pipeline feeds captions as written, so `diffusers` reads
-        them as `none` does and the two share a cache."""
+
+# --- text: what the encoders read, and their token limits ----------------------------------
+@dataclass(frozen=True)
+class Captions(Part):
+    """The text the encoders read of each caption under `text_encoding.caption_preprocessing`: by
+    default as written, what the pipeline's `encode_prompt` feeds its tokenizers, so `diffusers`
+    reads captions as `none` does and the two share a cache."""
+
+    def rule(self, mode: str) -> str:
+        """What decides the text `preprocess` gives for `mode` (part of the text cache's fingerprint)."""
         return "none"
 
-    def preprocess_captions(self, texts: list[str], mode: str) -> list[str]:
-        """The text the encoders read of each caption under `text_encoding.caption_preprocessing`:
-        by default, as written (what the pipeline's `encode_prompt` feeds its tokenizers)."""
+    def preprocess(self, texts: list[str], mode: str) -> list[str]:
         return list(texts)
 
-    def default_max_length(self, model: ModelConfig) -> int:
-        """T5's token limit when `text_encoding.max_length` is unset: the family's pipeline's."""
-        raise NotImplementedError
 
-    def text_length(self, model: ModelConfig, encoder: TextEncoderSpec, text: TextEncodingConfig) -> int:
-        """The token limit of one of the family's encoders under `text`."""
+@dataclass(frozen=True)
+class Text(Part):
+    """The family's text encoders (in the order its pipeline joins them), T5's token limit when
+    `text_encoding.max_length` is unset (the pipeline's own; a function of the model where it
+    depends on it) and what the encoders read of a caption."""
+
+    encoders: tuple[TextEncoderSpec, ...]
+    max_length: int | Callable[[ModelConfig], int]
+    captions: Captions = Captions()
+
+    def default_max_length(self, model: ModelConfig) -> int:
+        return self.max_length if isinstance(self.max_length, int) else self.max_length(model)
+
+    def length(self, model: ModelConfig, encoder: TextEncoderSpec, text: TextEncodingConfig) -> int:
+        """The token limit of one of the encoders under `text`: `text_encoding.max_length` (unset,
+        the family's), or for a `tokenizer_length` encoder its tokenizer's `model_max_length`."""
         if not encoder.tokenizer_length:
             return text.max_length or self.default_max_length(model)
         from tasks.families import model_json
@@ -208,13 +218,37 @@ class Family:
         settings = model_json(model.path, model.revision, name, f"the settings of {encoder.name}'s tokenizer")
         if not isinstance(settings.get("model_max_length"), int):
             raise ValueError(f"model.path {model.path}: {name} sets no model_max_length, the length "
-                             f"{self.pipeline_name} pads {encoder.name}'s captions to")
+                             f"{self.family}'s pipeline pads {encoder.name}'s captions to")
         return settings["model_max_length"]
 
-    # --- latents: the aspect-ratio buckets images are cropped to ------------------------------
-    def bucket_table(self, resolution: int) -> dict[str, list[float]]:
+
+# --- latents: the buckets pictures are cropped to, and the VAE ------------------------------
+@dataclass(frozen=True)
+class Buckets(Part):
+    """Aspect-ratio buckets by area (`tasks.families.buckets.area_buckets`), sides multiples of
+    `step` pixels; `rule` names the tables in the latent cache's fingerprint."""
+
+    step: int = 16
+
+    @property
+    def rule(self) -> str | None:
+        return f"area/{self.step}"
+
+    def table(self, resolution: int) -> dict[str, list[float]]:
         """height/width ratio → [height, width] in pixels, for `latent_encoding.resolution`."""
-        raise NotImplementedError
+        return area_buckets(resolution, step=self.step)
+
+
+@dataclass(frozen=True)
+class Codec(Part):
+    """The VAE (its diffusers class), the buckets pictures are cropped to and the normalisation of
+    its latents; by default for pictures, each one latent image."""
+
+    buckets: Buckets = Buckets()
+    vae: str = "AutoencoderKL"
+
+    def bucket_table(self, resolution: int) -> dict[str, list[float]]:
+        return self.buckets.table(resolution)
 
     def sample_size(self, resolution: int) -> tuple[int, int]:
         """(height, width) of the samples of a run at `resolution`: its most nearly square bucket
@@ -227,14 +261,13 @@ class Family:
         return pixels
 
     def clip_problem(self, frames: int) -> str | None:
-        """Why a sample of `frames` frames (a picture is one) cannot be encoded, None when it can:
-        by default the family trains on pictures."""
-        return None if frames == 1 else f"a clip of {frames} frames: {self.name} trains on pictures"
+        """Why a sample of `frames` frames (a picture is one) cannot be encoded, None when it can."""
+        return None if frames == 1 else f"a clip of {frames} frames: {self.family} trains on pictures"
 
     def clip_policy_problem(self, lengths: list[int]) -> str | None:
         """Why no clip of these lengths (`dataset.video.frames` and `frame_buckets`) can ever be
-        encoded, told before anything is ingested; None by default: a family that trains on
-        pictures quarantines each clip of a dataset that mixes them, naming why."""
+        encoded, told before anything is ingested; None for pictures: each clip of a dataset that
+        mixes them is quarantined, naming why."""
         return None
 
     def latent_factors(self, config: Any) -> tuple[float | list[float], float | list[float]]:
@@ -242,23 +275,36 @@ class Family:
         lists, `config` being the VAE's config: its `shift_factor` (none: 0) and `scaling_factor`."""
         return config.get("shift_factor") or 0.0, config.scaling_factor
 
-    # --- the transformer: loading, the call, the objective -------------------------------
+    def clip_frames(self, latent_frames: int) -> int:
+        """The frames of a clip whose latents have `latent_frames` (pictures: 1)."""
+        return latent_frames
+
+
+# --- the transformer: loading, the call, the objective -------------------------------------
+@dataclass(frozen=True)
+class Denoiser(Part):
+    """The transformer a run trains (its diffusers class), the modules LoRA adapts unless
+    `training.target_modules` says, how it is called and the noise schedule it is trained on."""
+
+    transformer: str
+    lora_targets: tuple[str, ...]
+
     @serialised
-    def load_transformer(self, model: ModelConfig, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    def load(self, model: ModelConfig, dtype: torch.dtype | None = None) -> torch.nn.Module:
         """The model's transformer by `from_pretrained`, its weights in `dtype` (None: as stored)."""
-        return self.transformer_class().from_pretrained(model.path, subfolder=self.transformer_folder(model),
+        return self.transformer_class().from_pretrained(model.path, subfolder=self.folder(model),
                                                         revision=model.revision, torch_dtype=dtype)
 
-    def transformer_folder(self, model: ModelConfig) -> str:
+    def folder(self, model: ModelConfig) -> str:
         """The folder (and pipeline component) of the transformer a run trains: `transformer`; a
         `model.expert` is refused, the family's models having one transformer."""
         if model.expert is not None:
-            raise ValueError(f"model.expert: {model.path} is a {self.name} model, which has one transformer; "
+            raise ValueError(f"model.expert: {model.path} is a {self.family} model, which has one transformer; "
                              f"leave model.expert unset")
         return "transformer"
 
     def transformer_class(self) -> type:
-        return library("diffusers", self.transformer_name)
+        return library("diffusers", self.transformer)
 
     def schedule(self, model: ModelConfig, training: TrainingConfig | None = None) -> Any:
         """The noise schedule training draws timesteps from, noises latents with and regresses the
@@ -287,7 +333,7 @@ class Family:
     def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: Conditioning,
                 timesteps: torch.Tensor, **options: Any) -> torch.Tensor:
         """The transformer's prediction for noisy latents [B, C, h, w] at the schedule's
-        `timesteps`, in the latents' shape (a family that packs latents into tokens packs and
+        `timesteps`, in the latents' shape (a transformer that packs latents into tokens packs and
         unpacks here), called as its pipeline calls it, with the run's `call_options`."""
         raise NotImplementedError
 
@@ -296,25 +342,33 @@ class Family:
         """For clips [B, C, F, h, w] whose first frame is `given` [B] (the rest from text): the
         transformer's input, its timesteps and what of the prediction the loss scores (a mask that
         broadcasts over the latents), as the family's image-to-video pipeline conditions on a frame.
-        Only for a family with an `image_pipeline_name`."""
+        Only for a family whose sampler has an `image_pipeline_name`."""
         raise NotImplementedError
 
-    # --- sampling and export ----------------------------------------------------------------
-    def sampling_scheduler(self, model: ModelConfig) -> Any:
+
+# --- sampling: the pipeline, called on cached prompts or on text ---------------------------
+@dataclass(frozen=True)
+class Sampler(Part):
+    """The diffusers pipeline that samples from the family (and the image-to-video one that samples
+    from a first frame, None: none), as the run's sample grids and the runs' pages call it."""
+
+    pipeline_name: str
+    image_pipeline_name: str | None = None
+
+    def scheduler(self, model: ModelConfig) -> Any:
         """The scheduler sample grids are drawn with during training: the model's own, as saved."""
         config = library("diffusers", "DDPMScheduler").load_config(model.path, subfolder="scheduler",
                                                                    revision=model.revision)
         return library("diffusers", config["_class_name"]).from_config(config)
 
     def pipeline_class(self) -> type:
-        """The diffusers pipeline that samples from this family."""
         return library("diffusers", self.pipeline_name)
 
     def image_pipeline_class(self, setting: str) -> type:
         """The family's image-to-video pipeline, which samples from a first frame; refused, naming
         `setting` (what asked for it), for a family that has none."""
         if not self.image_pipeline_name:
-            raise ValueError(f"{setting}: {self.name} samples from text alone (its pipeline takes no first frame, "
+            raise ValueError(f"{setting}: {self.family} samples from text alone (its pipeline takes no first frame, "
                              f"as Wan 2.2 TI2V's does); leave it out")
         return library("diffusers", self.image_pipeline_name)
 
@@ -329,17 +383,19 @@ class Family:
                     if name in takes and name not in pipeline.components}
         return cls(**components, **settings)
 
-    def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module) -> Any:
-        """The family's pipeline without text encoders (prompts come pre-encoded from the cache)."""
-        encoders = [name for spec in self.text_encoders for name in (spec.folder, spec.tokenizer)]
-        return self.pipeline_class()(**dict.fromkeys(encoders), vae=vae, transformer=transformer,
-                                          scheduler=self.sampling_scheduler(model))
+    def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module,
+                           encoders: tuple[TextEncoderSpec, ...], denoiser: Denoiser) -> Any:
+        """The pipeline without text encoders (`encoders`' slots empty: prompts come pre-encoded
+        from the cache), the trained `transformer` in `denoiser`'s slot."""
+        slots = [name for spec in encoders for name in (spec.folder, spec.tokenizer)]
+        return self.pipeline_class()(**dict.fromkeys(slots), vae=vae, transformer=transformer,
+                                     scheduler=self.scheduler(model))
 
     def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
         """The pipeline's prompt arguments for `prompts`, their negatives empty as the run's sample
         grids' are, with whatever else of its call (and settings of `pipeline`) makes it read them as
         the run's text cache read captions (`text`: its caption_preprocessing and max_length)."""
-        return {"prompt": prompts, "negative_prompt": [""] * len(prompts)}
+        return {"prompt": prompts, "negative_prompt": [""] * len(prompts), "max_sequence_length": text["max_length"]}
 
     def guidance(self, guidance_scale: float, true_cfg_scale: float) -> dict[str, Any]:
         """The pipeline's guidance arguments: `guidance_scale` is its classifier-free guidance, and
@@ -354,16 +410,56 @@ class Family:
         """The pipeline's output as PIL frames, a list per sample (a picture is one frame)."""
         return [[image] for image in output.images]
 
-    def clip_frames(self, latent_frames: int) -> int:
-        """The frames of a clip whose latents have `latent_frames` (pictures: 1)."""
-        return latent_frames
-
     def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
         """The pipeline's arguments for pre-encoded prompts (the first `count` rows of `text`)
         and their negative prompts (the rest)."""
         raise NotImplementedError
 
+
+# --- export: where the trained weights load ------------------------------------------------
+@dataclass(frozen=True)
+class Export(Part):
+    """How the family's LoRA names its modules outside diffusers."""
+
     def comfyui_key(self, module: str) -> str:
         """A transformer module's name (diffusers') in ComfyUI's LoRA key map: under `transformer.`,
         which ComfyUI maps onto its own names for the families it converts from diffusers."""
         return f"transformer.{module}"
+
+
+def named(part: Part, family: str) -> Part:
+    """`part`, and each part inside it, as the part of `family` (which its errors name)."""
+    inner = {f.name: named(getattr(part, f.name), family) for f in fields(part)
+             if isinstance(getattr(part, f.name), Part)}
+    return replace(part, family=family, **inner)
+
+
+def every_model(index: dict) -> bool:
+    return True
+
+
+PARTS = ("text", "codec", "denoiser", "sampler", "export")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: the `_class_name`s of model_index.json it reads (`reads` says which settings
+    of them, where one pipeline serves several families) and its parts. Families that do something
+    the same way declare the same part."""
+
+    name: str  # what reports and errors call it
+    pipelines: tuple[str, ...]
+    text: Text
+    codec: Codec
+    denoiser: Denoiser
+    sampler: Sampler
+    export: Export = Export()
+    reads: Callable[[dict], bool] = every_model
+
+    def __post_init__(self) -> None:
+        for part in PARTS:
+            object.__setattr__(self, part, named(getattr(self, part), self.name))
+
+    def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module) -> Any:
+        """The sampler's pipeline on cached prompts, the trained transformer in its slot."""
+        return self.sampler.embedding_pipeline(model, vae, transformer, self.text.encoders, self.denoiser)

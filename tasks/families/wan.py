@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import inspect
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from configs.schema import ModelConfig, TrainingConfig
 from storage.fingerprint import hash_json
-from tasks.families.buckets import area_buckets
 from tasks.families.flow import FlowMatching
-from tasks.families.spec import Conditioning, Family, TextEncoderSpec
+from tasks.families.spec import (Buckets, Captions, Codec, Conditioning, Denoiser, Export, Family, Sampler, Text,
+                                 TextEncoderSpec)
 from tasks.loading import library
 
 PIPELINE_MODULE = "diffusers.pipelines.wan.pipeline_wan"  # its caption cleaning is the pipeline's own
@@ -65,24 +66,11 @@ def latent_frames(frames: int, temporal: int = 4) -> int:
     return (frames - 1) // temporal + 1
 
 
-class Wan(Family):
-    name = "Wan"
-    pipelines = ("WanPipeline",)
-    pipeline_name = "WanPipeline"
-    transformer_name = "WanTransformer3DModel"
-    vae_name = "AutoencoderKLWan"
-    text_encoders = (TextEncoderSpec("umt5", model_class="UMT5EncoderModel", zero_padded=True),)
-    # every linear layer of the blocks' self- and cross-attention and feed-forward, as the Wan
-    # trainers adapt them (musubi-tuner's and diffusion-pipe's WanAttentionBlock, finetrainers)
-    lora_targets = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
-                    "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
-    bucket_rule = "area/16"
+@dataclass(frozen=True)
+class WanCleaning(Captions):
+    """`diffusers`: the pipeline's own `prompt_clean`; `none`: as written."""
 
-    def reads(self, index: dict) -> bool:
-        """Wan 2.1 T2V and Wan 2.2 A14B (one timestep a sample), not TI2V (`Wan22TI2V`)."""
-        return not index.get("expand_timesteps")
-
-    def caption_rule(self, mode: str) -> str:
+    def rule(self, mode: str) -> str:
         """For `diffusers`, the source of the pipeline's `prompt_clean` (and whether ftfy, which it
         uses when installed, is)."""
         if mode == "none":
@@ -92,18 +80,19 @@ class Wan(Family):
         cleaning = [library(PIPELINE_MODULE, name) for name in ("prompt_clean", "basic_clean", "whitespace_clean")]
         return hash_json([inspect.getsource(f) for f in cleaning] + [is_ftfy_available()])
 
-    def preprocess_captions(self, texts: list[str], mode: str) -> list[str]:
-        """As written (`none`), or through the pipeline's own `prompt_clean` (`diffusers`)."""
+    def preprocess(self, texts: list[str], mode: str) -> list[str]:
         if mode == "none":
             return list(texts)
         prompt_clean = library(PIPELINE_MODULE, "prompt_clean")
         return [prompt_clean(text) for text in texts]
 
-    def default_max_length(self, model: ModelConfig) -> int:
-        return 512  # the pipeline's max_sequence_length
 
-    def bucket_table(self, resolution: int) -> dict[str, list[float]]:
-        return area_buckets(resolution)
+@dataclass(frozen=True)
+class WanCodec(Codec):
+    """The causal 3-D VAE: clips of 4N + 1 frames, a picture a one-frame clip, latents normalised
+    per channel."""
+
+    vae: str = "AutoencoderKLWan"
 
     def clip_problem(self, frames: int) -> str | None:
         """Clips of 4N + 1 frames: the causal VAE encodes the first alone and then 4 a latent frame."""
@@ -123,6 +112,21 @@ class Wan(Family):
         """Per channel: (z − latents_mean) / latents_std, as the Wan pipelines normalise."""
         return list(config.latents_mean), [1.0 / std for std in config.latents_std]
 
+    def clip_frames(self, latent_frames: int) -> int:
+        return (latent_frames - 1) * 4 + 1  # the first frame alone, then 4 a latent frame
+
+
+@dataclass(frozen=True)
+class WanDenoiser(Denoiser):
+    """`WanTransformer3DModel` (or, of Wan 2.2 A14B, the expert `model.expert` names), given σ·1000,
+    flow matching shifted by the model scheduler's `flow_shift`."""
+
+    transformer: str = "WanTransformer3DModel"
+    # every linear layer of the blocks' self- and cross-attention and feed-forward, as the Wan
+    # trainers adapt them (musubi-tuner's and diffusion-pipe's WanAttentionBlock, finetrainers)
+    lora_targets: tuple[str, ...] = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q",
+                                     "attn2.to_k", "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
+
     def schedule(self, model: ModelConfig, training: TrainingConfig | None = None) -> FlowMatching:
         """Flow matching shifted by the model scheduler's `flow_shift` (a fixed shift); an expert of
         a two-expert model draws σ only on its side of `boundary_ratio` (the pipeline gives
@@ -132,24 +136,24 @@ class Wan(Family):
         config = FlowMatchEulerDiscreteScheduler.load_config(model.path, subfolder="scheduler", revision=model.revision)
         if not config.get("use_flow_sigmas") and not config.get("_class_name", "").startswith("FlowMatch"):
             raise ValueError(f"{model.path}: its scheduler ({config.get('_class_name', 'unknown')}) has no flow sigmas: "
-                             f"it cannot train {self.name}, which trains by flow matching")
+                             f"it cannot train {self.family}, which trains by flow matching")
         shift = config.get("flow_shift") or config.get("shift") or 1.0
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=config.get("num_train_timesteps", 1000),
                                                     shift=shift)
-        schedule = FlowMatching.of(scheduler, self.name, lambda height, width: (height // 2) * (width // 2), training)
-        folder = self.transformer_folder(model)  # checks model.expert against the model
+        schedule = FlowMatching.of(scheduler, self.family, lambda height, width: (height // 2) * (width // 2), training)
+        folder = self.folder(model)  # checks model.expert against the model
         if model.expert is None:
             return schedule
         boundary = _index(model)["boundary_ratio"]
         return schedule.within(boundary, 2.0) if folder == "transformer" else schedule.within(0.0, boundary)
 
-    def transformer_folder(self, model: ModelConfig) -> str:
+    def folder(self, model: ModelConfig) -> str:
         """Of Wan 2.2 A14B (two transformers and the boundary between their noise levels), the
         expert `model.expert` names: `transformer` the high-noise one, `transformer_2` the low."""
         index = _index(model)
         experts = (index.get("transformer_2") or [None])[0] is not None and index.get("boundary_ratio") is not None
         if not experts:
-            return super().transformer_folder(model)
+            return super().folder(model)
         if model.expert is None:
             raise ValueError(f"model.expert: {model.path} has two experts, transformer/ for the noise levels at or above "
                              f"its boundary_ratio {index['boundary_ratio']} and transformer_2/ below it: set model.expert "
@@ -171,68 +175,11 @@ class Wan(Family):
         zero-padded to max_length, no mask."""
         return network(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=text["umt5_hidden"]).sample
 
-    def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module) -> Any:
-        """With an expert, the other expert beside it (as stored, in the trained one's dtype and
-        device) and the boundary between them: the pipeline samples with both."""
-        trained = self.transformer_folder(model)
-        if model.expert is None:
-            return super().embedding_pipeline(model, vae, transformer)
-        parameter = next(transformer.parameters())
-        frozen = self.transformer_class().from_pretrained(
-            model.path, subfolder="transformer_2" if trained == "transformer" else "transformer", revision=model.revision,
-            torch_dtype=parameter.dtype).to(parameter.device)
-        slots = {trained: transformer, "transformer_2" if trained == "transformer" else "transformer": frozen}
-        pipeline = super().embedding_pipeline(model, vae, slots["transformer"])
-        pipeline.register_modules(transformer_2=slots["transformer_2"])
-        pipeline.register_to_config(boundary_ratio=_index(model)["boundary_ratio"])
-        return pipeline
 
-    def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
-        return {**super().prompt_options(pipeline, prompts, text), "max_sequence_length": text["max_length"]}
-
-    def frame_options(self, frames: int) -> dict[str, Any]:
-        return {"num_frames": frames, "output_type": "pil"}
-
-    def videos(self, output: Any) -> list[list[Any]]:
-        return [list(frames) for frames in output.frames]
-
-    def clip_frames(self, latent_frames: int) -> int:
-        return (latent_frames - 1) * 4 + 1  # the first frame alone, then 4 a latent frame
-
-    def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
-        embeds = text["umt5_hidden"]
-        return {"prompt_embeds": embeds[:count], "negative_prompt_embeds": embeds[count:]}
-
-    def comfyui_key(self, module: str) -> str:
-        """Wan's own name under `diffusion_model.`: ComfyUI maps no diffusers names for Wan, only
-        its model's own (which diffusers' Wan LoRA loader reads too)."""
-        block = re.fullmatch(r"blocks\.(\d+)\.(.+)", module)
-        native = f"blocks.{block[1]}.{BLOCK_NAMES.get(block[2])}" if block and block[2] in BLOCK_NAMES \
-            else TOP_NAMES.get(module)
-        if native is None:
-            raise ValueError(f"module {module} has no name in Wan's own layout, which ComfyUI loads LoRAs by: adapt "
-                             f"the blocks' attention and feed-forward ({', '.join(BLOCK_NAMES)}), the embedders or "
-                             f"proj_out")
-        return f"diffusion_model.{native}"
-
-
-class Wan22TI2V(Wan):
-    """Wan 2.2 TI2V-5B (its model_index.json's `expand_timesteps`): the Wan 2.2 VAE (48 channels,
-    patches of 2 x 2 pixels inside it, so 16x in space), and one timestep per latent token, which
-    the pipeline forms from its first-frame mask (all ones for text to video); sides a multiple of
-    32, the VAE's 16 times the transformer's patch of 2. From text (`WanPipeline`) or from text and
-    a first frame (`WanImageToVideoPipeline` with `expand_timesteps`: the first latent frame is the
-    picture's latents, its tokens at timestep 0, whatever the transformer predicts of it dropped)."""
-
-    name = "Wan 2.2 TI2V"
-    bucket_rule = "area/32"
-    image_pipeline_name = "WanImageToVideoPipeline"
-
-    def reads(self, index: dict) -> bool:
-        return bool(index.get("expand_timesteps"))
-
-    def bucket_table(self, resolution: int) -> dict[str, list[float]]:
-        return area_buckets(resolution, step=32)
+@dataclass(frozen=True)
+class TokenTimesteps(WanDenoiser):
+    """Wan 2.2 TI2V-5B's: one timestep per latent token, which the pipeline forms from its
+    first-frame mask (all ones for text to video)."""
 
     def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: Conditioning,
                 timesteps: torch.Tensor, **options: Any) -> torch.Tensor:
@@ -259,10 +206,87 @@ class Wan22TI2V(Wan):
         mask[:, 0, 0] = (~given).to(latents.dtype)[:, None, None]
         return (1 - mask) * latents + mask * noisy, timesteps[:, None] * mask[:, 0, :, 0, 0], mask
 
-    def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module) -> Any:
-        pipeline = super().embedding_pipeline(model, vae, transformer)
+
+@dataclass(frozen=True)
+class WanSampler(Sampler):
+    """`WanPipeline`, drawing clips; with an expert, both experts."""
+
+    pipeline_name: str = "WanPipeline"
+
+    def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module,
+                           encoders: tuple[TextEncoderSpec, ...], denoiser: Denoiser) -> Any:
+        """With an expert, the other expert beside it (as stored, in the trained one's dtype and
+        device) and the boundary between them: the pipeline samples with both."""
+        trained = denoiser.folder(model)
+        if model.expert is None:
+            return super().embedding_pipeline(model, vae, transformer, encoders, denoiser)
+        other = "transformer_2" if trained == "transformer" else "transformer"
+        parameter = next(transformer.parameters())
+        frozen = denoiser.transformer_class().from_pretrained(
+            model.path, subfolder=other, revision=model.revision, torch_dtype=parameter.dtype).to(parameter.device)
+        slots = {trained: transformer, other: frozen}
+        pipeline = super().embedding_pipeline(model, vae, slots["transformer"], encoders, denoiser)
+        pipeline.register_modules(transformer_2=slots["transformer_2"])
+        pipeline.register_to_config(boundary_ratio=_index(model)["boundary_ratio"])
+        return pipeline
+
+    def frame_options(self, frames: int) -> dict[str, Any]:
+        return {"num_frames": frames, "output_type": "pil"}
+
+    def videos(self, output: Any) -> list[list[Any]]:
+        return [list(frames) for frames in output.frames]
+
+    def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
+        embeds = text["umt5_hidden"]
+        return {"prompt_embeds": embeds[:count], "negative_prompt_embeds": embeds[count:]}
+
+
+@dataclass(frozen=True)
+class TokenTimestepsSampler(WanSampler):
+    """From text (`WanPipeline`) or from text and a first frame (`WanImageToVideoPipeline`), both
+    with `expand_timesteps`."""
+
+    image_pipeline_name: str | None = "WanImageToVideoPipeline"
+
+    def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module,
+                           encoders: tuple[TextEncoderSpec, ...], denoiser: Denoiser) -> Any:
+        pipeline = super().embedding_pipeline(model, vae, transformer, encoders, denoiser)
         pipeline.register_to_config(expand_timesteps=True)
         return pipeline
 
 
-FAMILIES = (Wan(), Wan22TI2V())
+@dataclass(frozen=True)
+class WanExport(Export):
+    def comfyui_key(self, module: str) -> str:
+        """Wan's own name under `diffusion_model.`: ComfyUI maps no diffusers names for Wan, only
+        its model's own (which diffusers' Wan LoRA loader reads too)."""
+        block = re.fullmatch(r"blocks\.(\d+)\.(.+)", module)
+        native = f"blocks.{block[1]}.{BLOCK_NAMES.get(block[2])}" if block and block[2] in BLOCK_NAMES \
+            else TOP_NAMES.get(module)
+        if native is None:
+            raise ValueError(f"module {module} has no name in Wan's own layout, which ComfyUI loads LoRAs by: adapt "
+                             f"the blocks' attention and feed-forward ({', '.join(BLOCK_NAMES)}), the embedders or "
+                             f"proj_out")
+        return f"diffusion_model.{native}"
+
+
+def one_timestep_a_sample(index: dict) -> bool:
+    """Wan 2.1 T2V and Wan 2.2 A14B, not TI2V (`expand_timesteps`)."""
+    return not index.get("expand_timesteps")
+
+
+def token_timesteps(index: dict) -> bool:
+    return bool(index.get("expand_timesteps"))
+
+
+# umT5 masked, trimmed to the real tokens and zero-padded to max_length (512, the pipeline's)
+TEXT = Text((TextEncoderSpec("umt5", model_class="UMT5EncoderModel", zero_padded=True),), max_length=512,
+            captions=WanCleaning())
+WAN = Family("Wan", ("WanPipeline",), TEXT, WanCodec(Buckets(step=16)), WanDenoiser(), WanSampler(),
+             WanExport(), reads=one_timestep_a_sample)
+# Wan 2.2 TI2V-5B (its model_index.json's `expand_timesteps`): the Wan 2.2 VAE (48 channels, patches
+# of 2 x 2 pixels inside it, so 16x in space), sides a multiple of 32, the VAE's 16 times the
+# transformer's patch of 2; one timestep per latent token; sampled from text or from a first frame
+TI2V = Family("Wan 2.2 TI2V", ("WanPipeline",), TEXT, WanCodec(Buckets(step=32)), TokenTimesteps(),
+              TokenTimestepsSampler(), WanExport(), reads=token_timesteps)
+FAMILIES = (WAN, TI2V)

@@ -4,7 +4,7 @@
 `load_lora_weights` (rank and alpha in its metadata), written by that function itself.
 
 `comfyui`: one safetensors file that ComfyUI's LoRA loader maps onto the family's model: each
-module by the name ComfyUI's key map gives it (`Family.comfyui_key`: diffusers' names under
+module by the name ComfyUI's key map gives it (`Family.export.comfyui_key`: diffusers' names under
 `transformer.` where ComfyUI converts them, the model's own names where it does not), `lora_A`/
 `lora_B` weights and, for every module, `alpha`. ComfyUI reads no adapter_config.json and scales an update by alpha / rank (1.0 without
 an alpha), while PEFT scales by lora_alpha / r: without the alphas an r=32, alpha=16 adapter would
@@ -50,9 +50,9 @@ def comfyui_lora(tensors: dict[str, torch.Tensor], adapter_config: dict, name: C
 def save_diffusers_lora(family: Family, tensors: dict[str, torch.Tensor], adapter_config: dict, folder: str) -> Path:
     """PEFT adapter tensors written to `folder` by the family's pipeline's own `save_lora_weights`
     (what its `load_lora_weights` reads); the file's path."""
-    pipeline = family.pipeline_class()
+    pipeline = family.sampler.pipeline_class()
     if not hasattr(pipeline, "save_lora_weights"):
-        raise ValueError(f"{family.name}'s pipeline ({family.pipeline_name}) has no LoRA loader; "
+        raise ValueError(f"{family.name}'s pipeline ({family.sampler.pipeline_name}) has no LoRA loader; "
                          f"export --format comfyui, or load the adapter with PEFT")
     layers = {key.removeprefix(PEFT_PREFIX): tensor for key, tensor in tensors.items()}
     pipeline.save_lora_weights(folder, transformer_lora_layers=layers, transformer_lora_adapter_metadata=adapter_config)
@@ -68,5 +68,5 @@ def export_adapter(url: str, format: str, options: dict | None = None) -> bytes:
     if format == "diffusers":
         with tempfile.TemporaryDirectory() as folder:
             return save_diffusers_lora(run.family, load(data), config, folder).read_bytes()
-    return save(comfyui_lora(load(data), config, run.family.comfyui_key),
+    return save(comfyui_lora(load(data), config, run.family.export.comfyui_key),
                 metadata={"format": "pt", "precast.source": url})

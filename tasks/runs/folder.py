@@ -14,7 +14,7 @@ import torch
 from configs.schema import ModelConfig, StorageConfig
 from storage import layout
 from storage.store import Store
-from tasks.families import UNRECORDED_PIPELINE, Family, family_named, family_of
+from tasks.families import UNRECORDED_PIPELINE, Family, family_named
 
 # the files PEFT's save_pretrained writes for an adapter (and from_pretrained reads)
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -87,15 +87,15 @@ class FinishedRun:
         config = json.loads(self.store.read_bytes(f"{folder}/{ADAPTER_CONFIG}"))
         return config, self.store.read_bytes(f"{folder}/{ADAPTER_WEIGHTS}")
 
-    def trained_transformer(self, model: ModelConfig, local: str) -> torch.nn.Module:
+    def trained_transformer(self, model: ModelConfig, family: Family, local: str) -> torch.nn.Module:
         """The transformer with the trained weights: the adapter merged into `model`'s, or the
-        whole trained transformer; its files are copied to the folder `local` first."""
+        whole trained transformer (`model`'s family's); its files are copied to the folder `local`
+        first."""
         from peft import PeftModel
 
-        family = family_of(model)
         folder = layout.run_part(self.run, self.weights)
         for key in self.store.list(folder):
             self.store.get_file(key, Path(local) / key.rsplit("/", 1)[-1])
         if self.weights == "adapter":
-            return PeftModel.from_pretrained(family.load_transformer(model), local).merge_and_unload()
-        return family.transformer_class().from_pretrained(local)
+            return PeftModel.from_pretrained(family.denoiser.load(model), local).merge_and_unload()
+        return family.denoiser.transformer_class().from_pretrained(local)

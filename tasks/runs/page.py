@@ -54,7 +54,7 @@ class RunPage:
         """Where the trained weights are (relative to the store), and Python that renders with
         them, one path a line (a line longer than the page is clipped in the UI)."""
         model, url = self.record["model"]["path"], self.record[self.weights]
-        pipeline, transformer = self.family.pipeline_name, self.family.transformer_name
+        pipeline, transformer = self.family.sampler.pipeline_name, self.family.denoiser.transformer
         # the component it trained: an expert's of a two-expert model, the transformer else
         slot = "transformer_2" if self.record["model"].get("expert") == "low_noise" else "transformer"
         relative = self._in_store(url)

@@ -21,7 +21,7 @@ from configs.schema import ModelConfig, TextEncodingConfig
 from storage.shards import collate
 from tasks.encode.models import load_vae
 from tasks.loading import resolve_device
-from tasks.families import family_of
+from tasks.families import Family, family_of
 from tasks.ingest.video import clip_bytes
 from tasks.runs.export import save_diffusers_lora
 from tasks.runs.folder import FinishedRun
@@ -108,7 +108,7 @@ def read_picture(path: str, options: dict) -> Image.Image:
         raise ValueError(f"first frame {path}: not a readable picture ({type(error).__name__}: {error})") from error
 
 
-def draw(family, pipeline, call: Callable[[slice], dict], count: int, first_frames: list[Image.Image] | None,
+def draw(family: Family, pipeline, call: Callable[[slice], dict], count: int, first_frames: list[Image.Image] | None,
          size: tuple[int, int] | None) -> Samples:
     """`count` samples by `pipeline`, `call(rows)` giving its arguments for those rows of the
     prompts: in one call, or with `first_frames` (one a prompt, `check_first_frames`) by the
@@ -117,27 +117,28 @@ def draw(family, pipeline, call: Callable[[slice], dict], count: int, first_fram
     than stretched. The pipelines draw without their progress bars (precast reports progress)."""
     if first_frames is None:
         pipeline.set_progress_bar_config(disable=True)
-        return Samples(family.videos(pipeline(**call(slice(None)))))
-    pipeline, videos = family.image_pipeline(pipeline), []
+        return Samples(family.sampler.videos(pipeline(**call(slice(None)))))
+    pipeline, videos = family.sampler.image_pipeline(pipeline), []
     pipeline.set_progress_bar_config(disable=True)
     for row, frame in enumerate(first_frames):
         picture = frame.convert("RGB")
         picture = ImageOps.fit(picture, size) if size else picture
-        videos += family.videos(pipeline(**call(slice(row, row + 1)), image=picture))
+        videos += family.sampler.videos(pipeline(**call(slice(row, row + 1)), image=picture))
     return Samples(videos)
 
 
-def check_first_frames(family, first_frames: list[Image.Image] | None, count: int) -> None:
+def check_first_frames(family: Family, first_frames: list[Image.Image] | None, count: int) -> None:
     """Before anything loads: first frames only for a family with an image-to-video pipeline, one a prompt."""
     if first_frames is None:
         return
-    family.image_pipeline_class("first frames")
+    family.sampler.image_pipeline_class("first frames")
     if len(first_frames) != count:
         raise ValueError(f"first frames: {len(first_frames)} for {count} prompts; give one a prompt")
 
 
 def sample_grid(
     model: ModelConfig,
+    family: Family,
     transformer,
     prompt_features: list[dict[str, torch.Tensor]],
     empty_features: dict[str, torch.Tensor],
@@ -153,10 +154,9 @@ def sample_grid(
     pipeline from pre-encoded prompts, the empty caption's the negatives; with `first_frames` (one
     a prompt) by its image-to-video pipeline, a call a picture, as `sample_run` draws them."""
     device = next(transformer.parameters()).device
-    family = family_of(model)
     check_first_frames(family, first_frames, len(prompt_features))
-    height, width = family.sample_size(resolution)
-    vae = load_vae(model, "fp32", str(device))
+    height, width = family.codec.sample_size(resolution)
+    vae = load_vae(model, family, "fp32", str(device))
     decode = vae.decode  # latents leave a half-precision transformer in its dtype: the fp32 VAE takes them in its own
     vae.decode = lambda latents, *args, **kwargs: decode(latents.to(vae.dtype), *args, **kwargs)
     pipeline = family.embedding_pipeline(model, vae, transformer)
@@ -167,9 +167,9 @@ def sample_grid(
         # positive and negative embeddings must share one length for classifier-free guidance
         text = collate(features + [empty_features] * len(features))
         text = {name: value.to(device, dtype if value.is_floating_point() else value.dtype) for name, value in text.items()}
-        return {**family.embedding_kwargs(text, len(features)), "height": height, "width": width,
-                "num_inference_steps": steps, **family.guidance(guidance_scale, true_cfg_scale),
-                **family.frame_options(frames), "generator": torch.Generator(device="cpu").manual_seed(seed)}
+        return {**family.sampler.embedding_kwargs(text, len(features)), "height": height, "width": width,
+                "num_inference_steps": steps, **family.sampler.guidance(guidance_scale, true_cfg_scale),
+                **family.sampler.frame_options(frames), "generator": torch.Generator(device="cpu").manual_seed(seed)}
 
     return draw(family, pipeline, call, len(prompt_features), first_frames, (width, height))
 
@@ -194,30 +194,31 @@ def sample_run(
     family = family_of(model)
     check_first_frames(family, first_frames, len(prompts))
     with tempfile.TemporaryDirectory() as local:
-        slot = family.transformer_folder(model)  # the pipeline's component the run trained
-        if run.weights == "adapter" and hasattr(family.pipeline_class(), "load_lora_weights"):
+        slot = family.denoiser.folder(model)  # the pipeline's component the run trained
+        if run.weights == "adapter" and hasattr(family.sampler.pipeline_class(), "load_lora_weights"):
             # the adapter as the family's users load it: the pipeline's own LoRA loader (into a
             # second transformer as diffusers' loaders put it there: load_into_transformer_2)
-            pipeline = family.pipeline_class().from_pretrained(model.path, revision=model.revision)
+            pipeline = family.sampler.pipeline_class().from_pretrained(model.path, revision=model.revision)
             config, data = run.adapter()
             pipeline.load_lora_weights(str(save_diffusers_lora(family, load(data), config, local)),
                                        **({"load_into_transformer_2": True} if slot == "transformer_2" else {}))
         else:
-            pipeline = family.pipeline_class().from_pretrained(model.path, revision=model.revision,
-                                                               **{slot: run.trained_transformer(model, local)})
+            pipeline = family.sampler.pipeline_class().from_pretrained(model.path, revision=model.revision,
+                                                               **{slot: run.trained_transformer(model, family, local)})
     pipeline.to(resolve_device(device))
     # the prompts read as the run's text cache read its captions
     text = run.lineage.get("text") or {"caption_preprocessing": TextEncodingConfig().caption_preprocessing,
-                                       "max_length": family.default_max_length(model)}
+                                       "max_length": family.text.default_max_length(model)}
     # the size it sampled at in training (runs from before the resolution was recorded: the pipeline's default)
-    sides = dict(zip(("height", "width"), family.sample_size(run.lineage["resolution"]))) if "resolution" in run.lineage \
-        else {}
+    sides = dict(zip(("height", "width"), family.codec.sample_size(run.lineage["resolution"]))) \
+        if "resolution" in run.lineage else {}
     frames = frames or run.lineage.get("frames", 1)
 
     def call(rows: slice) -> dict:
-        return {"num_inference_steps": steps, **family.guidance(guidance_scale, true_cfg_scale),
-                "generator": torch.Generator(device="cpu").manual_seed(seed), **family.frame_options(frames), **sides,
-                **family.prompt_options(pipeline, prompts[rows], text)}
+        return {"num_inference_steps": steps, **family.sampler.guidance(guidance_scale, true_cfg_scale),
+                "generator": torch.Generator(device="cpu").manual_seed(seed), **family.sampler.frame_options(frames),
+                **sides,
+                **family.sampler.prompt_options(pipeline, prompts[rows], text)}
 
     size = (sides["width"], sides["height"]) if sides else None
     samples = draw(family, pipeline, call, len(prompts), first_frames, size)

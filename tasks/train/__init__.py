@@ -46,12 +46,12 @@ def check_training(model: ModelConfig, training: TrainingConfig) -> None:
     ingested or encoded for nothing. A model this process cannot read is left to the first stage
     that reads it, which names itself (and may run where the model is)."""
     try:
-        family_of(model)
+        family = family_of(model)
     except (OSError, ValueError):
         return
     Objective.of(model, training)
     if training.sample_first_frames:
-        family_of(model).image_pipeline_class("training.sample_first_frames")
+        family.sampler.image_pipeline_class("training.sample_first_frames")
 
 
 def train(
@@ -104,7 +104,7 @@ def fetch_for_node(store: Store, model: ModelConfig, training: TrainingConfig, m
     the node's `training.processes` processes start: each checks its copy again, none downloads it
     (they would all fetch the same shards at once)."""
     if training.processes > 1 and not store.is_local:
-        CachedFeatures(store, manifest, family_of(model).text_encoders)
+        CachedFeatures(store, manifest, family_of(model).text.encoders)  # the encoders' names: which caches
 
 
 def with_work(record: dict[str, Any], store: Store, trained: int = 0) -> dict[str, Any]:

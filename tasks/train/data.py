@@ -75,7 +75,7 @@ class CachedFeatures:
         self._latents = {key: LatentShard(path) for key, path in
                          store.local_paths({key: checksums[key] for key in latent_keys}).items()}
         first = next(iter(self._latents.values())).meta
-        # the family's normalisation (`Family.latent_factors`): numbers, or one per channel
+        # the family's normalisation (`Family.codec.latent_factors`): numbers, or one per channel
         self.shift, self.scale = (torch.tensor(first[key], dtype=torch.float32) for key in ("shift_factor", "scaling_factor"))
         self.resolution = first["resolution"]  # the side of the square the buckets keep the area of
         self.buckets: dict[str, list[str]] = defaultdict(list)

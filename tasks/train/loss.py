@@ -16,7 +16,7 @@ from tasks.families.spec import Conditioning
 
 @dataclass(frozen=True)
 class Objective:
-    """What a family's transformer is trained on: its schedule (`Family.schedule`: how timesteps
+    """What a family's transformer is trained on: its schedule (`Family.denoiser.schedule`: how timesteps
     are drawn, latents noised, the target formed and each sample's loss weighed)."""
 
     family: Family
@@ -30,9 +30,9 @@ class Objective:
         family = family_of(model)
         for setting in ("image_to_video", "image_to_video_warmup"):
             if getattr(training, setting):
-                family.image_pipeline_class(f"training.{setting}")
-        return cls(family, family.schedule(model, training), family.call_options(training), training.image_to_video,
-                   training.image_to_video_warmup)
+                family.sampler.image_pipeline_class(f"training.{setting}")
+        return cls(family, family.denoiser.schedule(model, training), family.denoiser.call_options(training),
+                   training.image_to_video, training.image_to_video_warmup)
 
     def at(self, step: int) -> Objective:
         """The objective of step `step` (from 1): every clip from its first frame in the warm-up."""
@@ -58,9 +58,10 @@ def diffusion_loss(
     noisy, timesteps, scored = schedule.noised(latents, noise, drawn), schedule.timesteps(drawn), None
     if objective.image_to_video and latents.ndim == 5 and latents.shape[2] > 1:
         given = torch.rand(len(latents), generator=generator, device=generator.device).to(device)
-        noisy, timesteps, scored = family.first_frame_given(latents, noisy, timesteps, given < objective.image_to_video)
+        noisy, timesteps, scored = family.denoiser.first_frame_given(latents, noisy, timesteps,
+                                                                     given < objective.image_to_video)
     with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
-        prediction = family.predict(network, noisy, text, timesteps, **objective.options)
+        prediction = family.denoiser.predict(network, noisy, text, timesteps, **objective.options)
     target = schedule.target(latents, noise, drawn)
     weights = schedule.weights(drawn)
     if weights is None and scored is None:

@@ -15,20 +15,19 @@ from typing import Any
 import torch
 
 from configs.schema import ModelConfig, TrainingConfig
-from tasks.families import family_of
+from tasks.families import Family
 
 log = logging.getLogger(__name__)
 
 
-def trainable_network(model: ModelConfig, training: TrainingConfig, init: dict | None = None):
-    """The transformer with LoRA layers (only they train, in fp32; from `init`'s weights when
+def trainable_network(model: ModelConfig, family: Family, training: TrainingConfig, init: dict | None = None):
+    """`model`'s transformer (of `family`) with LoRA layers (only they train, in fp32; from `init`'s weights when
     given) on the frozen base held in `base_precision`, or the whole transformer for `method:
     full`; gradient checkpointing and compiled blocks as configured. Seeded: every process builds
     the same one."""
     torch.manual_seed(training.seed)
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.base_precision)
-    family = family_of(model)
-    transformer = family.load_transformer(model, half)
+    transformer = family.denoiser.load(model, half)
     if training.gradient_checkpointing != "none":
         transformer.enable_gradient_checkpointing()
     if training.method == "full":
@@ -42,7 +41,7 @@ def trainable_network(model: ModelConfig, training: TrainingConfig, init: dict |
 
             quantize_(transformer, {"int8": Int8WeightOnlyConfig, "fp8": Float8WeightOnlyConfig}[training.base_precision]())
         lora = LoraConfig(r=training.rank, lora_alpha=training.alpha, lora_dropout=training.lora_dropout,
-                          target_modules=family.target_modules(training), bias="none")
+                          target_modules=family.denoiser.target_modules(training), bias="none")
         with warnings.catch_warnings():  # int8/fp8: PEFT warns that merging needs the quantisation recipe; never merged here
             warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated without")
             network = get_peft_model(transformer, lora)  # the adapter in fp32 on any base (autocast_adapter_dtype)
@@ -53,7 +52,7 @@ def trainable_network(model: ModelConfig, training: TrainingConfig, init: dict |
                 raise ValueError(f"init_from {init['url']} does not fit this LoRA config: {error}") from error
             log.info("continuing from %s", init["url"])
     if training.compile:  # each block once per input shape; the rest of the model stays eager
-        for block in family.blocks(transformer):
+        for block in family.denoiser.blocks(transformer):
             block.compile()
     return network
 

@@ -18,7 +18,7 @@ from configs.schema import ModelConfig, TrainingConfig
 from storage import layout
 from storage.shards import bucket_sides
 from storage.store import Store, fsspec_options
-from tasks.families import family_of, pipeline_of
+from tasks.families import Family, pipeline_of
 from tasks.runs.folder import write_metrics
 from tasks.runs.plots import loss_curve_png
 from tasks.runs.sampling import read_picture, sample_grid
@@ -28,13 +28,13 @@ from tasks.train.trackers import Trackers
 
 
 class RunPublisher:
-    def __init__(self, store: Store, run: str, model: ModelConfig, training: TrainingConfig, manifest: dict[str, Any],
-                 init: dict | None, prompts: TextCaches, resolution: int):
-        self.store, self.run, self.model, self.training = store, run, model, training
+    def __init__(self, store: Store, run: str, model: ModelConfig, family: Family, training: TrainingConfig,
+                 manifest: dict[str, Any], init: dict | None, prompts: TextCaches, resolution: int):
+        self.store, self.run, self.model, self.family, self.training = store, run, model, family, training
         self.resolution = resolution  # the latents' (`latent_encoding.resolution`): the samples' side
         # the frames of the longest clips it trains on (1: pictures): the samples'
         latent_frames = max(sides[0] if len(sides) == 3 else 1 for sides in map(bucket_sides, manifest["buckets"]))
-        self.frames = family_of(model).clip_frames(latent_frames)
+        self.frames = family.codec.clip_frames(latent_frames)
         self.manifest, self.init, self.prompts = manifest, init, prompts
         # the pictures the sample videos start from, read before the first step: a bad one fails the
         # run at once, not at its end (the family's image pipeline: `check_training`)
@@ -44,7 +44,7 @@ class RunPublisher:
             self.first_frames = [read_picture(path, options) for path in training.sample_first_frames]
         self.output = output_name(training)
         # the training config as it ran: LoRA's target modules resolved (the family's, when unset)
-        self.settings = {**training.model_dump(), "target_modules": family_of(model).target_modules(training)}
+        self.settings = {**training.model_dump(), "target_modules": family.denoiser.target_modules(training)}
         self.trackers = Trackers(store, run, training, self.lineage())
 
     def lineage(self) -> dict[str, Any]:
@@ -82,7 +82,7 @@ class RunPublisher:
         training = self.training
         network.eval()
         with torch.no_grad():
-            samples = sample_grid(self.model, sampling_module(network, training),
+            samples = sample_grid(self.model, self.family, sampling_module(network, training),
                                   [self.prompts.prompt(p) for p in training.sample_prompts], self.prompts.prompt(""),
                                   training.sample_steps, training.guidance_scale, training.true_cfg_scale,
                                   training.seed, self.resolution, self.frames, self.first_frames)

@@ -87,17 +87,17 @@ class Trainer:
         device = self.dist.device
 
         # --- model: LoRA layers on the frozen transformer, or the whole transformer -----------
-        self.network = trainable_network(job.model, training, job.init).to(device)
+        self.objective = Objective.of(job.model, training)  # and the model's family, resolved here once
+        family = self.objective.family
+        self.network = trainable_network(job.model, family, training, job.init).to(device)
         self.replicas = self.dist.wrap(self.network)
-        self.objective = Objective.of(job.model, training)
 
         # --- data: cached features only, the held-out samples apart; batch sizes count image
         # tokens as the family's transformer does, so the batches come after the network
-        family = self.objective.family
-        features = CachedFeatures(store, job.manifest, family.text_encoders)
+        features = CachedFeatures(store, job.manifest, family.text.encoders)
         self.validation = Validation.from_config(training, features)
         self.data = Batches(training, features, self.validation.training_buckets(), self.dist,
-                            lambda *sides: family.image_tokens(self.network.config, *sides))
+                            lambda *sides: family.denoiser.image_tokens(self.network.config, *sides))
 
         # --- optimiser: AdamW (fused on accelerators) with linear warm-up ---------------------
         self.trainable = [p for p in self.network.parameters() if p.requires_grad]
@@ -110,7 +110,7 @@ class Trainer:
         # --- checkpoints, outputs and figures --------------------------------------------------
         state = TrainingState(self.network, self.optimizer, self.schedule, self.ema, self.scaler)
         self.checkpointer = Checkpointer.from_config(training, store, job.run, lease, state)
-        self.publisher = RunPublisher(store, job.run, job.model, training, job.manifest, job.init,
+        self.publisher = RunPublisher(store, job.run, job.model, family, training, job.manifest, job.init,
                                       features.text, features.resolution) if self.dist.leader else None
         self.metrics = Metrics(training, self.dist, self.publisher, progress)
 
