@@ -5,8 +5,8 @@ Large and Medium, Chroma1-HD and Wan 2.1 T2V 1.3B and 14B (on 81-frame clips at 
 Why: whether a family trains on a 24 GB card, and what its caches cost per million samples, decide
 a run's base precision and storage, and neither can be measured without the weights and a GPU. So
 every model is built from its published config on the meta device (no weights, no hub: about 15 s
-on 2 CPU cores), which counts every parameter exactly, and the family's own `lora_targets`,
-`text_encoders` and T5 length decide the rest. docs/benchmarks.md ("Cost model per family") states
+on 2 CPU cores), which counts every parameter exactly, and the family's own `denoiser.lora_targets`,
+`text.encoders` and T5 length decide the rest. docs/benchmarks.md ("Cost model per family") states
 these figures and how they add up.
 
 For one 1024×1024 image (a Wan clip: 81 frames at 480×832 or 720×1280) and one caption of 40 T5

@@ -99,7 +99,7 @@ def text_identity(fingerprints: dict[str, str]) -> str:
 
 
 def vae_fingerprint(model: ModelConfig, latents: LatentEncodingConfig) -> str:
-    """Covers VAE weights, bucket table (the resolution, and the family's `bucket_rule`), crop,
+    """Covers VAE weights, bucket table (the resolution, and the family's `codec.buckets.rule`), crop,
     posterior layout, flip, tiling, both dtypes and format; not device, batch size or slicing."""
     files = component_fingerprint(model.path, ["vae"], model.revision)
     settings = counted(latents)

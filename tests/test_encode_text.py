@@ -353,6 +353,18 @@ def test_model_loads_never_overlap_and_the_reference_stays_off_the_accelerator(m
     assert models.reference_placement("cuda:1") == ("cuda:1", "sequential")  # streamed, never resident
 
 
+def declare_encoder(monkeypatch, model, spec) -> None:
+    """`model`'s family as a family module declaring `spec` as its one text encoder would be (the
+    first family `family_of` finds)."""
+    import dataclasses
+
+    import tasks.families
+
+    family = family_of(model)
+    declared = dataclasses.replace(family, text=dataclasses.replace(family.text, encoders=(spec,)))
+    monkeypatch.setattr(tasks.families, "FAMILIES", (declared, *tasks.families.FAMILIES))
+
+
 def test_a_decoder_only_llm_plugs_into_the_stage_through_its_prompt_function(make_config, tiny_models, tmp_path,
                                                                             monkeypatch):
     """The text stage runs a decoder-only LLM encoder of the kind Z-Image, Qwen-Image and FLUX.2
@@ -375,7 +387,7 @@ def test_a_decoder_only_llm_plugs_into_the_stage_through_its_prompt_function(mak
         shutil.rmtree(models / folder)
     write_tiny_chat_encoder(models)
     spec = ChatEncoderSpec("llm", system="Describe the picture.", enable_thinking=False, layers=(-2,), drop=3)
-    monkeypatch.setattr(family_of(ModelConfig(path=str(models))), "text_encoders", (spec,))
+    declare_encoder(monkeypatch, ModelConfig(path=str(models)), spec)
     config = make_config(root=str(tmp_path / "store"), model={"path": str(models)},
                          text_encoding={"caption_preprocessing": "none", "batch_tokens": 60})
     done = run_direct(config, until="encode-text")
@@ -399,5 +411,5 @@ def test_a_decoder_only_llm_plugs_into_the_stage_through_its_prompt_function(mak
     assert compared >= 24
     loaded = load_text_encoder(config.model, family_of(config.model), spec, "fp32", "cpu", "none")
     assert not hasattr(loaded.model, "lm_head")
-    monkeypatch.setattr(family_of(config.model), "text_encoders", (ChatEncoderSpec("llm", layers=(-1,), drop=3),))
+    declare_encoder(monkeypatch, config.model, ChatEncoderSpec("llm", layers=(-1,), drop=3))
     assert text_fingerprints(config.model, config.text_encoding)["llm"] != fingerprint

@@ -7,7 +7,10 @@ pipelines); a new family joins by being listed in CONTRACTS with how its pipelin
   gives its transformer (fp32, at the family's default lengths, a caption past every limit cut as
   the pipeline cuts it; where the family masks, the same positions under the same mask);
 - the transformer, called by the family's `predict` on the pipeline's own input, gives the
-  pipeline's own call's output.
+  pipeline's own call's output;
+- a picture's latents, encoded by the stage, drawn and normalised by the training reader and
+  noised by the family's schedule, are what the family's image-to-image (video-to-video) pipeline
+  prepares of the same picture with the same draws (PixArt has no such pipeline in diffusers).
 
 Family-specific facts (Chroma's boolean mask, SD3's CLIP lengths, Wan's zeros and experts) stay in
 each family's test module."""
@@ -21,14 +24,15 @@ from typing import Any
 import pytest
 import torch
 
-from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig, TrainingConfig
+from configs.schema import ModelConfig, PipelineConfig, StorageConfig, TextEncodingConfig, TrainingConfig
 from storage.shards import collate
 from storage.store import Store
 from tasks.encode.text import encode_prompts
 from tasks.families import family_of
 from tasks.families.flux import unpack
 from tasks.identity import text_fingerprints
-from tasks.train.data import TextCaches
+from tasks.runner import run_direct
+from tasks.train.data import CachedFeatures, TextCaches
 from tests.pipeline_calls import transformer_calls
 
 PROMPTS = ["a red circle on a blue background", "stripes " * 600, ""]  # a caption, one past every limit, none
@@ -87,7 +91,8 @@ def wan(pipeline, prompts):
 CONTRACTS = {
     # a learned-sigma transformer's variance half is dropped by the pipeline before its step
     "pixart-sigma": Contract("PixArtSigmaPipeline", pixart, stepped=lambda output: output.chunk(2, dim=1)[0]),
-    "flux": Contract("FluxPipeline", flux, latents=packed, timesteps=lambda t: t * 1000, guidance=3.5),
+    # not the pipeline's default guidance (3.5): the run's value must reach the transformer
+    "flux": Contract("FluxPipeline", flux, latents=packed, timesteps=lambda t: t * 1000, guidance=2.0),
     "sd3": Contract("StableDiffusion3Pipeline", sd3),
     "chroma": Contract("ChromaPipeline", chroma, latents=packed, timesteps=lambda t: t * 1000),
     "wan": Contract("WanPipeline", wan, settings={"num_frames": 5}),
@@ -151,6 +156,8 @@ def test_the_transformer_is_called_as_the_pipeline_calls_it(case, tmp_path):
              **family.sampler.guidance(contract.guidance, 1.0), output_type="latent",
              generator=torch.Generator().manual_seed(0), **contract.settings)
     (seen, output), *_ = calls  # a pipeline that guides calls again for the negative
+    if seen.get("guidance") is not None:  # a guidance-distilled transformer's input (FLUX.1-dev's)
+        assert torch.equal(seen["guidance"], torch.full((1,), contract.guidance))
     height, width = 96 // 8, 64 // 8
     with torch.no_grad():
         ours = family.denoiser.predict(
@@ -158,3 +165,83 @@ def test_the_transformer_is_called_as_the_pipeline_calls_it(case, tmp_path):
             {name: value[:1] for name, value in text.items()}, contract.timesteps(seen["timestep"]),
             **family.denoiser.call_options(TrainingConfig(guidance_scale=contract.guidance)))
     torch.testing.assert_close(ours, contract.latents(contract.stepped(output), height, width))
+
+
+@dataclass(frozen=True)
+class Preparation:
+    """How a family's image-to-image pipeline prepares a picture's latents: `pipeline` is its class,
+    `prepare(pipeline, pixels, timestep, generator)` its own `prepare_latents` on pixels [1, 3, H, W]
+    in [-1, 1], given back as latents [1, C, (F,) h, w]; `posterior` what of the VAE's posterior it
+    takes (`sample`: a draw with the generator, as the reader draws from the cached mean and std;
+    `argmax`: its mean, as `latent_encoding.posterior: mean` caches)."""
+
+    pipeline: str
+    prepare: Callable[[Any, torch.Tensor, torch.Tensor, torch.Generator], torch.Tensor]
+    posterior: str = "sample"
+
+
+def packed_image(pipeline, pixels, timestep, generator):  # FLUX.1's and Chroma's: packed 2×2 tokens
+    side = pixels.shape[-1]
+    latents, _ = pipeline.prepare_latents(pixels, timestep, 1, pipeline.vae.config.latent_channels, side, side,
+                                          torch.float32, CPU, generator)
+    return unpack(latents, side // 8, side // 8)
+
+
+def sd3_image(pipeline, pixels, timestep, generator):
+    return pipeline.prepare_latents(pixels, timestep, 1, 1, torch.float32, CPU, generator)
+
+
+def wan_video(pipeline, pixels, timestep, generator):  # a picture is a one-frame clip
+    side = pixels.shape[-1]
+    return pipeline.prepare_latents(pixels.unsqueeze(2), 1, pipeline.vae.config.z_dim, side, side, torch.float32, CPU,
+                                    generator, timestep=timestep)
+
+
+PREPARATIONS = {
+    "flux": Preparation("FluxImg2ImgPipeline", packed_image),
+    "sd3": Preparation("StableDiffusion3Img2ImgPipeline", sd3_image),
+    "chroma": Preparation("ChromaImg2ImgPipeline", packed_image),
+    "wan": Preparation("WanVideoToVideoPipeline", wan_video, posterior="argmax"),
+    # Wan 2.2 TI2V: diffusers 0.42's video-to-video pipeline takes its VAE for an 8× one (its noise
+    # is twice the latents' sides); its image-to-video pipeline's preparation of a first frame is
+    # checked in tests/test_wan.py
+}
+
+
+@pytest.mark.parametrize("name", list(PREPARATIONS))
+def test_latents_are_what_the_image_to_image_pipeline_prepares_of_the_same_picture(name, tiny_family, tmp_path):
+    import diffusers
+    import numpy as np
+    from PIL import Image
+
+    preparation, side = PREPARATIONS[name], 256  # one of every family's buckets: the picture is neither cut nor scaled
+    source = tmp_path / "source"
+    source.mkdir()
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8))
+    picture.save(source / "picture.png")
+    (source / "picture.txt").write_text("a picture")
+    posterior = "mean" if preparation.posterior == "argmax" else "mean_std"
+    config = PipelineConfig.model_validate({
+        "storage": {"root": str(tmp_path / "store")}, "dataset": {"sources": [{"path": str(source)}]},
+        "model": {"path": str(tiny_family(name))}, "text_encoding": {"dtype": "fp32"},
+        "latent_encoding": {"resolution": side, "dtype": "fp32", "storage_dtype": "fp32", "posterior": posterior}})
+    records = run_direct(config, until="manifest")
+    store, family = Store(config.storage), family_of(config.model)
+    features = CachedFeatures(store, store.read_json(store.key(records["manifest"]["url"])), family.text.encoders)
+    (sample,) = features.samples
+    ours, _ = features.batch([sample], torch.Generator().manual_seed(3), 0.0)
+
+    pipeline = getattr(diffusers, preparation.pipeline).from_pretrained(config.model.path)
+    shifting = pipeline.scheduler.config.get("use_dynamic_shifting")
+    pipeline.scheduler.set_timesteps(4, **({"mu": 1.0} if shifting else {}))
+    timestep, sigma = pipeline.scheduler.timesteps[1:2], pipeline.scheduler.sigmas[1:2]
+    pixels = pipeline.image_processor.preprocess(picture) if hasattr(pipeline, "image_processor") \
+        else pipeline.video_processor.preprocess(picture)
+    with torch.no_grad():
+        theirs = preparation.prepare(pipeline, pixels, timestep, torch.Generator().manual_seed(3))
+    draws = torch.Generator().manual_seed(3)  # the pipeline's: the posterior's draw (when it draws), then the noise
+    if preparation.posterior == "sample":
+        torch.randn(ours.shape, generator=draws)
+    noise = torch.randn(ours.shape, generator=draws)
+    torch.testing.assert_close(family.denoiser.schedule(config.model).noised(ours, noise, sigma), theirs,
+                               rtol=1e-4, atol=1e-4)

@@ -737,7 +737,7 @@ def _only(folder, names, into):
 
 
 def test_the_demo_videos_are_the_same_bytes_each_time_they_are_written(tmp_path):
-    """The demo's world is one world, the one its table measured (docs/design.md): its clips' ids
+    """The demo's world is one world, the one its table measured (benchmarks/results/demo-worlds.md): its clips' ids
     come from their bytes, so the videos the same seed writes are the same files (x264's AVX-512
     code wrote about 1 clip in 40 to other bytes)."""
     from tasks.demo.videos import write_demo_videos

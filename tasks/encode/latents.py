@@ -6,7 +6,8 @@ resolution, is resized to cover it and cropped (centred, or at a seeded position
 batches that never mix shapes. A clip (a video's, stored as an animated WebP) is cropped frame by
 frame as its first frame's box says and encoded whole, for a family that takes clips of its frame
 count (`Family.codec.clip_problem`; others quarantine it, naming why). The posterior (mean, std)
-is stored unscaled so training samples a fresh latent each epoch; the VAE's scaling factor is recorded in the shard and applied by the reader.
+is stored unscaled so training samples a fresh latent each epoch; the VAE's scaling factor is
+recorded in the shard and applied by the reader.
 Output: `cache/latents/<vae_fp>/<shard_id>.safetensors`.
 """
 

@@ -3,7 +3,7 @@
 `family_of(model)` reads the folder's `model_index.json` (the file diffusers'
 `DiffusionPipeline.from_pretrained` reads to choose a pipeline and its settings) and returns the
 family that reads its `_class_name` with those settings (`Family.reads`: one pipeline may serve
-several, as `WanPipeline` serves Wan 2.1 and Wan 2.2 TI2V). The spec every family fills in is
+several, as `WanPipeline` serves Wan 2.1 and Wan 2.2 TI2V). The record each family module declares is
 `tasks.families.spec.Family`.
 """
 

@@ -18,8 +18,8 @@ import torch
 
 from configs.schema import ModelConfig, TrainingConfig
 from tasks.families.flow import FlowMatching
-from tasks.loading import library
 from tasks.families.spec import Buckets, Codec, Conditioning, Denoiser, Family, Sampler, Text, TextEncoderSpec
+from tasks.loading import library
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:

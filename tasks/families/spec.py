@@ -386,7 +386,8 @@ class Sampler(Part):
     def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module,
                            encoders: tuple[TextEncoderSpec, ...], denoiser: Denoiser) -> Any:
         """The pipeline without text encoders (`encoders`' slots empty: prompts come pre-encoded
-        from the cache), the trained `transformer` in `denoiser`'s slot."""
+        from the cache), the trained `transformer` in its `transformer` slot (a sampler of a model
+        with several transformers asks `denoiser` which one was trained)."""
         slots = [name for spec in encoders for name in (spec.folder, spec.tokenizer)]
         return self.pipeline_class()(**dict.fromkeys(slots), vae=vae, transformer=transformer,
                                      scheduler=self.scheduler(model))

@@ -203,8 +203,9 @@ def sample_run(
             pipeline.load_lora_weights(str(save_diffusers_lora(family, load(data), config, local)),
                                        **({"load_into_transformer_2": True} if slot == "transformer_2" else {}))
         else:
+            trained = run.trained_transformer(model, family, local)
             pipeline = family.sampler.pipeline_class().from_pretrained(model.path, revision=model.revision,
-                                                               **{slot: run.trained_transformer(model, family, local)})
+                                                                       **{slot: trained})
     pipeline.to(resolve_device(device))
     # the prompts read as the run's text cache read its captions
     text = run.lineage.get("text") or {"caption_preprocessing": TextEncodingConfig().caption_preprocessing,
@@ -217,8 +218,7 @@ def sample_run(
     def call(rows: slice) -> dict:
         return {"num_inference_steps": steps, **family.sampler.guidance(guidance_scale, true_cfg_scale),
                 "generator": torch.Generator(device="cpu").manual_seed(seed), **family.sampler.frame_options(frames),
-                **sides,
-                **family.sampler.prompt_options(pipeline, prompts[rows], text)}
+                **sides, **family.sampler.prompt_options(pipeline, prompts[rows], text)}
 
     size = (sides["width"], sides["height"]) if sides else None
     samples = draw(family, pipeline, call, len(prompts), first_frames, size)

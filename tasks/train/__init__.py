@@ -49,7 +49,7 @@ def check_training(model: ModelConfig, training: TrainingConfig) -> None:
         family = family_of(model)
     except (OSError, ValueError):
         return
-    Objective.of(model, training)
+    Objective.of(model, training, family)
     if training.sample_first_frames:
         family.sampler.image_pipeline_class("training.sample_first_frames")
 

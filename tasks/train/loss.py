@@ -26,8 +26,9 @@ class Objective:
     image_to_video_warmup: int = 0  # steps that give every clip its first frame (training.image_to_video_warmup)
 
     @classmethod
-    def of(cls, model: ModelConfig, training: TrainingConfig) -> Objective:
-        family = family_of(model)
+    def of(cls, model: ModelConfig, training: TrainingConfig, family: Family | None = None) -> Objective:
+        """The run's objective on `model` (of `family`; None: the model's, resolved here)."""
+        family = family or family_of(model)
         for setting in ("image_to_video", "image_to_video_warmup"):
             if getattr(training, setting):
                 family.sampler.image_pipeline_class(f"training.{setting}")
