@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -17,6 +16,7 @@ os.environ.setdefault("PRECAST_CACHE", tempfile.mkdtemp(prefix="precast-test-cac
 from configs.schema import PipelineConfig  # noqa: E402
 from tasks.demo.data import write_demo_data  # noqa: E402
 from tasks.demo.models import write_tiny_models  # noqa: E402
+from tasks.train.rendezvous import free_port  # noqa: E402
 
 
 def pytest_collection_modifyitems(items):
@@ -133,18 +133,12 @@ def prefect_server():
         yield
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3 API on loopback (moto server); credentials come from the environment."""
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import secrets
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from configs.schema import PipelineConfig
 from tasks.demo.data import write_demo_data
 from storage import layout
 from storage.store import Store
+from tasks.train.rendezvous import free_port
 
 ROOT = Path(__file__).parent.parent
 # distinctive credentials: the test searches every object and log line for them
@@ -28,16 +28,10 @@ SECRETS = {"AWS_ACCESS_KEY_ID": "AKIAPRECASTTESTKEY7", "AWS_SECRET_ACCESS_KEY": 
 pytestmark = pytest.mark.slow(minutes=7)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_models):
     directory = tmp_path_factory.mktemp("stack")
-    prefect_port, s3_port, dask_port = _free_port(), _free_port(), _free_port()
+    prefect_port, s3_port, dask_port = free_port(), free_port(), free_port()
     env = {**os.environ, **SECRETS, "STACK_DIR": str(directory), "PREFECT_PORT": str(prefect_port),
            "S3_PORT": str(s3_port), "S3_BUCKET": "precast", "PRECAST_HOME": str(ROOT),
            "DASK_WORKERS": "2", "DASK_PORT": str(dask_port),  # two encoder "nodes" for execution.cluster

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from configs.schema import ExecutionConfig
 from flows.credentials import cluster_security, write_cluster_certificates
-from tests.conftest import _free_port
+from tasks.train.rendezvous import free_port
 
 DASK = str(Path(sys.executable).with_name("dask"))
 
@@ -54,7 +54,7 @@ def test_a_tls_dask_cluster_refuses_clients_and_workers_without_its_certificate(
 
     ours, theirs = write_cluster_certificates(tmp_path / "ours"), write_cluster_certificates(tmp_path / "theirs")
     assert (ours / "key.pem").stat().st_mode & 0o777 == 0o600 and (ours / "ca-key.pem").stat().st_mode & 0o777 == 0o600
-    port = _free_port()
+    port = free_port()
     address = f"tls://127.0.0.1:{port}"
     started = [subprocess.Popen([DASK, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--protocol", "tls",
                                  *_tls(ours), "--no-dashboard"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
@@ -154,7 +154,7 @@ def test_the_training_store_listens_on_the_advertised_interface_only(tmp_path):
     script = tmp_path / "group.py"
     script.write_text(TRAINING_GROUP)
     out = tmp_path / "reached.json"
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     root = Path(__file__).parents[1]
     subprocess.run([sys.executable, str(script), address, str(out)], check=True, timeout=300, cwd=root,
                    env={**os.environ, "PYTHONPATH": str(root)})
