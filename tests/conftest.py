@@ -40,15 +40,25 @@ def tiny_models(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory, request):
-    """The tiny model folder of a family by its demo name (`tasks.demo.flow_models.FAMILIES`, or
-    `pixart-sigma`: `tiny_models`), each written once a session, its VAE random."""
+    """The tiny model folder of a family by its demo name (`tasks.demo.flow_models.FAMILIES`,
+    `pixart-sigma`: `tiny_models`, or `pixart-alpha`: the same models under PixArtAlphaPipeline),
+    each written once a session, its VAE random."""
+    import json
+    import shutil
+
     from tasks.demo.flow_models import write_tiny_family
 
     root = tmp_path_factory.mktemp("families")
 
     def folder(name: str) -> Path:
-        if name == "pixart-sigma":
-            return Path(request.getfixturevalue("tiny_models"))
+        if name.startswith("pixart-"):
+            sigma = Path(request.getfixturevalue("tiny_models"))
+            if name == "pixart-sigma" or (root / name).exists():
+                return sigma if name == "pixart-sigma" else root / name
+            index = json.loads((sigma / "model_index.json").read_text())
+            shutil.copytree(sigma, root / name)
+            (root / name / "model_index.json").write_text(json.dumps({**index, "_class_name": "PixArtAlphaPipeline"}))
+            return root / name
         return write_tiny_family(root / name, name, random_vae=True)
 
     return folder

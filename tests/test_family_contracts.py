@@ -91,6 +91,9 @@ def wan(pipeline, prompts):
 CONTRACTS = {
     # a learned-sigma transformer's variance half is dropped by the pipeline before its step
     "pixart-sigma": Contract("PixArtSigmaPipeline", pixart, stepped=lambda output: output.chunk(2, dim=1)[0]),
+    # two steps: PixArtAlphaPipeline takes one step as a one-step model's (the scheduler's second output)
+    "pixart-alpha": Contract("PixArtAlphaPipeline", pixart, stepped=lambda output: output.chunk(2, dim=1)[0],
+                             settings={"num_inference_steps": 2}),
     # not the pipeline's default guidance (3.5): the run's value must reach the transformer
     "flux": Contract("FluxPipeline", flux, latents=packed, timesteps=lambda t: t * 1000, guidance=2.0),
     "sd3": Contract("StableDiffusion3Pipeline", sd3),
@@ -152,9 +155,9 @@ def test_the_transformer_is_called_as_the_pipeline_calls_it(case, tmp_path):
     family = family_of(model)
     text = cached(model, tmp_path, ["a green square on a white background", ""])
     calls = transformer_calls(pipeline)
-    pipeline(**family.sampler.embedding_kwargs(text, 1), height=96, width=64, num_inference_steps=1,
+    pipeline(**family.sampler.embedding_kwargs(text, 1), height=96, width=64,
              **family.sampler.guidance(contract.guidance, 1.0), output_type="latent",
-             generator=torch.Generator().manual_seed(0), **contract.settings)
+             generator=torch.Generator().manual_seed(0), **{"num_inference_steps": 1, **contract.settings})
     (seen, output), *_ = calls  # a pipeline that guides calls again for the negative
     if seen.get("guidance") is not None:  # a guidance-distilled transformer's input (FLUX.1-dev's)
         assert torch.equal(seen["guidance"], torch.full((1,), contract.guidance))
