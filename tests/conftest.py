@@ -51,13 +51,13 @@ def tiny_family(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("families")
 
     def folder(name: str) -> Path:
-        if name.startswith("pixart-"):
-            sigma = Path(request.getfixturevalue("tiny_models"))
-            if name == "pixart-sigma" or (root / name).exists():
-                return sigma if name == "pixart-sigma" else root / name
-            index = json.loads((sigma / "model_index.json").read_text())
-            shutil.copytree(sigma, root / name)
-            (root / name / "model_index.json").write_text(json.dumps({**index, "_class_name": "PixArtAlphaPipeline"}))
+        if name == "pixart-sigma":
+            return Path(request.getfixturevalue("tiny_models"))
+        if name == "pixart-alpha":
+            if not (root / name).exists():
+                shutil.copytree(folder("pixart-sigma"), root / name)
+                index = root / name / "model_index.json"
+                index.write_text(json.dumps({**json.loads(index.read_text()), "_class_name": "PixArtAlphaPipeline"}))
             return root / name
         return write_tiny_family(root / name, name, random_vae=True)
 

@@ -39,10 +39,6 @@ PROMPTS = ["a red circle on a blue background", "stripes " * 600, ""]  # a capti
 CPU = torch.device("cpu")
 
 
-def packed(hidden: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    return unpack(hidden, height, width)  # FLUX.1's and Chroma's 2×2 tokens back to latents
-
-
 @dataclass(frozen=True)
 class Contract:
     """How a family's pipeline is asked: `encode` gives its prompt embeddings by the names of the
@@ -95,9 +91,10 @@ CONTRACTS = {
     "pixart-alpha": Contract("PixArtAlphaPipeline", pixart, stepped=lambda output: output.chunk(2, dim=1)[0],
                              settings={"num_inference_steps": 2}),
     # not the pipeline's default guidance (3.5): the run's value must reach the transformer
-    "flux": Contract("FluxPipeline", flux, latents=packed, timesteps=lambda t: t * 1000, guidance=2.0),
+    # FLUX.1's and Chroma's transformers take latents packed 2×2 into tokens
+    "flux": Contract("FluxPipeline", flux, latents=unpack, timesteps=lambda t: t * 1000, guidance=2.0),
     "sd3": Contract("StableDiffusion3Pipeline", sd3),
-    "chroma": Contract("ChromaPipeline", chroma, latents=packed, timesteps=lambda t: t * 1000),
+    "chroma": Contract("ChromaPipeline", chroma, latents=unpack, timesteps=lambda t: t * 1000),
     "wan": Contract("WanPipeline", wan, settings={"num_frames": 5}),
     # a timestep a latent token, the same for each of them when no frame is given
     "wan2.2-ti2v": Contract("WanPipeline", wan, timesteps=lambda t: t[:, 0], settings={"num_frames": 5}),
