@@ -40,7 +40,8 @@ def _task_states(flow_run_id, count: int, deadline: float = 30.0) -> dict[str, l
             )
             states: dict[str, list[str]] = {}
             for run in runs:
-                states.setdefault(run.name.rsplit("-", 1)[0], []).append(run.state.name)
+                # a run the server has not yet given a state (its events still on their way) is not final
+                states.setdefault(run.name.rsplit("-", 1)[0], []).append(run.state.name if run.state else "Pending")
             return states
 
     give_up = time.monotonic() + deadline
