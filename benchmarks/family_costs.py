@@ -1,6 +1,6 @@
 """Cost model per family at the published shapes: parameters, LoRA r=32 parameters, cache bytes per
 sample and the memory a LoRA training step needs, for PixArt-Σ XL/2, FLUX.1-dev and -schnell, SD3.5
-Large and Medium, Chroma1-HD and Wan 2.1 T2V 1.3B and 14B (on 81-frame clips at 480p and 720p).
+Large and Medium, Chroma1-HD, Z-Image Turbo and Wan 2.1 T2V 1.3B and 14B (on 81-frame clips at 480p and 720p).
 
 Why: whether a family trains on a 24 GB card, and what its caches cost per million samples, decide
 a run's base precision and storage, and neither can be measured without the weights and a GPU. So
@@ -38,9 +38,11 @@ from configs.schema import ModelConfig, TextEncodingConfig
 from tasks.families.chroma import CHROMA
 from tasks.families.flux import FLUX, PackedFlow
 from tasks.families.pixart import SIGMA, PixArtDenoiser
+from tasks.families.qwenimage import QWEN_IMAGE, QwenImageDenoiser
 from tasks.families.sd3 import SD3
 from tasks.families.spec import Conditioning, Family, TextEncoderSpec
 from tasks.families.wan import WAN, WanDenoiser, latent_frames
+from tasks.families.zimage import ZIMAGE, ZImageDenoiser
 
 # --- published configs: each model's config.json, checked against diffusers' conversion scripts
 # black-forest-labs/FLUX.1-dev transformer (convert_flux_to_diffusers.py: 19 double + 38 single blocks)
@@ -64,6 +66,17 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
                    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
                    pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
                    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+# Tongyi-MAI/Z-Image-Turbo transformer (ZImageTransformer2DModel's defaults: 30 layers of 3840, 2 noise
+# and 2 caption refiners, Qwen3-4B's 2560-wide states in)
+Z_IMAGE_TURBO = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30,
+                     n_refiner_layers=2, n_heads=30, n_kv_heads=30, cap_feat_dim=2560)
+# Qwen/Qwen-Image transformer (QwenImageTransformer2DModel's defaults: 60 dual-stream blocks of 24 × 128,
+# Qwen2.5-VL-7B's 3584-wide states in, 2×2-packed latents of 16 channels)
+QWEN_IMAGE_20B = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                      num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
+# its vae: AutoencoderKLQwenImage's defaults (Wan 2.1's layout: z_dim 16, 8x in space)
+QWEN_IMAGE_VAE = dict(WAN_VAE_SHAPE := dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                                              attn_scales=[], temperal_downsample=[False, True, True]))
 # PixArt-alpha/PixArt-Sigma-XL-2-1024-MS transformer
 PIXART_SIGMA_XL2_1024 = dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8,
                              num_layers=28, cross_attention_dim=1152, attention_bias=True, sample_size=128,
@@ -76,15 +89,21 @@ WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim
                 text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 WAN_14B = dict(WAN_1_3B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
-# their vae: AutoencoderKLWan's defaults (z_dim 16; 8x in space, 4x in time)
-WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-               temperal_downsample=[False, True, True])
+# their vae: AutoencoderKLWan's defaults (z_dim 16; 8x in space, 4x in time), Qwen-Image's layout
+WAN_VAE = dict(WAN_VAE_SHAPE)
 # google/umt5-xxl's encoder: Wan's text_encoder
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
                 feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
 # google/t5-v1_1-xxl's encoder: every family's T5 (FLUX.1's text_encoder_2, SD3.5's text_encoder_3)
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
               feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
+# Qwen/Qwen2.5-VL-7B-Instruct's language model: Qwen-Image's text_encoder, without its vision tower and head
+QWEN2_5_VL_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, rope_scaling={"type": "mrope",
+                                                                                  "mrope_section": [16, 24, 24]})
+# Qwen/Qwen3-4B: Z-Image's text_encoder (the bare decoder: the cache reads no vocabulary head)
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
 # openai/clip-vit-large-patch14: FLUX.1's and SD3.5's text_encoder
 CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
               num_attention_heads=12, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
@@ -102,18 +121,28 @@ VAE4 = dict(VAE16, latent_channels=4, use_quant_conv=True, use_post_quant_conv=T
 ENCODERS = {
     "T5 v1.1 XXL encoder": ("transformers", "T5EncoderModel", T5_XXL),
     "umT5-XXL encoder (Wan)": ("transformers", "UMT5EncoderModel", UMT5_XXL),
+    "Qwen3-4B decoder (Z-Image)": ("transformers", "Qwen3Model", QWEN3_4B),
+    "Qwen2.5-VL-7B language model (Qwen-Image)": ("transformers", "Qwen2_5_VLTextModel", QWEN2_5_VL_7B),
     "CLIP-L (CLIPTextModel, FLUX)": ("transformers", "CLIPTextModel", CLIP_L),
     "CLIP-L (WithProjection, SD3)": ("transformers", "CLIPTextModelWithProjection", CLIP_L),
     "CLIP-G (WithProjection, SD3)": ("transformers", "CLIPTextModelWithProjection", CLIP_G),
     "VAE 16-ch (FLUX/SD3.5/Chroma)": ("diffusers", "AutoencoderKL", VAE16),
     "VAE 4-ch (SDXL, PixArt-Σ)": ("diffusers", "AutoencoderKL", VAE4),
     "VAE 3-D (Wan 2.1)": ("diffusers", "AutoencoderKLWan", WAN_VAE),
+    "VAE 3-D (Qwen-Image)": ("diffusers", "AutoencoderKLQwenImage", QWEN_IMAGE_VAE),
 }
-TEXT_CONFIGS = {"t5": T5_XXL, "clip_l": CLIP_L, "clip_g": CLIP_G, "umt5": UMT5_XXL}  # by `TextEncoderSpec.name`
+TEXT_CONFIGS = {"t5": T5_XXL, "clip_l": CLIP_L, "clip_g": CLIP_G, "umt5": UMT5_XXL, "qwen3": QWEN3_4B,
+                "qwen2_5_vl": QWEN2_5_VL_7B}  # by `TextEncoderSpec.name`
 
 IMAGE = (1, 1024, 1024)  # frames, height, width of a picture
 CLIP_480P, CLIP_720P = (81, 480, 832), (81, 720, 1280)  # Wan's clips: 5 s at 16 fps
 CAPTION_TOKENS = 40  # real T5 tokens of a typical caption, </s> included
+# Z-Image's chat template around a caption: "<|im_start|>user\n" before it, "<|im_end|>\n<|im_start|>assistant\n"
+# after it, 8 Qwen tokens, all of them in the cache
+ZIMAGE_TEMPLATE_TOKENS = 8
+# Qwen-Image's: the 34 tokens before the caption are dropped, the 5 after it kept
+# ("<|im_end|>\n<|im_start|>assistant\n")
+QWEN_IMAGE_TEMPLATE_TOKENS = 5
 RANK = 32
 BF16 = torch.bfloat16
 GIB24 = 24 * 2**30  # a "24 GB" card
@@ -127,6 +156,8 @@ FAMILIES = {
     "SD3.5 Medium": (SD3, SD35_MEDIUM, VAE16, CAPTION_TOKENS, IMAGE),
     "Chroma1-HD (40-token caption)": (CHROMA, CHROMA_HD, VAE16, CAPTION_TOKENS, IMAGE),
     "Chroma1-HD (512 cap)": (CHROMA, CHROMA_HD, VAE16, None, IMAGE),
+    "Z-Image Turbo": (ZIMAGE, Z_IMAGE_TURBO, VAE16, CAPTION_TOKENS + ZIMAGE_TEMPLATE_TOKENS, IMAGE),
+    "Qwen-Image": (QWEN_IMAGE, QWEN_IMAGE_20B, QWEN_IMAGE_VAE, CAPTION_TOKENS + QWEN_IMAGE_TEMPLATE_TOKENS, IMAGE),
     "Wan 2.1 T2V 1.3B (81 × 480×832)": (WAN, WAN_1_3B, WAN_VAE, CAPTION_TOKENS, CLIP_480P),
     "Wan 2.1 T2V 14B (81 × 480×832)": (WAN, WAN_14B, WAN_VAE, CAPTION_TOKENS, CLIP_480P),
     "Wan 2.1 T2V 14B (81 × 720×1280)": (WAN, WAN_14B, WAN_VAE, CAPTION_TOKENS, CLIP_720P),
@@ -328,13 +359,24 @@ def transformer_inputs(family: Family, config: dict[str, Any], vae: dict[str, An
                        sample: tuple[int, int, int]) -> dict:
     """The transformer's call for one sample and caption, as the family's `predict` makes it: the
     text as `embedding_kwargs` joins it, the latents the leaf gradients reach."""
-    embeddings = family.sampler.embedding_kwargs(text, 1)
+    from torch.fx.experimental import _config
+
+    with _config.patch(meta_nonzero_assume_all_nonzero=True):  # a ragged family's mask: every token real
+        embeddings = family.sampler.embedding_kwargs(text, 1)
     embeds, latents = embeddings["prompt_embeds"], latent_shape(vae, sample)
+    if isinstance(family.denoiser, ZImageDenoiser):  # lists: each picture a one-frame clip, each caption's tokens
+        with torch.device("meta"):
+            return dict(x=[torch.empty(latents[0], 1, *latents[1:], dtype=BF16, requires_grad=True)],
+                        t=torch.empty(1, dtype=BF16), cap_feats=embeds)
     with torch.device("meta"):
         inputs = dict(encoder_hidden_states=embeds, timestep=torch.empty(1, dtype=BF16))
         if "pooled_prompt_embeds" in embeddings:
             inputs["pooled_projections"] = embeddings["pooled_prompt_embeds"]
-        if isinstance(family.denoiser, PackedFlow):  # FLUX.1, Chroma: packed latents, 2×2 latent pixels a token, ids
+        if isinstance(family.denoiser, QwenImageDenoiser):  # packed latents, the picture's shape; one caption: no mask
+            tokens = family.denoiser.image_tokens(config, *latents[-2:])
+            inputs.update(hidden_states=torch.empty(1, tokens, config["in_channels"], dtype=BF16, requires_grad=True),
+                          img_shapes=[[(1, latents[-2] // 2, latents[-1] // 2)]])
+        elif isinstance(family.denoiser, PackedFlow):  # FLUX.1, Chroma: packed latents, 2×2 latent pixels a token, ids
             tokens = family.denoiser.image_tokens(config, *latents[1:])
             inputs.update(hidden_states=torch.empty(1, tokens, config["in_channels"], dtype=BF16, requires_grad=True),
                           img_ids=torch.empty(tokens, 3, dtype=BF16),
@@ -402,12 +444,12 @@ def family_costs(family: Family, config: dict[str, Any], vae: dict[str, Any], ca
     lora_params, matched = inject_lora(model, list(family.denoiser.lora_targets))
     inputs = transformer_inputs(family, config, vae, conditioning(family, model_config, caption_tokens, read=True),
                                 sample)
-    text_tokens = inputs["encoder_hidden_states"].shape[1]
+    text_tokens = (inputs["cap_feats"][0] if "cap_feats" in inputs else inputs["encoder_hidden_states"]).shape[-2]
     image_tokens = family.denoiser.image_tokens(config, *latents[1:])
     # T, the sequence a block runs over: PixArt's and Wan's text is only cross-attended, the others'
     # joins the image's
     tokens = image_tokens if isinstance(family.denoiser, (PixArtDenoiser, WanDenoiser)) else image_tokens + text_tokens
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    hidden = config.get("dim") or config["num_attention_heads"] * config["attention_head_dim"]
     act = activations(family, model, inputs)
     for kind in act["block_kinds"].values():  # c: what one block keeps, in T×H bf16 tensors
         kind["c"] = kind["max_saved"] / (tokens * hidden * 2)

@@ -1,4 +1,5 @@
-"""ComfyUI's FLUX.1, Chroma, SD3/SD3.5 and Wan LoRA loading, restated for tests (ComfyUI is not a pip package).
+"""ComfyUI's FLUX.1, Chroma, SD3/SD3.5, Z-Image, Qwen-Image and Wan LoRA loading, restated for tests
+(ComfyUI is not a pip package).
 
 From ComfyUI at commit a125cd84 (2025-10-12), as tests/comfyui_pixart.py restates PixArt's:
 `comfy/utils.py::flux_to_diffusers` and `mmdit_to_diffusers` (diffusers key -> ComfyUI model key;
@@ -11,6 +12,18 @@ Flux's branch), `load_lora`'s `<name>.alpha` and `LoRAAdapter.load`'s key pairs,
 Only the transformer blocks' linear layers are restated: what a LoRA on them needs. ComfyUI's other
 names (`diffusion_model.<its key>`, `lora_unet_<its key>`, Flux's `...linear1_qkv`) use its own
 layout, not diffusers', and are left out.
+
+Z-Image is ComfyUI's `Lumina2` model (`comfy/ldm/lumina/model.py::NextDiT`): `z_image_to_diffusers`
+(comfy/utils.py) fuses each block's (`layers`, `context_refiner`, `noise_refiner`) `attention.to_q/k/v`
+into `attention.qkv` (slices of `dim` rows) and names `attention.to_out.0` `attention.out`, the
+feed-forward's `w1`, `w2`, `w3` and `adaLN_modulation.0` alike; its branch of `model_lora_keys_unet`
+reads each diffusers name under `transformer.`, `diffusion_model.`, `lycoris_` (with "." -> "_") and
+bare (read in ComfyUI's source after 2025-12; restated from it).
+
+Qwen-Image's ComfyUI model (`comfy/ldm/qwen_image/model.py`) names its modules as diffusers does:
+its branch of `model_lora_keys_unet` reads each of its `diffusion_model.<key>` weights as `<key>`,
+`transformer.<key>` and `lycoris_<key with . as _>` (read in ComfyUI's source after 2025-08;
+restated from it).
 
 Wan has no branch in `model_lora_keys_unet` and no diffusers conversion in ComfyUI: only the generic
 names of its own model's keys (`diffusion_model.<key>` and `lora_unet_<key with . as _>`, lora.py's
@@ -45,6 +58,11 @@ WAN_RENAMES = {"self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_a
                "ffn.2": "ffn.net.2"}
 FLUX_PREFIXES = ("transformer.", "lycoris_", "lora_transformer_")  # the last two with "." -> "_"
 MMDIT_PREFIXES = ("transformer.", "base_model.model.", "lora_transformer_", "lycoris_")
+ZIMAGE_PREFIXES = ("transformer.", "diffusion_model.", "lycoris_", "")
+QWEN_IMAGE_PREFIXES = ("transformer.", "lycoris_", "")
+ZIMAGE_BLOCK = {"attention.to_out.0": "attention.out", "feed_forward.w1": "feed_forward.w1",
+                "feed_forward.w2": "feed_forward.w2", "feed_forward.w3": "feed_forward.w3",
+                "adaLN_modulation.0": "adaLN_modulation.0"}
 
 
 def _qkv(out: dict, src: str, names: tuple[str, str, str], key: str, width: int) -> None:
@@ -88,12 +106,26 @@ def mmdit_to_diffusers(depth: int, hidden: int) -> dict[str, Target]:
     return keys
 
 
+def zimage_to_diffusers(depth: int, refiners: int, hidden: int) -> dict[str, Target]:
+    """diffusers weight key -> ComfyUI key or slice, for Z-Image's blocks (the caption refiner's have
+    no adaLN_modulation: a model lacks what it does not have)."""
+    keys: dict[str, Target] = {}
+    blocks = [f"layers.{i}" for i in range(depth)]
+    blocks += [f"{kind}.{i}" for kind in ("context_refiner", "noise_refiner") for i in range(refiners)]
+    for block in blocks:
+        _qkv(keys, block, ("attention.to_q", "attention.to_k", "attention.to_v"),
+             f"diffusion_model.{block}.attention.qkv.weight", hidden)
+        for diffusers, comfy in ZIMAGE_BLOCK.items():
+            keys[f"{block}.{diffusers}.weight"] = f"diffusion_model.{block}.{comfy}.weight"
+    return keys
+
+
 def _lora_key_map(diffusers_keys: dict[str, Target], prefixes: tuple[str, ...]) -> dict[str, Target]:
     key_map = {}
     for key, target in diffusers_keys.items():
         base = key.removesuffix(".weight")
         for prefix in prefixes:
-            key_map[prefix + (base if prefix.endswith(".") else base.replace(".", "_"))] = target
+            key_map[prefix + (base if prefix.endswith(".") or not prefix else base.replace(".", "_"))] = target
     return key_map
 
 
@@ -129,12 +161,19 @@ def maps_for(transformer) -> tuple[dict[str, Target], dict[str, Target]]:
     Wan transformer, or its saved config (a dict with `_class_name`)."""
     config = dict(getattr(transformer, "config", transformer))
     config.setdefault("_class_name", type(transformer).__name__)
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    hidden = config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0)
     if config["_class_name"] in ("FluxTransformer2DModel", "ChromaTransformer2DModel"):
         args = (config["num_layers"], config["num_single_layers"], hidden)
         return flux_to_diffusers(*args), flux_lora_key_map(*args)
     if config["_class_name"] == "SD3Transformer2DModel":
         return mmdit_to_diffusers(config["num_layers"], hidden), mmdit_lora_key_map(config["num_layers"], hidden)
+    if config["_class_name"] == "QwenImageTransformer2DModel":  # its blocks' linear layers, by their own names
+        keys = {key: f"diffusion_model.{key}" for key in transformer.state_dict()
+                if key.startswith("transformer_blocks.") and key.endswith(".weight") and "norm" not in key}
+        return keys, _lora_key_map(keys, QWEN_IMAGE_PREFIXES)
+    if config["_class_name"] == "ZImageTransformer2DModel":
+        keys = zimage_to_diffusers(config["n_layers"], config["n_refiner_layers"], config["dim"])
+        return keys, _lora_key_map(keys, ZIMAGE_PREFIXES)
     if config["_class_name"] == "WanTransformer3DModel":
         keys = wan_to_diffusers(config["num_layers"])
         return keys, generic_lora_key_map(keys)

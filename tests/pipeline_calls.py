@@ -3,6 +3,7 @@ must reproduce."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -10,10 +11,12 @@ import torch
 
 def transformer_calls(pipeline: Any, component: str = "transformer") -> list[tuple[dict[str, Any], torch.Tensor]]:
     """A list that fills, as the pipeline runs, with each call of its `component` (a transformer):
-    its keyword arguments (the latents by their name, `hidden_states`, where they are passed first,
-    as PixArt's pipelines pass them) and output."""
+    its arguments by name (those passed by position, as PixArt's and Z-Image's pipelines pass the
+    latents, by the names of `forward`'s parameters) and output."""
     calls: list[tuple[dict[str, Any], torch.Tensor]] = []
-    getattr(pipeline, component).register_forward_hook(
-        lambda module, args, kwargs, output: calls.append(({**dict(zip(["hidden_states"], args)), **kwargs},
-                                                           output[0])), with_kwargs=True)
+    module = getattr(pipeline, component)
+    names = list(inspect.signature(module.forward).parameters)
+    module.register_forward_hook(
+        lambda module, args, kwargs, output: calls.append(({**dict(zip(names, args)), **kwargs}, output[0])),
+        with_kwargs=True)
     return calls

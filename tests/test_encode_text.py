@@ -371,12 +371,12 @@ def test_a_decoder_only_llm_plugs_into_the_stage_through_its_prompt_function(mak
     condition on, through its encoder's prompt function alone (`ChatEncoderSpec`: the chat
     template with a system message and enable_thinking, a chosen hidden layer, the template's
     first tokens dropped): the cache holds, caption by caption, what the LLM gives each caption
-    called alone, in batches of several lengths; only the bare decoder is loaded; the layers are
-    in the fingerprint."""
+    called alone, in batches of several lengths; only the bare decoder is loaded; the layers and
+    the template are in the fingerprint."""
     from transformers import Qwen3ForCausalLM
 
     from configs.schema import ModelConfig
-    from tasks.demo.models import write_tiny_chat_encoder
+    from tasks.demo.flow_models import write_qwen3
     from tasks.encode.models import load_text_encoder
     from tasks.families.spec import ChatEncoderSpec
     from tasks.runner import run_direct
@@ -385,7 +385,7 @@ def test_a_decoder_only_llm_plugs_into_the_stage_through_its_prompt_function(mak
     shutil.copytree(tiny_models, models)
     for folder in ("text_encoder", "tokenizer"):
         shutil.rmtree(models / folder)
-    write_tiny_chat_encoder(models)
+    write_qwen3(models / "tokenizer", models / "text_encoder")
     spec = ChatEncoderSpec("llm", system="Describe the picture.", enable_thinking=False, layers=(-2,), drop=3)
     declare_encoder(monkeypatch, ModelConfig(path=str(models)), spec)
     config = make_config(root=str(tmp_path / "store"), model={"path": str(models)},
@@ -412,4 +412,9 @@ def test_a_decoder_only_llm_plugs_into_the_stage_through_its_prompt_function(mak
     loaded = load_text_encoder(config.model, family_of(config.model), spec, "fp32", "cpu", "none")
     assert not hasattr(loaded.model, "lm_head")
     declare_encoder(monkeypatch, config.model, ChatEncoderSpec("llm", layers=(-1,), drop=3))
+    assert text_fingerprints(config.model, config.text_encoding)["llm"] != fingerprint
+    declare_encoder(monkeypatch, config.model, spec)
+    assert text_fingerprints(config.model, config.text_encoding)["llm"] == fingerprint
+    template = next((models / "tokenizer").glob("chat_template.*"))  # one character of the template changed
+    template.write_text(template.read_text().replace("assistant", "Assistant"))
     assert text_fingerprints(config.model, config.text_encoding)["llm"] != fingerprint

@@ -44,13 +44,15 @@ class Contract:
     """How a family's pipeline is asked: `encode` gives its prompt embeddings by the names of the
     pipeline's call arguments, masks as booleans (its `encode_prompt`, with the pipeline's default
     max_sequence_length); `latents` makes the latents [B, C, (F,) h, w] of what it hands its
-    transformer; `timesteps` the schedule's units of the timestep it gives; `guidance` what the
-    pipeline and the run are called with (`training.guidance_scale`: FLUX.1-dev's input)."""
+    transformer; `timesteps` the schedule's units of the timestep it gives; `inputs` the names of
+    the call's arguments that hold those two; `guidance` what the pipeline and the run are called
+    with (`training.guidance_scale`: FLUX.1-dev's input)."""
 
     pipeline: str
-    encode: Callable[[Any, list[str]], dict[str, torch.Tensor]]
+    encode: Callable[[Any, list[str]], dict[str, Any]]
     latents: Callable[[torch.Tensor, int, int], torch.Tensor] = lambda hidden, height, width: hidden
     timesteps: Callable[[torch.Tensor], torch.Tensor] = lambda timestep: timestep
+    inputs: tuple[str, str] = ("hidden_states", "timestep")
     guidance: float = 1.0
     settings: dict[str, Any] = field(default_factory=dict)  # what else the pipeline is called with
     # what of the transformer's output the pipeline steps with
@@ -84,6 +86,16 @@ def wan(pipeline, prompts):
     return {"prompt_embeds": embeds}
 
 
+def zimage(pipeline, prompts):  # a list of each caption's real tokens
+    embeds, _ = pipeline.encode_prompt(prompts, device=CPU, do_classifier_free_guidance=False, max_sequence_length=512)
+    return {"prompt_embeds": embeds}
+
+
+def qwen_image(pipeline, prompts):  # zero-padded to the longest under its mask
+    embeds, mask = pipeline.encode_prompt(prompts, device=CPU, max_sequence_length=512)
+    return {"prompt_embeds": embeds, "prompt_embeds_mask": mask.bool()}
+
+
 CONTRACTS = {
     # a learned-sigma transformer's variance half is dropped by the pipeline before its step
     "pixart-sigma": Contract("PixArtSigmaPipeline", pixart, stepped=lambda output: output.chunk(2, dim=1)[0]),
@@ -98,6 +110,16 @@ CONTRACTS = {
     "wan": Contract("WanPipeline", wan, settings={"num_frames": 5}),
     # a timestep a latent token, the same for each of them when no frame is given
     "wan2.2-ti2v": Contract("WanPipeline", wan, timesteps=lambda t: t[:, 0], settings={"num_frames": 5}),
+    # a list of one-frame clips in, the time as 1 - σ, the velocity negated out
+    # a picture's latents [B, C, 1, h, w] packed 2×2 into tokens; two steps: the scheduler's stretch to
+    # its shift_terminal divides by zero at one
+    "qwen-image": Contract("QwenImagePipeline", qwen_image, latents=lambda hidden, height, width:
+                           unpack(hidden, height, width).unsqueeze(2), timesteps=lambda t: t * 1000,
+                           settings={"num_inference_steps": 2}),
+    "zimage": Contract("ZImagePipeline", zimage,
+                       latents=lambda clips, height, width: torch.stack(list(clips)).squeeze(2),
+                       timesteps=lambda t: (1 - t) * 1000, inputs=("x", "t"),
+                       stepped=lambda output: [-o for o in output]),
 }
 
 
@@ -133,14 +155,19 @@ def test_the_text_cache_is_what_encode_prompt_gives_the_transformer(case, tmp_pa
     ours = {name: value for name, value in ours.items() if name in theirs}
     assert set(ours) == set(theirs)
     embeds, want = ours["prompt_embeds"], theirs["prompt_embeds"]
-    if "prompt_attention_mask" in theirs:  # the cache keeps the positions the transformer attends to
-        mask, wanted = ours["prompt_attention_mask"].bool(), theirs["prompt_attention_mask"]
+    if isinstance(want, list):  # ragged: each caption's positions
+        assert [e.shape for e in embeds] == [w.shape for w in want]
+        for mine, wanted in zip(embeds, want):
+            torch.testing.assert_close(mine, wanted, rtol=1e-4, atol=5e-5)
+    elif masked := [name for name in ("prompt_attention_mask", "prompt_embeds_mask") if name in theirs]:
+        # the cache keeps the positions the transformer attends to
+        mask, wanted = ours[masked[0]].bool(), theirs[masked[0]]
         assert torch.equal(mask, wanted[:, : mask.shape[1]]) and not wanted[:, mask.shape[1]:].any()
         torch.testing.assert_close(embeds[mask], want[:, : mask.shape[1]][mask], rtol=1e-4, atol=5e-5)
     else:  # every position the pipeline gives, padding included
         assert embeds.shape == want.shape
         torch.testing.assert_close(embeds, want, rtol=1e-4, atol=5e-5)
-    for name in set(theirs) - {"prompt_embeds", "prompt_attention_mask"}:  # pooled vectors
+    for name in set(theirs) - {"prompt_embeds", "prompt_attention_mask", "prompt_embeds_mask"}:  # pooled vectors
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=5e-5)
 
 
@@ -159,10 +186,11 @@ def test_the_transformer_is_called_as_the_pipeline_calls_it(case, tmp_path):
     if seen.get("guidance") is not None:  # a guidance-distilled transformer's input (FLUX.1-dev's)
         assert torch.equal(seen["guidance"], torch.full((1,), contract.guidance))
     height, width = 96 // 8, 64 // 8
+    latents, timestep = (seen[name] for name in contract.inputs)
     with torch.no_grad():
         ours = family.denoiser.predict(
-            pipeline.transformer, contract.latents(seen["hidden_states"], height, width),
-            {name: value[:1] for name, value in text.items()}, contract.timesteps(seen["timestep"]),
+            pipeline.transformer, contract.latents(latents, height, width),
+            {name: value[:1] for name, value in text.items()}, contract.timesteps(timestep),
             **family.denoiser.call_options(TrainingConfig(guidance_scale=contract.guidance)))
     torch.testing.assert_close(ours, contract.latents(contract.stepped(output), height, width))
 
@@ -191,6 +219,19 @@ def sd3_image(pipeline, pixels, timestep, generator):
     return pipeline.prepare_latents(pixels, timestep, 1, 1, torch.float32, CPU, generator)
 
 
+def zimage_image(pipeline, pixels, timestep, generator):
+    side = pixels.shape[-1]
+    return pipeline.prepare_latents(pixels, timestep, 1, pipeline.vae.config.latent_channels, side, side,
+                                    torch.float32, CPU, generator)
+
+
+def qwen_image_picture(pipeline, pixels, timestep, generator):  # packed, a one-frame clip
+    side = pixels.shape[-1]
+    latents = pipeline.prepare_latents(pixels, timestep, 1, pipeline.transformer.config.in_channels // 4, side, side,
+                                       torch.float32, CPU, generator)
+    return unpack(latents, side // 8, side // 8).unsqueeze(2)
+
+
 def wan_video(pipeline, pixels, timestep, generator):  # a picture is a one-frame clip
     side = pixels.shape[-1]
     return pipeline.prepare_latents(pixels.unsqueeze(2), 1, pipeline.vae.config.z_dim, side, side, torch.float32, CPU,
@@ -202,6 +243,8 @@ PREPARATIONS = {
     "sd3": Preparation("StableDiffusion3Img2ImgPipeline", sd3_image),
     "chroma": Preparation("ChromaImg2ImgPipeline", packed_image),
     "wan": Preparation("WanVideoToVideoPipeline", wan_video, posterior="argmax"),
+    "zimage": Preparation("ZImageImg2ImgPipeline", zimage_image),
+    "qwen-image": Preparation("QwenImageImg2ImgPipeline", qwen_image_picture),
     # Wan 2.2 TI2V: diffusers 0.42's video-to-video pipeline takes its VAE for an 8× one (its noise
     # is twice the latents' sides); its image-to-video pipeline's preparation of a first frame is
     # checked in tests/test_wan.py

@@ -1,5 +1,6 @@
 """The tiny flow-matching families load and run through their own diffusers pipelines, as the
-published FLUX.1 [dev]/[schnell], SD3.5, Chroma, Wan 2.1 T2V and Wan 2.2 TI2V-5B and A14B repositories do."""
+published FLUX.1 [dev]/[schnell], SD3.5, Chroma, Z-Image Turbo, Qwen-Image, Wan 2.1 T2V and Wan 2.2 TI2V-5B
+and A14B repositories do."""
 
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ D_T5, D_L, D_G = T5_SHAPE["d_model"], CLIP_SHAPES["clip-l"]["hidden_size"], CLIP
 @pytest.fixture(scope="module")
 def folders(tiny_family):
     """Each family with a random VAE (with the published factors)."""
-    return {family: tiny_family(family)
-            for family in ("flux", "flux-schnell", "chroma", "sd3", "wan", "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b")}
+    return {family: tiny_family(family) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +93,42 @@ def test_schedulers_are_the_published_ones(pipes):
     assert configs["flux"].max_shift == 1.15 and configs["flux"].max_image_seq_len == 4096
     for family in ("flux-schnell", "chroma"):
         assert not configs[family].use_dynamic_shifting and configs[family].shift == 1.0
-    assert not configs["sd3"].use_dynamic_shifting and configs["sd3"].shift == 3.0
+    for family in ("sd3", "zimage"):
+        assert not configs[family].use_dynamic_shifting and configs[family].shift == 3.0
+    qwen = configs["qwen-image"]  # an exponential shift from 0.5 at 256 tokens to 0.9 at 8,192, ending at 0.02
+    assert qwen.use_dynamic_shifting and qwen.time_shift_type == "exponential" and qwen.shift_terminal == 0.02
+    assert (qwen.base_shift, qwen.max_shift, qwen.base_image_seq_len, qwen.max_image_seq_len) == (0.5, 0.9, 256, 8192)
     assert type(pipes["wan"].scheduler).__name__ == "UniPCMultistepScheduler"
     assert configs["wan"].use_flow_sigmas and configs["wan"].flow_shift == 3.0
     assert configs["wan"].prediction_type == "flow_prediction"
+
+
+def test_the_qwen_tokenizer_reads_demo_words_whole_any_text_by_bytes_and_renders_qwen3s_template(pipes):
+    """Z-Image's Qwen3 tokenizer: a Qwen2Tokenizer whose byte-level BPE keeps each demo word (after
+    a space) one token and gives back any text, and whose chat template renders a system and a user
+    message, the assistant's opening and (enable_thinking false) the empty thinking block, as
+    Qwen3's published template renders them."""
+    tokenizer = pipes["zimage"].tokenizer
+    assert type(tokenizer).__name__ == "Qwen2Tokenizer" and tokenizer.padding_side == "right"
+    assert all(len(tokenizer(" " + word).input_ids) == 1 for word in WORDS)
+    assert tokenizer.decode(tokenizer(PROMPTS[1]).input_ids) == PROMPTS[1]
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": PROMPTS[0]}]
+    turn = f"<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n{PROMPTS[0]}<|im_end|>\n<|im_start|>assistant\n"
+    render = lambda **options: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                             **options)
+    assert render() == render(enable_thinking=True) == turn
+    assert render(enable_thinking=False) == turn + "<think>\n\n</think>\n\n"
+    assert tokenizer.convert_ids_to_tokens(tokenizer(turn).input_ids)[:3] == ["<|im_start|>", "system", "Ċ"]
+
+
+def test_qwen_images_template_prefix_is_the_34_tokens_its_pipeline_drops(pipes):
+    """Qwen-Image's pipeline drops the first 34 tokens of its template, its system message and the
+    user's turn's opening, as Qwen2.5's published tokenizer makes them: the tiny tokenizer makes the
+    same 34, so the demo's captions lose none of their words."""
+    pipe = pipes["qwen-image"]
+    prefix = pipe.prompt_template_encode.split("{}")[0]
+    assert len(pipe.tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx == 34
+    assert type(pipe.text_encoder).__name__ == "Qwen2_5_VLForConditionalGeneration"  # as published: vision tower too
 
 
 def test_clip_tokenizers_read_demo_words_whole_and_any_text_by_bytes(pipes):
@@ -119,9 +151,10 @@ def test_the_vae_has_16_channels_and_an_untrained_one_the_published_factors(fold
             assert (config.z_dim, config.patch_size, config.scale_factor_spatial) == (48, 2, 16)
             assert len(config.latents_mean) == len(config.latents_std) == 48
             continue
-        if family in ("wan", "wan-ti2v", "wan2.2-a14b"):  # the 3-D VAE, normalised by the published per-channel mean and std
-            config = diffusers.AutoencoderKLWan.from_pretrained(folder / "vae").config
-            published = inspect.signature(diffusers.AutoencoderKLWan).parameters
+        if FAMILIES[family].vae in ("AutoencoderKLWan", "AutoencoderKLQwenImage"):  # a 3-D VAE, normalised by the
+            vae = getattr(diffusers, FAMILIES[family].vae)  # published per-channel mean and std (Wan's, Qwen-Image's)
+            config = vae.from_pretrained(folder / "vae").config
+            published = inspect.signature(vae).parameters
             assert config.z_dim == 16 and config.latents_mean == published["latents_mean"].default
             assert config.latents_std == published["latents_std"].default
             continue

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-DEMO_FAMILIES = ("pixart", "flux", "flux-schnell", "sd3", "chroma", "wan")  # what `--family` chooses
+# what `--family` chooses
+DEMO_FAMILIES = ("pixart", "flux", "flux-schnell", "sd3", "chroma", "zimage", "qwen-image", "wan")
 # every tiny model folder precast writes: the demos' (the wan demo's is wan-ti2v) and Wan 2.2's
 # published layouts (TI2V-5B, A14B), which have no demo
 TINY_FAMILIES = (*DEMO_FAMILIES, "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b")

@@ -38,7 +38,7 @@ import functools
 import json
 from collections import Counter
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -65,6 +65,22 @@ _FLUX = dict(_FLUX_BLOCKS, pooled_projection_dim=CLIP_SHAPES["clip-l"]["hidden_s
 _DYNAMIC_SHIFT = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                       base_image_seq_len=256, max_image_seq_len=4096)
 _NO_SHIFT = dict(shift=1.0, use_dynamic_shifting=False)
+
+
+# published Qwen3-4B (Z-Image's encoder): 2560 wide, 36 layers, 32 query and 8 key-value heads of
+# 128; the tiny one keeps grouped queries and three layers, so the one before the last is a middle one
+QWEN3_SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, max_position_embeddings=2048, tie_word_embeddings=True)
+
+
+# published Qwen2.5-VL-7B (Qwen-Image's encoder): text 3584 wide, 28 layers, 28 query and 4 key-value
+# heads, its rotary embedding split over (time, height, width) (`mrope_section`, half a head); a
+# vision tower the cache never runs
+QWEN2_5_VL_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=2048, rope_theta=1e6,
+                       rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
+QWEN2_5_VL_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=14,
+                         spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0])
 
 
 class TinyFamily(NamedTuple):
@@ -118,6 +134,26 @@ FAMILIES = {
                          dict(_FLUX_BLOCKS, approximator_num_channels=16, approximator_hidden_dim=32,
                               approximator_layers=2),
                          _NO_SHIFT, (0.1159, 0.3611)),
+    # Z-Image Turbo: Qwen3 (its chat template), FLUX.1's VAE, the single-stream transformer with
+    # its noise and caption refiners, 2x2 patches and 3-axis RoPE, and a fixed shift of 3.0, as published
+    "zimage": TinyFamily("ZImagePipeline", (("", "qwen3", "Qwen3Model"),), "ZImageTransformer2DModel",
+                         dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=96, n_layers=2,
+                              n_refiner_layers=1, n_heads=6, n_kv_heads=6, cap_feat_dim=QWEN3_SHAPE["hidden_size"],
+                              axes_dims=[4, 6, 6], axes_lens=[1024, 64, 64]),
+                         dict(shift=3.0, use_dynamic_shifting=False), (0.1159, 0.3611)),
+    # Qwen-Image: Qwen2.5-VL (the whole model, its vision tower too, as published), Wan's kind of
+    # 3-D VAE under Qwen-Image's class, the dual-stream transformer over 2x2-packed latents (64
+    # channels) with 3-axis RoPE, and the published scheduler: an exponential dynamic shift
+    # (mu from 0.5 at 256 tokens to 0.9 at 8,192), stretched to end at 0.02
+    "qwen-image": TinyFamily("QwenImagePipeline", (("", "qwen2.5-vl", "Qwen2_5_VLForConditionalGeneration"),),
+                             "QwenImageTransformer2DModel",
+                             dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+                                  num_attention_heads=6, joint_attention_dim=QWEN2_5_VL_TEXT["hidden_size"],
+                                  axes_dims_rope=(4, 6, 6)),
+                             dict(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                  base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                                  time_shift_type="exponential"),
+                             (0.0, 1.0), vae="AutoencoderKLQwenImage"),
     "wan": _WAN,
     # the wan demo's: Wan 2.1's layout and VAE (set by hand to show the demo's colours) under Wan
     # 2.2 TI2V's conditioning (`expand_timesteps`: a timestep a token, so a first frame can be given
@@ -164,11 +200,12 @@ def write_tiny_family(folder: str | Path, family: str, seed: int = 0, random_vae
         return folder
     torch.manual_seed(seed)
     components = _write_text_encoders(folder, spec.encoders, spec.clip_tokens, perturb)
-    if spec.vae == "AutoencoderKLWan":  # set by hand (`set_clip_block_average`) unless random_vae
+    if spec.vae in ("AutoencoderKLWan", "AutoencoderKLQwenImage"):  # by hand (`set_clip_block_average`) unless random_vae
         if not random_vae and spec.vae_shape:
             raise ValueError(f"the tiny {family} VAE is written random only (random_vae): its family has no demo")
         with torch.random.fork_rng():
-            wan_vae(seed, perturb, block_average=not random_vae, **(spec.vae_shape or {})).save_pretrained(folder / "vae")
+            wan_vae(seed, perturb, block_average=not random_vae, vae=spec.vae,
+                    **(spec.vae_shape or {})).save_pretrained(folder / "vae")
     else:
         with torch.random.fork_rng():  # the transformer's draws do not depend on the VAE
             block_vae(seed, 16, spec.vae_factors, random_vae, perturb).save_pretrained(folder / "vae")
@@ -195,6 +232,12 @@ def _write_text_encoders(folder: Path, encoders, clip_tokens: int, perturb: int 
         if encoder in ("t5", "umt5"):
             _write_t5(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", model_class, perturb)
             tokenizer_class = "T5TokenizerFast"  # what the published folders name, the class T5 loads as
+        elif encoder == "qwen3":
+            write_qwen3(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb)
+            tokenizer_class = "Qwen2Tokenizer"
+        elif encoder == "qwen2.5-vl":
+            write_qwen2_5_vl(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb)
+            tokenizer_class = "Qwen2Tokenizer"
         else:
             _write_clip(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", encoder, model_class,
                         clip_tokens, perturb)
@@ -251,20 +294,116 @@ def _write_clip(tokenizer_folder: Path, encoder_folder: Path, encoder: str, mode
 
 @functools.cache  # SD3 writes two CLIP tokenizers from one vocabulary
 def _clip_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """A byte-level BPE learnt from WORDS until each is one token (the most frequent pair merged
-    first, ties by the pair's order, so the same merges every time): the vocabulary in CLIP's order
+    """A byte-level BPE learnt from WORDS until each is one token: the vocabulary in CLIP's order
     (the 256 byte characters, the same ending a word, the merges' tokens, the start and end tokens),
     so every character has a token, and the merges in the order learnt."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    words = [[*word[:-1], word[-1] + "</w>"] for word in dict.fromkeys(WORDS)]
+    merges = _learn_merges([[*word[:-1], word[-1] + "</w>"] for word in dict.fromkeys(WORDS)])
+    alphabet = list(bytes_to_unicode().values())
+    tokens = alphabet + [char + "</w>" for char in alphabet] + [a + b for a, b in merges] + [BOS, EOS]
+    return {token: i for i, token in enumerate(tokens)}, merges
+
+
+def _learn_merges(words: list[list[str]]) -> list[tuple[str, str]]:
+    """The merges that make each word (a list of symbols) one token, the most frequent pair merged
+    first, ties by the pair's order, so the same merges every time."""
     merges: list[tuple[str, str]] = []
     while pairs := Counter(pair for symbols in words for pair in zip(symbols, symbols[1:])):
         merges.append(min(pairs, key=lambda pair: (-pairs[pair], pair)))
         words = [_merge(symbols, merges[-1]) for symbols in words]
-    alphabet = list(bytes_to_unicode().values())
-    tokens = alphabet + [char + "</w>" for char in alphabet] + [a + b for a, b in merges] + [BOS, EOS]
-    return {token: i for i, token in enumerate(tokens)}, merges
+    return merges
+
+
+# What Qwen3's published chat template renders of system and user messages: each message in its
+# role's block, the assistant's opening, and the empty thinking block it adds when enable_thinking
+# is false (the published template's other branches, tools and earlier assistant turns, are for
+# conversations, which no pipeline gives its encoder)
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# the vision tokens every Qwen tokenizer has, which Qwen2.5-VL's config names
+QWEN_VISION = {"vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>", "image": "<|image_pad|>",
+               "video": "<|video_pad|>"}
+# What Qwen2.5's published chat template renders of system and user messages: a default system
+# message where none is given
+QWEN2_5_CHAT_TEMPLATE = (
+    "{%- if messages[0].role != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+QWEN_ADDED = ("<think>", "</think>")  # added tokens, not special: the published tokenizer decodes them
+def write_qwen_tokenizer(folder: Path, template: str, words: tuple[str, ...] = tuple(WORDS)) -> Any:
+    """A Qwen2Tokenizer (the class every Qwen tokenizer folder names) as the published ones are: a
+    byte-level BPE (`qwen_bpe`), the specials (end of text, a message's start and end) and the
+    thinking tags, the chat `template`, padding with end of text on the right."""
+    from transformers import AddedToken, Qwen2Tokenizer
+
+    vocab, merges = qwen_bpe(words)
+    tokenizer = Qwen2Tokenizer(vocab=dict(vocab), merges=list(merges), eos_token="<|im_end|>",
+                               pad_token="<|endoftext|>", model_max_length=131072, chat_template=template,
+                               additional_special_tokens=list(QWEN_SPECIALS[1:]))
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in QWEN_ADDED])
+    tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in QWEN_VISION.values()])
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+@functools.cache  # the same vocabulary for every tiny Qwen tokenizer of a session
+def qwen_bpe(words: tuple[str, ...]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level BPE learnt from `words` (and the templates' role names and blank line), each
+    alone and after a space (Qwen's pre-tokenizer keeps a word's space), until each is one token:
+    the 256 byte characters first, so any text tokenizes, then the merges' tokens and the specials."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = bytes_to_unicode()
+    words = (*words, "system", "user", "assistant")
+    forms = [[alphabet[b] for b in form.encode()] for word in dict.fromkeys(words) for form in (word, " " + word)]
+    merges = _learn_merges([*forms, [alphabet[b] for b in b"\n\n"]])
+    vocab = {token: i for i, token in enumerate(dict.fromkeys([*alphabet.values(), *(a + b for a, b in merges)]))}
+    for token in (*QWEN_SPECIALS, *QWEN_ADDED, *QWEN_VISION.values()):
+        vocab[token] = len(vocab)
+    return vocab, merges
+
+
+def write_qwen2_5_vl(tokenizer_folder: Path, encoder_folder: Path, perturb: int | None = None) -> None:
+    """A whole Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`: its vision tower and vocabulary
+    head, as the published one is saved) and its tokenizer, whose BPE knows Qwen-Image's template's
+    words too (so its prefix is the 34 tokens the pipeline drops, as in the published tokenizer),
+    with Qwen2.5's chat template (a default system message)."""
+    import re
+
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from tasks.families.qwenimage import TEMPLATE
+
+    words = (*WORDS, *dict.fromkeys(re.findall(r"[A-Za-z]+", TEMPLATE)))
+    tokenizer = write_qwen_tokenizer(tokenizer_folder, QWEN2_5_CHAT_TEMPLATE, words)
+    vision = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in QWEN_VISION.items()}
+    ends = dict(bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2_5_VLConfig(text_config=dict(QWEN2_5_VL_TEXT, vocab_size=len(tokenizer), **ends),
+                              vision_config=QWEN2_5_VL_VISION, **vision, **ends)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    if perturb is not None:
+        perturb_last_bits(model, perturb)
+    model.save_pretrained(encoder_folder)
+
+
+def write_qwen3(tokenizer_folder: Path, encoder_folder: Path, perturb: int | None = None) -> None:
+    """A Qwen3 decoder (saved with its vocabulary head, as the published checkpoints are) and its
+    tokenizer with Qwen3's chat template."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = write_qwen_tokenizer(tokenizer_folder, QWEN3_CHAT_TEMPLATE)
+    config = Qwen3Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, **QWEN3_SHAPE)
+    model = Qwen3ForCausalLM(config)
+    if perturb is not None:
+        perturb_last_bits(model, perturb)
+    model.save_pretrained(encoder_folder)
 
 
 def _merge(symbols: list[str], pair: tuple[str, str]) -> list[str]:
@@ -280,27 +419,30 @@ def _merge(symbols: list[str], pair: tuple[str, str]) -> list[str]:
     return merged
 
 
-def wan_vae(seed: int, perturb: int | None = None, block_average: bool = False, **shape):
+def wan_vae(seed: int, perturb: int | None = None, block_average: bool = False, vae: str = "AutoencoderKLWan",
+            **shape):
     """An `AutoencoderKLWan` of the published Wan 2.1 layout (z_dim 16; 4x in time, 8x in space;
-    `shape` changes it, to Wan 2.2's say), 8 channels wide at the top: random, with the published
+    `shape` changes it, to Wan 2.2's say), or Qwen-Image's copy of it (`vae`:
+    `AutoencoderKLQwenImage`), 8 channels wide at the top: random, with the published
     `latents_mean` / `latents_std`, or (for the demo) `block_average`: set by hand to encode each
     8 x 8 block's mean colour and each 4 frames' (`set_clip_block_average`), normalised by the means
     and stds of what it encodes."""
-    from diffusers import AutoencoderKLWan
+    import diffusers
 
     torch.manual_seed(seed)
-    vae = AutoencoderKLWan(**{"base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1,
-                              "attn_scales": [], "temperal_downsample": [False, True, True], **shape})
+    model = getattr(diffusers, vae)(**{"base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1,
+                                      "attn_scales": [], "temperal_downsample": [False, True, True], **shape})
     if block_average:
-        set_clip_block_average(vae)
-        vae.register_to_config(**_block_factors(vae, seed))
+        set_clip_block_average(model)
+        model.register_to_config(**_block_factors(model, seed))
     if perturb is not None:
-        perturb_last_bits(vae, perturb + 1)
-    return vae
+        perturb_last_bits(model, perturb + 1)
+    return model
 
 
 def set_clip_block_average(vae) -> None:
-    """Weights for `vae` (a Wan 2.1 `AutoencoderKLWan`) that make it encode each 8 x 8 block's mean
+    """Weights for `vae` (a Wan 2.1 `AutoencoderKLWan`, or Qwen-Image's copy of its modules) that
+    make it encode each 8 x 8 block's mean
     colour, the first frame alone and then each 4 frames' mean (as its causal chunks take them),
     into latent channels 0 to 2, and decode them back as blocks: a VAE of the published layout
     that gives back every colour and where things are, with no training. Its 3-D VAE does not
@@ -314,7 +456,8 @@ def set_clip_block_average(vae) -> None:
     upsampling repeats a frame. Colours carry OFFSET and a constant channel CONSTANT, as in the
     2-D VAE (`tasks.demo.models.set_block_average`): Wan's norm divides each position's channels
     by their length, which CONSTANT sets to within 1e-6, and its gain multiplies back."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanResample, WanResidualBlock
+    def kind(module) -> str:  # Wan's module classes, or the same ones under Qwen-Image's names
+        return type(module).__name__.removeprefix("Wan").removeprefix("QwenImage")
 
     def copy(conv, taps, weights=(1.0,), repeat: int = 1) -> None:
         """`conv` (its weights zeroed first) adds up channels 0 to 3 (those it has) at each of
@@ -330,20 +473,20 @@ def set_clip_block_average(vae) -> None:
 
     with torch.no_grad():
         for module in vae.modules():
-            if isinstance(module, WanResidualBlock):
+            if kind(module) == "ResidualBlock":
                 module.conv2.weight.zero_()
                 module.conv2.bias.zero_()
                 if not isinstance(module.conv_shortcut, torch.nn.Identity):
                     copy(module.conv_shortcut, [(0, 0, 0)])
-            elif isinstance(module, WanAttentionBlock):
+            elif kind(module) == "AttentionBlock":
                 module.proj.weight.zero_()
                 module.proj.bias.zero_()
-            elif isinstance(module, WanResample) and module.mode.startswith("down"):
+            elif kind(module) == "Resample" and module.mode.startswith("down"):
                 # 3 x 3 at stride 2 after a zero row and column at the far edges: the top-left 2 x 2
                 copy(module.resample[1], [(0, 0), (0, 1), (1, 0), (1, 1)], [0.25] * 4)
                 if module.mode == "downsample3d":  # 3 frames at stride 2: the last two
                     copy(module.time_conv, [(1, 0, 0), (2, 0, 0)], [0.5, 0.5])
-            elif isinstance(module, WanResample) and module.mode.startswith("up"):
+            elif kind(module) == "Resample" and module.mode.startswith("up"):
                 copy(module.resample[1], [(1, 1)])
                 if module.mode == "upsample3d":  # two frames of the current one
                     copy(module.time_conv, [(2, 0, 0)], repeat=2)

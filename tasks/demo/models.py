@@ -45,40 +45,6 @@ def build_tokenizer(words: list[str] = WORDS):
     return T5Tokenizer(vocab=list(vocab.items()), extra_ids=0, model_max_length=512)
 
 
-# The ChatML of Qwen3's published chat template for plain messages: each message in its role's
-# block, the assistant's opening, and the empty thinking block it adds when enable_thinking is false
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}")
-
-
-def write_tiny_chat_encoder(folder: str | Path, seed: int = 0) -> Path:
-    """A tiny decoder-only LLM text encoder in the hub layout: `text_encoder/` a Qwen3 causal LM
-    (its vocabulary head included, as the published checkpoints have it) and `tokenizer/` a
-    word-level tokenizer of WORDS with Qwen's special tokens and CHAT_TEMPLATE."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    folder = Path(folder)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<unk>"]
-    words = [*specials, *dict.fromkeys([*WORDS, "system", "user", "assistant", *string.punctuation])]
-    core = Tokenizer(models.WordLevel({word: index for index, word in enumerate(words)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<|endoftext|>",
-                                        eos_token="<|im_end|>", additional_special_tokens=specials[1:5],
-                                        model_max_length=32768)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder / "tokenizer")
-    torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
-                         tie_word_embeddings=False)
-    Qwen3ForCausalLM(config).save_pretrained(folder / "text_encoder")
-    return folder
-
-
 # Carried through a hand-set VAE (`block_vae`, Wan's `set_clip_block_average`): each colour plus
 # OFFSET, so that the SiLU after each output norm is linear to 1e-3 of a colour, and a constant
 # channel of CONSTANT, which sets the norm's statistics

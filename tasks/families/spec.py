@@ -123,26 +123,32 @@ class TextEncoderSpec:
 @dataclass(frozen=True)
 class ChatEncoderSpec(TextEncoderSpec):
     """A decoder-only LLM as the pipelines conditioned on one call it (Z-Image's `_encode_prompt`,
-    in the manner of Qwen-Image's and FLUX.2's): the caption as the user's message of the
-    tokenizer's own chat template (after a `system` message where there is one, `enable_thinking`
-    given where the template reads it), the hidden states of `layers` (-1 the last, -2 the one
-    before it; several are joined into one width), the template's first `drop` tokens dropped, and
-    the real tokens kept (ragged). Its model class is the bare decoder: the vocabulary head, which
-    the cache never needs, is not loaded."""
+    Qwen-Image's `_get_qwen_prompt_embeds`): the caption as the user's message of the tokenizer's
+    own chat template (after a `system` message where there is one, `enable_thinking` given where
+    the template reads it), or in the pipeline's own `template` (a format string, which a pipeline
+    such as Qwen-Image's applies whatever the tokenizer's template says); the hidden states of
+    `layers` (-1 the last, -2 the one before it; several are joined into one width), the template's
+    first `drop` tokens dropped, and the real tokens kept (ragged). Its model class is the bare
+    decoder: the vocabulary head (and a vision tower), which the cache never needs, is not loaded."""
 
     model_class: str = "Qwen3Model"
     system: str | None = None
     enable_thinking: bool | None = None
+    template: str | None = None
     layers: tuple[int, ...] = (-1,)
     drop: int = 0
 
-    def tokenize(self, tokenizer: Any, texts: list[str], max_length: int) -> tuple[list[list[int]], int]:
-        """The templated captions' ids, cut at max_length positions past the dropped ones."""
+    def templated(self, tokenizer: Any, texts: list[str]) -> list[str]:
+        if self.template is not None:
+            return [self.template.format(text) for text in texts]
         options = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
         system = [{"role": "system", "content": self.system}] if self.system is not None else []
-        templated = [tokenizer.apply_chat_template([*system, {"role": "user", "content": text}], tokenize=False,
-                                                   add_generation_prompt=True, **options) for text in texts]
-        full = tokenizer(templated).input_ids
+        return [tokenizer.apply_chat_template([*system, {"role": "user", "content": text}], tokenize=False,
+                                              add_generation_prompt=True, **options) for text in texts]
+
+    def tokenize(self, tokenizer: Any, texts: list[str], max_length: int) -> tuple[list[list[int]], int]:
+        """The templated captions' ids, cut at max_length positions past the dropped ones."""
+        full = tokenizer(self.templated(tokenizer, texts)).input_ids
         limit = max_length + self.drop
         return [x[:limit] for x in full], sum(len(x) > limit for x in full)
 
@@ -155,10 +161,10 @@ class ChatEncoderSpec(TextEncoderSpec):
 
     def stored(self) -> dict[str, Any]:
         """The layout, the template's inputs, the layers and the tokens dropped: a change to any
-        of them makes another cache (the template itself is a tokenizer file, hashed with them)."""
-        return {"masked": True, "outputs": list(self.outputs), "model_class": self.model_class,
-                "chat": {"system": self.system, "enable_thinking": self.enable_thinking, "layers": list(self.layers),
-                         "drop": self.drop}}
+        of them makes another cache (the tokenizer's own template is a tokenizer file, hashed with them)."""
+        chat = {"system": self.system, "enable_thinking": self.enable_thinking, "layers": list(self.layers),
+                "drop": self.drop, **({"template": self.template} if self.template is not None else {})}
+        return {"masked": True, "outputs": list(self.outputs), "model_class": self.model_class, "chat": chat}
 
 
 def run_sampling(training: TrainingConfig, family: str, schedule: str, weightings: tuple[str, ...]) -> dict[str, Any]:

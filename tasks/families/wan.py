@@ -88,11 +88,24 @@ class WanCleaning(Captions):
 
 
 @dataclass(frozen=True)
-class WanCodec(Codec):
-    """The causal 3-D VAE: clips of 4N + 1 frames, a picture a one-frame clip, latents normalised
-    per channel."""
+class FramesCodec(Codec):
+    """A causal 3-D VAE of Wan's kind (Wan's, Qwen-Image's): a picture a one-frame clip, latents
+    [C, F, h, w] normalised per channel by the VAE config's latents_mean and latents_std."""
 
     vae: str = "AutoencoderKLWan"
+
+    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pictures [B, 3, H, W] are one-frame clips [B, 3, 1, H, W] to the 3-D VAE."""
+        return pixels.unsqueeze(2) if pixels.ndim == 4 else pixels
+
+    def latent_factors(self, config: Any) -> tuple[list[float], list[float]]:
+        """Per channel: (z − latents_mean) / latents_std, as the pipelines normalise."""
+        return list(config.latents_mean), [1.0 / std for std in config.latents_std]
+
+
+@dataclass(frozen=True)
+class WanCodec(FramesCodec):
+    """Wan's: clips of 4N + 1 frames too."""
 
     def clip_problem(self, frames: int) -> str | None:
         """Clips of 4N + 1 frames: the causal VAE encodes the first alone and then 4 a latent frame."""
@@ -103,14 +116,6 @@ class WanCodec(Codec):
 
     def clip_policy_problem(self, lengths: list[int]) -> str | None:
         return next(filter(None, map(self.clip_problem, lengths)), None)
-
-    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Pictures [B, 3, H, W] are one-frame clips [B, 3, 1, H, W] to the 3-D VAE."""
-        return pixels.unsqueeze(2) if pixels.ndim == 4 else pixels
-
-    def latent_factors(self, config: Any) -> tuple[list[float], list[float]]:
-        """Per channel: (z − latents_mean) / latents_std, as the Wan pipelines normalise."""
-        return list(config.latents_mean), [1.0 / std for std in config.latents_std]
 
     def clip_frames(self, latent_frames: int) -> int:
         return (latent_frames - 1) * 4 + 1  # the first frame alone, then 4 a latent frame
