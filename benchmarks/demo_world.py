@@ -45,7 +45,9 @@ def run(perturbations: list[str] | None = None, sample_seeds: tuple[int, ...] = 
 
 
 def run_family(family: str, perturbations: list[str] | None = None, sample_seeds: tuple[int, ...] = (0, 1)) -> dict:
-    from diffusers import AutoencoderKL, AutoencoderKLWan
+    from configs.schema import ModelConfig
+    from tasks.families import family_of
+    from tasks.loading import library
 
     video = family in VIDEO_FAMILIES
     threads = torch.get_num_threads()
@@ -60,8 +62,10 @@ def run_family(family: str, perturbations: list[str] | None = None, sample_seeds
                 began = time.perf_counter()
                 models = write_demo_models(folder / f"models-{model_seed}-{torch_threads}-{perturb}",
                                            DEMO_MODELS.get(family, family), seed=model_seed, perturb=perturb)
-                trips = palette_round_trip((AutoencoderKLWan if video else AutoencoderKL).from_pretrained(models / "vae"),
-                                           frames=DEMO_VIDEO["frames"] if video else None)
+                vae = library("diffusers", family_of(ModelConfig(path=str(models))).codec.vae).from_pretrained(models / "vae")
+                # a 3-D VAE's picture is a one-frame clip
+                three_d = vae.__class__.__name__ != "AutoencoderKL"
+                trips = palette_round_trip(vae, frames=DEMO_VIDEO["frames"] if video else 1 if three_d else None)
                 # a store a row: a perturbation that leaves the run id as it was (the thread count,
                 # with models that do not depend on it) must train, not find the first row's run
                 trained = train_demo(folder, models, data, training_seed, family, store=f"store-{len(results)}")

@@ -65,7 +65,7 @@ def run_cached(config: PipelineConfig, manifest_url: str) -> dict:
 
     record = train(config.storage, config.model, config.training, manifest_url)
     store = Store(config.storage)
-    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family_of(config.model).text.encoders)
+    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family_of(config.model))
     batches = bucket_batches(features.buckets, config.training.batch_size, 0)
     generator = torch.Generator().manual_seed(0)
     started = time.perf_counter()

@@ -54,7 +54,7 @@ def held_bytes(config, manifest_url: str) -> dict[str, float]:
     from tasks.train.network import kept_activations, trainable_network
 
     store = Store(config.storage)
-    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family_of(config.model).text.encoders)
+    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family_of(config.model))
     ids = max(features.buckets.values(), key=len)[:2]
     latents, text = features.batch(ids, torch.Generator().manual_seed(0), 0.0)
     network = trainable_network(config.model, family_of(config.model), config.training)
@@ -118,7 +118,7 @@ def token_spread(workdir: Path, manifest_url: str) -> dict:
     config = config_for(workdir, 1, 1)
     store = Store(config.storage)
     family = family_of(config.model)
-    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family.text.encoders)
+    features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family)
     transformer = family.denoiser.transformer_class().load_config(config.model.path, subfolder="transformer")
     tokens = {name: family.denoiser.image_tokens(transformer, *(int(side) for side in name.split("x")))
               for name in features.buckets}

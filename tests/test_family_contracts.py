@@ -270,7 +270,7 @@ def test_latents_are_what_the_image_to_image_pipeline_prepares_of_the_same_pictu
         "latent_encoding": {"resolution": side, "dtype": "fp32", "storage_dtype": "fp32", "posterior": posterior}})
     records = run_direct(config, until="manifest")
     store, family = Store(config.storage), family_of(config.model)
-    features = CachedFeatures(store, store.read_json(store.key(records["manifest"]["url"])), family.text.encoders)
+    features = CachedFeatures(store, store.read_json(store.key(records["manifest"]["url"])), family)
     (sample,) = features.samples
     ours, _ = features.batch([sample], torch.Generator().manual_seed(3), 0.0)
 

@@ -120,7 +120,7 @@ def test_training_reader_draws_seeded_latents_from_one_bucket(make_config):
     dataset, text_fps, vae_fp = _cache_everything(config)
     record = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
     store = Store(config.storage)
-    features = CachedFeatures(store, store.read_json(store.key(record["url"])), family_of(config.model).text.encoders)
+    features = CachedFeatures(store, store.read_json(store.key(record["url"])), family_of(config.model))
     batch = next(bucket_batches(features.buckets, 3, seed=0))
     assert len({features.samples[s]["bucket"] for s in batch}) == 1  # one bucket per batch
 
@@ -478,7 +478,7 @@ def test_validation_loss_on_held_out_samples_with_fixed_draws(make_config, monke
                        progress=lambda *report: reports.append(report))
     store = Store(config.storage)
     features = CachedFeatures(store, json.loads(store.read_bytes(store.key(manifest["url"]))),
-                              family_of(config.model).text.encoders)
+                              family_of(config.model))
     validation = Validation(features, 5, 4, config.training.batch_size, config.training.seed)
     assert len(validation.held) == 5 and seen[0.0] == validation.held
     assert not seen[0.2] & validation.held  # never trained on

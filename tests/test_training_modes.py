@@ -167,7 +167,7 @@ def test_token_budget_batches_size_each_bucket_by_its_image_tokens(cached_manife
     transformer = PixArtTransformer2DModel.from_pretrained(base.model.path, subfolder="transformer")
     store = Store(base.storage)
     family = family_of(base.model)
-    features = CachedFeatures(store, store.read_json(manifest_key), family.text.encoders)
+    features = CachedFeatures(store, store.read_json(manifest_key), family)
     counted_tokens = lambda height, width: family.denoiser.image_tokens(transformer.config, height, width)  # noqa: E731
 
     def tokens(name: str) -> int:

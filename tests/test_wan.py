@@ -160,7 +160,7 @@ def test_a_clip_trained_image_to_video_is_what_the_image_to_video_pipeline_gives
     text = {k: v[:1] for k, v in collate([caches.prompt("a green square moving left"), caches.prompt("")]).items()}
     clip = torch.randint(0, 256, (1, 3, 5, 64, 96), generator=torch.Generator().manual_seed(0)).float() / 127.5 - 1
     vae = build_vae(ti2v, TI2V, "fp32", "cpu")
-    shift, scale = (torch.tensor(f).view(-1, 1, 1, 1) for f in family.codec.latent_factors(vae.config))
+    shift, scale = (torch.tensor(f).view(-1, 1, 1, 1) for f in family.codec.latent_factors(vae))
     latents = (encode_pixels(vae, clip)[0] - shift) * scale  # the clip as the latent stage caches it
 
     pipeline = WanImageToVideoPipeline.from_pretrained(ti2v.path, image_encoder=None, image_processor=None)

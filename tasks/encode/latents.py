@@ -200,7 +200,7 @@ def encode_latents_shard(
             for part, tensor in parts.items():
                 encoded[name][part].append(tensor.to(store_dtype))
             rows[sample_id] = (name, len(encoded[name]["mean"]) - 1)
-    shift, scale = family.codec.latent_factors(vae.config)
+    shift, scale = family.codec.latent_factors(vae)
     buckets = {name: {part: torch.cat(ts) for part, ts in parts.items()} for name, parts in encoded.items()}
     meta = {
         "format": LATENT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "resolution": latents.resolution,

@@ -276,10 +276,16 @@ class Codec(Part):
         mixes them is quarantined, naming why."""
         return None
 
-    def latent_factors(self, config: Any) -> tuple[float | list[float], float | list[float]]:
-        """(shift, scale) that normalise the VAE's latents, `(z − shift) · scale`, per channel where
-        lists, `config` being the VAE's config: its `shift_factor` (none: 0) and `scaling_factor`."""
-        return config.get("shift_factor") or 0.0, config.scaling_factor
+    def latent_factors(self, vae: torch.nn.Module) -> tuple[float | list[float], float | list[float]]:
+        """(shift, scale) that normalise the VAE's latents, `(z − shift) · scale` (`normalised`), per
+        channel where lists: its config's `shift_factor` (none: 0) and `scaling_factor`."""
+        return vae.config.get("shift_factor") or 0.0, vae.config.scaling_factor
+
+    def normalised(self, latent: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """A sample's latents [C, (F,) h, w] as the transformer is trained on them: `(z − shift) · scale`,
+        per channel where `shift` and `scale` are [C]."""
+        per_channel = (-1, *[1] * (latent.ndim - 1))
+        return (latent - shift.view(per_channel)) * scale.view(per_channel)
 
     def clip_frames(self, latent_frames: int) -> int:
         """The frames of a clip whose latents have `latent_frames` (pictures: 1)."""

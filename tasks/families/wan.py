@@ -98,9 +98,9 @@ class FramesCodec(Codec):
         """Pictures [B, 3, H, W] are one-frame clips [B, 3, 1, H, W] to the 3-D VAE."""
         return pixels.unsqueeze(2) if pixels.ndim == 4 else pixels
 
-    def latent_factors(self, config: Any) -> tuple[list[float], list[float]]:
+    def latent_factors(self, vae: torch.nn.Module) -> tuple[list[float], list[float]]:
         """Per channel: (z − latents_mean) / latents_std, as the pipelines normalise."""
-        return list(config.latents_mean), [1.0 / std for std in config.latents_std]
+        return list(vae.config.latents_mean), [1.0 / std for std in vae.config.latents_std]
 
 
 @dataclass(frozen=True)

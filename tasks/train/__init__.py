@@ -104,7 +104,7 @@ def fetch_for_node(store: Store, model: ModelConfig, training: TrainingConfig, m
     the node's `training.processes` processes start: each checks its copy again, none downloads it
     (they would all fetch the same shards at once)."""
     if training.processes > 1 and not store.is_local:
-        CachedFeatures(store, manifest, family_of(model).text.encoders)  # the encoders' names: which caches
+        CachedFeatures(store, manifest, family_of(model))  # the encoders' names: which caches
 
 
 def with_work(record: dict[str, Any], store: Store, trained: int = 0) -> dict[str, Any]:

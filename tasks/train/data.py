@@ -24,7 +24,7 @@ import torch
 from configs.schema import TrainingConfig
 from storage.shards import LatentShard, RaggedShard, bucket_sides, collate, read_parquet_bytes
 from storage.store import Store
-from tasks.families.spec import Conditioning, TextEncoderSpec
+from tasks.families.spec import Conditioning, Family, TextEncoderSpec
 from tasks.prefetch import prefetched
 from tasks.records import manifest_encoders, text_shards_of
 from tasks.train.distributed import Distributed
@@ -60,11 +60,15 @@ class TextCaches:
 
 
 class CachedFeatures:
-    def __init__(self, store: Store, manifest: dict[str, Any], encoders: tuple[TextEncoderSpec, ...]):
+    """A manifest's samples as `family` reads them: its encoders' caches (which caches the
+    manifest names) and its codec's normalisation of the latents."""
+
+    def __init__(self, store: Store, manifest: dict[str, Any], family: Family):
         # every byte read below is checked against the manifest's checksum in the read that uses it
         checksums = manifest["checksums"]
         table = read_parquet_bytes(store.read_verified(manifest["table"], checksums[manifest["table"]]))
         self.samples = {row["sample_id"]: row for row in table.to_pylist()}
+        encoders, self.codec = family.text.encoders, family.codec
         named = manifest_encoders(manifest)
         if list(named) != [spec.name for spec in encoders]:
             raise ValueError(f"manifest {manifest['id']} holds the text encoders {', '.join(named)}; the model's "
@@ -85,7 +89,7 @@ class CachedFeatures:
     def batch(
         self, sample_ids: list[str], generator: torch.Generator, caption_dropout: float
     ) -> tuple[torch.Tensor, Conditioning]:
-        """Normalised latents [B, C, (F,) h, w] drawn from the stored posteriors (of the flipped image half of
+        """Normalised latents [B, C, (F,) h, w] (as the family's codec normalises them) drawn from the stored posteriors (of the flipped image half of
         the time when flips are stored) and the text features of a caption variant of each (the
         empty caption's, at the rate of `caption_dropout`), collated (`storage.shards.collate`)."""
         latents, texts = [], []
@@ -97,8 +101,7 @@ class CachedFeatures:
             latent = mean.float()
             if std is not None:  # a fresh draw from the posterior every time the sample is seen
                 latent = latent + std.float() * torch.randn(mean.shape, generator=generator)
-            per_channel = (-1, *[1] * (latent.ndim - 1))
-            latents.append((latent - self.shift.view(per_channel)) * self.scale.view(per_channel))
+            latents.append(self.codec.normalised(latent, self.shift, self.scale))
             if torch.rand((), generator=generator).item() < caption_dropout:
                 texts.append(self.text.prompt(""))
             else:

@@ -94,7 +94,7 @@ class Trainer:
 
         # --- data: cached features only, the held-out samples apart; batch sizes count image
         # tokens as the family's transformer does, so the batches come after the network
-        features = CachedFeatures(store, job.manifest, family.text.encoders)
+        features = CachedFeatures(store, job.manifest, family)
         self.validation = Validation.from_config(training, features)
         self.data = Batches(training, features, self.validation.training_buckets(), self.dist,
                             lambda *sides: family.denoiser.image_tokens(self.network.config, *sides))
