@@ -37,6 +37,7 @@ import torch
 from configs.schema import ModelConfig, TextEncodingConfig
 from tasks.families.chroma import CHROMA
 from tasks.families.flux import FLUX, PackedFlow
+from tasks.families.flux2 import KLEIN, Flux2Denoiser
 from tasks.families.pixart import SIGMA, PixArtDenoiser
 from tasks.families.qwenimage import QWEN_IMAGE, QwenImageDenoiser
 from tasks.families.sd3 import SD3
@@ -70,6 +71,14 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
 # and 2 caption refiners, Qwen3-4B's 2560-wide states in)
 Z_IMAGE_TURBO = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30,
                      n_refiner_layers=2, n_heads=30, n_kv_heads=30, cap_feat_dim=2560)
+# black-forest-labs/FLUX.2-klein-4B and -9B transformers (diffusers' convert_flux2_to_diffusers.py: 5 + 20
+# and 8 + 24 blocks, 24 and 32 heads of 128, three Qwen3 layers' states in)
+KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
+                axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=False)
+KLEIN_9B = dict(KLEIN_4B, num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288)
+# their vae: AutoencoderKLFlux2's defaults (32 channels, 8x, 2x2 patches batch-normalised)
+VAE_FLUX2 = dict(latent_channels=32, block_out_channels=(128, 256, 512, 512))
 # Qwen/Qwen-Image transformer (QwenImageTransformer2DModel's defaults: 60 dual-stream blocks of 24 × 128,
 # Qwen2.5-VL-7B's 3584-wide states in, 2×2-packed latents of 16 channels)
 QWEN_IMAGE_20B = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
@@ -101,7 +110,10 @@ T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24
 QWEN2_5_VL_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                      num_attention_heads=28, num_key_value_heads=4, rope_scaling={"type": "mrope",
                                                                                   "mrope_section": [16, 24, 24]})
-# Qwen/Qwen3-4B: Z-Image's text_encoder (the bare decoder: the cache reads no vocabulary head)
+# Qwen/Qwen3-8B: FLUX.2 [klein] 9B's text_encoder
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+# Qwen/Qwen3-4B: Z-Image's and FLUX.2 [klein] 4B's text_encoder (the bare decoder: the cache reads no vocabulary head)
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
 # openai/clip-vit-large-patch14: FLUX.1's and SD3.5's text_encoder
@@ -121,7 +133,8 @@ VAE4 = dict(VAE16, latent_channels=4, use_quant_conv=True, use_post_quant_conv=T
 ENCODERS = {
     "T5 v1.1 XXL encoder": ("transformers", "T5EncoderModel", T5_XXL),
     "umT5-XXL encoder (Wan)": ("transformers", "UMT5EncoderModel", UMT5_XXL),
-    "Qwen3-4B decoder (Z-Image)": ("transformers", "Qwen3Model", QWEN3_4B),
+    "Qwen3-4B decoder (Z-Image, FLUX.2 [klein] 4B)": ("transformers", "Qwen3Model", QWEN3_4B),
+    "Qwen3-8B decoder (FLUX.2 [klein] 9B)": ("transformers", "Qwen3Model", QWEN3_8B),
     "Qwen2.5-VL-7B language model (Qwen-Image)": ("transformers", "Qwen2_5_VLTextModel", QWEN2_5_VL_7B),
     "CLIP-L (CLIPTextModel, FLUX)": ("transformers", "CLIPTextModel", CLIP_L),
     "CLIP-L (WithProjection, SD3)": ("transformers", "CLIPTextModelWithProjection", CLIP_L),
@@ -130,9 +143,11 @@ ENCODERS = {
     "VAE 4-ch (SDXL, PixArt-Σ)": ("diffusers", "AutoencoderKL", VAE4),
     "VAE 3-D (Wan 2.1)": ("diffusers", "AutoencoderKLWan", WAN_VAE),
     "VAE 3-D (Qwen-Image)": ("diffusers", "AutoencoderKLQwenImage", QWEN_IMAGE_VAE),
+    "VAE 32-ch (FLUX.2)": ("diffusers", "AutoencoderKLFlux2", VAE_FLUX2),
 }
 TEXT_CONFIGS = {"t5": T5_XXL, "clip_l": CLIP_L, "clip_g": CLIP_G, "umt5": UMT5_XXL, "qwen3": QWEN3_4B,
                 "qwen2_5_vl": QWEN2_5_VL_7B}  # by `TextEncoderSpec.name`
+TEXT_OVERRIDES = {"FLUX.2 [klein] 9B": {"qwen3": QWEN3_8B}}  # a row whose encoder of that name is another size
 
 IMAGE = (1, 1024, 1024)  # frames, height, width of a picture
 CLIP_480P, CLIP_720P = (81, 480, 832), (81, 720, 1280)  # Wan's clips: 5 s at 16 fps
@@ -157,6 +172,9 @@ FAMILIES = {
     "Chroma1-HD (40-token caption)": (CHROMA, CHROMA_HD, VAE16, CAPTION_TOKENS, IMAGE),
     "Chroma1-HD (512 cap)": (CHROMA, CHROMA_HD, VAE16, None, IMAGE),
     "Z-Image Turbo": (ZIMAGE, Z_IMAGE_TURBO, VAE16, CAPTION_TOKENS + ZIMAGE_TEMPLATE_TOKENS, IMAGE),
+    # FLUX.2 caches every one of its 512 positions (three layers' states side by side), whatever the caption
+    "FLUX.2 [klein] 4B": (KLEIN, KLEIN_4B, VAE_FLUX2, CAPTION_TOKENS, IMAGE),
+    "FLUX.2 [klein] 9B": (KLEIN, KLEIN_9B, VAE_FLUX2, CAPTION_TOKENS, IMAGE),
     "Qwen-Image": (QWEN_IMAGE, QWEN_IMAGE_20B, QWEN_IMAGE_VAE, CAPTION_TOKENS + QWEN_IMAGE_TEMPLATE_TOKENS, IMAGE),
     "Wan 2.1 T2V 1.3B (81 × 480×832)": (WAN, WAN_1_3B, WAN_VAE, CAPTION_TOKENS, CLIP_480P),
     "Wan 2.1 T2V 14B (81 × 480×832)": (WAN, WAN_14B, WAN_VAE, CAPTION_TOKENS, CLIP_480P),
@@ -210,28 +228,31 @@ def model_folder(family: Family, config: dict[str, Any], folder: Path) -> ModelC
     return ModelConfig(path=str(folder))
 
 
-def width(spec: TextEncoderSpec, output: str) -> int:
-    """The width of one of an encoder's outputs: a projection model's pooled vector is projected."""
-    config = TEXT_CONFIGS[spec.name]
+def width(spec: TextEncoderSpec, output: str, texts: dict[str, dict]) -> int:
+    """The width of one of an encoder's outputs (`texts`: its config by name): a projection model's
+    pooled vector is projected; an LLM's states of several layers are side by side."""
+    config = texts[spec.name]
     if output == "pooled" and spec.model_class.endswith("WithProjection"):
         return config["projection_dim"]
-    return config.get("d_model") or config["hidden_size"]  # T5's name for it, CLIP's
+    return (config.get("d_model") or config["hidden_size"]) * len(getattr(spec, "layers", (-1,)))  # T5's name, CLIP's
 
 
-def conditioning(family: Family, model: ModelConfig, caption_tokens: int | None, read: bool = False) -> Conditioning:
+def conditioning(family: Family, model: ModelConfig, caption_tokens: int | None, read: bool = False,
+                 texts: dict[str, dict] = TEXT_CONFIGS) -> Conditioning:
     """One caption's cached text features, on meta, as the text cache holds them under the default
     `text_encoding` (T5 at the family's own length), or as the training reader gives them (`read`:
     a zero-padded encoder's at its whole length)."""
     text = {}
     for spec in family.text.encoders:
         length = family.text.length(model, spec, TextEncodingConfig())
-        if spec.masked and not (read and spec.zero_padded):  # ragged: the real tokens and the pads attended to
+        ragged = spec.masked and not (read and spec.zero_padded) and not getattr(spec, "padded", False)
+        if ragged:  # the real tokens and the pads attended to
             length = min(length, (caption_tokens or length) + spec.pads_kept)
         for output, key in zip(spec.outputs, spec.keys()):
             if output == "pooled":
-                text[key] = torch.empty(1, width(spec, output), dtype=BF16, device="meta")
+                text[key] = torch.empty(1, width(spec, output, texts), dtype=BF16, device="meta")
             else:
-                text[key] = torch.empty(1, length, width(spec, output), dtype=BF16, device="meta")
+                text[key] = torch.empty(1, length, width(spec, output, texts), dtype=BF16, device="meta")
                 text[f"{key}_mask"] = torch.ones(1, length, dtype=torch.bool, device="meta")
     return text
 
@@ -372,7 +393,12 @@ def transformer_inputs(family: Family, config: dict[str, Any], vae: dict[str, An
         inputs = dict(encoder_hidden_states=embeds, timestep=torch.empty(1, dtype=BF16))
         if "pooled_prompt_embeds" in embeddings:
             inputs["pooled_projections"] = embeddings["pooled_prompt_embeds"]
-        if isinstance(family.denoiser, QwenImageDenoiser):  # packed latents, the picture's shape; one caption: no mask
+        if isinstance(family.denoiser, Flux2Denoiser):  # a token a 2×2 patch, (t, h, w, l) positions
+            tokens = family.denoiser.image_tokens(config, *latents[-2:])
+            inputs.update(hidden_states=torch.empty(1, tokens, config["in_channels"], dtype=BF16, requires_grad=True),
+                          img_ids=torch.empty(1, tokens, 4, dtype=torch.long),
+                          txt_ids=torch.empty(1, embeds.shape[1], 4, dtype=torch.long))
+        elif isinstance(family.denoiser, QwenImageDenoiser):  # packed latents, the picture's shape; one caption, no mask
             tokens = family.denoiser.image_tokens(config, *latents[-2:])
             inputs.update(hidden_states=torch.empty(1, tokens, config["in_channels"], dtype=BF16, requires_grad=True),
                           img_shapes=[[(1, latents[-2] // 2, latents[-1] // 2)]])
@@ -434,16 +460,16 @@ def memory(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def family_costs(family: Family, config: dict[str, Any], vae: dict[str, Any], caption_tokens: int | None,
-                 sample: tuple[int, int, int], folder: Path) -> dict[str, Any]:
+                 sample: tuple[int, int, int], folder: Path, texts: dict[str, dict] = TEXT_CONFIGS) -> dict[str, Any]:
     model_config = model_folder(family, config, folder)
-    text, latents = conditioning(family, model_config, caption_tokens), latent_shape(vae, sample)
+    text, latents = conditioning(family, model_config, caption_tokens, texts=texts), latent_shape(vae, sample)
     with torch.device("meta"):
         model = family.denoiser.transformer_class()(**config)
     sizes = count(model)
     model = model.to(BF16).requires_grad_(False)
     lora_params, matched = inject_lora(model, list(family.denoiser.lora_targets))
-    inputs = transformer_inputs(family, config, vae, conditioning(family, model_config, caption_tokens, read=True),
-                                sample)
+    read = conditioning(family, model_config, caption_tokens, read=True, texts=texts)
+    inputs = transformer_inputs(family, config, vae, read, sample)
     text_tokens = (inputs["cap_feats"][0] if "cap_feats" in inputs else inputs["encoder_hidden_states"]).shape[-2]
     image_tokens = family.denoiser.image_tokens(config, *latents[1:])
     # T, the sequence a block runs over: PixArt's and Wan's text is only cross-attended, the others'
@@ -470,7 +496,8 @@ def run() -> dict[str, Any]:
               "encoders": encoder_params(), "families": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, (family, config, vae, caption_tokens, sample)) in enumerate(FAMILIES.items()):
-            result["families"][name] = family_costs(family, config, vae, caption_tokens, sample, Path(tmp) / str(i))
+            result["families"][name] = family_costs(family, config, vae, caption_tokens, sample, Path(tmp) / str(i),
+                                                    {**TEXT_CONFIGS, **TEXT_OVERRIDES.get(name, {})})
     return result
 
 

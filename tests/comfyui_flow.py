@@ -1,4 +1,4 @@
-"""ComfyUI's FLUX.1, Chroma, SD3/SD3.5, Z-Image, Qwen-Image and Wan LoRA loading, restated for tests
+"""ComfyUI's FLUX.1, FLUX.2, Chroma, SD3/SD3.5, Z-Image, Qwen-Image and Wan LoRA loading, restated for tests
 (ComfyUI is not a pip package).
 
 From ComfyUI at commit a125cd84 (2025-10-12), as tests/comfyui_pixart.py restates PixArt's:
@@ -19,6 +19,13 @@ into `attention.qkv` (slices of `dim` rows) and names `attention.to_out.0` `atte
 feed-forward's `w1`, `w2`, `w3` and `adaLN_modulation.0` alike; its branch of `model_lora_keys_unet`
 reads each diffusers name under `transformer.`, `diffusion_model.`, `lycoris_` (with "." -> "_") and
 bare (read in ComfyUI's source after 2025-12; restated from it).
+
+FLUX.2 is ComfyUI's `Flux2`, a `Flux` (so it takes Flux's branch of `model_lora_keys_unet`:
+`transformer.<diffusers name>`), whose `flux_to_diffusers` maps FLUX.2's diffusers names onto its
+BFL layout: a double block's `attn.to_q/k/v` into `img_attn.qkv` (slices of the width),
+`attn.to_out.0` to `img_attn.proj`, the text stream's alike, `ff.linear_in/out` to `img_mlp.0/2`; a
+single block's fused `attn.to_qkv_mlp_proj` to `linear1` and `attn.to_out` to `linear2` (restated
+from copies of ComfyUI's FLUX.2 section; the stored upstream ComfyUI predates it).
 
 Qwen-Image's ComfyUI model (`comfy/ldm/qwen_image/model.py`) names its modules as diffusers does:
 its branch of `model_lora_keys_unet` reads each of its `diffusion_model.<key>` weights as `<key>`,
@@ -85,6 +92,27 @@ def flux_to_diffusers(depth: int, single_depth: int, hidden: int) -> dict[str, T
         _qkv(keys, src, ("attn.to_q", "attn.to_k", "attn.to_v"), f"{dst}.linear1.weight", hidden)
         keys[f"{src}.proj_mlp.weight"] = (f"{dst}.linear1.weight", (0, 3 * hidden, 4 * hidden))
         keys[f"{src}.proj_out.weight"] = f"{dst}.linear2.weight"
+    return keys
+
+
+FLUX2_DOUBLE = {"attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj", "ff.linear_in": "img_mlp.0",
+                "ff.linear_out": "img_mlp.2", "ff_context.linear_in": "txt_mlp.0", "ff_context.linear_out": "txt_mlp.2"}
+
+
+def flux2_to_diffusers(depth: int, single_depth: int, hidden: int) -> dict[str, Target]:
+    """diffusers weight key -> ComfyUI key or slice, for FLUX.2's blocks."""
+    keys: dict[str, Target] = {}
+    for i in range(depth):
+        src, dst = f"transformer_blocks.{i}", f"diffusion_model.double_blocks.{i}"
+        _qkv(keys, src, ("attn.to_q", "attn.to_k", "attn.to_v"), f"{dst}.img_attn.qkv.weight", hidden)
+        _qkv(keys, src, ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), f"{dst}.txt_attn.qkv.weight",
+             hidden)
+        for diffusers, comfy in FLUX2_DOUBLE.items():
+            keys[f"{src}.{diffusers}.weight"] = f"{dst}.{comfy}.weight"
+    for i in range(single_depth):
+        src, dst = f"single_transformer_blocks.{i}", f"diffusion_model.single_blocks.{i}"
+        keys[f"{src}.attn.to_qkv_mlp_proj.weight"] = f"{dst}.linear1.weight"
+        keys[f"{src}.attn.to_out.weight"] = f"{dst}.linear2.weight"
     return keys
 
 
@@ -167,6 +195,9 @@ def maps_for(transformer) -> tuple[dict[str, Target], dict[str, Target]]:
         return flux_to_diffusers(*args), flux_lora_key_map(*args)
     if config["_class_name"] == "SD3Transformer2DModel":
         return mmdit_to_diffusers(config["num_layers"], hidden), mmdit_lora_key_map(config["num_layers"], hidden)
+    if config["_class_name"] == "Flux2Transformer2DModel":
+        keys = flux2_to_diffusers(config["num_layers"], config["num_single_layers"], hidden)
+        return keys, _lora_key_map(keys, FLUX_PREFIXES)
     if config["_class_name"] == "QwenImageTransformer2DModel":  # its blocks' linear layers, by their own names
         keys = {key: f"diffusion_model.{key}" for key in transformer.state_dict()
                 if key.startswith("transformer_blocks.") and key.endswith(".weight") and "norm" not in key}

@@ -96,6 +96,15 @@ def qwen_image(pipeline, prompts):  # zero-padded to the longest under its mask
     return {"prompt_embeds": embeds, "prompt_embeds_mask": mask.bool()}
 
 
+def flux2(pipeline, prompts):  # every one of the 512 positions
+    embeds, _ = pipeline.encode_prompt(prompts, device=CPU, max_sequence_length=512)
+    return {"prompt_embeds": embeds}
+
+
+def patches(tokens, height, width):  # FLUX.2's tokens, one a 2×2 patch, as [B, 128, h/2, w/2]
+    return tokens.transpose(1, 2).reshape(len(tokens), -1, height // 2, width // 2)
+
+
 CONTRACTS = {
     # a learned-sigma transformer's variance half is dropped by the pipeline before its step
     "pixart-sigma": Contract("PixArtSigmaPipeline", pixart, stepped=lambda output: output.chunk(2, dim=1)[0]),
@@ -116,6 +125,7 @@ CONTRACTS = {
     "qwen-image": Contract("QwenImagePipeline", qwen_image, latents=lambda hidden, height, width:
                            unpack(hidden, height, width).unsqueeze(2), timesteps=lambda t: t * 1000,
                            settings={"num_inference_steps": 2}),
+    "flux2-klein": Contract("Flux2KleinPipeline", flux2, latents=patches, timesteps=lambda t: t * 1000),
     "zimage": Contract("ZImagePipeline", zimage,
                        latents=lambda clips, height, width: torch.stack(list(clips)).squeeze(2),
                        timesteps=lambda t: (1 - t) * 1000, inputs=("x", "t"),
@@ -232,6 +242,13 @@ def qwen_image_picture(pipeline, pixels, timestep, generator):  # packed, a one-
     return unpack(latents, side // 8, side // 8).unsqueeze(2)
 
 
+def flux2_picture(pipeline, pixels, timestep, generator):
+    """FLUX.2 has no image-to-image pipeline: its own encoding of a reference picture (the VAE's
+    argmax, patched, batch-normalised), noised by its scheduler as the image-to-image pipelines do."""
+    latents = pipeline._encode_vae_image(pixels, generator)
+    return pipeline.scheduler.scale_noise(latents, timestep, torch.randn(latents.shape, generator=generator))
+
+
 def wan_video(pipeline, pixels, timestep, generator):  # a picture is a one-frame clip
     side = pixels.shape[-1]
     return pipeline.prepare_latents(pixels.unsqueeze(2), 1, pipeline.vae.config.z_dim, side, side, torch.float32, CPU,
@@ -245,6 +262,7 @@ PREPARATIONS = {
     "wan": Preparation("WanVideoToVideoPipeline", wan_video, posterior="argmax"),
     "zimage": Preparation("ZImageImg2ImgPipeline", zimage_image),
     "qwen-image": Preparation("QwenImageImg2ImgPipeline", qwen_image_picture),
+    "flux2-klein": Preparation("Flux2KleinPipeline", flux2_picture, posterior="argmax"),
     # Wan 2.2 TI2V: diffusers 0.42's video-to-video pipeline takes its VAE for an 8× one (its noise
     # is twice the latents' sides); its image-to-video pipeline's preparation of a first frame is
     # checked in tests/test_wan.py

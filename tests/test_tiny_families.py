@@ -1,6 +1,6 @@
 """The tiny flow-matching families load and run through their own diffusers pipelines, as the
-published FLUX.1 [dev]/[schnell], SD3.5, Chroma, Z-Image Turbo, Qwen-Image, Wan 2.1 T2V and Wan 2.2 TI2V-5B
-and A14B repositories do."""
+published FLUX.1 [dev]/[schnell], FLUX.2 [klein], SD3.5, Chroma, Z-Image Turbo, Qwen-Image, Wan 2.1 T2V and
+Wan 2.2 TI2V-5B and A14B repositories do."""
 
 from __future__ import annotations
 
@@ -42,11 +42,12 @@ def test_model_index_names_the_pipeline_that_loads_it(folders, family):
     assert type(loaded).__name__ == pipeline
     # every component the pipeline's __init__ requires is in the folder, and nothing else but the
     # transformers where optional and the pipeline's settings (WanPipeline's: Wan 2.2 A14B has two
-    # transformers and a boundary between them, TI2V one and a timestep a token), as published
+    # transformers and a boundary between them, TI2V one and a timestep a token; FLUX.2 [klein]'s
+    # `is_distilled`), as published
     parameters = inspect.signature(type(loaded).__init__).parameters.items()
     required = {name for name, parameter in parameters if name != "self" and parameter.default is inspect.Parameter.empty}
     assert set(index) - {"_class_name", "_diffusers_version"} - required <= {
-        "transformer", "transformer_2", "boundary_ratio", "expand_timesteps"}
+        "transformer", "transformer_2", "boundary_ratio", "expand_timesteps", "is_distilled"}
     assert all(getattr(loaded.config, name) == value for name, value in (FAMILIES[family].settings or {}).items()
                if name != "transformer_2")
     assert required <= set(index)
@@ -81,7 +82,7 @@ def test_chroma_encode_prompt_masks_all_padding_but_the_first_token(pipes):
 def test_the_pipeline_samples_a_picture(pipes, family):
     video = FAMILIES[family].pipeline == "WanPipeline"
     options = {"guidance_scale": 3.5} if family == "flux" else {"num_frames": 1} if video else {}
-    output = pipes[family](PROMPTS[0], num_inference_steps=2, height=64, width=64, output_type="pt",
+    output = pipes[family](prompt=PROMPTS[0], num_inference_steps=2, height=64, width=64, output_type="pt",
                            generator=torch.Generator().manual_seed(0), **options)
     images = output.frames[:, 0] if video else output.images  # a video's first frame
     assert images.shape == (1, 3, 64, 64) and not images.isnan().any()
@@ -150,6 +151,11 @@ def test_the_vae_has_16_channels_and_an_untrained_one_the_published_factors(fold
             config = diffusers.AutoencoderKLWan.from_pretrained(folder / "vae").config
             assert (config.z_dim, config.patch_size, config.scale_factor_spatial) == (48, 2, 16)
             assert len(config.latents_mean) == len(config.latents_std) == 48
+            continue
+        if family == "flux2-klein":  # FLUX.2's: 32 channels, 2 x 2 patches normalised by batch-norm statistics
+            vae = diffusers.AutoencoderKLFlux2.from_pretrained(folder / "vae")
+            assert vae.config.latent_channels == 32 and vae.bn.num_features == 128
+            assert not torch.allclose(vae.bn.running_var, torch.ones(128))
             continue
         if FAMILIES[family].vae in ("AutoencoderKLWan", "AutoencoderKLQwenImage"):  # a 3-D VAE, normalised by the
             vae = getattr(diffusers, FAMILIES[family].vae)  # published per-channel mean and std (Wan's, Qwen-Image's)

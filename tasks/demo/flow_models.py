@@ -154,6 +154,20 @@ FAMILIES = {
                                   base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
                                   time_shift_type="exponential"),
                              (0.0, 1.0), vae="AutoencoderKLQwenImage"),
+    # FLUX.2 [klein] 4B: Qwen3 of 36 layers (its 9th, 18th and 27th read), the 32-channel VAE with
+    # 2x2 patches and batch-norm statistics, double and single blocks over one token a patch (128
+    # channels) with 4-axis RoPE, no guidance input, distilled (no classifier-free guidance); the
+    # scheduler as FLUX.2 [dev]'s is published (shift 3.0, dynamic)
+    "flux2-klein": TinyFamily("Flux2KleinPipeline", (("", "qwen3-36", "Qwen3ForCausalLM"),),
+                              "Flux2Transformer2DModel",
+                              dict(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=16, num_attention_heads=6,
+                                   joint_attention_dim=3 * QWEN3_SHAPE["hidden_size"], timestep_guidance_channels=32,
+                                   axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False),
+                              dict(_DYNAMIC_SHIFT, time_shift_type="exponential"), (0.0, 1.0),
+                              vae="AutoencoderKLFlux2",
+                              vae_shape=dict(block_out_channels=(8, 16, 32, 32), norm_num_groups=8, layers_per_block=1),
+                              settings=dict(is_distilled=True)),
     "wan": _WAN,
     # the wan demo's: Wan 2.1's layout and VAE (set by hand to show the demo's colours) under Wan
     # 2.2 TI2V's conditioning (`expand_timesteps`: a timestep a token, so a first frame can be given
@@ -200,12 +214,17 @@ def write_tiny_family(folder: str | Path, family: str, seed: int = 0, random_vae
         return folder
     torch.manual_seed(seed)
     components = _write_text_encoders(folder, spec.encoders, spec.clip_tokens, perturb)
-    if spec.vae in ("AutoencoderKLWan", "AutoencoderKLQwenImage"):  # by hand (`set_clip_block_average`) unless random_vae
+    if spec.vae in ("AutoencoderKLWan", "AutoencoderKLQwenImage"):  # by hand (`set_clip_block_average`), or random
         if not random_vae and spec.vae_shape:
             raise ValueError(f"the tiny {family} VAE is written random only (random_vae): its family has no demo")
         with torch.random.fork_rng():
             wan_vae(seed, perturb, block_average=not random_vae, vae=spec.vae,
                     **(spec.vae_shape or {})).save_pretrained(folder / "vae")
+    elif spec.vae == "AutoencoderKLFlux2":
+        if not random_vae:
+            raise ValueError(f"the tiny {family} VAE is written random only (random_vae): its family has no demo")
+        with torch.random.fork_rng():
+            flux2_vae(seed, perturb, **spec.vae_shape).save_pretrained(folder / "vae")
     else:
         with torch.random.fork_rng():  # the transformer's draws do not depend on the VAE
             block_vae(seed, 16, spec.vae_factors, random_vae, perturb).save_pretrained(folder / "vae")
@@ -232,8 +251,9 @@ def _write_text_encoders(folder: Path, encoders, clip_tokens: int, perturb: int 
         if encoder in ("t5", "umt5"):
             _write_t5(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", model_class, perturb)
             tokenizer_class = "T5TokenizerFast"  # what the published folders name, the class T5 loads as
-        elif encoder == "qwen3":
-            write_qwen3(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb)
+        elif encoder.startswith("qwen3"):  # "qwen3-36": 36 layers, as published (FLUX.2 reads three)
+            layers = int(encoder.partition("-")[2] or QWEN3_SHAPE["num_hidden_layers"])
+            write_qwen3(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb, layers)
             tokenizer_class = "Qwen2Tokenizer"
         elif encoder == "qwen2.5-vl":
             write_qwen2_5_vl(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb)
@@ -392,14 +412,15 @@ def write_qwen2_5_vl(tokenizer_folder: Path, encoder_folder: Path, perturb: int 
     model.save_pretrained(encoder_folder)
 
 
-def write_qwen3(tokenizer_folder: Path, encoder_folder: Path, perturb: int | None = None) -> None:
-    """A Qwen3 decoder (saved with its vocabulary head, as the published checkpoints are) and its
-    tokenizer with Qwen3's chat template."""
+def write_qwen3(tokenizer_folder: Path, encoder_folder: Path, perturb: int | None = None,
+                layers: int = QWEN3_SHAPE["num_hidden_layers"]) -> None:
+    """A Qwen3 decoder of `layers` layers (saved with its vocabulary head, as the published
+    checkpoints are) and its tokenizer with Qwen3's chat template."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = write_qwen_tokenizer(tokenizer_folder, QWEN3_CHAT_TEMPLATE)
     config = Qwen3Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, **QWEN3_SHAPE)
+                         eos_token_id=tokenizer.eos_token_id, **dict(QWEN3_SHAPE, num_hidden_layers=layers))
     model = Qwen3ForCausalLM(config)
     if perturb is not None:
         perturb_last_bits(model, perturb)
@@ -438,6 +459,22 @@ def wan_vae(seed: int, perturb: int | None = None, block_average: bool = False, 
     if perturb is not None:
         perturb_last_bits(model, perturb + 1)
     return model
+
+
+def flux2_vae(seed: int, perturb: int | None = None, **shape):
+    """A random `AutoencoderKLFlux2` (32 channels, 2x2 patches) whose batch norm holds statistics
+    of a trained one's kind (a mean and a variance per patch channel, not 0 and 1), so that their
+    normalisation shows in what is checked of it."""
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLFlux2(**shape)
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.randn_like(vae.bn.running_mean) * 0.5)
+        vae.bn.running_var.copy_(torch.rand_like(vae.bn.running_var) * 2 + 0.25)
+    if perturb is not None:
+        perturb_last_bits(vae, perturb + 1)
+    return vae
 
 
 def set_clip_block_average(vae) -> None:

@@ -22,8 +22,9 @@ WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
 class FlowMatching:
     scheduler: Any  # diffusers' FlowMatchEulerDiscreteScheduler with the model's config
     # the transformer's tokens for latents of height × width: what the dynamic shift is computed
-    # from (used only when the scheduler config has use_dynamic_shifting)
-    tokens: Callable[[int, int], int]
+    # from (used only when the scheduler config has use_dynamic_shifting); None: a family that
+    # trains on the scheduler's sigmas unshifted whatever its pipeline does (FLUX.2's)
+    tokens: Callable[[int, int], int] | None
     sampling: str = "uniform"
     logit_mean: float = 0.0
     logit_std: float = 1.0
@@ -34,7 +35,7 @@ class FlowMatching:
     span: tuple[int, int] | None = None
 
     @classmethod
-    def load(cls, model: ModelConfig, family: str, tokens: Callable[[int, int], int],
+    def load(cls, model: ModelConfig, family: str, tokens: Callable[[int, int], int] | None,
              training: TrainingConfig | None = None) -> FlowMatching:
         """The model's own scheduler config; a DDPM scheduler, or a weighting flow matching has no
         form of, is refused by name."""
@@ -47,7 +48,7 @@ class FlowMatching:
         return cls.of(FlowMatchEulerDiscreteScheduler.from_config(config), family, tokens, training)
 
     @classmethod
-    def of(cls, scheduler: Any, family: str, tokens: Callable[[int, int], int],
+    def of(cls, scheduler: Any, family: str, tokens: Callable[[int, int], int] | None,
            training: TrainingConfig | None = None) -> FlowMatching:
         """Flow matching on `scheduler`'s sigmas with the run's sampling and weighting (None: plain)."""
         schedule = cls(scheduler, tokens)
@@ -77,7 +78,7 @@ class FlowMatching:
                                                   device=generator.device, generator=generator)
         first, count = self.span or (0, steps)
         sigmas = self.scheduler.sigmas.to(generator.device)[(u * count).long().clamp(max=count - 1) + first]
-        if self.scheduler.config.use_dynamic_shifting:
+        if self.scheduler.config.use_dynamic_shifting and self.tokens is not None:
             sigmas = self.scheduler.time_shift(self.shift_of(shape), 1.0, sigmas)
         return sigmas
 

@@ -128,8 +128,11 @@ class ChatEncoderSpec(TextEncoderSpec):
     the template reads it), or in the pipeline's own `template` (a format string, which a pipeline
     such as Qwen-Image's applies whatever the tokenizer's template says); the hidden states of
     `layers` (-1 the last, -2 the one before it; several are joined into one width), the template's
-    first `drop` tokens dropped, and the real tokens kept (ragged). Its model class is the bare
-    decoder: the vocabulary head (and a vision tower), which the cache never needs, is not loaded."""
+    first `drop` tokens dropped, and the real tokens kept (ragged), or (`padded`) every position up
+    to max_length, padding included, encoded under the mask, for a transformer that attends to all
+    of them (FLUX.2's: the padding's states depend on the caption, so they are cached with it). Its
+    model class is the bare decoder: the vocabulary head (and a vision tower), which the cache never
+    needs, is not loaded."""
 
     model_class: str = "Qwen3Model"
     system: str | None = None
@@ -137,6 +140,7 @@ class ChatEncoderSpec(TextEncoderSpec):
     template: str | None = None
     layers: tuple[int, ...] = (-1,)
     drop: int = 0
+    padded: bool = False
 
     def templated(self, tokenizer: Any, texts: list[str]) -> list[str]:
         if self.template is not None:
@@ -153,7 +157,7 @@ class ChatEncoderSpec(TextEncoderSpec):
         return [x[:limit] for x in full], sum(len(x) > limit for x in full)
 
     def kept(self, ids: list[int], max_length: int) -> int:
-        return len(ids) - self.drop
+        return max_length if self.padded else len(ids) - self.drop
 
     def encode(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         states = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True).hidden_states
@@ -163,7 +167,8 @@ class ChatEncoderSpec(TextEncoderSpec):
         """The layout, the template's inputs, the layers and the tokens dropped: a change to any
         of them makes another cache (the tokenizer's own template is a tokenizer file, hashed with them)."""
         chat = {"system": self.system, "enable_thinking": self.enable_thinking, "layers": list(self.layers),
-                "drop": self.drop, **({"template": self.template} if self.template is not None else {})}
+                "drop": self.drop, **({"template": self.template} if self.template is not None else {}),
+                **({"padded": True} if self.padded else {})}
         return {"masked": True, "outputs": list(self.outputs), "model_class": self.model_class, "chat": chat}
 
 
