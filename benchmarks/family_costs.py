@@ -37,7 +37,7 @@ import torch
 from configs.schema import ModelConfig, TextEncodingConfig
 from tasks.families.chroma import CHROMA
 from tasks.families.flux import FLUX, PackedFlow
-from tasks.families.flux2 import KLEIN, Flux2Denoiser
+from tasks.families.flux2 import DEV, KLEIN, Flux2Denoiser
 from tasks.families.pixart import SIGMA, PixArtDenoiser
 from tasks.families.qwenimage import QWEN_IMAGE, QwenImageDenoiser
 from tasks.families.sd3 import SD3
@@ -77,6 +77,10 @@ KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=2
                 num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
                 axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=False)
 KLEIN_9B = dict(KLEIN_4B, num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288)
+# black-forest-labs/FLUX.2-dev transformer (Flux2Transformer2DModel's defaults: 8 double + 48 single
+# blocks, 48 heads of 128, three Mistral layers' states in, the guidance embedder)
+FLUX2_DEV = dict(KLEIN_4B, num_layers=8, num_single_layers=48, num_attention_heads=48, joint_attention_dim=15360,
+                 guidance_embeds=True)
 # their vae: AutoencoderKLFlux2's defaults (32 channels, 8x, 2x2 patches batch-normalised)
 VAE_FLUX2 = dict(latent_channels=32, block_out_channels=(128, 256, 512, 512))
 # Qwen/Qwen-Image transformer (QwenImageTransformer2DModel's defaults: 60 dual-stream blocks of 24 × 128,
@@ -110,6 +114,10 @@ T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24
 QWEN2_5_VL_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                      num_attention_heads=28, num_key_value_heads=4, rope_scaling={"type": "mrope",
                                                                                   "mrope_section": [16, 24, 24]})
+# mistralai/Mistral-Small-3.1-24B-Instruct-2503's language model: FLUX.2 [dev]'s text_encoder,
+# without its Pixtral vision tower, projector and vocabulary head
+MISTRAL_SMALL_3_1 = dict(vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e9)
 # Qwen/Qwen3-8B: FLUX.2 [klein] 9B's text_encoder
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
@@ -135,6 +143,7 @@ ENCODERS = {
     "umT5-XXL encoder (Wan)": ("transformers", "UMT5EncoderModel", UMT5_XXL),
     "Qwen3-4B decoder (Z-Image, FLUX.2 [klein] 4B)": ("transformers", "Qwen3Model", QWEN3_4B),
     "Qwen3-8B decoder (FLUX.2 [klein] 9B)": ("transformers", "Qwen3Model", QWEN3_8B),
+    "Mistral Small 3.1 24B language model (FLUX.2 [dev])": ("transformers", "MistralModel", MISTRAL_SMALL_3_1),
     "Qwen2.5-VL-7B language model (Qwen-Image)": ("transformers", "Qwen2_5_VLTextModel", QWEN2_5_VL_7B),
     "CLIP-L (CLIPTextModel, FLUX)": ("transformers", "CLIPTextModel", CLIP_L),
     "CLIP-L (WithProjection, SD3)": ("transformers", "CLIPTextModelWithProjection", CLIP_L),
@@ -146,7 +155,7 @@ ENCODERS = {
     "VAE 32-ch (FLUX.2)": ("diffusers", "AutoencoderKLFlux2", VAE_FLUX2),
 }
 TEXT_CONFIGS = {"t5": T5_XXL, "clip_l": CLIP_L, "clip_g": CLIP_G, "umt5": UMT5_XXL, "qwen3": QWEN3_4B,
-                "qwen2_5_vl": QWEN2_5_VL_7B}  # by `TextEncoderSpec.name`
+                "qwen2_5_vl": QWEN2_5_VL_7B, "mistral3": MISTRAL_SMALL_3_1}  # by `TextEncoderSpec.name`
 TEXT_OVERRIDES = {"FLUX.2 [klein] 9B": {"qwen3": QWEN3_8B}}  # a row whose encoder of that name is another size
 
 IMAGE = (1, 1024, 1024)  # frames, height, width of a picture
@@ -173,6 +182,7 @@ FAMILIES = {
     "Chroma1-HD (512 cap)": (CHROMA, CHROMA_HD, VAE16, None, IMAGE),
     "Z-Image Turbo": (ZIMAGE, Z_IMAGE_TURBO, VAE16, CAPTION_TOKENS + ZIMAGE_TEMPLATE_TOKENS, IMAGE),
     # FLUX.2 caches every one of its 512 positions (three layers' states side by side), whatever the caption
+    "FLUX.2 [dev]": (DEV, FLUX2_DEV, VAE_FLUX2, CAPTION_TOKENS, IMAGE),
     "FLUX.2 [klein] 4B": (KLEIN, KLEIN_4B, VAE_FLUX2, CAPTION_TOKENS, IMAGE),
     "FLUX.2 [klein] 9B": (KLEIN, KLEIN_9B, VAE_FLUX2, CAPTION_TOKENS, IMAGE),
     "Qwen-Image": (QWEN_IMAGE, QWEN_IMAGE_20B, QWEN_IMAGE_VAE, CAPTION_TOKENS + QWEN_IMAGE_TEMPLATE_TOKENS, IMAGE),

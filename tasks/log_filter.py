@@ -32,14 +32,15 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 def harmless_load_report(message: str) -> bool:
     """A transformers LOAD REPORT whose only findings are tied embedding weights (missing), and the
-    vocabulary head and vision tower a bare decoder is loaded without (unexpected: the text cache
-    never runs them)."""
+    vocabulary head and vision tower (and its projector) a bare decoder is loaded without
+    (unexpected: the text cache never runs them)."""
     if "LOAD REPORT" not in message:
         return False
     rows = [line for line in ANSI.sub("", message).splitlines()[1:]
             if re.search(r"\b(MISSING|UNEXPECTED|MISMATCH|CONVERSION)\b", line) and not line.lstrip().startswith("-")]
+    unread = r"\s*(lm_head|visual|vision_tower|multi_modal_projector)\."
     return bool(rows) and all(("embed_tokens.weight" in row and "MISSING" in row)
-                              or (re.match(r"\s*(lm_head|visual)\.", row) and "UNEXPECTED" in row) for row in rows)
+                              or (re.match(unread, row) and "UNEXPECTED" in row) for row in rows)
 
 
 class _Drop(logging.Filter):

@@ -125,6 +125,8 @@ CONTRACTS = {
     "qwen-image": Contract("QwenImagePipeline", qwen_image, latents=lambda hidden, height, width:
                            unpack(hidden, height, width).unsqueeze(2), timesteps=lambda t: t * 1000,
                            settings={"num_inference_steps": 2}),
+    # [dev]: guidance distilled, checked at 2.0 (not its pipeline's default, 4.0), as FLUX.1-dev's
+    "flux2-dev": Contract("Flux2Pipeline", flux2, latents=patches, timesteps=lambda t: t * 1000, guidance=2.0),
     "flux2-klein": Contract("Flux2KleinPipeline", flux2, latents=patches, timesteps=lambda t: t * 1000),
     "zimage": Contract("ZImagePipeline", zimage,
                        latents=lambda clips, height, width: torch.stack(list(clips)).squeeze(2),
@@ -262,6 +264,7 @@ PREPARATIONS = {
     "wan": Preparation("WanVideoToVideoPipeline", wan_video, posterior="argmax"),
     "zimage": Preparation("ZImageImg2ImgPipeline", zimage_image),
     "qwen-image": Preparation("QwenImageImg2ImgPipeline", qwen_image_picture),
+    "flux2-dev": Preparation("Flux2Pipeline", flux2_picture, posterior="argmax"),
     "flux2-klein": Preparation("Flux2KleinPipeline", flux2_picture, posterior="argmax"),
     # Wan 2.2 TI2V: diffusers 0.42's video-to-video pipeline takes its VAE for an 8× one (its noise
     # is twice the latents' sides); its image-to-video pipeline's preparation of a first frame is

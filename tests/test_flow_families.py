@@ -1,8 +1,7 @@
-"""FLUX.1, SD3, Chroma, Z-Image, Qwen-Image, FLUX.2 [klein] and Wan (pictures as one-frame clips) through the whole
-pipeline: the stages cache each family's encoders and
-latents and train its default LoRA; the adapter loads with the pipeline's own `load_lora_weights`
-as PEFT merges it, samples, and ComfyUI's key map (restated in tests/comfyui_flow.py) patches the
-same weights."""
+"""FLUX.1, SD3, Chroma, Z-Image, Qwen-Image, FLUX.2 [dev] and [klein] and Wan (pictures as one-frame
+clips) through the whole pipeline: the stages cache each family's encoders and latents and train
+its default LoRA; the adapter loads with the pipeline's own `load_lora_weights` as PEFT merges it,
+samples, and ComfyUI's key map (restated in tests/comfyui_flow.py) patches the same weights."""
 
 from __future__ import annotations
 
@@ -26,7 +25,8 @@ from tasks.runs.folder import FinishedRun
 from tasks.runs.sampling import sample_run
 from tests.comfyui_flow import apply_lora, comfy_weights, maps_for
 
-FAMILIES = ("flux", "sd3", "chroma", "zimage", "qwen-image", "flux2-klein", "wan", "wan2.2-ti2v", "wan2.2-a14b")
+FAMILIES = ("flux", "sd3", "chroma", "zimage", "qwen-image", "flux2-dev", "flux2-klein", "wan", "wan2.2-ti2v",
+            "wan2.2-a14b")
 
 
 def _options(config) -> list[str]:
@@ -51,10 +51,11 @@ def models(tiny_family):
 # bf16 encoders, parallel shards and a bf16 base; SD3 with fp16 encoders (T5's wo kept fp32) and an
 # int8 base; Chroma in fp32 through the direct runner; Z-Image with a bf16 Qwen3, parallel shards,
 # bf16 autocast and recomputed activations; Qwen-Image with an fp16 Qwen2.5-VL, a bf16 base and
-# activations kept in host memory; FLUX.2 [klein] with a bf16 Qwen3, parallel shards and an fp8
-# base; Wan with bf16 umT5, parallel shards and a bf16 base; Wan 2.2 TI2V (its 48-channel VAE, a
-# timestep a token) with fp16 umT5 and bf16 autocast; Wan 2.2 A14B's low-noise expert
-# (transformer_2/, below the boundary) with EMA
+# activations kept in host memory; FLUX.2 [dev] with its Mistral streamed to the device layer by
+# layer (sequential offload, as a 24B encoder is on most cards) in bf16 and an int8 base under bf16
+# autocast; FLUX.2 [klein] with a bf16 Qwen3, parallel shards and an fp8 base; Wan with bf16 umT5,
+# parallel shards and a bf16 base; Wan 2.2 TI2V (its 48-channel VAE, a timestep a token) with fp16
+# umT5 and bf16 autocast; Wan 2.2 A14B's low-noise expert (transformer_2/, below the boundary) with EMA
 SETTINGS = {
     "flux": dict(flow=True, s3=True, text={"dtype": "bf16"}, shards=3,
                  training={"mixed_precision": "bf16", "base_precision": "bf16"}),
@@ -62,6 +63,8 @@ SETTINGS = {
     "chroma": dict(flow=False, s3=False, text={"dtype": "fp32"}, shards=1, training={}),
     "zimage": dict(flow=False, s3=False, text={"dtype": "bf16"}, shards=2,
                    training={"mixed_precision": "bf16", "gradient_checkpointing": "recompute"}),
+    "flux2-dev": dict(flow=False, s3=False, text={"dtype": "bf16", "offload": "sequential"}, shards=1,
+                      training={"mixed_precision": "bf16", "base_precision": "int8"}),
     "flux2-klein": dict(flow=False, s3=False, text={"dtype": "bf16"}, shards=2,
                         training={"mixed_precision": "bf16", "base_precision": "fp8"}),
     "qwen-image": dict(flow=False, s3=False, text={"dtype": "fp16"}, shards=1,

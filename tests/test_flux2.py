@@ -1,7 +1,9 @@
-"""FLUX.2 [klein]'s facts beyond the contracts (tests/test_family_contracts.py): why its text cache
-holds every one of the 512 positions."""
+"""FLUX.2's facts beyond the contracts (tests/test_family_contracts.py): why its text cache holds
+every one of the 512 positions, and where the padding goes when a tokenizer pads on the left."""
 
 from __future__ import annotations
+
+import shutil
 
 import torch
 
@@ -40,3 +42,32 @@ def test_the_paddings_states_depend_on_the_caption_so_the_cache_keeps_all_512_po
         row = cache.get(caption)
         assert row.shape == (512, expected.shape[-1]) and row.dtype == torch.bfloat16  # 512 × 3 layers' width, bf16
         torch.testing.assert_close(row.float(), expected, rtol=2e-2, atol=2e-2)  # bf16 of the fp32 states
+
+
+def test_a_tokenizer_that_pads_on_the_left_gives_the_cache_the_pipelines_layout(tiny_family, tmp_path):
+    """FLUX.2 [dev]'s 512 positions are the tokenizer's: with its padding side set to the left, the
+    padding comes before the system message and the caption, where the pipeline's encode_prompt has
+    it, and the cache equals it position for position (each caption's real tokens at other RoPE
+    positions than with right padding)."""
+    from diffusers import Flux2Pipeline
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "flux2-dev"
+    shutil.copytree(tiny_family("flux2-dev"), folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    tokenizer.padding_side = "left"
+    tokenizer.save_pretrained(folder / "tokenizer")
+    model = ModelConfig(path=str(folder))
+    pipeline = Flux2Pipeline.from_pretrained(model.path)
+    captions = ["a red circle on a blue background", "stripes " * 600]
+    with torch.no_grad():
+        embeds, _ = pipeline.encode_prompt(captions, device=torch.device("cpu"), max_sequence_length=512)
+    storage = StorageConfig(root=str(tmp_path / "store"))
+    text = TextEncodingConfig(dtype="fp32", device="cpu", numerics_samples=0)
+    (record,) = encode_prompts(storage, model, text, text_fingerprints(model, text), captions).values()
+    store = Store(storage)
+    cache = RaggedShard(store.local_path(store.key(record["url"])))
+    for caption, expected in zip(captions, embeds):
+        torch.testing.assert_close(cache.get(caption), expected, rtol=1e-4, atol=5e-5)
+    right = TextEncodingConfig(dtype="fp32", device="cpu", numerics_samples=0)
+    assert text_fingerprints(model, right) != text_fingerprints(ModelConfig(path=str(tiny_family("flux2-dev"))), right)

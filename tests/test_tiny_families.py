@@ -1,5 +1,5 @@
 """The tiny flow-matching families load and run through their own diffusers pipelines, as the
-published FLUX.1 [dev]/[schnell], FLUX.2 [klein], SD3.5, Chroma, Z-Image Turbo, Qwen-Image, Wan 2.1 T2V and
+published FLUX.1 [dev]/[schnell], FLUX.2 [dev]/[klein], SD3.5, Chroma, Z-Image Turbo, Qwen-Image, Wan 2.1 T2V and
 Wan 2.2 TI2V-5B and A14B repositories do."""
 
 from __future__ import annotations
@@ -132,6 +132,24 @@ def test_qwen_images_template_prefix_is_the_34_tokens_its_pipeline_drops(pipes):
     assert type(pipe.text_encoder).__name__ == "Qwen2_5_VLForConditionalGeneration"  # as published: vision tower too
 
 
+def test_the_mistral_tokenizer_renders_mistral_small_3_1s_template_and_begins_each_text_once(pipes):
+    """FLUX.2 [dev]'s Mistral tokenizer: its control tokens first (the image token 10, the padding
+    11, as published), the system message and the user's turn (a string or text blocks alike) as
+    Mistral Small 3.1's template renders them, after one <s>, which the pipeline's own tokenizing
+    of the template keeps single; the encoder saved whole, its vision tower too."""
+    pipe = pipes["flux2-dev"]
+    tokenizer = pipe.tokenizer
+    assert tokenizer.convert_tokens_to_ids(["[IMG]", "<pad>", "<s>"]) == [10, 11, 1]
+    assert tokenizer.decode(tokenizer(PROMPTS[1], add_special_tokens=False).input_ids) == PROMPTS[1]
+    turn = f"<s>[SYSTEM_PROMPT]S[/SYSTEM_PROMPT][INST]{PROMPTS[0]}[/INST]"
+    for content in ("S", [{"type": "text", "text": "S"}]):
+        messages = [{"role": "system", "content": content}, {"role": "user", "content": PROMPTS[0]}]
+        assert tokenizer.apply_chat_template(messages, tokenize=False) == turn
+    ids = tokenizer.apply_chat_template([messages], tokenize=True, return_dict=True)["input_ids"][0]
+    assert ids == tokenizer(turn, add_special_tokens=False).input_ids and ids.count(1) == 1
+    assert type(pipe.text_encoder).__name__ == "Mistral3ForConditionalGeneration"
+
+
 def test_clip_tokenizers_read_demo_words_whole_and_any_text_by_bytes(pipes):
     clip_l, clip_g = pipes["sd3"].tokenizer, pipes["sd3"].tokenizer_2
     assert clip_l.model_max_length == clip_g.model_max_length == 16 and pipes["flux"].tokenizer.model_max_length == 77
@@ -152,7 +170,7 @@ def test_the_vae_has_16_channels_and_an_untrained_one_the_published_factors(fold
             assert (config.z_dim, config.patch_size, config.scale_factor_spatial) == (48, 2, 16)
             assert len(config.latents_mean) == len(config.latents_std) == 48
             continue
-        if family == "flux2-klein":  # FLUX.2's: 32 channels, 2 x 2 patches normalised by batch-norm statistics
+        if family in ("flux2-dev", "flux2-klein"):  # FLUX.2's: 32 channels, 2 x 2 patches batch-normalised
             vae = diffusers.AutoencoderKLFlux2.from_pretrained(folder / "vae")
             assert vae.config.latent_channels == 32 and vae.bn.num_features == 128
             assert not torch.allclose(vae.bn.running_var, torch.ones(128))

@@ -83,6 +83,15 @@ QWEN2_5_VL_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_head
                          spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0])
 
 
+# published Mistral Small 3.1 24B: text 5120 wide, 40 layers, 32 query and 8 key-value heads of 128,
+# rope_theta 1e9; the tiny one keeps the 40 layers (FLUX.2 [dev] reads the 10th, 20th and 30th) and
+# a Pixtral vision tower of one layer that the cache never runs
+MISTRAL3_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=40, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, rope_theta=1e9, max_position_embeddings=2048)
+MISTRAL3_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
+                       patch_size=14, image_size=56)
+
+
 class TinyFamily(NamedTuple):
     pipeline: str  # model_index.json's _class_name
     encoders: tuple[tuple[str, str, str], ...]  # per text encoder: its folders' suffix, its shape, its class
@@ -102,6 +111,17 @@ class TinyFamily(NamedTuple):
 # Wan 2.1 T2V: umT5 (T5's shape, its own class), the causal 3-D VAE (4x in time, 8x in space,
 # normalised per channel by the published latents_mean / latents_std), 1x2x2 patches, RoPE over
 # (frame, row, column), and UniPC sampling on flow sigmas shifted by 3.0, as published
+# FLUX.2 [klein] 4B: Qwen3 of 36 layers (its 9th, 18th and 27th read), the 32-channel VAE with 2x2
+# patches and batch-norm statistics, double and single blocks over one token a patch (128 channels)
+# with 4-axis RoPE, no guidance input, distilled (no classifier-free guidance); the scheduler as
+# FLUX.2 [dev]'s is published (shift 3.0, dynamic)
+_KLEIN = TinyFamily("Flux2KleinPipeline", (("", "qwen3-36", "Qwen3ForCausalLM"),), "Flux2Transformer2DModel",
+                    dict(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                         num_attention_heads=6, joint_attention_dim=3 * QWEN3_SHAPE["hidden_size"],
+                         timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False),
+                    dict(_DYNAMIC_SHIFT, time_shift_type="exponential"), (0.0, 1.0), vae="AutoencoderKLFlux2",
+                    vae_shape=dict(block_out_channels=(8, 16, 32, 32), norm_num_groups=8, layers_per_block=1),
+                    settings=dict(is_distilled=True))
 _WAN = TinyFamily("WanPipeline", (("", "umt5", "UMT5EncoderModel"),), "WanTransformer3DModel",
                   dict(patch_size=(1, 2, 2), num_attention_heads=6, attention_head_dim=16, in_channels=16,
                        out_channels=16, text_dim=T5_SHAPE["d_model"], freq_dim=32, ffn_dim=128, num_layers=2,
@@ -154,20 +174,14 @@ FAMILIES = {
                                   base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
                                   time_shift_type="exponential"),
                              (0.0, 1.0), vae="AutoencoderKLQwenImage"),
-    # FLUX.2 [klein] 4B: Qwen3 of 36 layers (its 9th, 18th and 27th read), the 32-channel VAE with
-    # 2x2 patches and batch-norm statistics, double and single blocks over one token a patch (128
-    # channels) with 4-axis RoPE, no guidance input, distilled (no classifier-free guidance); the
-    # scheduler as FLUX.2 [dev]'s is published (shift 3.0, dynamic)
-    "flux2-klein": TinyFamily("Flux2KleinPipeline", (("", "qwen3-36", "Qwen3ForCausalLM"),),
-                              "Flux2Transformer2DModel",
-                              dict(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1,
-                                   attention_head_dim=16, num_attention_heads=6,
-                                   joint_attention_dim=3 * QWEN3_SHAPE["hidden_size"], timestep_guidance_channels=32,
-                                   axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False),
-                              dict(_DYNAMIC_SHIFT, time_shift_type="exponential"), (0.0, 1.0),
-                              vae="AutoencoderKLFlux2",
-                              vae_shape=dict(block_out_channels=(8, 16, 32, 32), norm_num_groups=8, layers_per_block=1),
-                              settings=dict(is_distilled=True)),
+    "flux2-klein": _KLEIN,
+    # FLUX.2 [dev]: klein's transformer and VAE under Mistral Small 3.1's three layers, with the
+    # guidance input (guidance distilled)
+    "flux2-dev": _KLEIN._replace(pipeline="Flux2Pipeline",
+                                 encoders=(("", "mistral3", "Mistral3ForConditionalGeneration"),),
+                                 transformer_shape=dict(_KLEIN.transformer_shape, guidance_embeds=True,
+                                                        joint_attention_dim=3 * MISTRAL3_TEXT["hidden_size"]),
+                                 settings=None),
     "wan": _WAN,
     # the wan demo's: Wan 2.1's layout and VAE (set by hand to show the demo's colours) under Wan
     # 2.2 TI2V's conditioning (`expand_timesteps`: a timestep a token, so a first frame can be given
@@ -255,6 +269,9 @@ def _write_text_encoders(folder: Path, encoders, clip_tokens: int, perturb: int 
             layers = int(encoder.partition("-")[2] or QWEN3_SHAPE["num_hidden_layers"])
             write_qwen3(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb, layers)
             tokenizer_class = "Qwen2Tokenizer"
+        elif encoder == "mistral3":
+            write_mistral3(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb)
+            tokenizer_class = "PreTrainedTokenizerFast"  # the published PixtralProcessor's tokenizer (`write_mistral3`)
         elif encoder == "qwen2.5-vl":
             write_qwen2_5_vl(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb)
             tokenizer_class = "Qwen2Tokenizer"
@@ -356,6 +373,7 @@ QWEN2_5_CHAT_TEMPLATE = (
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 QWEN_ADDED = ("<think>", "</think>")  # added tokens, not special: the published tokenizer decodes them
+QWEN_TOKENS = (*QWEN_SPECIALS, *QWEN_ADDED, *QWEN_VISION.values())
 def write_qwen_tokenizer(folder: Path, template: str, words: tuple[str, ...] = tuple(WORDS)) -> Any:
     """A Qwen2Tokenizer (the class every Qwen tokenizer folder names) as the published ones are: a
     byte-level BPE (`qwen_bpe`), the specials (end of text, a message's start and end) and the
@@ -384,7 +402,7 @@ def qwen_bpe(words: tuple[str, ...]) -> tuple[dict[str, int], list[tuple[str, st
     forms = [[alphabet[b] for b in form.encode()] for word in dict.fromkeys(words) for form in (word, " " + word)]
     merges = _learn_merges([*forms, [alphabet[b] for b in b"\n\n"]])
     vocab = {token: i for i, token in enumerate(dict.fromkeys([*alphabet.values(), *(a + b for a, b in merges)]))}
-    for token in (*QWEN_SPECIALS, *QWEN_ADDED, *QWEN_VISION.values()):
+    for token in QWEN_TOKENS:
         vocab[token] = len(vocab)
     return vocab, merges
 
@@ -407,6 +425,67 @@ def write_qwen2_5_vl(tokenizer_folder: Path, encoder_folder: Path, perturb: int 
     config = Qwen2_5_VLConfig(text_config=dict(QWEN2_5_VL_TEXT, vocab_size=len(tokenizer), **ends),
                               vision_config=QWEN2_5_VL_VISION, **vision, **ends)
     model = Qwen2_5_VLForConditionalGeneration(config)
+    if perturb is not None:
+        perturb_last_bits(model, perturb)
+    model.save_pretrained(encoder_folder)
+
+
+# What Mistral Small 3.1's published chat template renders (FLUX.2 [dev]'s encoder): the begin
+# token, the system message (a string or a text block; its default, a dated assistant persona, where
+# none is given), each user turn in [INST] (its text blocks, [IMG] for an image block), each
+# assistant turn closed by the end token
+MISTRAL3_CHAT_TEMPLATE = (
+    "{%- set today = strftime_now('%Y-%m-%d') %}"
+    "{%- set default_system_message = 'You are Mistral Small 3, a Large Language Model (LLM) created by Mistral AI. "
+    "The current date is ' + today + '.' %}"
+    "{{- bos_token }}{%- if messages[0]['role'] == 'system' %}"
+    "{%- if messages[0]['content'] is string %}{%- set system_message = messages[0]['content'] %}"
+    "{%- else %}{%- set system_message = messages[0]['content'][0]['text'] %}{%- endif %}"
+    "{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set system_message = default_system_message %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}"
+    "{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if message['content'] is string %}{{- '[INST]' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST]' }}{%- for block in message['content'] %}"
+    "{%- if block['type'] == 'text' %}{{- block['text'] }}"
+    "{%- elif block['type'] in ['image', 'image_url'] %}{{- '[IMG]' }}"
+    "{%- else %}{{- raise_exception('Only text and image blocks are supported in message content!') }}{%- endif %}"
+    "{%- endfor %}{{- '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- (message['content'] if message['content'] is string else message['content'][0]['text']) + eos_token }}"
+    "{%- else %}{{- raise_exception('Only user, system and assistant roles are supported!') }}{%- endif %}"
+    "{%- endfor %}")
+# Mistral's control tokens, first in its vocabulary as published (the image token is 10, the padding 11)
+MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                    "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]",
+                    "[IMG_END]", "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
+def write_mistral3(tokenizer_folder: Path, encoder_folder: Path, perturb: int | None = None,
+                   padding_side: str = "right") -> None:
+    """A whole Mistral Small 3.1 (`Mistral3ForConditionalGeneration`: its vision tower and
+    vocabulary head, as FLUX.2 [dev]'s text encoder is saved) and its tokenizer: a byte-level BPE
+    whose control tokens come first, which begins each text with <s>, pads with <pad> on
+    `padding_side`, and carries Mistral Small 3.1's chat template. The published folder is a
+    `PixtralProcessor` (that tokenizer and Pixtral's image processor, which needs torchvision,
+    which precast does not install); of a text-only conversation the processor renders the same
+    template and tokenizes it as the tokenizer does (no second <s>: transformers' rule for both)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PreTrainedTokenizerFast
+
+    vocab, merges = qwen_bpe(tuple(WORDS))
+    vocab = {token: i for i, token in enumerate(dict.fromkeys([*MISTRAL_SPECIALS, *(t for t in vocab
+                                                                                  if t not in QWEN_TOKENS)]))}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
+    bpe.add_special_tokens(list(MISTRAL_SPECIALS))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="<pad>", padding_side=padding_side, model_max_length=131072,
+                            chat_template=MISTRAL3_CHAT_TEMPLATE).save_pretrained(tokenizer_folder)
+    config = Mistral3Config(text_config=dict(MISTRAL3_TEXT, vocab_size=len(vocab)), vision_config=MISTRAL3_VISION,
+                            image_token_index=MISTRAL_SPECIALS.index("[IMG]"), spatial_merge_size=2,
+                            multimodal_projector_bias=False)
+    model = Mistral3ForConditionalGeneration(config)
     if perturb is not None:
         perturb_last_bits(model, perturb)
     model.save_pretrained(encoder_folder)

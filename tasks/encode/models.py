@@ -56,8 +56,8 @@ def build_text_encoder(model: ModelConfig, family: Family, spec: TextEncoderSpec
     tokenizer = library("transformers", "AutoTokenizer").from_pretrained(model.path, subfolder=spec.tokenizer,
                                                                         revision=model.revision)
     encoder = library("transformers", spec.model_class).from_pretrained(
-        model.path, subfolder=spec.folder, revision=model.revision, dtype=TEXT_ACTIVATIONS[dtype]
-    ).eval().requires_grad_(False)
+        model.path, subfolder=spec.folder, revision=model.revision, dtype=TEXT_ACTIVATIONS[dtype],
+        **spec.load_options()).eval().requires_grad_(False)
     if dtype == "int8":
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 

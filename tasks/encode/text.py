@@ -54,7 +54,7 @@ def run_encoder(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingCo
     width = [max(len(x), kept[i]) for i, x in enumerate(ids)]  # the positions a caption's call needs
     order = sorted(range(len(ids)), key=lambda i: width[i], reverse=True)
     outputs: dict[str, list[Any]] = {output: [None] * len(ids) for output in spec.outputs}
-    pad = encoder.tokenizer.pad_token_id
+    pad, left = encoder.tokenizer.pad_token_id, spec.pads_left(encoder.tokenizer)
     start = 0
     while start < len(order):
         longest = width[order[start]]
@@ -63,8 +63,9 @@ def run_encoder(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingCo
         input_ids = torch.full((len(batch), longest), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), longest), dtype=torch.long)
         for row, index in enumerate(batch):
-            input_ids[row, : len(ids[index])] = torch.tensor(ids[index])
-            mask[row, : len(ids[index])] = 1
+            place = slice(longest - len(ids[index]), None) if left else slice(len(ids[index]))
+            input_ids[row, place] = torch.tensor(ids[index])
+            mask[row, place] = 1
         for output, values in spec.encode(encoder.model, input_ids.to(encoder.device), mask.to(encoder.device)).items():
             values = values.cpu()
             for row, index in enumerate(batch):

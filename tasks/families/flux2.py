@@ -1,16 +1,18 @@
-"""FLUX.2 [klein] 4B and 9B (`Flux2KleinPipeline`): Qwen3's hidden states after layers 9, 18 and 27
-joined into one width, the caption as the user's message of the tokenizer's chat template with
-`enable_thinking` false (the empty thinking block), padded to 512 and encoded under the mask, every
-position kept: the transformer attends to all 512, and the padding's states depend on the caption
-(a padded position still attends to the real tokens before it), so they are cached with it. The
-32-channel VAE (`AutoencoderKLFlux2`) whose latents are cut into 2×2 patches (128 channels at half
-the sides) and normalised by its batch-norm statistics; one token a patch with (t, h, w, l)
-positions; flow matching on the scheduler's own sigmas, unshifted, as diffusers' FLUX.2 trainers
-draw them (the pipeline's shift, `compute_empirical_mu`, depends on the step count, which training
-has none of).
+"""FLUX.2 [dev] (`Flux2Pipeline`) and FLUX.2 [klein] 4B and 9B (`Flux2KleinPipeline`): an LLM's
+hidden states after three of its layers joined into one width — [dev]'s Mistral Small 3.1 (24B,
+layers 10, 20 and 30, the caption after the pipeline's system message), klein's Qwen3 (layers 9, 18
+and 27, the caption as the user's message with `enable_thinking` false: the empty thinking block) —
+padded to 512 and encoded under the mask, every position kept: the transformer attends to all
+512, and the padding's states depend on the caption (a padded position still attends to the real
+tokens before it), so they are cached with it. The 32-channel VAE (`AutoencoderKLFlux2`) whose
+latents are cut into 2×2 patches (128 channels at half the sides) and normalised by its batch-norm
+statistics; one token a patch with (t, h, w, l) positions; flow matching on the scheduler's own
+sigmas, unshifted, as diffusers' FLUX.2 trainers draw them (the pipeline's shift,
+`compute_empirical_mu`, depends on the step count, which training has none of). [dev] is guidance
+distilled (its `guidance_scale` is the transformer's guidance input); klein is not.
 
-Everything here is read from diffusers' `Flux2KleinPipeline` and `train_dreambooth_lora_flux2_klein.py`;
-the tests call their functions on the other side.
+Everything here is read from diffusers' `Flux2Pipeline`, `Flux2KleinPipeline` and
+`train_dreambooth_lora_flux2_klein.py`; the tests call their functions on the other side.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Flux2Denoiser(Denoiser):
     """`Flux2Transformer2DModel`: double then single (parallel) blocks over one token a patch."""
 
     transformer: str = "Flux2Transformer2DModel"
+    text: str = "qwen3_hidden"  # the joined layers' feature (`TextEncoderSpec.keys`)
     # diffusers' train_dreambooth_lora_flux2_klein.py default: the double blocks' image attention and
     # the single blocks' fused projections (a single block's `to_out` is named by its index there:
     # a double block's `to_out` is a list, which LoRA cannot adapt); 48 covers FLUX.2 [dev]'s blocks
@@ -87,7 +90,7 @@ class Flux2Denoiser(Denoiser):
         """As the pipeline calls it: the patches [B, 128, h, w] as h·w tokens with their (0, row,
         column, 0) positions, timestep / 1000, all of the caption's positions with (0, 0, 0, l)."""
         batch, channels, height, width = noisy.shape
-        embeds = text["qwen3_hidden"]
+        embeds = text[self.text]
         with_guidance = getattr(network, "module", network).config.guidance_embeds  # DDP wraps it on several processes
         output = network(
             hidden_states=noisy.flatten(2).transpose(1, 2), timestep=timesteps / 1000,
@@ -95,6 +98,20 @@ class Flux2Denoiser(Denoiser):
             encoder_hidden_states=embeds, txt_ids=positions(batch, 1, 1, 1, embeds.shape[1]).to(noisy.device),
             img_ids=positions(batch, 1, height, width, 1).to(noisy.device), return_dict=False)[0]
         return output.transpose(1, 2).reshape(batch, channels, height, width)
+
+
+@dataclass(frozen=True)
+class Flux2Sampler(Sampler):
+    """[dev]'s pipeline: no negative prompts (its `guidance_scale` is the guidance input)."""
+
+    pipeline_name: str = "Flux2Pipeline"
+    text: str = "mistral3_hidden"
+
+    def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
+        return {"prompt": prompts, "max_sequence_length": text["max_length"]}
+
+    def embedding_kwargs(self, text: Conditioning, count: int) -> dict[str, Any]:
+        return {"prompt_embeds": text[self.text][:count]}
 
 
 @dataclass(frozen=True)
@@ -113,9 +130,21 @@ class Flux2KleinSampler(Sampler):
         return {"prompt_embeds": embeds[:count], "negative_prompt_embeds": embeds[count:]}
 
 
+# Flux2Pipeline's system message (diffusers' `pipelines/flux2/system_messages.py`, from BFL's flux2)
+SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give structured responses focusing on "
+                  "object relationships, object\nattribution and actions without speculation.")
+DEV = Family(
+    "FLUX.2 [dev]", ("Flux2Pipeline",),
+    # 512: the pipeline's max_sequence_length, the system message, the templated caption and the
+    # padding; the checkpoint is the whole Mistral3ForConditionalGeneration, whose language model
+    # alone is loaded (its weights saved under `language_model.`)
+    Text((ChatEncoderSpec("mistral3", model_class="MistralModel", system=SYSTEM_MESSAGE, layers=(10, 20, 30),
+                          padded=True, removed=("[IMG]",), generation_prompt=False,
+                          key_mapping=((r"^language_model\.", ""),)),), max_length=512),
+    Flux2Codec(), Flux2Denoiser(text="mistral3_hidden"), Flux2Sampler())
 KLEIN = Family(
     "FLUX.2 [klein]", ("Flux2KleinPipeline",),
     # 512: the pipeline's max_sequence_length, the templated tokens and the padding
     Text((ChatEncoderSpec("qwen3", enable_thinking=False, layers=(9, 18, 27), padded=True),), max_length=512),
     Flux2Codec(), Flux2Denoiser(), Flux2KleinSampler())
-FAMILIES = (KLEIN,)
+FAMILIES = (DEV, KLEIN)

@@ -66,6 +66,10 @@ class TextEncoderSpec:
     # tensor; the pooled one is stored as one row of one token
     outputs: tuple[str, ...] = ("hidden",)
 
+    def load_options(self) -> dict[str, Any]:
+        """What else its `from_pretrained` is given (none: the class loads its folder as saved)."""
+        return {}
+
     def keys(self) -> tuple[str, ...]:
         """The names its outputs have in a `Conditioning`."""
         return tuple(f"{self.name}_{output}" for output in self.outputs)
@@ -81,6 +85,10 @@ class TextEncoderSpec:
         if not self.masked:
             return tokenizer(texts, padding="max_length", max_length=max_length, truncation=True).input_ids, truncated
         return [x if len(x) <= max_length else x[: max_length - 1] + [tokenizer.eos_token_id] for x in full], truncated
+
+    def pads_left(self, tokenizer: Any) -> bool:
+        """Whether a caption's padding goes before its tokens (where what is kept includes the padding)."""
+        return False
 
     def kept(self, ids: list[int], max_length: int) -> int:
         """How many positions of a caption's output sequence the cache keeps: a masked encoder's
@@ -129,10 +137,14 @@ class ChatEncoderSpec(TextEncoderSpec):
     such as Qwen-Image's applies whatever the tokenizer's template says); the hidden states of
     `layers` (-1 the last, -2 the one before it; several are joined into one width), the template's
     first `drop` tokens dropped, and the real tokens kept (ragged), or (`padded`) every position up
-    to max_length, padding included, encoded under the mask, for a transformer that attends to all
-    of them (FLUX.2's: the padding's states depend on the caption, so they are cached with it). Its
-    model class is the bare decoder: the vocabulary head (and a vision tower), which the cache never
-    needs, is not loaded."""
+    to max_length, padding included, on the tokenizer's padding side and encoded under the mask, for a
+    transformer that attends to all of them (FLUX.2's: the padding's states depend on the caption,
+    so they are cached with it). `removed`: strings the pipeline takes out of a caption first
+    (FLUX.2 [dev]'s `[IMG]`); `generation_prompt`: whether the template is rendered with the
+    assistant's turn opened (`add_generation_prompt`). Its model class is the bare decoder: the
+    vocabulary head (and a vision tower), which the cache never needs, is not loaded; `key_mapping`
+    renames a multimodal checkpoint's language-model weights to the bare decoder's (transformers'
+    `from_pretrained(key_mapping=…)`)."""
 
     model_class: str = "Qwen3Model"
     system: str | None = None
@@ -141,20 +153,37 @@ class ChatEncoderSpec(TextEncoderSpec):
     layers: tuple[int, ...] = (-1,)
     drop: int = 0
     padded: bool = False
+    removed: tuple[str, ...] = ()
+    generation_prompt: bool = True
+    key_mapping: tuple[tuple[str, str], ...] = ()
+
+    def load_options(self) -> dict[str, Any]:
+        return {"key_mapping": dict(self.key_mapping)} if self.key_mapping else {}
 
     def templated(self, tokenizer: Any, texts: list[str]) -> list[str]:
+        for removed in self.removed:
+            texts = [text.replace(removed, "") for text in texts]
         if self.template is not None:
             return [self.template.format(text) for text in texts]
         options = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
         system = [{"role": "system", "content": self.system}] if self.system is not None else []
         return [tokenizer.apply_chat_template([*system, {"role": "user", "content": text}], tokenize=False,
-                                              add_generation_prompt=True, **options) for text in texts]
+                                              add_generation_prompt=self.generation_prompt, **options)
+                for text in texts]
 
     def tokenize(self, tokenizer: Any, texts: list[str], max_length: int) -> tuple[list[list[int]], int]:
-        """The templated captions' ids, cut at max_length positions past the dropped ones."""
-        full = tokenizer(self.templated(tokenizer, texts)).input_ids
+        """The templated captions' ids, cut at max_length positions past the dropped ones; a
+        template that writes the tokenizer's begin token itself is tokenized without another, as
+        transformers' processors tokenize their chat templates."""
+        templated = self.templated(tokenizer, texts)
+        bos = tokenizer.bos_token
+        specials = not (bos is not None and templated and templated[0].startswith(bos))
+        full = tokenizer(templated, add_special_tokens=specials).input_ids
         limit = max_length + self.drop
         return [x[:limit] for x in full], sum(len(x) > limit for x in full)
+
+    def pads_left(self, tokenizer: Any) -> bool:
+        return self.padded and tokenizer.padding_side == "left"
 
     def kept(self, ids: list[int], max_length: int) -> int:
         return max_length if self.padded else len(ids) - self.drop
@@ -168,7 +197,10 @@ class ChatEncoderSpec(TextEncoderSpec):
         of them makes another cache (the tokenizer's own template is a tokenizer file, hashed with them)."""
         chat = {"system": self.system, "enable_thinking": self.enable_thinking, "layers": list(self.layers),
                 "drop": self.drop, **({"template": self.template} if self.template is not None else {}),
-                **({"padded": True} if self.padded else {})}
+                **({"padded": True} if self.padded else {}),
+                **({"removed": list(self.removed)} if self.removed else {}),
+                **({"generation_prompt": False} if not self.generation_prompt else {}),
+                **({"key_mapping": [list(pair) for pair in self.key_mapping]} if self.key_mapping else {})}
         return {"masked": True, "outputs": list(self.outputs), "model_class": self.model_class, "chat": chat}
 
 
