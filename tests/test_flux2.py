@@ -3,8 +3,10 @@ every one of the 512 positions, and where the padding goes when a tokenizer pads
 
 from __future__ import annotations
 
+import json
 import shutil
 
+import pytest
 import torch
 
 from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig
@@ -71,3 +73,18 @@ def test_a_tokenizer_that_pads_on_the_left_gives_the_cache_the_pipelines_layout(
         torch.testing.assert_close(cache.get(caption), expected, rtol=1e-4, atol=5e-5)
     right = TextEncodingConfig(dtype="fp32", device="cpu", numerics_samples=0)
     assert text_fingerprints(model, right) != text_fingerprints(ModelConfig(path=str(tiny_family("flux2-dev"))), right)
+
+
+def test_sampling_from_text_names_the_backend_a_published_folders_processor_needs(tiny_family, tmp_path):
+    """FLUX.2 [dev]'s folder as published names a `PixtralProcessor` for its tokenizer, which needs
+    torchvision (not installed): sampling from text says so, naming the component, before the
+    pipeline's `from_pretrained` fails on it without a reason. The tiny folder's tokenizer loads."""
+    from tasks.runs.sampling import check_components
+
+    check_components(ModelConfig(path=str(tiny_family("flux2-dev"))))
+    folder = tmp_path / "flux2-dev"
+    shutil.copytree(tiny_family("flux2-dev"), folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "tokenizer": ["transformers", "PixtralProcessor"]}))
+    with pytest.raises(ImportError, match=r"its tokenizer is a PixtralProcessor, which needs .*torchvision"):
+        check_components(ModelConfig(path=str(folder)))

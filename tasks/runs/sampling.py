@@ -21,7 +21,7 @@ from configs.schema import ModelConfig, TextEncodingConfig
 from storage.shards import collate
 from tasks.encode.models import load_vae
 from tasks.loading import resolve_device
-from tasks.families import Family, family_of
+from tasks.families import Family, family_of, model_index
 from tasks.ingest.video import clip_bytes
 from tasks.runs.export import save_diffusers_lora
 from tasks.runs.folder import FinishedRun
@@ -136,6 +136,20 @@ def check_first_frames(family: Family, first_frames: list[Image.Image] | None, c
         raise ValueError(f"first frames: {len(first_frames)} for {count} prompts; give one a prompt")
 
 
+def check_components(model: ModelConfig) -> None:
+    """Before the pipeline loads: refuse, naming it and what it needs, a component whose transformers
+    class cannot be imported here (a processor that needs torchvision, which precast does not
+    install), which `from_pretrained` would fail on without saying why."""
+    import transformers
+
+    for name, entry in model_index(model.path, model.revision).items():
+        if isinstance(entry, list) and entry[:1] == ["transformers"] and entry[1:]:
+            if needs := getattr(getattr(transformers, entry[1], None), "_backends", None):
+                raise ImportError(f"model.path {model.path}: its {name} is a {entry[1]}, which needs "
+                                  f"{', '.join(needs)} (not installed): install it to sample from text; a run's "
+                                  f"sample grids, drawn during training from the cached prompts, load no {name}")
+
+
 def sample_grid(
     model: ModelConfig,
     family: Family,
@@ -193,6 +207,7 @@ def sample_run(
                                                                    if model_path else {})})
     family = family_of(model)
     check_first_frames(family, first_frames, len(prompts))
+    check_components(model)
     with tempfile.TemporaryDirectory() as local:
         slot = family.denoiser.folder(model)  # the pipeline's component the run trained
         if run.weights == "adapter" and hasattr(family.sampler.pipeline_class(), "load_lora_weights"):
