@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import shutil
 
 import pytest
@@ -411,8 +413,10 @@ def test_a_decoder_only_llm_plugs_into_the_stage_through_its_prompt_function(mak
     assert compared >= 24
     loaded = load_text_encoder(config.model, family_of(config.model), spec, "fp32", "cpu", "none")
     assert not hasattr(loaded.model, "lm_head")
-    declare_encoder(monkeypatch, config.model, ChatEncoderSpec("llm", layers=(-1,), drop=3))
-    assert text_fingerprints(config.model, config.text_encoding)["llm"] != fingerprint
+    for changed in (ChatEncoderSpec("llm", layers=(-1,), drop=3), replace(spec, removed=("[IMG]",)),
+                    replace(spec, generation_prompt=False), replace(spec, padded=True)):
+        declare_encoder(monkeypatch, config.model, changed)
+        assert text_fingerprints(config.model, config.text_encoding)["llm"] != fingerprint, changed
     declare_encoder(monkeypatch, config.model, spec)
     assert text_fingerprints(config.model, config.text_encoding)["llm"] == fingerprint
     template = next((models / "tokenizer").glob("chat_template.*"))  # one character of the template changed
