@@ -44,6 +44,7 @@ from tasks.ingest.report import report_markdown
 from tasks.ingest.stage import latest_dataset
 from tasks.ingest.staging import Partitions
 from tasks.manifest import manifest_record
+from tasks.families import Family, family_of
 from tasks.identity import manifest_id, prompts_cache_key, text_fingerprints, vae_fingerprint
 from tasks.records import CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, RunRecord
 from tasks.runner import Shards
@@ -54,7 +55,7 @@ from tasks.train import finished_run, run_for
 @dataclass
 class Plan:
     """What one pipeline (or stage) run derives from its config, each computed once and only when
-    first needed: the store, the encoders' fingerprints (hashing a model's files, or asking the
+    first needed: the store, the model's family, the encoders' fingerprints (hashing a model's files, or asking the
     hub; a stage that does not need them never computes them) and Prefect's result storage."""
 
     config: PipelineConfig
@@ -62,6 +63,10 @@ class Plan:
     @cached_property
     def store(self) -> Store:
         return Store(self.config.storage)
+
+    @cached_property
+    def family(self) -> Family:
+        return family_of(self.config.model)
 
     @cached_property
     def text_fps(self) -> dict[str, str]:
@@ -338,7 +343,8 @@ STORED = {"ingest": stored_dataset, "manifest": stored_manifest}
 def stored_run(plan: Plan, manifest: ManifestRecord) -> RunRecord:
     """The record of the run a train child finished (found by its id, as train finds it)."""
     config, store = plan.config, plan.store
-    run, _ = run_for(store, config.model, config.training, store.read_json(store.key(manifest["url"]))["id"])
+    run, _ = run_for(store, config.model, config.training, store.read_json(store.key(manifest["url"]))["id"],
+                     plan.family)
     if (record := finished_run(store, run)) is None:
         raise FileNotFoundError(f"{store.url(run)} is not finished: its train child ended without committing it")
     return record

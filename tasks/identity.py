@@ -130,14 +130,14 @@ def manifest_id(dataset: str, text_fps: dict[str, str], vae_fp: str, prompts: li
     return hash_json({"dataset": dataset, "text": text_identity(text_fps), "vae": vae_fp, "prompts": prompts})
 
 
-def run_id_for(manifest: str, model: ModelConfig, training: TrainingConfig, init: dict | None = None) -> str:
+def run_id_for(manifest: str, model: ModelConfig, training: TrainingConfig, family: Family,
+               init: dict | None = None) -> str:
     # an explicit init_from URL counts by the adapter's bytes; "latest" by the word, so a re-run
     # over an unchanged manifest is the same run, and new data continues from the newest run
     init_id = init["sha256"] if init and training.init_from not in ("none", "latest") else None
     # the global batch's split over nodes, processes and accumulation does not count (the schema
     # says so), the micro-batches a step takes do; the modules LoRA adapts count resolved: the
     # family's defaults as if spelled in the config
-    family = family_of(model)
     settings = {**counted(training), "micro_batches": training.micro_batches,
                 "target_modules": family.denoiser.target_modules(training)}
     return hash_json({"manifest": manifest, "transformer": transformer_fingerprint(model, family), "training": settings,

@@ -151,6 +151,7 @@ def _other_values(section: type[Section], name: str) -> list:
 def _identity_of(section: Section, tiny_models: str) -> object:
     from configs.schema import DatasetConfig, LatentEncodingConfig, ModelConfig, TextEncodingConfig
     from tasks import identity
+    from tasks.families import family_of
 
     model = ModelConfig(path=tiny_models)
     if isinstance(section, DatasetConfig):
@@ -159,7 +160,7 @@ def _identity_of(section: Section, tiny_models: str) -> object:
         return identity.text_fingerprints(model, section)
     if isinstance(section, LatentEncodingConfig):
         return identity.vae_fingerprint(model, section)
-    return identity.run_id_for("m" * 20, model, section)
+    return identity.run_id_for("m" * 20, model, section, family_of(model))
 
 
 def test_every_field_an_identity_is_made_of_declares_whether_it_counts_and_the_identity_follows(tiny_models):
@@ -226,10 +227,12 @@ def test_the_declared_rules_give_every_identity_the_rules_before_them_gave(tiny_
     encoded again and no run retrained for the move."""
     from configs.schema import DatasetConfig, LatentEncodingConfig, ModelConfig, TextEncodingConfig, TrainingConfig
     from tasks import identity
+    from tasks.families import family_of
 
     monkeypatch.setattr(identity, "component_fingerprint",
                         lambda path, folders, revision=None: {folder: {"f": "0" * 64} for folder in folders})
     model = ModelConfig(path=tiny_models)
+    family = family_of(model)
     datasets = [
         {"sources": [{"path": "/d"}]},
         {"sources": [{"path": "/d", "format": "jsonl", "caption_column": "c"}], "shard_size": 9,
@@ -253,8 +256,8 @@ def test_the_declared_rules_give_every_identity_the_rules_before_them_gave(tiny_
         "datasets": [identity.config_hash(DatasetConfig.model_validate(raw)) for raw in datasets],
         "texts": [identity.text_fingerprints(model, TextEncodingConfig.model_validate(raw))["t5"] for raw in texts],
         "latents": [identity.vae_fingerprint(model, LatentEncodingConfig.model_validate(raw)) for raw in latents],
-        "runs": [identity.run_id_for("m" * 20, model, TrainingConfig.model_validate(raw)) for raw in trainings]
-        + [identity.run_id_for("m" * 20, model, TrainingConfig(init_from="file:///x"), {"sha256": "ab"})]}
+        "runs": [identity.run_id_for("m" * 20, model, TrainingConfig.model_validate(raw), family) for raw in trainings]
+        + [identity.run_id_for("m" * 20, model, TrainingConfig(init_from="file:///x"), family, {"sha256": "ab"})]}
     assert made == {
         "datasets": ["d85fa3f5361c3402debf", "b0f2ae569a79f17cdc7c", "508d60aedcbf81a1ee1d", "890a4965d549567a3307",
                      "0cad8a5694b0104efe96"],

@@ -40,10 +40,11 @@ def flux_dev(tiny_family) -> ModelConfig:
 
 
 def test_mode_scale_is_part_of_a_run_only_when_mode_draws_its_timesteps(flux_dev):
+    from tasks.families import family_of
     from tasks.identity import run_id_for
 
     def run_id(**training):
-        return run_id_for("a manifest", flux_dev, TrainingConfig(**training))
+        return run_id_for("a manifest", flux_dev, TrainingConfig(**training), family_of(flux_dev))
 
     assert run_id(mode_scale=0.5) == run_id()
     assert run_id(timestep_sampling="mode") != run_id(timestep_sampling="mode", mode_scale=0.5) != run_id()

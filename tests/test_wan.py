@@ -228,7 +228,7 @@ def test_the_warm_up_is_part_of_a_run_id_only_when_set(ti2v, monkeypatch):
     monkeypatch.setattr(tasks.identity, "hash_json", lambda value: hashed.append(value) or str(len(hashed)))
 
     def settings(**training):
-        tasks.identity.run_id_for("a manifest", ti2v, TrainingConfig(image_to_video=0.2, **training))
+        tasks.identity.run_id_for("a manifest", ti2v, TrainingConfig(image_to_video=0.2, **training), family_of(ti2v))
         return hashed[-1]["training"]
 
     assert "image_to_video_warmup" not in settings() and "image_to_video_warmup" not in settings(image_to_video_warmup=0)

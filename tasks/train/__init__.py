@@ -16,7 +16,7 @@ from configs.schema import ModelConfig, StorageConfig, TrainingConfig
 from storage import layout
 from storage.lease import Lease
 from storage.store import Store
-from tasks.families import family_of
+from tasks.families import Family, family_of
 from tasks.runs.folder import run_record, weights_of
 from tasks.train.data import CachedFeatures
 from tasks.train.distributed import Launcher
@@ -39,14 +39,14 @@ def finished_run(store: Store, run: str) -> dict[str, Any] | None:
             "amount": f"{record['steps']} steps, loss {record['first_loss']:.3f} → {record['final_loss']:.3f}"}
 
 
-def check_training(model: ModelConfig, training: TrainingConfig) -> None:
+def check_training(model: ModelConfig, training: TrainingConfig, family: Family | None = None) -> None:
     """Refuse, naming the setting, what the model's family cannot train or sample of `training`: a
     loss weighting its schedule lacks, or image-to-video training and sample first frames without
     an image-to-video pipeline. The runner checks before any stage, so a refused run has not
     ingested or encoded for nothing. A model this process cannot read is left to the first stage
-    that reads it, which names itself (and may run where the model is)."""
+    that reads it, which names itself (and may run where the model is); `family`: the model's, resolved."""
     try:
-        family = family_of(model)
+        family = family or family_of(model)
     except (OSError, ValueError):
         return
     Objective.of(model, training, family)
@@ -63,10 +63,11 @@ def train(
     after each step (the validation loss is None at steps without one). With `training.nodes` > 1,
     every node calls this with its `node` index and the `attempt` id they share (a new one for each
     attempt: a re-run resumes from the last checkpoint)."""
-    check_training(model, training)
+    family = family_of(model)  # resolved once, here: the trainer's processes resolve it in theirs
+    check_training(model, training, family)
     store = Store(storage)
     manifest = json.loads(store.read_verified(store.key(manifest_url)))
-    run, init = run_for(store, model, training, manifest["id"])
+    run, init = run_for(store, model, training, manifest["id"], family)
     if (record := finished_run(store, run)) is not None:
         return with_work(record, store)
     if training.nodes > 1 and attempt is None:
@@ -80,7 +81,7 @@ def train(
     launch = partial(Launcher(store, run, training, node, attempt).launch, partial(train_process, job),
                      partial(finished_run, store, run))
     if node > 0:  # node 0 holds the run's lease and publishes where to join; the others join it
-        fetch_for_node(store, model, training, manifest)
+        fetch_for_node(store, training, manifest, family)
         return launch()
     # one trainer per run: another pipeline training it already is waited for, not raced
     lease = Lease(store, layout.run_part(run, "lease"))
@@ -92,19 +93,19 @@ def train(
     try:  # unless it finished while we waited
         if (record := finished_run(store, run)) is not None:
             return with_work(record, store)
-        fetch_for_node(store, model, training, manifest)
+        fetch_for_node(store, training, manifest, family)
         record = launch(progress, lease)
         return with_work(record, store, store.read_json(layout.run_part(run, "work"))["io_retries"])
     finally:
         lease.release()
 
 
-def fetch_for_node(store: Store, model: ModelConfig, training: TrainingConfig, manifest: dict[str, Any]) -> None:
+def fetch_for_node(store: Store, training: TrainingConfig, manifest: dict[str, Any], family: Family) -> None:
     """Every cache shard of a remote store fetched into this node's cache and checked once, before
     the node's `training.processes` processes start: each checks its copy again, none downloads it
     (they would all fetch the same shards at once)."""
     if training.processes > 1 and not store.is_local:
-        CachedFeatures(store, manifest, family_of(model))  # the encoders' names: which caches
+        CachedFeatures(store, manifest, family)  # the encoders' names: which caches
 
 
 def with_work(record: dict[str, Any], store: Store, trained: int = 0) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from safetensors.torch import load as load_safetensors
 from configs.schema import ModelConfig, TrainingConfig
 from storage import layout
 from storage.store import Store
+from tasks.families import Family
 from tasks.identity import run_id_for
 from tasks.runs.folder import FinishedRun, run_record, weights_of
 
@@ -44,9 +45,10 @@ def initial_adapter(store: Store, model: ModelConfig, training: TrainingConfig) 
     return {"url": run.store.url(layout.run_part(run.run, "adapter")), "sha256": hashlib.sha256(data).hexdigest(), "tensors": load_safetensors(data)}
 
 
-def run_for(store: Store, model: ModelConfig, training: TrainingConfig, manifest_id: str) -> tuple[str, dict | None]:
+def run_for(store: Store, model: ModelConfig, training: TrainingConfig, manifest_id: str,
+            family: Family) -> tuple[str, dict | None]:
     """The run folder these inputs train, and the adapter an explicit `init_from` names (for
     "latest" the newest run is looked up only when training starts: it is not part of the id)."""
     explicit = training.init_from not in ("none", "latest")
     init = initial_adapter(store, model, training) if explicit else None
-    return layout.run(run_id_for(manifest_id, model, training, init)), init
+    return layout.run(run_id_for(manifest_id, model, training, family, init)), init
