@@ -459,12 +459,11 @@ MISTRAL3_CHAT_TEMPLATE = (
 MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                     "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]",
                     "[IMG_END]", "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
-def write_mistral3(tokenizer_folder: Path, encoder_folder: Path, perturb: int | None = None,
-                   padding_side: str = "right") -> None:
+def write_mistral3(tokenizer_folder: Path, encoder_folder: Path, perturb: int | None = None) -> None:
     """A whole Mistral Small 3.1 (`Mistral3ForConditionalGeneration`: its vision tower and
     vocabulary head, as FLUX.2 [dev]'s text encoder is saved) and its tokenizer: a byte-level BPE
-    whose control tokens come first, which begins each text with <s>, pads with <pad> on
-    `padding_side`, and carries Mistral Small 3.1's chat template. The published folder is a
+    whose control tokens come first, which begins each text with <s>, pads with <pad> on the
+    right (transformers' default), and carries Mistral Small 3.1's chat template. The published folder is a
     `PixtralProcessor` (that tokenizer and Pixtral's image processor, which needs torchvision,
     which precast does not install); of a text-only conversation the processor renders the same
     template and tokenizes it as the tokenizer does (no second <s>: transformers' rule for both)."""
@@ -480,7 +479,7 @@ def write_mistral3(tokenizer_folder: Path, encoder_folder: Path, perturb: int | 
     bpe.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
     bpe.add_special_tokens(list(MISTRAL_SPECIALS))
     PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                            pad_token="<pad>", padding_side=padding_side, model_max_length=131072,
+                            pad_token="<pad>", model_max_length=131072,
                             chat_template=MISTRAL3_CHAT_TEMPLATE).save_pretrained(tokenizer_folder)
     config = Mistral3Config(text_config=dict(MISTRAL3_TEXT, vocab_size=len(vocab)), vision_config=MISTRAL3_VISION,
                             image_token_index=MISTRAL_SPECIALS.index("[IMG]"), spatial_merge_size=2,
