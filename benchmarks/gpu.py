@@ -107,7 +107,7 @@ def lora_step(model: ModelConfig, mode: str, device: torch.device,
     from tasks.train.network import kept_activations, trainable_network
     from tasks.train.loss import Objective, diffusion_loss
 
-    training = TrainingConfig(rank=32, alpha=16, mixed_precision="bf16", device=device.type, **MODES[mode])
+    training = TrainingConfig(lora={"rank": 32, "alpha": 16}, mixed_precision="bf16", device=device.type, **MODES[mode])
     objective = Objective.of(model, training)
     network = trainable_network(model, objective.family, training).to(device)
     optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=1e-4,

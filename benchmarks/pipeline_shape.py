@@ -48,7 +48,7 @@ DELAY = 0.020
 def bench_config(root: str, models: Path, endpoint: str):
     """The quickstart on `root` with the tiny models, the S3 source and `SHARD_SIZE` shards."""
     config = load_config(QUICKSTART, [f"storage.root={root}", f"model.path={models}",
-                                      f"dataset.shard_size={SHARD_SIZE}", "training.sample_prompts=[a red circle]"])
+                                      f"dataset.shard_size={SHARD_SIZE}", "training.samples.prompts=[a red circle]"])
     return config.model_copy(update={
         "storage": config.storage.model_copy(update={"options": {"endpoint_url": endpoint}}),
         "dataset": config.dataset.model_copy(update={"sources": [SourceConfig(path="s3://bench/data")]})})

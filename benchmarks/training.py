@@ -43,7 +43,8 @@ def config_for(workdir: Path, steps: int, batch: int) -> PipelineConfig:
         "model": {"path": str(workdir / "models")},
         "text_encoding": {"dtype": "fp32", "device": "cpu", "numerics_samples": 0},
         "latent_encoding": {"resolution": 256, "batch_size": 1, "device": "cpu"},
-        "training": {"steps": steps, "batch_size": batch, "rank": 16, "alpha": 16, "sample_prompts": [],
+        "training": {"steps": steps, "batch_size": batch, "lora": {"rank": 16, "alpha": 16},
+                     "samples": {"prompts": []},
                      "caption_dropout": 0.0, "checkpoint_every": 0, "device": "cpu"},
     })
 
@@ -107,7 +108,8 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
     network = trainable_network(config.model, family, training)
     objective = Objective.of(config.model, training)
     table = family.codec.bucket_table(256)
-    optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=training.learning_rate)
+    optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad],
+                                  lr=training.optimizer.learning_rate)
     batches = bucket_batches(buckets, training.batch_size, training.seed)
     generator = torch.Generator().manual_seed(training.seed)
     started = time.perf_counter()

@@ -37,11 +37,10 @@ MODES = {
 
 def mode_config(workdir: Path, steps: int, batch: int, mode: str, budget: int):
     config = config_for(workdir, steps, batch)
-    raw = config.model_dump()
     changes = {**MODES[mode], **({"batch_tokens": budget} if mode == "token budget" else {})}
-    raw["training"].update(rank=32, alpha=16, validation_samples=0, log_every=steps, **changes)
-    raw["latent_encoding"]["resolution"] = 512
-    return type(config).model_validate(raw)
+    training = config.training.updated({"lora.rank": 32, "lora.alpha": 16, "validation.samples": 0, "log_every": steps,
+                                        **changes})
+    return config.updated({"training": training.model_dump(), "latent_encoding.resolution": 512})
 
 
 def held_bytes(config, manifest_url: str) -> dict[str, float]:

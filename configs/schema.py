@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -21,6 +21,24 @@ QUICKSTART = CONFIG_DIR / "quickstart.yaml"
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def updated(self, changes: dict[str, Any]) -> Section:
+        """A validated copy with `changes` applied: {"lora.rank": 8, "steps": 2}, dotted within the section."""
+        raw = self.model_dump()
+        for key, value in changes.items():
+            set_dotted(raw, key, value)
+        return type(self).model_validate(raw)
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set `key` ("training.lora.rank") in the nested mapping `raw`, making the sections on its way."""
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"{key}: {part} is not a section")
+    node[leaf] = value
 
 
 @dataclass(frozen=True)
@@ -52,7 +70,7 @@ NOT_COUNTED = Identity(False)
 IF_NOT_DEFAULT = Identity(True, _not_default)
 # settings their section uses in one mode only: changing one in another mode must not change an id
 IF_RANDOM_CROP = Identity(True, lambda latents, name: latents.crop == "random")
-IF_MODE = Identity(True, lambda training, name: training.timestep_sampling == "mode")
+IF_MODE = Identity(True, lambda timesteps, name: timesteps.sampling == "mode")
 # how the global batch is split over nodes, processes and accumulation: the run id holds the
 # micro-batches a step takes, so a run is the same run on any number of nodes
 IN_MICRO_BATCHES = Identity(False, through="micro_batches")
@@ -302,27 +320,75 @@ class LatentEncodingConfig(Section):
     device: Annotated[str, NOT_COUNTED] = Field("auto", description="Torch device for the VAE: auto, cpu, cuda, …")
 
 
-class TrainingConfig(Section):
-    method: Annotated[Literal["lora", "full"], COUNTED] = Field(
-        "lora", description="lora: a PEFT LoRA adapter on the frozen transformer; full: every transformer weight "
-        "(saved in diffusers format)."
-    )
-    init_from: Annotated[str, COUNTED] = Field(
-        "none", description="none; latest: continue from the newest finished LoRA run of this model in the store "
-        "(nightly retraining); or a run/adapter URL. Only the weights carry over, not the optimizer."
-    )
+class Group(Section):
+    """A group of a section's fields (training.lora, training.optimizer, …), written nested. `FLAT`:
+    the names its fields had before the section was grouped, where they differ: the section reads
+    them too (`read_flat`), so older configs and deployments load as they did, and identities hash
+    the flat form they always hashed (`flat`)."""
+    FLAT: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def flat_names(cls) -> dict[str, str]:
+        """Each field's name in the section's flat form."""
+        return {name: cls.FLAT.get(name, name) for name in cls.model_fields}
+
+
+def grouped(kind: type[Group], description: str) -> Any:
+    """The field of a section that holds the group `kind`, at its defaults unless given."""
+    return Field(default_factory=kind, description=description)
+
+
+def groups_of(section: type[Section]) -> dict[str, type[Group]]:
+    """The section's groups by field name."""
+    return {name: field.annotation for name, field in section.model_fields.items()
+            if isinstance(field.annotation, type) and issubclass(field.annotation, Group)}
+
+
+def read_flat(section: type[Section], raw: Any) -> Any:
+    """`raw` with the flat names of `section`'s grouped fields (training.rank) moved into their
+    groups (training.lora.rank); a field given both ways is refused by its two names."""
+    if not isinstance(raw, dict):
+        return raw
+    raw = dict(raw)
+    for group, kind in groups_of(section).items():
+        # a flat name may be the group's own (training.optimizer: adamw8bit): a value, not a mapping
+        found = {name: raw.pop(flat) for name, flat in kind.flat_names().items()
+                 if flat in raw and (flat != group or not isinstance(raw[flat], dict))}
+        if not found:
+            continue
+        into = raw.get(group, {})
+        if not isinstance(into, dict):
+            raise ValueError(f"{group}: a mapping of {', '.join(kind.model_fields)}")
+        if both := sorted(set(found) & set(into)):
+            raise ValueError(f"{', '.join(kind.flat_names()[name] for name in both)} given twice: flat and as "
+                             f"{', '.join(f'{group}.{name}' for name in both)}; keep one")
+        raw[group] = {**into, **found}
+    return raw
+
+
+def flat(section: type[Section], values: dict[str, Any]) -> dict[str, Any]:
+    """`values` of `section` (a model_dump, whole or in part) with its groups' fields under their flat names."""
+    out = {name: value for name, value in values.items() if name not in groups_of(section)}
+    for group, kind in groups_of(section).items():
+        names = kind.flat_names()
+        out.update({names[name]: value for name, value in values.get(group, {}).items()})
+    return out
+
+
+class LoraConfig(Group):
+    FLAT: ClassVar[dict[str, str]] = {"dropout": "lora_dropout"}
     rank: Annotated[int, COUNTED] = Field(32, ge=1, description="LoRA rank r.")
     alpha: Annotated[float, COUNTED] = Field(16.0, gt=0, description="LoRA alpha (the scale is alpha / rank).")
-    lora_dropout: Annotated[float, COUNTED] = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch.")
+    dropout: Annotated[float, COUNTED] = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch.")
     target_modules: Annotated[list[str] | None, COUNTED] = Field(
         None, description="Transformer modules that get LoRA layers (PEFT target_modules). None: the model family's "
         "own (attention q/k/v/out and feed-forward; docs/families.md).",
     )
-    steps: Annotated[int, COUNTED] = Field(1000, ge=1, description="Optimizer steps.")
-    batch_size: Annotated[int, COUNTED] = Field(
-        4, ge=1, description="Samples per micro-batch of one process (what fits its device); a micro-batch comes "
-        "from one aspect-ratio bucket.")
-    optimizer: Annotated[Literal["adamw", "adamw8bit"], COUNTED] = Field(
+
+
+class OptimizerConfig(Group):
+    FLAT: ClassVar[dict[str, str]] = {"name": "optimizer"}
+    name: Annotated[Literal["adamw", "adamw8bit"], COUNTED] = Field(
         "adamw", description="adamw (torch) or adamw8bit (bitsandbytes: 8-bit optimizer state, about a quarter of "
         "AdamW's memory for large tensors)."
     )
@@ -334,6 +400,125 @@ class TrainingConfig(Section):
         0.0, ge=0, lt=1, description="Decay of an exponential moving average of the trained weights (0: off); "
         "when on, the averaged weights are what the run saves."
     )
+
+
+class TimestepsConfig(Group):
+    FLAT: ClassVar[dict[str, str]] = {"sampling": "timestep_sampling"}
+    sampling: Annotated[Literal["uniform", "logit_normal", "mode"], COUNTED] = Field(
+        "uniform", description="How training timesteps are drawn (diffusers' compute_density_for_timestep_sampling): "
+        "uniform over the schedule; logit_normal: sigmoid of N(logit_mean, logit_std), favouring the middle of the "
+        "schedule; mode: the mode-weighted density of the SD3 paper, shaped by mode_scale.")
+    logit_mean: Annotated[float, COUNTED] = Field(0.0, description="Mean of the logit-normal timestep distribution.")
+    logit_std: Annotated[float, COUNTED] = Field(
+        1.0, gt=0, description="Standard deviation of the logit-normal timestep distribution.")
+    mode_scale: Annotated[float, IF_MODE] = Field(
+        1.29, description="Scale of the mode timestep density (SD3's and diffusers' default "
+        "1.29; 0 is uniform); used only by sampling mode.")
+    loss_weighting: Annotated[Literal["none", "min_snr", "sigma_sqrt", "cosmap"], COUNTED] = Field(
+        "none", description="none: every timestep weighs the same (the families' own); min_snr (DDPM families): "
+        "Min-SNR-γ weighting, min(SNR, γ) / SNR for epsilon, / (SNR + 1) for v_prediction, min(SNR, γ) for sample; "
+        "sigma_sqrt, cosmap (flow-matching families): σ⁻² and 2 / (π(1 − 2σ + 2σ²)), diffusers' "
+        "compute_loss_weighting_for_sd3.")
+    min_snr_gamma: Annotated[float, COUNTED] = Field(5.0, gt=0, description="γ of min_snr loss weighting.")
+
+
+class SamplesConfig(Group):
+    FLAT: ClassVar[dict[str, str]] = {"prompts": "sample_prompts", "first_frames": "sample_first_frames",
+                                      "every": "sample_every", "steps": "sample_steps", "fps": "sample_fps"}
+    prompts: Annotated[list[str], COUNTED] = Field(
+        default_factory=lambda: ["a red circle on a blue background"],
+        description="Prompts rendered into the run's sample grid (encoded by the text stage, not here).",
+    )
+    first_frames: Annotated[list[str], COUNTED] = Field(
+        default_factory=list,
+        description="Pictures (paths or URLs, read with the storage options) the sample videos start from, one a "
+        "sample prompt in order: drawn image to video by the family's image-to-video pipeline (Wan 2.2 TI2V: "
+        "WanImageToVideoPipeline), to see what training.image_to_video learns. Empty: drawn from text alone.",
+    )
+    every: Annotated[int, COUNTED] = Field(
+        0, ge=0, description="Steps between sample grids during training (0: at the end only).")
+    steps: Annotated[int, COUNTED] = Field(20, ge=1, description="Denoising steps per sample image.")
+    fps: Annotated[float, NOT_COUNTED] = Field(
+        16.0, gt=0, le=240, description="Frames a second of the sample videos of a run on clips "
+        "(the run's samples/step-N.webp; `precast sample`'s default): the clips' `dataset.video.fps` "
+        "shows motion at the speed the clips show it (16: Wan's).")
+    true_cfg_scale: Annotated[float, IF_NOT_DEFAULT] = Field(
+        1.0, ge=1, description="Classifier-free guidance of the samples on top of the "
+        "guidance input of a guidance-distilled transformer (its pipeline's true_cfg_scale): "
+        "for a transformer trained on dropped captions; 1: none. Unused where guidance_scale "
+        "is the classifier-free guidance.")
+
+    @model_validator(mode="after")
+    def _a_first_frame_a_prompt(self) -> SamplesConfig:
+        if self.first_frames and len(self.first_frames) != len(self.prompts):
+            raise ValueError(f"first_frames: {len(self.first_frames)} pictures for {len(self.prompts)} prompts; "
+                             "give one a prompt")
+        return self
+
+
+class ValidationConfig(Group):
+    FLAT: ClassVar[dict[str, str]] = {"samples": "validation_samples", "every": "validation_every"}
+    samples: Annotated[int, COUNTED] = Field(
+        8, ge=0, description="Samples of the manifest held out of training (chosen by a hash of seed and sample id) "
+        "to score a validation loss with fixed draws, noise and timesteps (0: no validation)."
+    )
+    every: Annotated[int, COUNTED] = Field(
+        50, ge=0, description="Steps between validation losses (0: at the end only); logged in metrics.jsonl, the "
+        "loss curve and the run's progress."
+    )
+
+
+class DistributionConfig(Group):
+    processes: Annotated[int, IN_MICRO_BATCHES] = Field(
+        1, ge=1, description="Data-parallel training processes per node: one per GPU (NCCL), or CPU processes "
+        "(gloo). Each takes every n-th micro-batch of the global batch; gradients are averaged."
+    )
+    nodes: Annotated[int, IN_MICRO_BATCHES] = Field(
+        1, ge=1, description="Nodes that train together, each running `processes` processes. Above 1 the train stage "
+        "starts one flow run per node through execution.placement's train deployment; they find each other through "
+        "the store (rank 0 publishes its address) and train as one torch.distributed group."
+    )
+    node_timeout: Annotated[float, NOT_COUNTED] = Field(
+        300.0, gt=0, description="Seconds a node may stay silent (no heartbeat, a collective not completing, not "
+        "joining) before the whole run fails naming it; a re-run resumes from the last checkpoint."
+    )
+    gradient_accumulation: Annotated[int, IN_MICRO_BATCHES] = Field(
+        1, ge=1, description="Micro-batches each process adds up per optimizer step (when global_batch is not set).")
+    global_batch: Annotated[int | None, IN_MICRO_BATCHES] = Field(
+        None, ge=1, description="Samples per optimizer step over every process of every node. Set, each process "
+        "accumulates global_batch / (batch_size × processes × nodes) micro-batches, so a run trains the same "
+        "(same id, same results within float tolerance) on any number of nodes and processes that divides it; "
+        "gradient_accumulation must then stay 1. None: batch_size × gradient_accumulation × processes × nodes.")
+
+
+class TrackingConfig(Group):
+    FLAT: ClassVar[dict[str, str]] = {"project": "tracker_project"}
+    trackers: Annotated[list[Literal["tensorboard", "mlflow", "wandb"]], NOT_COUNTED] = Field(
+        default_factory=lambda: ["tensorboard"], description="Experiment trackers that get the losses, learning rate, "
+        "gradient norm, samples/s, peak memory, sample grids and the run's config and lineage: tensorboard (event "
+        "files in the run folder on the store), mlflow (to mlflow_tracking_uri), wandb (as WANDB_* say; "
+        "WANDB_MODE=offline needs no network). mlflow and wandb are the package's extras. A tracker that fails "
+        "warns and is dropped; training never fails or waits for one.")
+    project: Annotated[str, NOT_COUNTED] = Field(
+        "precast", description="The MLflow experiment and W&B project runs are logged to.")
+    mlflow_tracking_uri: Annotated[str | None, NOT_COUNTED] = Field(
+        None, description="MLflow tracking URI (a server, or file:/path for a local store); None: MLflow's own "
+        "default (MLFLOW_TRACKING_URI, else ./mlruns).")
+
+
+class TrainingConfig(Section):
+    method: Annotated[Literal["lora", "full"], COUNTED] = Field(
+        "lora", description="lora: a PEFT LoRA adapter on the frozen transformer; full: every transformer weight "
+        "(saved in diffusers format)."
+    )
+    init_from: Annotated[str, COUNTED] = Field(
+        "none", description="none; latest: continue from the newest finished LoRA run of this model in the store "
+        "(nightly retraining); or a run/adapter URL. Only the weights carry over, not the optimizer."
+    )
+    steps: Annotated[int, COUNTED] = Field(1000, ge=1, description="Optimizer steps.")
+    batch_size: Annotated[int, COUNTED] = Field(
+        4, ge=1, description="Samples per micro-batch of one process (what fits its device); a micro-batch comes "
+        "from one aspect-ratio bucket.")
     caption_dropout: Annotated[float, COUNTED] = Field(
         0.1, ge=0, le=1, description="Probability of training on the empty caption (for classifier-free guidance)."
     )
@@ -350,13 +535,6 @@ class TrainingConfig(Section):
         "move a given first frame, then also to draw the first frame from text (the wan demo: 2,000 of 6,000 steps, "
         "then 0.2). 0: image_to_video's share from the first step."
     )
-    gradient_accumulation: Annotated[int, IN_MICRO_BATCHES] = Field(
-        1, ge=1, description="Micro-batches each process adds up per optimizer step (when global_batch is not set).")
-    global_batch: Annotated[int | None, IN_MICRO_BATCHES] = Field(
-        None, ge=1, description="Samples per optimizer step over every process of every node. Set, each process "
-        "accumulates global_batch / (batch_size × processes × nodes) micro-batches, so a run trains the same "
-        "(same id, same results within float tolerance) on any number of nodes and processes that divides it; "
-        "gradient_accumulation must then stay 1. None: batch_size × gradient_accumulation × processes × nodes.")
     batch_tokens: Annotated[int | None, COUNTED] = Field(
         None, ge=1, description="Image tokens per micro-batch instead of a sample count: a bucket whose images are t "
         "tokens each (latent height × width / patch²) gets batch_tokens // t samples (at least 1), so every "
@@ -374,22 +552,6 @@ class TrainingConfig(Section):
         "and loss stay fp32): fp32; bf16 or fp16 (half the memory; needs mixed_precision of the same type); int8 "
         "or fp8 (e4m3, weight-only, torchao: a quarter; each weight is widened as its layer runs). method full "
         "trains in fp32.")
-    timestep_sampling: Annotated[Literal["uniform", "logit_normal", "mode"], COUNTED] = Field(
-        "uniform", description="How training timesteps are drawn (diffusers' compute_density_for_timestep_sampling): "
-        "uniform over the schedule; logit_normal: sigmoid of N(logit_mean, logit_std), favouring the middle of the "
-        "schedule; mode: the mode-weighted density of the SD3 paper, shaped by mode_scale.")
-    logit_mean: Annotated[float, COUNTED] = Field(0.0, description="Mean of the logit-normal timestep distribution.")
-    logit_std: Annotated[float, COUNTED] = Field(
-        1.0, gt=0, description="Standard deviation of the logit-normal timestep distribution.")
-    mode_scale: Annotated[float, IF_MODE] = Field(
-        1.29, description="Scale of the mode timestep density (SD3's and diffusers' default "
-        "1.29; 0 is uniform); used only by timestep_sampling mode.")
-    loss_weighting: Annotated[Literal["none", "min_snr", "sigma_sqrt", "cosmap"], COUNTED] = Field(
-        "none", description="none: every timestep weighs the same (the families' own); min_snr (DDPM families): "
-        "Min-SNR-γ weighting, min(SNR, γ) / SNR for epsilon, / (SNR + 1) for v_prediction, min(SNR, γ) for sample; "
-        "sigma_sqrt, cosmap (flow-matching families): σ⁻² and 2 / (π(1 − 2σ + 2σ²)), diffusers' "
-        "compute_loss_weighting_for_sd3.")
-    min_snr_gamma: Annotated[float, COUNTED] = Field(5.0, gt=0, description="γ of min_snr loss weighting.")
     log_every: Annotated[int, NOT_COUNTED] = Field(
         10, ge=1, description="Steps between the losses leaving the device (metrics, log, progress): the loop never "
         "waits for the device in between. Also at validation, checkpoints and the last step.")
@@ -403,64 +565,27 @@ class TrainingConfig(Section):
     keep_checkpoints: Annotated[int, NOT_COUNTED] = Field(
         2, ge=1, description="Newest checkpoints kept in the run folder.")
     seed: Annotated[int, COUNTED] = Field(0, description="Seed of data order, noise and LoRA initialisation.")
-    sample_prompts: Annotated[list[str], COUNTED] = Field(
-        default_factory=lambda: ["a red circle on a blue background"],
-        description="Prompts rendered into the run's sample grid (encoded by the text stage, not here).",
-    )
-    sample_first_frames: Annotated[list[str], COUNTED] = Field(
-        default_factory=list,
-        description="Pictures (paths or URLs, read with the storage options) the sample videos start from, one a "
-        "sample prompt in order: drawn image to video by the family's image-to-video pipeline (Wan 2.2 TI2V: "
-        "WanImageToVideoPipeline), to see what training.image_to_video learns. Empty: drawn from text alone.",
-    )
-    sample_every: Annotated[int, COUNTED] = Field(
-        0, ge=0, description="Steps between sample grids during training (0: at the end only).")
-    validation_samples: Annotated[int, COUNTED] = Field(
-        8, ge=0, description="Samples of the manifest held out of training (chosen by a hash of seed and sample id) "
-        "to score a validation loss with fixed draws, noise and timesteps (0: no validation)."
-    )
-    validation_every: Annotated[int, COUNTED] = Field(
-        50, ge=0, description="Steps between validation losses (0: at the end only); logged in metrics.jsonl, the "
-        "loss curve and the run's progress."
-    )
-    sample_steps: Annotated[int, COUNTED] = Field(20, ge=1, description="Denoising steps per sample image.")
-    sample_fps: Annotated[float, NOT_COUNTED] = Field(
-        16.0, gt=0, le=240, description="Frames a second of the sample videos of a run on clips "
-        "(the run's samples/step-N.webp; `precast sample`'s default): the clips' `dataset.video.fps` "
-        "shows motion at the speed the clips show it (16: Wan's).")
     guidance_scale: Annotated[float, COUNTED] = Field(
         4.5, ge=1, description="Guidance scale of the samples: classifier-free guidance, "
         "or the guidance input of a guidance-distilled transformer (which training gives it too).")
-    true_cfg_scale: Annotated[float, IF_NOT_DEFAULT] = Field(
-        1.0, ge=1, description="Classifier-free guidance of the samples on top of the "
-        "guidance input of a guidance-distilled transformer (its pipeline's true_cfg_scale): "
-        "for a transformer trained on dropped captions; 1: none. Unused where guidance_scale "
-        "is the classifier-free guidance.")
-    processes: Annotated[int, IN_MICRO_BATCHES] = Field(
-        1, ge=1, description="Data-parallel training processes per node: one per GPU (NCCL), or CPU processes "
-        "(gloo). Each takes every n-th micro-batch of the global batch; gradients are averaged."
-    )
-    nodes: Annotated[int, IN_MICRO_BATCHES] = Field(
-        1, ge=1, description="Nodes that train together, each running `processes` processes. Above 1 the train stage "
-        "starts one flow run per node through execution.placement's train deployment; they find each other through "
-        "the store (rank 0 publishes its address) and train as one torch.distributed group."
-    )
-    node_timeout: Annotated[float, NOT_COUNTED] = Field(
-        300.0, gt=0, description="Seconds a node may stay silent (no heartbeat, a collective not completing, not "
-        "joining) before the whole run fails naming it; a re-run resumes from the last checkpoint."
-    )
-    trackers: Annotated[list[Literal["tensorboard", "mlflow", "wandb"]], NOT_COUNTED] = Field(
-        default_factory=lambda: ["tensorboard"], description="Experiment trackers that get the losses, learning rate, "
-        "gradient norm, samples/s, peak memory, sample grids and the run's config and lineage: tensorboard (event "
-        "files in the run folder on the store), mlflow (to mlflow_tracking_uri), wandb (as WANDB_* say; "
-        "WANDB_MODE=offline needs no network). mlflow and wandb are the package's extras. A tracker that fails "
-        "warns and is dropped; training never fails or waits for one.")
-    tracker_project: Annotated[str, NOT_COUNTED] = Field(
-        "precast", description="The MLflow experiment and W&B project runs are logged to.")
-    mlflow_tracking_uri: Annotated[str | None, NOT_COUNTED] = Field(
-        None, description="MLflow tracking URI (a server, or file:/path for a local store); None: MLflow's own "
-        "default (MLFLOW_TRACKING_URI, else ./mlruns).")
     device: Annotated[str, NOT_COUNTED] = Field("auto", description="Torch device for training: auto, cpu, cuda, …")
+    # each group counts in the run id field by field, as its fields declare
+    lora: Annotated[LoraConfig, COUNTED] = grouped(LoraConfig, "The LoRA adapter (method lora).")
+    optimizer: Annotated[OptimizerConfig, COUNTED] = grouped(
+        OptimizerConfig, "The optimizer, its schedule, clipping and weight averaging.")
+    timesteps: Annotated[TimestepsConfig, COUNTED] = grouped(
+        TimestepsConfig, "How training timesteps are drawn and their losses weighed.")
+    samples: Annotated[SamplesConfig, COUNTED] = grouped(SamplesConfig, "The run's sample grids.")
+    validation: Annotated[ValidationConfig, COUNTED] = grouped(
+        ValidationConfig, "The validation loss on held-out samples.")
+    distribution: Annotated[DistributionConfig, COUNTED] = grouped(
+        DistributionConfig, "Processes, nodes and how the global batch splits over them.")
+    tracking: Annotated[TrackingConfig, COUNTED] = grouped(TrackingConfig, "Experiment trackers.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_names(cls, raw: Any) -> Any:
+        return read_flat(cls, raw)
 
     @field_validator("gradient_checkpointing", mode="before")
     @classmethod
@@ -478,37 +603,34 @@ class TrainingConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _a_first_frame_a_prompt(self) -> TrainingConfig:
-        if self.sample_first_frames and len(self.sample_first_frames) != len(self.sample_prompts):
-            raise ValueError(f"sample_first_frames: {len(self.sample_first_frames)} pictures for "
-                             f"{len(self.sample_prompts)} sample_prompts; give one a prompt")
-        return self
-
-    @model_validator(mode="after")
     def _global_batch_splits(self) -> TrainingConfig:
-        if self.global_batch is None:
+        batch = self.distribution
+        if batch.global_batch is None:
             return self
         if self.batch_tokens is not None:
             raise ValueError("set global_batch or batch_tokens, not both: with batch_tokens a micro-batch's sample "
         "count depends on its bucket; set gradient_accumulation instead")
-        if self.gradient_accumulation != 1:
+        if batch.gradient_accumulation != 1:
             raise ValueError("set global_batch or gradient_accumulation, not both: global_batch fixes the "
         "accumulation of every process")
         share = self.batch_size * self.world
-        if self.global_batch % share:
-            raise ValueError(f"global_batch {self.global_batch} is not a multiple of batch_size × processes × nodes "
-                             f"= {self.batch_size} × {self.processes} × {self.nodes} = {share}")
+        if batch.global_batch % share:
+            raise ValueError(f"global_batch {batch.global_batch} is not a multiple of batch_size × processes × nodes "
+                             f"= {self.batch_size} × {batch.processes} × {batch.nodes} = {share}")
         return self
 
     @property
     def world(self) -> int:
         """Training processes over every node."""
-        return self.processes * self.nodes
+        return self.distribution.processes * self.distribution.nodes
 
     @property
     def accumulation(self) -> int:
         """Micro-batches each process adds up per optimizer step."""
-        return self.global_batch // (self.batch_size * self.world) if self.global_batch else self.gradient_accumulation
+        batch = self.distribution
+        if batch.global_batch is None:
+            return batch.gradient_accumulation
+        return batch.global_batch // (self.batch_size * self.world)
 
     @property
     def micro_batches(self) -> int:
@@ -597,8 +719,9 @@ class PipelineConfig(Section):
     @field_validator("training")
     @classmethod
     def _warmup_within_steps(cls, training: TrainingConfig) -> TrainingConfig:
-        if training.warmup_steps > training.steps:
-            raise ValueError(f"warmup_steps ({training.warmup_steps}) exceeds steps ({training.steps})")
+        if training.optimizer.warmup_steps > training.steps:
+            raise ValueError(f"optimizer.warmup_steps ({training.optimizer.warmup_steps}) exceeds steps "
+                             f"({training.steps})")
         return training
 
 
@@ -606,7 +729,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
     """Read a YAML config and apply `dotted.key=value` overrides.
 
     Values in overrides are parsed as YAML, so `--set training.steps=10` gives an int and
-    `--set training.sample_prompts=[a,b]` a list.
+    `--set training.samples.prompts=[a,b]` a list.
     """
     source = Path(path)
     raw = yaml.safe_load(source.read_text()) or {}
@@ -616,13 +739,10 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r}: expected dotted.key=value")
-        node = raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {part} is not a section")
-        node[leaf] = yaml.safe_load(value)
+        try:
+            set_dotted(raw, key, yaml.safe_load(value))
+        except ValueError as error:
+            raise ValueError(f"override {item!r}: {error}") from None
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as error:  # one line per field, named as in the file: model.path: Field required

@@ -326,7 +326,7 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
     sample.add_argument("--frames", type=int, help="frames a sample (default: those of the clips the run trained "
                         "on, 1 for pictures)")
     sample.add_argument("--fps", type=float, help="frames a second of an .mp4 or .webp (default: the run's "
-                        "training.sample_fps)")
+                        "training.samples.fps)")
     sample.add_argument("--first-frame", action="append", metavar="PICTURE",
                         help="a picture (path or URL) each clip starts from, one a --prompt in order: the family's "
                         "image-to-video pipeline draws the rest (Wan 2.2 TI2V; train with training.image_to_video)")

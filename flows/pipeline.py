@@ -49,7 +49,7 @@ def stage(name: Stage, config: PipelineConfig, shards: list[str] | None = None,
           node: int | None = None, attempt: str | None = None) -> Record:
     """One stage alone, its inputs taken from the store (the latest dataset of these sources);
     `shards` limits an encoding stage to those image shard URLs; `node` and `attempt` make a train
-    stage one node of a multi-node run (training.nodes)."""
+    stage one node of a multi-node run (training.distribution.nodes)."""
     plan = Plan(config)
     plan.store.check_reachable()
     inputs = [STORED[earlier](plan) for earlier in INPUTS[name]]

@@ -176,7 +176,7 @@ class FlowExecutor:
     are read back from the store. `shards`: an encoder's image shard URLs (None: all of the
     dataset's; []: only the text encoder's prompts and precision check, which always come first,
     measured on the dataset's first shard); `node` and `attempt`: this train stage is one node of a
-    multi-node run (training.nodes)."""
+    multi-node run (training.distribution.nodes)."""
 
     plan: Plan
     shards: list[str] | None = None
@@ -215,14 +215,14 @@ class FlowExecutor:
         if deployment := placed(config, "encode-text"):
             prepare = run_elsewhere(config, deployment, "encode-text", [])  # before the shards fan out
             work = run_shards_elsewhere(config, deployment, "encode-text", urls, (prepare,))
-            prompts = {name: store.require(prompts_cache_key(fp, config.training.sample_prompts))
+            prompts = {name: store.require(prompts_cache_key(fp, config.training.samples.prompts))
                        for name, fp in fingerprints.items()}
             records = [{**store.require(layout.cache_shard("text", fp, shard_id_of(url))), "encoder": name}
                        for url in urls for name, fp in fingerprints.items()]
         else:
             args = (config.storage, config.model, config.text_encoding, fingerprints)
             with stage_executor(config.execution, config.text_encoding.device, plan.configured, "encode-text") as run:
-                prompts = run.one(encode_prompts_task, *args, config.training.sample_prompts)
+                prompts = run.one(encode_prompts_task, *args, config.training.samples.prompts)
                 run.one(measure_numerics_task, *args, every[0] if every else None)  # before any shard
                 # from the stage's start (its models loaded since): shards, and the samples whose captions
                 # they hold when it encodes them all
@@ -275,12 +275,12 @@ class FlowExecutor:
             run_elsewhere(config, deployment, "manifest")
             return stored_manifest(plan)
         return plan.configured(manifest_task)(config.storage, dataset["id"], plan.text_fps, plan.vae_fp,
-                                              config.training.sample_prompts)
+                                              config.training.samples.prompts)
 
     def train(self, manifest: ManifestRecord) -> RunRecord:
-        """Train here, or on the train deployment: one child flow run per node of `training.nodes`,
+        """Train here, or on the train deployment: one child flow run per node of `training.distribution.nodes`,
         all at once (a node's child gets its `node` index and the `attempt` id the nodes share)."""
-        plan, config, nodes = self.plan, self.plan.config, self.plan.config.training.nodes
+        plan, config, nodes = self.plan, self.plan.config, self.plan.config.training.distribution.nodes
         if deployment := placed(config, "train"):
             with followed("train", label="training"):
                 in_threads(lambda index: run_elsewhere(config, deployment, "train", node=index if nodes > 1 else None),
@@ -310,9 +310,10 @@ def ingest_partitions(config: PipelineConfig, run: OnWorkers) -> tuple[Partition
 def check_nodes_placed(config: PipelineConfig) -> None:
     """Training on several nodes needs the train deployment, whose work pool's workers are the nodes:
     refused before any stage runs."""
-    if config.training.nodes > 1 and not placed(config, "train"):
-        raise ValueError(f"training.nodes is {config.training.nodes}: set execution.placement.train to the train "
-                         f"deployment (e.g. precast-stage/train), whose work pool's workers are the nodes")
+    if config.training.distribution.nodes > 1 and not placed(config, "train"):
+        raise ValueError(f"training.distribution.nodes is {config.training.distribution.nodes}: set "
+                         "execution.placement.train to the train deployment (e.g. precast-stage/train), whose work "
+                         "pool's workers are the nodes")
 
 
 def publish_run_page(plan: Plan, record: RunRecord, stages: list[dict[str, str]] | None = None) -> None:
@@ -332,7 +333,7 @@ def stored_dataset(plan: Plan) -> DatasetRecord:
 
 def stored_manifest(plan: Plan) -> ManifestRecord:
     dataset = stored_dataset(plan)
-    this_id = manifest_id(dataset["id"], plan.text_fps, plan.vae_fp, plan.config.training.sample_prompts)
+    this_id = manifest_id(dataset["id"], plan.text_fps, plan.vae_fp, plan.config.training.samples.prompts)
     return manifest_record(plan.store.require(layout.manifest(this_id)))
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from configs.schema import (
     DatasetConfig, Identity, LatentEncodingConfig, ModelConfig, Section, SourceConfig, TextEncodingConfig,
-    TrainingConfig, VideoConfig,
+    TrainingConfig, VideoConfig, flat, groups_of,
 )
 from storage import layout
 from storage.fingerprint import component_fingerprint, hash_json
@@ -24,7 +24,8 @@ TEXT_FORMAT = "precast.text/3"  # the stored text layout or numerics
 LATENT_FORMAT = "precast.latents/2"  # the stored posterior layout or preprocessing
 TRAIN_FORMAT = "precast.train/5"  # the loss, sampling, data order or outputs of training
 # the sections whose fields are hashed into an identity, each field declaring whether it counts
-DECLARED = (SourceConfig, VideoConfig, DatasetConfig, TextEncodingConfig, LatentEncodingConfig, TrainingConfig)
+DECLARED = (SourceConfig, VideoConfig, DatasetConfig, TextEncodingConfig, LatentEncodingConfig, TrainingConfig,
+            *groups_of(TrainingConfig).values())
 
 
 def declaration(section: type[Section], name: str) -> Identity:
@@ -137,8 +138,9 @@ def run_id_for(manifest: str, model: ModelConfig, training: TrainingConfig, fami
     init_id = init["sha256"] if init and training.init_from not in ("none", "latest") else None
     # the global batch's split over nodes, processes and accumulation does not count (the schema
     # says so), the micro-batches a step takes do; the modules LoRA adapts count resolved: the
-    # family's defaults as if spelled in the config
-    settings = {**counted(training), "micro_batches": training.micro_batches,
+    # family's defaults as if spelled in the config; the settings in the flat form they had before
+    # the section was grouped, so grouping changed no run id
+    settings = {**flat(TrainingConfig, counted(training)), "micro_batches": training.micro_batches,
                 "target_modules": family.denoiser.target_modules(training)}
     return hash_json({"manifest": manifest, "transformer": transformer_fingerprint(model, family), "training": settings,
                       "init": init_id, "format": TRAIN_FORMAT})

@@ -195,7 +195,7 @@ class Direct:
         text = (config.storage, config.model, config.text_encoding, self.text_fps)
 
         def prepare() -> None:  # the prompts, then the precision check before any shard, as in the flow
-            prompts.update(encode_prompts(*text, config.training.sample_prompts))
+            prompts.update(encode_prompts(*text, config.training.samples.prompts))
             measure_numerics(*text, urls[0] if urls else None)
 
         records, work = self.encoded("encode-text", lambda url: encode_text_shard(*text, url), urls, prepare)
@@ -220,7 +220,8 @@ class Direct:
 
     def manifest(self, dataset: DatasetRecord) -> ManifestRecord:
         config = self.config
-        return build_manifest(config.storage, dataset["id"], self.text_fps, self.vae_fp, config.training.sample_prompts)
+        return build_manifest(config.storage, dataset["id"], self.text_fps, self.vae_fp,
+                              config.training.samples.prompts)
 
     def train(self, manifest: ManifestRecord) -> RunRecord:
         config = self.config

@@ -217,7 +217,7 @@ def test_placed_stages_spread_over_two_nodes_encoders_loading_their_model_once(s
     """Placed encoders whose shards go to a Dask cluster of two worker processes ("nodes"): bf16 T5
     and a new VAE precision (new fingerprints, so everything is encoded), on the S3 root. The
     pipeline summary reports both workers, at most one model load each, every shard encoded. The
-    same run trains on two nodes (training.nodes): one train flow run per node on the train pool,
+    same run trains on two nodes (training.distribution.nodes): one train flow run per node on the train pool,
     meeting through the store, training one run written once. It runs before the night is
     scheduled: workers' model loads are counted per pipeline run as a difference, so a pipeline
     loading models on the same Dask workers while the night encodes would be counted as the night's."""
@@ -242,7 +242,7 @@ def test_placed_stages_spread_over_two_nodes_encoders_loading_their_model_once(s
     assert sorted(key.rsplit("/", 1)[1] for key in store.find(f"{folder}/rendezvous/{parent}")) == \
         ["address.json", "node-0.json", "node-1.json"]
     assert store.committed(layout.run_part(folder, "lineage"))
-    assert store.read_json(layout.run_part(folder, "lineage"))["training"]["nodes"] == 2
+    assert store.read_json(layout.run_part(folder, "lineage"))["training"]["distribution"]["nodes"] == 2
 
 
 def test_the_nightly_deployment_runs_at_two_utc(stack):

@@ -20,8 +20,8 @@ def test_every_yaml_config_validates(path):
 
 
 def test_overrides_are_typed_and_unknown_keys_are_refused():
-    config = load_config(QUICKSTART, ["training.steps=7", "training.sample_prompts=[a, b]", "storage.root=s3://b/p"])
-    assert config.training.steps == 7 and config.training.sample_prompts == ["a", "b"]
+    config = load_config(QUICKSTART, ["training.steps=7", "training.samples.prompts=[a, b]", "storage.root=s3://b/p"])
+    assert config.training.steps == 7 and config.training.samples.prompts == ["a", "b"]
     assert config.storage.root == "s3://b/p"
     with pytest.raises(ValueError, match="trainig"):
         load_config(QUICKSTART, ["trainig.steps=7"])
@@ -68,7 +68,8 @@ def test_training_modes_that_do_not_fit_together_are_refused_by_name():
         ("training.base_precision=bf16",): "base_precision bf16 needs mixed_precision bf16 \\(it is no\\)",
         ("training.base_precision=fp16", "training.mixed_precision=bf16"): "base_precision fp16 needs mixed_precision fp16",
         ("training.base_precision=int8", "training.method=full"): "base_precision int8 is for LoRA",
-        ("training.batch_tokens=1024", "training.global_batch=8"): "set global_batch or batch_tokens, not both",
+        ("training.batch_tokens=1024", "training.distribution.global_batch=8"):
+            "set global_batch or batch_tokens, not both",
         ("training.gradient_checkpointing=sometimes",): "gradient_checkpointing",
     }
     for overrides, message in refused.items():
@@ -91,7 +92,7 @@ def test_flow_parameters_are_the_config_schema():
     schema = parameter_schema(pipeline).model_dump_for_openapi()
     assert schema["properties"]["config"]["$ref"].endswith("PipelineConfig")
     definitions = schema["definitions"]
-    assert "description" in definitions["TrainingConfig"]["properties"]["rank"]
+    assert "description" in definitions["LoraConfig"]["properties"]["rank"]
     assert parameter_schema(stage).model_dump_for_openapi()["properties"]["name"]["enum"] == [
         "ingest", "encode-text", "encode-latents", "manifest", "train"]
 
@@ -169,7 +170,9 @@ def test_every_field_an_identity_is_made_of_declares_whether_it_counts_and_the_i
     with a field exactly when that field's declaration says it counts."""
     from pydantic import Field, ValidationError
 
-    from configs.schema import DatasetConfig, TrainingConfig
+    from configs.schema import (
+        DatasetConfig, LatentEncodingConfig, SourceConfig, TextEncodingConfig, TrainingConfig, VideoConfig, groups_of,
+    )
     from tasks.identity import DECLARED, counted, declaration
 
     for section in DECLARED:
@@ -182,42 +185,43 @@ def test_every_field_an_identity_is_made_of_declares_whether_it_counts_and_the_i
     with pytest.raises(TypeError, match=r"Later\.later declares no identity rule"):
         counted(Later())
 
-    bases = {section: section.model_validate({"sources": [{"path": "/data"}]} if section is DatasetConfig else {})
-             for section in DECLARED if section.__name__ not in ("SourceConfig", "VideoConfig")}
+    tops = (DatasetConfig, TextEncodingConfig, LatentEncodingConfig, TrainingConfig)
+    assert set(DECLARED) == {*tops, SourceConfig, VideoConfig, *groups_of(TrainingConfig).values()}
     untried = []
-    for section, base in bases.items():
+    for section in tops:
+        base = section.model_validate({"sources": [{"path": "/data"}]} if section is DatasetConfig else {})
         before = _identity_of(base, tiny_models)
-        nested = {"sources": "SourceConfig", "video": "VideoConfig"} if section is DatasetConfig else {}
-        fields = [(name, None) for name in section.model_fields if name not in nested]
-        for outer, inner_name in nested.items():
-            inner = next(kind for kind in DECLARED if kind.__name__ == inner_name)
-            fields += [(outer, name) for name in inner.model_fields]
-        for name, inner in fields:
-            for value in (_other_values(section, name) if inner is None else
-                          _other_values(next(k for k in DECLARED if k.__name__ == nested[name]), inner)):
+        # a field of its own (outer None), or of a section inside it: dataset.sources[0], training.lora, …
+        inside = {name: next(kind for kind in DECLARED if kind.__name__ == inner) for name, inner in
+                  {"sources": "SourceConfig", "video": "VideoConfig"}.items() if section is DatasetConfig}
+        inside |= groups_of(section)
+        fields = [(None, name) for name in section.model_fields if name not in inside]
+        fields += [(outer, name) for outer, kind in inside.items() for name in kind.model_fields]
+        for outer, name in fields:
+            for value in _other_values(inside[outer] if outer else section, name):
                 raw = base.model_dump()
-                if inner is None:
+                if outer is None:
                     raw[name] = value
-                elif name == "sources":
-                    raw["sources"] = [{**raw["sources"][0], inner: value}]
+                elif outer == "sources":
+                    raw["sources"] = [{**raw["sources"][0], name: value}]
                 else:
-                    raw["video"] = {**raw["video"], inner: value}
+                    raw[outer] = {**raw[outer], name: value}
                 try:
                     changed = section.model_validate(raw)
                     after = _identity_of(changed, tiny_models)
                 except (ValidationError, ValueError):
                     continue
-                where, field = (changed, name) if inner is None else (
-                    changed.sources[0] if name == "sources" else changed.video, inner)
-                rule = declaration(type(where), field)
-                counts = (rule.applies(where, field) if rule.through is None else
+                where = (changed if outer is None else changed.sources[0] if outer == "sources"
+                         else getattr(changed, outer))
+                rule = declaration(type(where), name)
+                counts = (rule.applies(where, name) if rule.through is None else
                           getattr(changed, rule.through) != getattr(base, rule.through)) and (
-                    inner is None or declaration(section, name).applies(changed, name))
-                assert (after != before) == counts, f"{type(where).__name__}.{field} = {value!r}: declared " \
+                    outer is None or declaration(section, outer).applies(changed, outer))
+                assert (after != before) == counts, f"{type(where).__name__}.{name} = {value!r}: declared " \
                                                     f"{'counted' if counts else 'not counted'}"
                 break
             else:
-                untried.append(f"{section.__name__}.{name}{'.' + inner if inner else ''}")
+                untried.append(f"{section.__name__}.{outer + '.' if outer else ''}{name}")
     assert untried == [], untried
 
 
@@ -266,3 +270,32 @@ def test_the_declared_rules_give_every_identity_the_rules_before_them_gave(tiny_
         "runs": ["43d17c05a56550166f5f", "e7a323e8faf735abe7f9", "43d17c05a56550166f5f", "e6f7efd756b7d6bbef32",
                  "453435a0223a23400bab", "43d17c05a56550166f5f", "48a8a7c73898f157dddc", "94e5baa6bb4f3c4f97eb",
                  "121866ef5af252a407cd"]}
+
+
+def test_training_settings_written_flat_as_before_the_grouping_load_as_the_same_config(tmp_path):
+    """Configs and deployments written before training's settings were grouped (training.rank,
+    training.sample_prompts) load as the grouped ones (training.lora.rank, training.samples.prompts),
+    mixed spellings too; a setting given both ways is refused by both names."""
+    from configs.schema import TrainingConfig, flat, groups_of
+
+    names = [name for kind in groups_of(TrainingConfig).values() for name in kind.flat_names().values()]
+    assert len(names) == len(set(names)) and not set(names) & set(TrainingConfig.model_fields) - {"optimizer"}
+    grouped = TrainingConfig.model_validate({
+        "lora": {"rank": 8, "dropout": 0.1, "target_modules": ["to_q"]},
+        "optimizer": {"name": "adamw8bit", "learning_rate": 1e-3, "warmup_steps": 3},
+        "timesteps": {"sampling": "mode", "mode_scale": 1.1}, "samples": {"prompts": ["a"], "every": 4, "fps": 8},
+        "validation": {"samples": 2, "every": 5}, "distribution": {"processes": 2, "global_batch": 16},
+        "tracking": {"trackers": ["mlflow"], "project": "p"}, "steps": 9})
+    written_flat = flat(TrainingConfig, grouped.model_dump())
+    assert written_flat["rank"] == 8 and written_flat["optimizer"] == "adamw8bit" and written_flat["sample_fps"] == 8
+    assert TrainingConfig.model_validate(written_flat) == grouped
+    assert TrainingConfig.model_validate({"rank": 8, "lora": {"alpha": 4}}).lora.model_dump() == {
+        "rank": 8, "alpha": 4.0, "dropout": 0.0, "target_modules": None}
+    with pytest.raises(ValueError, match="rank given twice: flat and as lora.rank"):
+        TrainingConfig.model_validate({"rank": 8, "lora": {"rank": 4}})
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump({"dataset": {"sources": [{"path": "/d"}]}, "model": {"path": "/m"},
+                                   "training": {"rank": 4, "sample_prompts": ["b"], "nodes": 2}}))
+    loaded = load_config(old, ["training.alpha=2"])
+    assert (loaded.training.lora.rank, loaded.training.lora.alpha, loaded.training.samples.prompts,
+            loaded.training.distribution.nodes) == (4, 2.0, ["b"], 2)

@@ -97,7 +97,7 @@ def test_every_stage_counts_the_store_failures_it_retried(make_config, tmp_path)
 
     config = _config(make_config, f"flaky://{tmp_path}/store", io_backoff_seconds=0, io_attempts=12,
                      options={"fail_rate": 0.6, "seed": 1, "target_options": {"auto_mkdir": True}})
-    config = config.model_copy(update={"training": config.training.model_copy(update={"processes": 2, "steps": 2})})
+    config = config.model_copy(update={"training": config.training.updated({"distribution.processes": 2, "steps": 2})})
     records = run_direct(config)
     retried = {name: records[name]["work"]["io_retries"] for name in records["seconds"]}
     assert min(retried.values()) > 0, retried

@@ -172,7 +172,7 @@ def test_cli_run_json_and_single_stages(prefect_server, make_config, tmp_path, c
         # the record every stage returns: where its output is, how much, when it was committed
         assert {"url", "amount", "committed_at"} <= set(record), name
     # the runner without Prefect returns the same records, all cached now
-    direct = run_direct(config.model_copy(update={"training": config.training.model_copy(update={"steps": 3})}))
+    direct = run_direct(config.model_copy(update={"training": config.training.updated({"steps": 3})}))
     for name, record in records.items():
         assert set(direct[name]) == set(record) and direct[name]["url"] == record["url"], name
         assert direct[name]["committed_at"] == record["committed_at"], name
@@ -193,7 +193,7 @@ def test_cli_reports_a_bad_config_by_field(tmp_path, capsys):
     path.write_text("training:\n  rank: 0\n")
     assert main(["run", str(path)]) == 1
     error = capsys.readouterr().err
-    assert "training.rank" in error and "greater than or equal to 1" in error
+    assert "training.lora.rank" in error and "greater than or equal to 1" in error
 
 
 def test_a_second_precast_on_the_node_is_told_to_share_the_cores(tmp_path, capsys, monkeypatch):

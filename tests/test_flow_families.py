@@ -118,7 +118,7 @@ def test_each_family_trains_its_default_lora_on_its_own_caches(runs, family):
     spec = family_of(config.model)
     assert set(records["text_fingerprints"]) == {encoder.name for encoder in spec.text.encoders}
     lineage = FinishedRun.at(records["train"]["run"], config.storage.options).lineage
-    assert lineage["training"]["target_modules"] == list(spec.denoiser.lora_targets)
+    assert lineage["training"]["lora"]["target_modules"] == list(spec.denoiser.lora_targets)
     assert records["train"]["final_loss"] == records["train"]["final_loss"]  # finite: not NaN
     assert records["train"]["samples"], "the run drew its sample grid"
     assert lineage["training"]["base_precision"] == config.training.base_precision
@@ -205,7 +205,7 @@ def test_a_chroma_runs_samples_drawn_from_prompts_are_its_sample_grid(runs):
     config, records = runs["chroma"]
     store = Store(config.storage)
     grid = Image.open(io.BytesIO(store.read_bytes(store.key(records["train"]["samples"][-1]))))
-    drawn = sample_run(records["train"]["run"], config.training.sample_prompts, steps=config.training.sample_steps,
+    drawn = sample_run(records["train"]["run"], config.training.samples.prompts, steps=config.training.samples.steps,
                        guidance_scale=config.training.guidance_scale, seed=config.training.seed, device="cpu").grid()
     difference = np.abs(np.asarray(grid, dtype=float) - np.asarray(drawn, dtype=float))
     assert difference.mean() < 0.5, f"{difference.mean():.2f} RGB units apart on average"

@@ -50,7 +50,7 @@ def kill_training_at(config, manifest_url: str, batch: int) -> None:
 def test_manifest_joins_and_records_checksums(make_config):
     config = make_config()
     dataset, text_fps, vae_fp = _cache_everything(config)
-    record = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
+    record = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.samples.prompts)
     manifest = Store(config.storage).read_json(Store(config.storage).key(record["url"]))
     assert manifest["samples"] == 24 and sum(manifest["buckets"].values()) == 24
     assert len(manifest["checksums"]) == 1 + 3 * len(dataset["shards"]) + 1  # prompts, 3 per shard, table
@@ -69,21 +69,21 @@ def test_manifest_refuses_a_missing_or_damaged_shard(make_config):
     data[8] ^= 0xFF  # the header's opening brace
     open(path, "wb").write(bytes(data))
     with pytest.raises(Damaged, match=re.escape(damaged) + " is damaged: its safetensors header does not parse"):
-        build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
+        build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.samples.prompts)
     store.fs.rm(path)
     with pytest.raises(FileNotFoundError, match=dataset["shards"][1]["id"]):
-        build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
+        build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.samples.prompts)
 
 
 def test_train_needs_no_text_encoder_or_vae_and_saves_a_peft_adapter(make_config, tiny_models, tmp_path):
     config = make_config()
     dataset, text_fps, vae_fp = _cache_everything(config)
-    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
+    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.samples.prompts)
     # after caching, the text encoder, tokenizer and VAE are gone: training must not need them
     stripped = tmp_path / "transformer-only"
     shutil.copytree(tiny_models, stripped, ignore=shutil.ignore_patterns("text_encoder", "tokenizer", "vae"))
     model = config.model.model_copy(update={"path": str(stripped)})
-    no_samples = config.training.model_copy(update={"sample_prompts": [], "steps": 8})
+    no_samples = config.training.updated({"samples.prompts": [], "steps": 8})
     record = train(config.storage, model, no_samples, manifest["url"])
     assert record["steps"] == 8 and record["samples"] == []
     store = Store(config.storage)
@@ -104,7 +104,7 @@ def test_train_needs_no_text_encoder_or_vae_and_saves_a_peft_adapter(make_config
 def test_train_renders_samples_through_the_pixart_pipeline(make_config):
     config = make_config()
     dataset, text_fps, vae_fp = _cache_everything(config)
-    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
+    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.samples.prompts)
     record = train(config.storage, config.model, config.training, manifest["url"])
     store = Store(config.storage)
     (sample,) = record["samples"]
@@ -118,7 +118,7 @@ def test_training_reader_draws_seeded_latents_from_one_bucket(make_config):
 
     config = make_config()
     dataset, text_fps, vae_fp = _cache_everything(config)
-    record = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
+    record = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.samples.prompts)
     store = Store(config.storage)
     features = CachedFeatures(store, store.read_json(store.key(record["url"])), family_of(config.model))
     batch = next(bucket_batches(features.buckets, 3, seed=0))
@@ -175,7 +175,7 @@ def test_interrupted_training_resumes_bit_identically(make_config, tmp_path, mon
                                                        "sample_prompts": [], "gradient_accumulation": 2,
                                                        "ema_decay": 0.9, "optimizer": optimizer, "rank": 64})
         dataset, text_fps, vae_fp = _cache_everything(config)
-        manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
+        manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.samples.prompts)
         if crash_at is not None:
             kill_training_at(config, manifest["url"], crash_at)
         return config, train(config.storage, config.model, config.training, manifest["url"])
@@ -195,7 +195,7 @@ def test_interrupted_training_resumes_bit_identically(make_config, tmp_path, mon
 def test_a_damaged_checkpoint_is_refused_by_name(make_config):
     config = make_config(training={"steps": 5, "checkpoint_every": 2, "sample_prompts": []})
     dataset, text_fps, vae_fp = _cache_everything(config)
-    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
+    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.samples.prompts)
     kill_training_at(config, manifest["url"], 4)
     store = Store(config.storage)
     (checkpoint,) = [k for k in store.fs.find(store.root_path) if k.endswith("step-00000002.safetensors")]
@@ -216,7 +216,7 @@ def test_samples_during_training_loss_curve_and_precast_sample(make_config, tmp_
     config = make_config(text_encoding={"caption_preprocessing": captions},
                          training={"steps": 4, "sample_every": 2, "sample_steps": 2, "sample_prompts": prompts})
     dataset, text_fps, vae_fp = _cache_everything(config)
-    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
+    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.samples.prompts)
     record = train(config.storage, config.model, config.training, manifest["url"])
     assert [url.rsplit("/", 1)[1] for url in record["samples"]] == ["step-000002.png", "step-000004.png"]
     store = Store(config.storage)
@@ -243,7 +243,7 @@ def test_samples_during_training_loss_curve_and_precast_sample(make_config, tmp_
 
 def _manifest(config):
     dataset, text_fps, vae_fp = _cache_everything(config)
-    return build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
+    return build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.samples.prompts)
 
 
 def test_init_from_continues_from_an_adapter(make_config):
@@ -256,7 +256,7 @@ def test_init_from_continues_from_an_adapter(make_config):
     trained = load(store.read_bytes(store.key(first["adapter"]) + "/adapter_model.safetensors"))
 
     # a near-zero learning rate: the continued adapter must still be the first one
-    frozen = config.training.model_copy(update={"init_from": first["run"], "learning_rate": 1e-12, "steps": 1})
+    frozen = config.training.updated({"init_from": first["run"], "optimizer.learning_rate": 1e-12, "steps": 1})
     second = train(config.storage, config.model, frozen, manifest["url"])
     assert second["run"] != first["run"]
     continued = load(store.read_bytes(store.key(second["adapter"]) + "/adapter_model.safetensors"))
@@ -265,12 +265,12 @@ def test_init_from_continues_from_an_adapter(make_config):
     lineage = store.read_json(store.key(second["run"]) + "/lineage.json")
     assert lineage["init_from"]["url"] == first["adapter"]
 
-    nightly = config.training.model_copy(update={"init_from": "latest", "steps": 2})
+    nightly = config.training.updated({"init_from": "latest", "steps": 2})
     third = train(config.storage, config.model, nightly, manifest["url"])
     assert store.read_json(store.key(third["run"]) + "/lineage.json")["init_from"]["url"] == second["adapter"]
     assert train(config.storage, config.model, nightly, manifest["url"]) == third  # unchanged data: same run
 
-    wrong_rank = config.training.model_copy(update={"init_from": first["run"], "rank": 8})
+    wrong_rank = config.training.updated({"init_from": first["run"], "lora.rank": 8})
     with pytest.raises(ValueError, match=f"init_from {first['adapter']} does not fit"):
         train(config.storage, config.model, wrong_rank, manifest["url"])
 
@@ -297,7 +297,7 @@ def test_ema_weights_are_the_saved_result(make_config):
     config = make_config(training={"steps": 4, "sample_prompts": []})
     manifest = _manifest(config)
     raw = train(config.storage, config.model, config.training, manifest["url"])
-    averaged_config = config.training.model_copy(update={"ema_decay": 0.5})
+    averaged_config = config.training.updated({"optimizer.ema_decay": 0.5})
     averaged = train(config.storage, config.model, averaged_config, manifest["url"])
     store = Store(config.storage)
     a, b = (load(store.read_bytes(store.key(r["adapter"]) + "/adapter_model.safetensors")) for r in (raw, averaged))
@@ -343,7 +343,7 @@ def test_two_process_data_parallel_training_on_cpu(make_config, tiny_models):
 def test_training_refuses_a_shard_tampered_after_the_manifest(make_config):
     config = make_config(training={"steps": 2, "sample_prompts": []})
     dataset, text_fps, vae_fp = _cache_everything(config)
-    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.sample_prompts)
+    manifest = build_manifest(config.storage, dataset["id"], text_fps, vae_fp, config.training.samples.prompts)
     store = Store(config.storage)
     tampered = layout.cache_shard("text", text_fps["t5"], dataset["shards"][2]["id"])
     data = bytearray(store.read_bytes(tampered))
@@ -495,6 +495,6 @@ def test_validation_loss_on_held_out_samples_with_fixed_draws(make_config, monke
     first = validation.loss(network, objective, torch.device("cpu"), None)
     assert validation.loss(network, objective, torch.device("cpu"), None) == first
 
-    too_many = config.training.model_copy(update={"validation_samples": 24})
-    with pytest.raises(ValueError, match="validation_samples is 24, which leaves none of the manifest's 24 samples"):
+    too_many = config.training.updated({"validation.samples": 24})
+    with pytest.raises(ValueError, match="training.validation.samples is 24, which leaves none of the manifest's 24"):
         train(config.storage, config.model, too_many, manifest["url"])

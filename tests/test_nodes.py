@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load
 
+from configs.schema import TrainingConfig, flat
 from storage import layout
 from storage.store import Store
 from tasks.train import train
@@ -33,7 +34,7 @@ def _config(cached_manifest, root: Path, **training):
               "validation_samples": 4, "validation_every": 2, **training}
     raw = base.model_dump()
     return type(base).model_validate({**raw, "storage": {**raw["storage"], "root": str(root)},
-                                      "training": {**raw["training"], **values}})
+                                      "training": {**flat(TrainingConfig, raw["training"]), **values}})
 
 
 def _manifest(cached_manifest, config) -> str:
@@ -119,7 +120,7 @@ def test_a_killed_node_fails_the_run_naming_it_within_the_timeout_and_a_rerun_re
         time.sleep(0.2)
     os.killpg(first[1].pid, signal.SIGKILL)  # node 1 and its processes, as a lost machine
     code, _, err, seconds = _finish(first[0])
-    assert code != 0 and seconds < config.training.node_timeout + 5, (seconds, err[-3000:])
+    assert code != 0 and seconds < config.training.distribution.node_timeout + 5, (seconds, err[-3000:])
     assert "failed on node 0: node 1" in err, err[-3000:]
     run = next(key for key in store.find("runs") if key.endswith(".safetensors.done")).split("/checkpoints/")[0]
     assert store.committed(layout.run_part(run, "lineage")) is None
@@ -144,6 +145,6 @@ def test_several_nodes_without_the_train_deployment_are_refused_before_any_stage
     from flows.pipeline import pipeline
 
     config = make_config(training={"nodes": 2})
-    with pytest.raises(ValueError, match="training.nodes is 2: set execution.placement.train"):
+    with pytest.raises(ValueError, match="training.distribution.nodes is 2: set execution.placement.train"):
         pipeline(config=config)
     assert [key for key in Store(config.storage).find() if not key.startswith("prefect/")] == []

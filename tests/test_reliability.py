@@ -111,7 +111,7 @@ def test_damage_is_detected_before_use_naming_the_artifact(make_config, artifact
 
 
 @pytest.mark.parametrize("override, field", [
-    ("training.rank=0", "training.rank"),
+    ("training.lora.rank=0", "training.lora.rank"),
     ("latent_encoding.resolution=300", "latent_encoding.resolution"),
     ("trainig.steps=3", "trainig"),
     ("training.steps=many", "training.steps"),

@@ -95,14 +95,14 @@ def test_each_tracker_reads_back_the_run_with_its_own_reader(cached_manifest, s3
     start = plugin_data_pb2.HParamsPluginData.FromString(
         events.PluginTagToContent("hparams")["_hparams_/session_start_info"]).session_start_info
     assert start.hparams["run_id"].string_value == run_id
-    assert start.hparams["training.rank"].number_value == 4
+    assert start.hparams["training.lora.rank"].number_value == 4
     assert start.hparams["fingerprints.text_fingerprint"].string_value
 
     # MLflow: its client on the local tracking store
     client = mlflow.MlflowClient(tracking)
     (found,) = client.search_runs([client.get_experiment_by_name("trackers-test").experiment_id])
     assert found.info.status == "FINISHED" and found.data.tags["precast.run_id"] == run_id
-    assert found.data.params["training.rank"] == "4" and found.data.params["manifest"]
+    assert found.data.params["training.lora.rank"] == "4" and found.data.params["manifest"]
     history = client.get_metric_history(found.info.run_id, "loss/train")
     assert [(m.step, m.value) for m in history] == _approx(losses)
     validated = client.get_metric_history(found.info.run_id, "loss/validation")
@@ -120,7 +120,7 @@ def test_each_tracker_reads_back_the_run_with_its_own_reader(cached_manifest, s3
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     config_items = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert run.project == "trackers-test" and config_items["run_id"] == run_id
-    assert config_items["training.rank"] == 4 and config_items["fingerprints.vae_fingerprint"]
+    assert config_items["training.lora.rank"] == 4 and config_items["fingerprints.vae_fingerprint"]
 
     # no tracker is given a credential: the params and config each one holds, and every file they wrote
     tracked = [json.dumps(found.data.params), json.dumps(config_items), str(start.hparams), path.read_bytes().decode(

@@ -92,8 +92,7 @@ def test_offload_keeps_the_checkpointed_activations_in_host_memory(cached_manife
     base, _ = cached_manifest
     kept, grads = {}, {}
     for mode in ("none", "recompute", "offload"):
-        training = type(base.training).model_validate({**base.training.model_dump(), "rank": 4, "alpha": 4,
-                                                       "gradient_checkpointing": mode})
+        training = base.training.updated({"lora.rank": 4, "lora.alpha": 4, "gradient_checkpointing": mode})
         network = trainable_network(base.model, family_of(base.model), training)
         draws = torch.Generator().manual_seed(0)
         latents = torch.randn(2, 4, 32, 32, generator=draws)
@@ -145,8 +144,8 @@ def test_a_low_precision_frozen_base_trains_the_fp32_adapter_within_tolerance_an
     assert all(tensor.dtype == torch.float32 for tensor in whole["adapter"].values())
     for precision, mixed, frozen in (("bf16", "bf16", {torch.bfloat16}), ("int8", "no", {"Int8Tensor"}),
                                      ("fp8", "no", {"Float8Tensor"})):
-        training = type(base.training).model_validate({**base.training.model_dump(), "rank": 4, "alpha": 4,
-                                                       "base_precision": precision, "mixed_precision": mixed})
+        training = base.training.updated({"lora.rank": 4, "lora.alpha": 4, "base_precision": precision,
+                                          "mixed_precision": mixed})
         network = trainable_network(base.model, family_of(base.model), training)
         lora = [p for p in network.parameters() if p.requires_grad]
         assert lora and all(p.dtype == torch.float32 for p in lora)
@@ -252,13 +251,13 @@ def test_loss_weighting_and_timestep_sampling_are_runs_of_their_own_that_resume_
     unbounded = _run(cached_manifest, tmp_path / "unbounded", model=epsilon, loss_weighting="min_snr", min_snr_gamma=1e12)
     _close(unbounded, noise, rtol=1e-4)
     plain = _run(cached_manifest, tmp_path / "plain")
-    recipe = {"loss_weighting": "min_snr", "timestep_sampling": "logit_normal"}
-    whole = _run(cached_manifest, tmp_path / "whole", **recipe)
-    resumed = _run(cached_manifest, tmp_path / "resumed", crash_at=9, **recipe)
+    recipe = {"loss_weighting": "min_snr", "sampling": "logit_normal"}
+    whole = _run(cached_manifest, tmp_path / "whole", timesteps=recipe)
+    resumed = _run(cached_manifest, tmp_path / "resumed", crash_at=9, timesteps=recipe)
     assert resumed["record"]["resumed_from"] == 4
     _same_bits(whole, resumed)
     assert len({plain["id"], unbounded["id"], whole["id"]}) == 3
-    assert {key: whole["lineage"]["training"][key] for key in recipe} == recipe
+    assert {key: whole["lineage"]["training"]["timesteps"][key] for key in recipe} == recipe
     assert [m["loss"] for m in whole["metrics"]] != [m["loss"] for m in plain["metrics"]]
 
 

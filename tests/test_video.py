@@ -523,9 +523,8 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
     assert [np.asarray(f).tolist() for f in cropped[0]] == [np.asarray(f).tolist() for f in fitted[0]]
     with pytest.raises(ValueError, match=r"first frames: 1 for 2 prompts; give one a prompt"):
         sample_run(done["train"]["run"], ["a", "b"], first_frames=[first], device="cpu")
-    with pytest.raises(ValueError, match=r"sample_first_frames: 1 pictures for 2 sample_prompts; give one a prompt"):
-        PipelineConfig.model_validate({**config.model_dump(), "training": {
-            **config.training.model_dump(), "sample_prompts": ["a", "b"]}})
+    with pytest.raises(ValueError, match=r"first_frames: 1 pictures for 2 prompts; give one a prompt"):
+        config.updated({"training.samples.prompts": ["a", "b"]})
     assert main(["sample", done["train"]["run"], "--prompt", "a", "--first-frame", str(tmp_path / "none.png"),
                  "--out", str(out), "--device", "cpu"]) == 1
 

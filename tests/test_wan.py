@@ -209,8 +209,8 @@ def test_a_run_of_them_is_refused_before_any_stage_reads_or_encodes(wan, tmp_pat
     Image.new("RGB", (64, 64), "red").save(data / "0.png")
     (data / "0.txt").write_text("a red background")
     Image.new("RGB", (64, 64), "blue").save(tmp_path / "first.png")
-    settings = [f"training.sample_first_frames=[{tmp_path / 'first.png'}]",
-                "training.sample_prompts=[a red background]"] if setting == "sample_first_frames" else [f"training.{setting}"]
+    first = [f"training.samples.first_frames=[{tmp_path / 'first.png'}]", "training.samples.prompts=[a red background]"]
+    settings = first if setting == "sample_first_frames" else [f"training.{setting}"]
     config = load_config("configs/quickstart.yaml", [f"storage.root={tmp_path / 'store'}", f"model.path={wan.path}",
                                                      f"dataset.sources=[{{path: {data}}}]", *settings])
     name = settings[0].split("=")[0]

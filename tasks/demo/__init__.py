@@ -45,13 +45,14 @@ def demo_settings(family: str) -> list[str]:
         # folders of their own: an earlier demo's Wan 2.1 T2V models and edge-to-edge clips stay apart
         return [f"model.path=precast-demo/models/{DEMO_MODELS[family]}", "dataset.sources=[{path: precast-demo/moving-shapes}]",
                 f"dataset.video={json.dumps(DEMO_VIDEO)}", f"latent_encoding.resolution={SIDE}",
-                f"training.sample_fps={DEMO_VIDEO['fps']}",  # the videos move at the clips' speed
+                f"training.samples.fps={DEMO_VIDEO['fps']}",  # the videos move at the clips' speed
                 # 8 clips a VAE call: one at a time, PyTorch runs the tiny 3-D VAE's convolutions on its
                 # slow path, not oneDNN's (31 s for the 600 clips against 14 s, the same bits)
                 "latent_encoding.batch_size=8", "text_encoding.max_length=32", "training.steps=6000",
-                "training.image_to_video_warmup=2000", "training.image_to_video=0.2", "training.ema_decay=0.998",
-                f"training.sample_prompts={json.dumps(prompts)}",
-                f"training.sample_first_frames={json.dumps([f'{FIRST_FRAMES}/{i}.png' for i in range(len(prompts))])}"]
+                "training.image_to_video_warmup=2000", "training.image_to_video=0.2",
+                "training.optimizer.ema_decay=0.998",
+                f"training.samples.prompts={json.dumps(prompts)}",
+                f"training.samples.first_frames={json.dumps([f'{FIRST_FRAMES}/{i}.png' for i in range(len(prompts))])}"]
     steps = [f"training.steps={DEMO_STEPS[family]}"] if family in DEMO_STEPS else []
     return [f"model.path=precast-demo/models/{family}", "latent_encoding.resolution=128", "text_encoding.max_length=32", *steps]
 
@@ -75,7 +76,7 @@ def write_demo_inputs(config, family: str, count: int | None = None) -> None:
     for source in config.dataset.sources:
         if not Path(source.path).exists():
             write_demo_dataset(source.path, family, count)
-    firsts = [path for path in config.training.sample_first_frames if path.startswith(FIRST_FRAMES)]
+    firsts = [path for path in config.training.samples.first_frames if path.startswith(FIRST_FRAMES)]
     if firsts:  # the demo's own, not pictures a user named
         from tasks.demo.videos import write_first_frames
 

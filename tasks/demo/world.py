@@ -97,7 +97,7 @@ def train_demo(folder: Path, models: Path, data: Path, training_seed: int = 0, f
                 f"dataset.sources=[{{path: {data}}}]", f"training.seed={training_seed}"]
     if family in VIDEO_FAMILIES:  # the sample first frames the demo writes, under `folder`
         frames = write_first_frames([folder / "first-frames" / f"{i}.png" for i in range(len(demo_prompts()))])
-        settings.append(f"training.sample_first_frames={json.dumps(list(map(str, frames)))}")
+        settings.append(f"training.samples.first_frames={json.dumps(list(map(str, frames)))}")
     from tasks.runner import run_direct
 
     return run_direct(load_config(QUICKSTART, settings))

@@ -45,7 +45,7 @@ class Ddpm:
         if training is None:
             return schedule
         return replace(schedule, **run_sampling(training, family, "DDPM schedule", WEIGHTINGS),
-                       gamma=training.min_snr_gamma)
+                       gamma=training.timesteps.min_snr_gamma)
 
     def plain(self) -> Ddpm:
         """The family's own: uniform timesteps, every sample weighed the same."""

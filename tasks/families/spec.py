@@ -207,11 +207,12 @@ class ChatEncoderSpec(TextEncoderSpec):
 def run_sampling(training: TrainingConfig, family: str, schedule: str, weightings: tuple[str, ...]) -> dict[str, Any]:
     """The run's timestep sampling and loss weighting, for a schedule whose weightings are
     `weightings`; another weighting is refused naming the family and what it can use."""
-    if training.loss_weighting not in weightings:
-        raise ValueError(f"training.loss_weighting {training.loss_weighting!r} is not a weighting of {family}'s "
-                         f"{schedule}: use {', '.join(weightings)}")
-    return {"sampling": training.timestep_sampling, "logit_mean": training.logit_mean,
-            "logit_std": training.logit_std, "mode_scale": training.mode_scale, "weighting": training.loss_weighting}
+    timesteps = training.timesteps
+    if timesteps.loss_weighting not in weightings:
+        raise ValueError(f"training.timesteps.loss_weighting {timesteps.loss_weighting!r} is not a weighting of "
+                         f"{family}'s {schedule}: use {', '.join(weightings)}")
+    return {"sampling": timesteps.sampling, "logit_mean": timesteps.logit_mean, "logit_std": timesteps.logit_std,
+            "mode_scale": timesteps.mode_scale, "weighting": timesteps.loss_weighting}
 
 
 @dataclass(frozen=True)
@@ -333,7 +334,7 @@ class Codec(Part):
 @dataclass(frozen=True)
 class Denoiser(Part):
     """The transformer a run trains (its diffusers class), the modules LoRA adapts unless
-    `training.target_modules` says, how it is called and the noise schedule it is trained on."""
+    `training.lora.target_modules` says, how it is called and the noise schedule it is trained on."""
 
     transformer: str
     lora_targets: tuple[str, ...]
@@ -369,7 +370,7 @@ class Denoiser(Part):
 
     def target_modules(self, training: TrainingConfig) -> list[str]:
         """The transformer modules that get LoRA layers: the config's, else the family's."""
-        return list(training.target_modules if training.target_modules is not None else self.lora_targets)
+        return list(training.lora.target_modules if training.lora.target_modules is not None else self.lora_targets)
 
     def blocks(self, transformer: torch.nn.Module) -> list[torch.nn.Module]:
         """The transformer's repeated blocks (what `training.compile` compiles one by one)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from configs.schema import ModelConfig, StorageConfig
+from configs.schema import ModelConfig, StorageConfig, TrainingConfig, read_flat
 from storage import layout
 from storage.store import Store
 from tasks.families import UNRECORDED_PIPELINE, Family, family_named
@@ -63,6 +63,8 @@ class FinishedRun:
         if record is None:
             raise FileNotFoundError(f"{store.url(run)} is not a finished run (no committed lineage.json)")
         lineage = json.loads(store.read_verified(layout.run_part(run, "lineage"), record["sha256"]))
+        if "training" in lineage:  # grouped as they are written now (runs before the grouping wrote them flat)
+            lineage["training"] = read_flat(TrainingConfig, lineage["training"])
         return cls(store, run, record, lineage)
 
     @property

@@ -98,11 +98,17 @@ class RunPage:
     def _lineage(self) -> list[tuple[str, str]]:
         lineage = self.lineage
         training = lineage["training"]
-        lora = ("rank", "alpha") if training.get("method", "lora") == "lora" else ()  # a full run has no adapter
-        keys = ("method", *lora, "steps", "batch_size", "batch_tokens", "learning_rate", "mixed_precision",
-                "base_precision", "gradient_checkpointing", "timestep_sampling", "loss_weighting", "seed")
+        # a full run has no adapter
+        lora = ("lora.rank", "lora.alpha") if training.get("method", "lora") == "lora" else ()
+        keys = ("method", *lora, "steps", "batch_size", "batch_tokens", "optimizer.learning_rate", "mixed_precision",
+                "base_precision", "gradient_checkpointing", "timesteps.sampling", "timesteps.loss_weighting", "seed")
+
+        def value(key: str) -> Any:
+            group, _, name = key.rpartition(".")
+            return (training.get(group, {}) if group else training).get(name)
+
         init = lineage.get("init_from")
-        return [("training", ", ".join(f"{key} {training[key]}" for key in keys if training.get(key) is not None)),
+        return [("training", ", ".join(f"{key} {value(key)}" for key in keys if value(key) is not None)),
                 ("continued from", f"{self._in_store(init['url'])} (sha256 {init['sha256'][:12]})" if init else "none"),
                 ("text", ", ".join(f"{k} {v}" for k, v in lineage["text"].items())),
                 ("code", lineage["code"]),
@@ -115,7 +121,7 @@ class RunPage:
                  f"`{self.url}`: the paths below are under `{self.root}/`", ""]
         if self.samples is not None:
             lines += [f"![sample grid]({_data_uri(self.samples, PAGE_IMAGE_WIDTH)})", "",
-                      "Prompts: " + "; ".join(f"“{p}”" for p in self.lineage["training"]["sample_prompts"]), ""]
+                      "Prompts: " + "; ".join(f"“{p}”" for p in self.lineage["training"]["samples"]["prompts"]), ""]
             if self.record.get("sample_videos"):  # a run on clips: the grid is its videos' first frames
                 lines += [f"The videos (animated WebP): `{self._in_store(self.record['sample_videos'][-1])}`", ""]
         lines += [f"![training curves: loss, validation loss, learning rate]({_data_uri(self.curves)})", ""]

@@ -237,5 +237,5 @@ def sample_run(
 
     size = (sides["width"], sides["height"]) if sides else None
     samples = draw(family, pipeline, call, len(prompts), first_frames, size)
-    samples.fps = run.lineage["training"].get("sample_fps", Samples.fps)  # runs from before it: Wan's 16
+    samples.fps = run.lineage["training"].get("samples", {}).get("fps", Samples.fps)  # runs from before it: Wan's 16
     return samples

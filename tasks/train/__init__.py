@@ -50,8 +50,8 @@ def check_training(model: ModelConfig, training: TrainingConfig, family: Family 
     except (OSError, ValueError):
         return
     Objective.of(model, training, family)
-    if training.sample_first_frames:
-        family.sampler.image_pipeline_class("training.sample_first_frames")
+    if training.samples.first_frames:
+        family.sampler.image_pipeline_class("training.samples.first_frames")
 
 
 def train(
@@ -60,7 +60,7 @@ def train(
 ) -> dict[str, Any]:
     """Train (or resume, or return the finished run), and return its record with the store failures
     retried as its `work`; `progress(step, steps, loss, validation_loss)`
-    after each step (the validation loss is None at steps without one). With `training.nodes` > 1,
+    after each step (the validation loss is None at steps without one). With `training.distribution.nodes` > 1,
     every node calls this with its `node` index and the `attempt` id they share (a new one for each
     attempt: a re-run resumes from the last checkpoint)."""
     family = family_of(model)  # resolved once, here: the trainer's processes resolve it in theirs
@@ -70,11 +70,12 @@ def train(
     run, init = run_for(store, model, training, manifest["id"], family)
     if (record := finished_run(store, run)) is not None:
         return with_work(record, store)
-    if training.nodes > 1 and attempt is None:
-        raise ValueError(f"training.nodes is {training.nodes}: train on several nodes through the pipeline flow with "
-                         f"execution.placement.train, which gives each node its index and the attempt id they share")
-    if not 0 <= node < training.nodes:
-        raise ValueError(f"node {node} is not one of training.nodes ({training.nodes})")
+    if training.distribution.nodes > 1 and attempt is None:
+        raise ValueError(f"training.distribution.nodes is {training.distribution.nodes}: train on several nodes "
+                         "through the pipeline flow with execution.placement.train, which gives each node its index "
+                         "and the attempt id they share")
+    if not 0 <= node < training.distribution.nodes:
+        raise ValueError(f"node {node} is not one of training.distribution.nodes ({training.distribution.nodes})")
     if node == 0 and training.init_from == "latest":  # resolved only now that this run is known to be
         init = initial_adapter(store, model, training)  # unfinished; DDP gives the other nodes rank 0's weights
     job = Job(storage, model, training, manifest, run, init)
@@ -102,9 +103,9 @@ def train(
 
 def fetch_for_node(store: Store, training: TrainingConfig, manifest: dict[str, Any], family: Family) -> None:
     """Every cache shard of a remote store fetched into this node's cache and checked once, before
-    the node's `training.processes` processes start: each checks its copy again, none downloads it
+    the node's `training.distribution.processes` processes start: each checks its copy again, none downloads it
     (they would all fetch the same shards at once)."""
-    if training.processes > 1 and not store.is_local:
+    if training.distribution.processes > 1 and not store.is_local:
         CachedFeatures(store, manifest, family)  # the encoders' names: which caches
 
 

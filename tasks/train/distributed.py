@@ -43,8 +43,9 @@ class Distributed:
     def from_config(cls, training: TrainingConfig, node: int, local: int, address: str) -> Distributed:
         """Process `local` of node `node` (rank node × processes + local). Reads `processes`,
         `world`, `device` and `node_timeout`."""
-        return cls.start(node * training.processes + local, training.world, local, address, training.device,
-                         training.node_timeout)
+        spread = training.distribution
+        return cls.start(node * spread.processes + local, training.world, local, address, training.device,
+                         spread.node_timeout)
 
     @classmethod
     def start(cls, rank: int, world: int, local: int, address: str, device: str, timeout: float) -> Distributed:
@@ -96,7 +97,7 @@ class Distributed:
 
 @dataclass
 class Launcher:
-    """This node's `training.processes` data-parallel processes of the run `run` (gloo on CPUs,
+    """This node's `training.distribution.processes` data-parallel processes of the run `run` (gloo on CPUs,
     NCCL on GPUs), watched until the run is committed; with one process in all, this process.
     Rank 0 (node 0) writes the run and its progress, which the supervising process relays; across
     nodes each node beats a heartbeat and watches the others', and a node that failed, died or
@@ -117,16 +118,16 @@ class Launcher:
             target(0, self.node, "", progress=progress, lease=lease)
             return finished()
         rendezvous = None
-        if training.nodes > 1:
-            rendezvous = Rendezvous(self.store, layout.rendezvous(self.run, self.attempt), self.node, training.nodes,
-                                    training.node_timeout)
+        if training.distribution.nodes > 1:
+            rendezvous = Rendezvous(self.store, layout.rendezvous(self.run, self.attempt), self.node,
+                                    training.distribution.nodes, training.distribution.node_timeout)
             if self.node == 0:
                 address = rendezvous.publish()
             elif (address := rendezvous.address(lambda: finished() is not None)) is None:
                 return finished()
         else:
             address = f"127.0.0.1:{free_port()}"
-        processes = torch.multiprocessing.spawn(_process, nprocs=training.processes, join=False,
+        processes = torch.multiprocessing.spawn(_process, nprocs=training.distribution.processes, join=False,
                                                 args=(target, self.node, address))
         self._watch(processes, rendezvous, progress, lease)
         if progress is not None:
@@ -165,8 +166,8 @@ class Launcher:
             local = isinstance(error, (NodeFailed, LeaseLost))  # known here: no other node to wait for
             cause = str(error) if local else rendezvous.culprits() or _last_line(error)
             rendezvous.beat(error=cause)  # the other nodes stop at once instead of at their timeout
-            raise NodeFailed(f"training {self.store.url(self.run)} on {self.training.nodes} nodes failed on node "
-                             f"{self.node}: {cause}") from error
+            raise NodeFailed(f"training {self.store.url(self.run)} on {self.training.distribution.nodes} nodes failed "
+                             f"on node {self.node}: {cause}") from error
 
 
 def _process(local: int, target: Callable[..., None], node: int, address: str) -> None:

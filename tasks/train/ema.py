@@ -1,7 +1,7 @@
 """An exponential moving average of the trainable weights, as diffusers' `EMAModel`: updated once
 per optimizer step, checkpointed like the optimizer (`state_dict`/`load_state_dict`: the averages
 by parameter name, `ema/<name>` in a checkpoint), and copied into the network at the end (the
-averaged weights are the run's result when `training.ema_decay` > 0)."""
+averaged weights are the run's result when `training.optimizer.ema_decay` > 0)."""
 
 from __future__ import annotations
 

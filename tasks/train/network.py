@@ -40,7 +40,7 @@ def trainable_network(model: ModelConfig, family: Family, training: TrainingConf
             from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
             quantize_(transformer, {"int8": Int8WeightOnlyConfig, "fp8": Float8WeightOnlyConfig}[training.base_precision]())
-        lora = LoraConfig(r=training.rank, lora_alpha=training.alpha, lora_dropout=training.lora_dropout,
+        lora = LoraConfig(r=training.lora.rank, lora_alpha=training.lora.alpha, lora_dropout=training.lora.dropout,
                           target_modules=family.denoiser.target_modules(training), bias="none")
         with warnings.catch_warnings():  # int8/fp8: PEFT warns that merging needs the quantisation recipe; never merged here
             warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated without")

@@ -14,19 +14,20 @@ from configs.schema import TrainingConfig
 def build_optimizer(training: TrainingConfig, parameters: list[torch.nn.Parameter],
                     device: torch.device) -> torch.optim.Optimizer:
     """Reads `optimizer`, `learning_rate` and `weight_decay`."""
-    if training.optimizer == "adamw8bit":
+    if training.optimizer.name == "adamw8bit":
         import bitsandbytes
 
         adamw, options = bitsandbytes.optim.AdamW8bit, {}
     else:
         # fused on CUDA; elsewhere foreach, which on a CPU gives the per-tensor loop's bits in half its time
         adamw, options = torch.optim.AdamW, {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return adamw(parameters, lr=training.learning_rate, weight_decay=training.weight_decay, **options)
+    return adamw(parameters, lr=training.optimizer.learning_rate, weight_decay=training.optimizer.weight_decay,
+                 **options)
 
 
 def build_schedule(training: TrainingConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
     """The learning rate rising linearly over `warmup_steps`, then constant."""
-    warmup = max(1, training.warmup_steps)
+    warmup = max(1, training.optimizer.warmup_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
 
 

@@ -39,12 +39,14 @@ class RunPublisher:
         # the pictures the sample videos start from, read before the first step: a bad one fails the
         # run at once, not at its end (the family's image pipeline: `check_training`)
         self.first_frames = None
-        if training.sample_first_frames:
+        if training.samples.first_frames:
             options = fsspec_options(store.config)
-            self.first_frames = [read_picture(path, options) for path in training.sample_first_frames]
+            self.first_frames = [read_picture(path, options) for path in training.samples.first_frames]
         self.output = output_name(training)
         # the training config as it ran: LoRA's target modules resolved (the family's, when unset)
-        self.settings = {**training.model_dump(), "target_modules": family.denoiser.target_modules(training)}
+        settings = training.model_dump()
+        self.settings = {**settings,
+                         "lora": {**settings["lora"], "target_modules": family.denoiser.target_modules(training)}}
         self.trackers = Trackers(store, run, training, self.lineage())
 
     def lineage(self) -> dict[str, Any]:
@@ -73,8 +75,8 @@ class RunPublisher:
 
     def maybe_sample(self, network: torch.nn.Module, step: int) -> None:
         """Render the sample prompts every `sample_every` steps (the last step is `publish`'s)."""
-        every = self.training.sample_every
-        if self.training.sample_prompts and every and step % every == 0 and step < self.training.steps:
+        every = self.training.samples.every
+        if self.training.samples.prompts and every and step % every == 0 and step < self.training.steps:
             self.sample(network, step)
 
     def sample(self, network: torch.nn.Module, step: int) -> None:
@@ -83,15 +85,15 @@ class RunPublisher:
         network.eval()
         with torch.no_grad():
             samples = sample_grid(self.model, self.family, sampling_module(network, training),
-                                  [self.prompts.prompt(p) for p in training.sample_prompts], self.prompts.prompt(""),
-                                  training.sample_steps, training.guidance_scale, training.true_cfg_scale,
+                                  [self.prompts.prompt(p) for p in training.samples.prompts], self.prompts.prompt(""),
+                                  training.samples.steps, training.guidance_scale, training.samples.true_cfg_scale,
                                   training.seed, self.resolution, self.frames, self.first_frames)
         network.train()
         buffer = io.BytesIO()
         samples.grid().save(buffer, format="PNG")
         self.store.write_bytes(layout.sample(self.run, step), buffer.getvalue())
         if samples.frames > 1:  # the videos beside their first frames
-            self.store.write_bytes(layout.sample(self.run, step, "webp"), samples.animation(self.training.sample_fps))
+            self.store.write_bytes(layout.sample(self.run, step, "webp"), samples.animation(self.training.samples.fps))
         self.trackers.image(step, "samples", buffer.getvalue())
 
     def publish(self, network: torch.nn.Module, metrics: list[dict[str, Any]], start: int,
@@ -104,7 +106,7 @@ class RunPublisher:
             for file in sorted(Path(tmp).iterdir()):
                 if file.is_file():
                     store.put_file(file, f"{layout.run_part(run, self.output)}/{file.name}")
-        if training.sample_prompts:
+        if training.samples.prompts:
             self.sample(network, training.steps)
         samples = [store.url(key) for key in store.list(layout.run_part(run, "samples"), ".png")]
         videos = [store.url(key) for key in store.list(layout.run_part(run, "samples"), ".webp")]

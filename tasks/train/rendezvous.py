@@ -3,7 +3,7 @@
 Nodes meet through the store, the one place every node already reaches: node 0 publishes the
 address of rank 0's c10d TCP store under the attempt's folder, the other nodes read it and join;
 each node's supervising process beats a heartbeat there and reads the others', so a node that died
-or hangs fails the whole run within `training.node_timeout`, by name. An attempt's folder is named
+or hangs fails the whole run within `training.distribution.node_timeout`, by name. An attempt's folder is named
 by its id, so the state of a crashed attempt is never read by a new one.
 """
 
@@ -86,7 +86,8 @@ class Rendezvous:
                 return None
             if time.monotonic() > deadline:
                 raise NodeFailed(f"node 0 published no address at {self.store.url(key)} within {self.timeout:g} s "
-                                 f"(training.node_timeout): it did not start, or waits for another trainer of this run")
+                                 f"(training.distribution.node_timeout): it did not start, or waits for another "
+                                 "trainer of this run")
             time.sleep(self.interval)
         return self.store.read_json(key)["address"]
 

@@ -7,7 +7,7 @@ and one that fails is reported once, as a warning, and dropped; training goes on
 nothing. TensorBoard writes its event files to a local folder and copies them into
 `runs/<id>/tensorboard/` at every checkpoint and at the end, so they work on any root (s3://,
 gs://) and a resumed run adds its own file beside the earlier ones. MLflow logs to
-`training.mlflow_tracking_uri` (MLflow's own default when unset), W&B as its environment says
+`training.tracking.mlflow_tracking_uri` (MLflow's own default when unset), W&B as its environment says
 (`WANDB_MODE=offline` writes the run's files locally); both continue the same run on resume.
 """
 
@@ -87,10 +87,10 @@ class MLflow:
         import mlflow
         from mlflow.entities import Param
 
-        self.client = mlflow.MlflowClient(tracking_uri=training.mlflow_tracking_uri)
-        experiment = self.client.get_experiment_by_name(training.tracker_project)
+        self.client = mlflow.MlflowClient(tracking_uri=training.tracking.mlflow_tracking_uri)
+        experiment = self.client.get_experiment_by_name(training.tracking.project)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
-            training.tracker_project)
+            training.tracking.project)
         found = self.client.search_runs([experiment_id], f"tags.`precast.run_id` = '{params['run_id']}'")
         if found:  # a resumed run continues the tracker's run
             self.run_id = found[0].info.run_id
@@ -124,7 +124,7 @@ class WandB:
     def __init__(self, store: Store, run: str, training: TrainingConfig, params: dict[str, Any]):
         import wandb
 
-        self.run = wandb.init(project=training.tracker_project, id=params["run_id"][:32], name=params["run_id"][:12],
+        self.run = wandb.init(project=training.tracking.project, id=params["run_id"][:32], name=params["run_id"][:12],
                               resume="allow", config=params, reinit="create_new")
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
@@ -155,7 +155,7 @@ class Trackers:
         params = hyperparameters(run.rsplit("/", 1)[-1], lineage)
 
         def start() -> None:  # wandb.init and MLflow's first requests take seconds: not on the training thread
-            for name in training.trackers:
+            for name in training.tracking.trackers:
                 self._guarded(name, lambda name=name: self.live.__setitem__(
                     name, KINDS[name](store, run, training, params)))
         self.calls.put(start)

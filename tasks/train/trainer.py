@@ -1,11 +1,12 @@
 """The trainer: one run's training in one process, built from its parts and read top to bottom.
 
-To train a run on one device (or on the processes of `training.processes`):
+To train a run on one device (or on the processes of `training.distribution.processes`):
 $ precast stage train configs/quickstart.yaml
 as the last stage of the pipeline:
 $ precast run configs/quickstart.yaml
 on several nodes, each node of the train deployment's work pool one child flow run:
-$ precast run configs/quickstart.yaml --set training.nodes=2 --set execution.placement.train=precast-stage/train
+$ precast run configs/quickstart.yaml --set training.distribution.nodes=2 \
+    --set execution.placement.train=precast-stage/train
 
 `tasks.train.train` takes the run's lease and launches the processes; each builds a `Trainer`
 (its parts once, in the order they depend on each other) and calls `fit()`: restore the newest
@@ -105,7 +106,7 @@ class Trainer:
         self.schedule = build_schedule(training, self.optimizer)
         self.scaler = build_scaler(training, device)
         # the moving average of the trainable weights is what is saved when it is on
-        self.ema = Ema(self.network, training.ema_decay) if training.ema_decay else None
+        self.ema = Ema(self.network, training.optimizer.ema_decay) if training.optimizer.ema_decay else None
 
         # --- checkpoints, outputs and figures --------------------------------------------------
         state = TrainingState(self.network, self.optimizer, self.schedule, self.ema, self.scaler)
@@ -184,7 +185,7 @@ class Trainer:
             step_loss += loss.detach() / self.accumulation
             samples += len(latents)
         self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, training.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, training.optimizer.max_grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.schedule.step()

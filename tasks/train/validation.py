@@ -19,7 +19,7 @@ class Validation:
         # and a sample stays held out when new data arrives unless a new one hashes lower
         ranked = sorted(features.samples, key=lambda s: hashlib.sha256(f"{seed}/{s}".encode()).hexdigest())
         if count and count >= len(ranked):
-            raise ValueError(f"training.validation_samples is {count}, which leaves none of the manifest's "
+            raise ValueError(f"training.validation.samples is {count}, which leaves none of the manifest's "
                              f"{len(ranked)} samples to train on")
         self.held = set(ranked[:count])
         self.features, self.every, self.seed = features, every, seed
@@ -29,7 +29,7 @@ class Validation:
     @classmethod
     def from_config(cls, training: TrainingConfig, features: CachedFeatures) -> Validation:
         """Reads `validation_samples`, `validation_every`, `batch_size` and `seed`."""
-        return cls(features, training.validation_samples, training.validation_every, training.batch_size, training.seed)
+        return cls(features, training.validation.samples, training.validation.every, training.batch_size, training.seed)
 
     def _split(self, buckets: dict[str, list[str]], held: bool) -> dict[str, list[str]]:
         kept = {name: [s for s in ids if (s in self.held) == held] for name, ids in sorted(buckets.items())}
