@@ -21,11 +21,12 @@ reads each diffusers name under `transformer.`, `diffusion_model.`, `lycoris_` (
 bare (read in ComfyUI's source after 2025-12; restated from it).
 
 FLUX.2 is ComfyUI's `Flux2`, a `Flux` (so it takes Flux's branch of `model_lora_keys_unet`:
-`transformer.<diffusers name>`), whose `flux_to_diffusers` maps FLUX.2's diffusers names onto its
+`transformer.<diffusers name>`, `lycoris_` and `lora_transformer_` with "." -> "_", and the bare
+name), whose `flux_to_diffusers` maps FLUX.2's diffusers names onto its
 BFL layout: a double block's `attn.to_q/k/v` into `img_attn.qkv` (slices of the width),
 `attn.to_out.0` to `img_attn.proj`, the text stream's alike, `ff.linear_in/out` to `img_mlp.0/2`; a
 single block's fused `attn.to_qkv_mlp_proj` to `linear1` and `attn.to_out` to `linear2` (restated
-from copies of ComfyUI's FLUX.2 section; the stored upstream ComfyUI predates it).
+from ComfyUI's source after FLUX.2: comfy/utils.py at b3be02d6, comfy/lora.py at ec93dcac).
 
 Qwen-Image's ComfyUI model (`comfy/ldm/qwen_image/model.py`) names its modules as diffusers does:
 its branch of `model_lora_keys_unet` reads each of its `diffusion_model.<key>` weights as `<key>`,
@@ -64,6 +65,8 @@ WAN_RENAMES = {"self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_a
                "cross_attn.v": "attn2.to_v", "cross_attn.o": "attn2.to_out.0", "ffn.0": "ffn.net.0.proj",
                "ffn.2": "ffn.net.2"}
 FLUX_PREFIXES = ("transformer.", "lycoris_", "lora_transformer_")  # the last two with "." -> "_"
+# the same branch in ComfyUI after FLUX.2 (comfy/lora.py at ec93dcac) also reads the bare name ("DiffSynth lora format")
+FLUX2_PREFIXES = (*FLUX_PREFIXES, "")
 MMDIT_PREFIXES = ("transformer.", "base_model.model.", "lora_transformer_", "lycoris_")
 ZIMAGE_PREFIXES = ("transformer.", "diffusion_model.", "lycoris_", "")
 QWEN_IMAGE_PREFIXES = ("transformer.", "lycoris_", "")
@@ -197,7 +200,7 @@ def maps_for(transformer) -> tuple[dict[str, Target], dict[str, Target]]:
         return mmdit_to_diffusers(config["num_layers"], hidden), mmdit_lora_key_map(config["num_layers"], hidden)
     if config["_class_name"] == "Flux2Transformer2DModel":
         keys = flux2_to_diffusers(config["num_layers"], config["num_single_layers"], hidden)
-        return keys, _lora_key_map(keys, FLUX_PREFIXES)
+        return keys, _lora_key_map(keys, FLUX2_PREFIXES)
     if config["_class_name"] == "QwenImageTransformer2DModel":  # its blocks' linear layers, by their own names
         keys = {key: f"diffusion_model.{key}" for key in transformer.state_dict()
                 if key.startswith("transformer_blocks.") and key.endswith(".weight") and "norm" not in key}

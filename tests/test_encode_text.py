@@ -414,7 +414,8 @@ def test_a_decoder_only_llm_plugs_into_the_stage_through_its_prompt_function(mak
     loaded = load_text_encoder(config.model, family_of(config.model), spec, "fp32", "cpu", "none")
     assert not hasattr(loaded.model, "lm_head")
     for changed in (ChatEncoderSpec("llm", layers=(-1,), drop=3), replace(spec, removed=("[IMG]",)),
-                    replace(spec, generation_prompt=False), replace(spec, padded=True)):
+                    replace(spec, generation_prompt=False), replace(spec, padded=True),
+                    replace(spec, blocks=True)):
         declare_encoder(monkeypatch, config.model, changed)
         assert text_fingerprints(config.model, config.text_encoding)["llm"] != fingerprint, changed
     declare_encoder(monkeypatch, config.model, spec)

@@ -135,16 +135,23 @@ def test_qwen_images_template_prefix_is_the_34_tokens_its_pipeline_drops(pipes):
 def test_the_mistral_tokenizer_renders_mistral_small_3_1s_template_and_begins_each_text_once(pipes):
     """FLUX.2 [dev]'s Mistral tokenizer: its control tokens first (the image token 10, the padding
     11, as published), the system message and the user's turn (a string or text blocks alike) as
-    Mistral Small 3.1's template renders them, after one <s>, which the pipeline's own tokenizing
-    of the template keeps single; the encoder saved whole, its vision tower too."""
+    Mistral Small 3.1's published template renders them, after one <s>, which the pipeline's own
+    tokenizing of the template keeps single; a system message as a plain string fails there, as
+    with the published template (which is why the pipeline, and precast, give text blocks); the
+    encoder saved whole, its vision tower too."""
+    import jinja2
+
     pipe = pipes["flux2-dev"]
     tokenizer = pipe.tokenizer
     assert tokenizer.convert_tokens_to_ids(["[IMG]", "<pad>", "<s>"]) == [10, 11, 1]
     assert tokenizer.decode(tokenizer(PROMPTS[1], add_special_tokens=False).input_ids) == PROMPTS[1]
     turn = f"<s>[SYSTEM_PROMPT]S[/SYSTEM_PROMPT][INST]{PROMPTS[0]}[/INST]"
-    for content in ("S", [{"type": "text", "text": "S"}]):
-        messages = [{"role": "system", "content": content}, {"role": "user", "content": PROMPTS[0]}]
+    system = {"role": "system", "content": [{"type": "text", "text": "S"}]}
+    for content in (PROMPTS[0], [{"type": "text", "text": PROMPTS[0]}]):
+        messages = [system, {"role": "user", "content": content}]
         assert tokenizer.apply_chat_template(messages, tokenize=False) == turn
+    with pytest.raises(jinja2.exceptions.UndefinedError):
+        tokenizer.apply_chat_template([{"role": "system", "content": "S"}, messages[1]], tokenize=False)
     ids = tokenizer.apply_chat_template([messages], tokenize=True, return_dict=True)["input_ids"][0]
     assert ids == tokenizer(turn, add_special_tokens=False).input_ids and ids.count(1) == 1
     assert type(pipe.text_encoder).__name__ == "Mistral3ForConditionalGeneration"

@@ -430,30 +430,59 @@ def write_qwen2_5_vl(tokenizer_folder: Path, encoder_folder: Path, perturb: int 
     model.save_pretrained(encoder_folder)
 
 
-# What Mistral Small 3.1's published chat template renders (FLUX.2 [dev]'s encoder): the begin
-# token, the system message (a string or a text block; its default, a dated assistant persona, where
-# none is given), each user turn in [INST] (its text blocks, [IMG] for an image block), each
+# Mistral Small 3.1's published chat template (Mistral-Small-3.1-24B-Instruct-2503's processor, as
+# transformers' tests/models/mistral3/test_processing_mistral3.py holds it), FLUX.2 [dev]'s encoder's:
+# the begin token, the system message (read from its first text block; a dated assistant persona
+# where none is given), each user turn in [INST] (its text blocks, [IMG] for an image block), each
 # assistant turn closed by the end token
 MISTRAL3_CHAT_TEMPLATE = (
-    "{%- set today = strftime_now('%Y-%m-%d') %}"
-    "{%- set default_system_message = 'You are Mistral Small 3, a Large Language Model (LLM) created by Mistral AI. "
-    "The current date is ' + today + '.' %}"
-    "{{- bos_token }}{%- if messages[0]['role'] == 'system' %}"
-    "{%- if messages[0]['content'] is string %}{%- set system_message = messages[0]['content'] %}"
-    "{%- else %}{%- set system_message = messages[0]['content'][0]['text'] %}{%- endif %}"
-    "{%- set loop_messages = messages[1:] %}"
-    "{%- else %}{%- set system_message = default_system_message %}{%- set loop_messages = messages %}{%- endif %}"
-    "{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}"
-    "{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
-    "{%- if message['content'] is string %}{{- '[INST]' + message['content'] + '[/INST]' }}"
-    "{%- else %}{{- '[INST]' }}{%- for block in message['content'] %}"
-    "{%- if block['type'] == 'text' %}{{- block['text'] }}"
-    "{%- elif block['type'] in ['image', 'image_url'] %}{{- '[IMG]' }}"
-    "{%- else %}{{- raise_exception('Only text and image blocks are supported in message content!') }}{%- endif %}"
-    "{%- endfor %}{{- '[/INST]' }}{%- endif %}"
-    "{%- elif message['role'] == 'assistant' %}"
-    "{{- (message['content'] if message['content'] is string else message['content'][0]['text']) + eos_token }}"
-    "{%- else %}{{- raise_exception('Only user, system and assistant roles are supported!') }}{%- endif %}"
+    '{%- set today = strftime_now("%Y-%m-%d") %}\n'
+    '{%- set default_system_message = "You are Mistral Small 3, a Large Language Model (LLM) created by Mistral AI, a French startup headquartered in Paris.\\nYour knowledge base was last updated on 2023-10-01. The current date is " + today + ".\\n\\nWhen you\'re not sure about some information, you say that you don\'t have the information and don\'t make up anything.\\nIf the user\'s question is not clear, ambiguous, or does not provide enough context for you to accurately answer the question, you do not try to answer it right away and you rather ask the user to clarify their request (e.g. \\"What are some good restaurants around me?\\" => \\"Where are you?\\" or \\"When is the next flight to Tokyo\\" => \\"Where do you travel from?\\")" %}\n'
+    "\n"
+    "{{- bos_token }}\n"
+    "\n"
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {%- if messages[0] is string %}\n"
+    "        {%- set system_message = messages[0]['content'] %}\n"
+    "        {%- set loop_messages = messages[1:] %}\n"
+    "    {%- else %} \n"
+    "        {%- set system_message = messages[0]['content'][0]['text'] %}\n"
+    "        {%- set loop_messages = messages[1:] %}\n"
+    "    {%- endif %}\n"
+    "{%- else %}\n"
+    "    {%- set system_message = default_system_message %}\n"
+    "    {%- set loop_messages = messages %}\n"
+    "{%- endif %}\n"
+    "{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}\n"
+    "\n"
+    "{%- for message in loop_messages %}\n"
+    "    {%- if message['role'] == 'user' %}\n"
+    "            {%- if message['content'] is string %}\n"
+    "            {{- '[INST]' + message['content'] + '[/INST]' }}\n"
+    "            {%- else %}\n"
+    "                    {{- '[INST]' }}\n"
+    "                    {%- for block in message['content'] %}\n"
+    "                            {%- if block['type'] == 'text' %}\n"
+    "                                    {{- block['text'] }}\n"
+    "                            {%- elif block['type'] == 'image' or block['type'] == 'image_url' %}\n"
+    "                                    {{- '[IMG]' }}\n"
+    "                                {%- else %}\n"
+    "                                    {{- raise_exception('Only text and image blocks are supported in message content!') }}\n"
+    "                                {%- endif %}\n"
+    "                        {%- endfor %}\n"
+    "                    {{- '[/INST]' }}\n"
+    "                {%- endif %}\n"
+    "    {%- elif message['role'] == 'system' %}\n"
+    "        {{- '[SYSTEM_PROMPT]' + message['content'] + '[/SYSTEM_PROMPT]' }}\n"
+    "    {%- elif message['role'] == 'assistant' %}\n"
+    "        {%- if message['content'] is string %}\n"
+    "            {{- message['content'] + eos_token }}\n"
+    "        {%- else %}\n"
+    "            {{- message['content'][0]['text'] + eos_token }}\n"
+    "        {%- endif %}\n"
+    "    {%- else %}\n"
+    "        {{- raise_exception('Only user, system and assistant roles are supported!') }}\n"
+    "    {%- endif %}\n"
     "{%- endfor %}")
 # Mistral's control tokens, first in its vocabulary as published (the image token is 10, the padding 11)
 MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",

@@ -139,7 +139,7 @@ DEV = Family(
     # padding; the checkpoint is the whole Mistral3ForConditionalGeneration, whose language model
     # alone is loaded (its weights saved under `language_model.`)
     Text((ChatEncoderSpec("mistral3", model_class="MistralModel", system=SYSTEM_MESSAGE, layers=(10, 20, 30),
-                          padded=True, removed=("[IMG]",), generation_prompt=False,
+                          padded=True, removed=("[IMG]",), generation_prompt=False, blocks=True,
                           key_mapping=((r"^language_model\.", ""),)),), max_length=512),
     Flux2Codec(), Flux2Denoiser(text="mistral3_hidden"), Flux2Sampler())
 KLEIN = Family(

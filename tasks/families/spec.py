@@ -141,7 +141,9 @@ class ChatEncoderSpec(TextEncoderSpec):
     transformer that attends to all of them (FLUX.2's: the padding's states depend on the caption,
     so they are cached with it). `removed`: strings the pipeline takes out of a caption first
     (FLUX.2 [dev]'s `[IMG]`); `generation_prompt`: whether the template is rendered with the
-    assistant's turn opened (`add_generation_prompt`). Its model class is the bare decoder: the
+    assistant's turn opened (`add_generation_prompt`); `blocks`: each message's content given as a
+    list of text blocks, as FLUX.2 [dev]'s pipeline gives it (Mistral Small 3.1's published template
+    reads its system message only from a block). Its model class is the bare decoder: the
     vocabulary head (and a vision tower), which the cache never needs, is not loaded; `key_mapping`
     renames a multimodal checkpoint's language-model weights to the bare decoder's (transformers'
     `from_pretrained(key_mapping=…)`)."""
@@ -155,6 +157,7 @@ class ChatEncoderSpec(TextEncoderSpec):
     padded: bool = False
     removed: tuple[str, ...] = ()
     generation_prompt: bool = True
+    blocks: bool = False
     key_mapping: tuple[tuple[str, str], ...] = ()
 
     def load_options(self) -> dict[str, Any]:
@@ -166,8 +169,12 @@ class ChatEncoderSpec(TextEncoderSpec):
         if self.template is not None:
             return [self.template.format(text) for text in texts]
         options = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
-        system = [{"role": "system", "content": self.system}] if self.system is not None else []
-        return [tokenizer.apply_chat_template([*system, {"role": "user", "content": text}], tokenize=False,
+
+        def message(role: str, text: str) -> dict[str, Any]:
+            return {"role": role, "content": [{"type": "text", "text": text}] if self.blocks else text}
+
+        system = [message("system", self.system)] if self.system is not None else []
+        return [tokenizer.apply_chat_template([*system, message("user", text)], tokenize=False,
                                               add_generation_prompt=self.generation_prompt, **options)
                 for text in texts]
 
@@ -200,6 +207,7 @@ class ChatEncoderSpec(TextEncoderSpec):
                 **({"padded": True} if self.padded else {}),
                 **({"removed": list(self.removed)} if self.removed else {}),
                 **({"generation_prompt": False} if not self.generation_prompt else {}),
+                **({"blocks": True} if self.blocks else {}),
                 **({"key_mapping": [list(pair) for pair in self.key_mapping]} if self.key_mapping else {})}
         return {"masked": True, "outputs": list(self.outputs), "model_class": self.model_class, "chat": chat}
 
