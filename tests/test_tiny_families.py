@@ -134,11 +134,11 @@ def test_qwen_images_template_prefix_is_the_34_tokens_its_pipeline_drops(pipes):
 
 def test_the_mistral_tokenizer_renders_mistral_small_3_1s_template_and_begins_each_text_once(pipes):
     """FLUX.2 [dev]'s Mistral tokenizer: its control tokens first (the image token 10, the padding
-    11, as published), the system message and the user's turn (a string or text blocks alike) as
-    Mistral Small 3.1's published template renders them, after one <s>, which the pipeline's own
-    tokenizing of the template keeps single; a system message as a plain string fails there, as
-    with the published template (which is why the pipeline, and precast, give text blocks); the
-    encoder saved whole, its vision tower too."""
+    11, as published), the system message (a text block) and the user's turn (a string or text
+    blocks alike) as Mistral Small 3.1's published template renders them, after one <s>, which the
+    pipeline's own tokenizing of the template keeps single; a system message as a plain string
+    fails in that template (which is why the pipeline, and precast, give text blocks); the encoder
+    saved whole, its vision tower too."""
     import jinja2
 
     pipe = pipes["flux2-dev"]
