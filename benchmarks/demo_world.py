@@ -1,6 +1,6 @@
 """The demo's tiny world under perturbations that stand in for another machine, for each family.
 
-A CPU of another kind rounds differently, and the demo's 1,000 steps amplify the last bits, so the
+A CPU of another kind rounds differently, and the demos' hundreds of steps amplify the last bits, so the
 trained bytes differ from machine to machine. What must not differ is what the world teaches: the
 hand-set VAE gives back every palette colour, and the demo's training draws the background colour each
 held-out prompt names (and does not without the text). This retrains each family's demo (`precast

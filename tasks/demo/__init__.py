@@ -16,13 +16,15 @@ TINY_FAMILIES = (*DEMO_FAMILIES, "flux2-dev", "flux2-klein", "wan-ti2v", "wan2.2
 VIDEO_FAMILIES = ("wan",)  # their demo learns from generated videos (`videos`), the others' from pictures
 # the tiny models a demo trains, where not its own family's: the wan demo's sample from a first frame too
 DEMO_MODELS = {"wan": "wan-ti2v"}
-# the picture demos' training, where not the quickstart's (1,000 steps at a learning rate of 1e-3, the
-# weights averaged with decay 0.995): FLUX.1-dev, SD3 and Chroma learn their world in fewer steps at
-# twice the rate with a shorter average, each the fewest steps whose seven perturbations stay above
-# its bar; Z-Image and Qwen-Image do not (benchmarks/results/demo-worlds.md)
+# the picture demos' training, where not the quickstart's (PixArt's: 700 steps at a learning rate of
+# 1e-3, the weights averaged with decay 0.995): FLUX.1-dev, SD3 and Chroma learn their world in fewer
+# steps at twice the rate with a shorter average, each the fewest steps whose seven perturbations stay
+# above its bar; FLUX.1-schnell, Z-Image and Qwen-Image train 1,000 at the quickstart's rate, as their
+# tables were drawn (Z-Image and Qwen-Image do not learn in 600 at twice it): benchmarks/results/demo-worlds.md
 FASTER = {"training.optimizer.learning_rate": 0.002, "training.optimizer.ema_decay": 0.99}
 DEMO_TRAINING = {"flux": {"training.steps": 700, **FASTER}, "sd3": {"training.steps": 400, **FASTER},
-                 "chroma": {"training.steps": 400, **FASTER}}
+                 "chroma": {"training.steps": 400, **FASTER}, "flux-schnell": {"training.steps": 1000},
+                 "zimage": {"training.steps": 1000}, "qwen-image": {"training.steps": 1000}}
 FIRST_FRAMES = "precast-demo/first-frames"  # the video demo's sample prompts' first frames (`videos.first_frame`)
 
 
