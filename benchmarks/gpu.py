@@ -17,7 +17,9 @@ Randomly initialised models with the published shapes (the `config.json` of each
   at 81 with attention held to each of SDPA's fused kernels (flash, memory-efficient, cuDNN) alone. umT5-XXL's encoder is
   T5-XXL's shape (d_model 4096, d_ff 10240, 24 layers): the T5 figure is its cost a token.
 Each reports peak GPU memory and model FLOP utilisation: FLOPs counted by
-`torch.utils.flop_counter` on one call, against the device's dense bf16 peak. Without CUDA it is
+`torch.utils.flop_counter` on one call, against the device's dense bf16 peak; beside it, of the
+positions computed (tokens padded to a batch's longest caption, umT5's zeros to 512) those that are
+real, and the MFU on them (`positions`): padding is no work done. Without CUDA it is
 skipped with a message. `--tiny` runs the same code on small shapes (a check of the code on a CPU).
 Usage: python -m benchmarks.gpu [--tiny]
 """
@@ -123,8 +125,15 @@ def lora_step(model: ModelConfig, mode: str, device: torch.device,
     return step
 
 
+def positions(real: int, computed: int, items: int) -> dict[str, float]:
+    """What of the positions a figure's FLOPs were spent on are real tokens, not padding (or masked
+    positions): per item, and their share (`useful`), which scales its MFU to `useful_mfu`."""
+    return {"real_positions": real / items, "computed_positions": computed / items, "useful": real / computed}
+
+
 def rounded(figures: dict[str, Any], peak: float | None) -> dict[str, Any]:
-    figures = {**figures, "mfu": figures["tflops"] / peak if peak else None}
+    mfu = figures["tflops"] / peak if peak else None
+    figures = {**figures, "mfu": mfu, "useful_mfu": mfu * figures["useful"] if mfu and "useful" in figures else None}
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}
 
 
@@ -173,7 +182,9 @@ def wan(tiny: bool, device: torch.device, repeat: int, peak: float | None, vae_c
                 print(json.dumps({f"wan vae {name} {setting}": results[f"vae {name} {setting}"]}), flush=True)
         del vae
         transformer = json.loads((folder / "transformer" / "config.json").read_text())
-        text_dim = transformer["text_dim"]
+        # a 40-token caption as the training reader hands it over: umT5's zero-padded to its 512
+        (umt5,) = family.text.encoders
+        caption = umt5.rebuilt(torch.randn(40, transformer["text_dim"]), family.text.length(model, umt5, TextEncodingConfig()))
         generator = torch.Generator(device).manual_seed(0)
         step = lora_step(model, "recompute", device, generator)
         # batch 1 at each length, then at 81 frames with SDPA held to each fused kernel alone: on an
@@ -185,7 +196,7 @@ def wan(tiny: bool, device: torch.device, repeat: int, peak: float | None, vae_c
             _, height, width = clips["480x832"]
             latent = (16, (frames - 1) // 4 + 1, height // 8, width // 8)
             latents = torch.randn(1, *latent, device=device)
-            features = {k: v.to(device) for k, v in collate([{"umt5_hidden": torch.randn(40, text_dim)}]).items()}
+            features = {k: v.to(device) for k, v in collate([{"umt5_hidden": caption}]).items()}
             key = f"lora 1.3B {frames}x480x832 recompute" + (f", {kernel} attention only" if kernel else "")
             tokens, where = family.denoiser.image_tokens(transformer, *latent[1:]), "a plain step"
             try:
@@ -196,6 +207,7 @@ def wan(tiny: bool, device: torch.device, repeat: int, peak: float | None, vae_c
                     first = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
                     where = "counting FLOPs or timing"
                     figures = measure(lambda: step(latents, features), 1, repeat, device)
+                figures = {**figures, **positions(tokens + 40, tokens + len(caption), 1)}  # cross-attended zeros too
                 results[key] = {**rounded(figures, peak), "tokens": tokens, "plain_step_peak_gib": first}
             except (torch.OutOfMemoryError, RuntimeError) as error:
                 results[key] = {"refused": f"{where}: {type(error).__name__}: {str(error).splitlines()[0]}",
@@ -234,7 +246,7 @@ def vae_variants(vae, images: torch.Tensor, repeat: int, device: torch.device) -
 
 def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int = 5, max_batch: int = 64,
         parts: tuple[str, ...] = ("wan", "pixart")) -> dict:
-    from tasks.encode.text import encode_captions, run_encoder, tokenize
+    from tasks.encode.text import encode_captions, length_batches, run_encoder, tokenize
     from storage.shards import collate
     from tasks.encode.models import load_text_encoder, load_vae
     from tasks.families import family_of
@@ -259,7 +271,12 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
         family = family_of(model)
         t5 = family.text.encoders[0]
         encoder = load_text_encoder(model, family, t5, "bf16", device.type, "none")
-        results["text"] = measure(lambda: encode_captions(texts, model, family, text, t5), captions, repeat, device)
+        ids = tokenize(texts, encoder, text)[0]
+        lengths = [len(x) for x in ids]
+        # the encoder's calls pad each length-sorted batch to its longest caption
+        padded = sum(len(batch) * longest for batch, longest in length_batches(ids, encoder, text))
+        results["text"] = {**measure(lambda: encode_captions(texts, model, family, text, t5), captions, repeat, device),
+                           **positions(sum(lengths), padded, captions)}
         print(json.dumps({"text": results["text"]}), flush=True)  # as it goes: a run cut short keeps these
 
         resolution = shapes["resolution"]
@@ -271,15 +288,19 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
         results["latents_variants"] = vae_variants(vae, images, repeat, device)
 
         generator = torch.Generator(device).manual_seed(0)
-        lengths = [len(ids) for ids in tokenize(texts, encoder, text)[0]]
         latent_side = resolution // 8
+        image_tokens = (latent_side // family.denoiser.transformer_class().load_config(
+            model.path, subfolder="transformer")["patch_size"]) ** 2
 
         def cached(step, batch: int) -> dict[str, float]:
             # what the cache hands the trainer: posterior latents and real-length embeddings
             latents = torch.randn(batch, 4, latent_side, latent_side, device=device)
             sequences = [torch.randn(lengths[i % len(lengths)], shapes["t5"]["d_model"]) for i in range(batch)]
             features = {name: value.to(device) for name, value in collate([{"t5_hidden": s} for s in sequences]).items()}
-            return measure(lambda: step(latents, features), batch, repeat, device)
+            # each sample's image tokens, and its caption padded to the batch's longest (masked)
+            real = sum(image_tokens + len(s) for s in sequences)
+            computed = batch * (image_tokens + max(len(s) for s in sequences))
+            return {**measure(lambda: step(latents, features), batch, repeat, device), **positions(real, computed, batch)}
 
         results["training_modes"] = {}
         for mode in MODES:
@@ -319,7 +340,11 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
         return [("real architectures on GPU", "skipped", result["skipped"], "")]
 
     def mfu(figures: dict) -> str:
-        return f", MFU {figures['mfu']:.1%}" if figures.get("mfu") is not None else ""
+        """MFU, and the real positions of those computed: an MFU on padding is no work done."""
+        real = (f"; real positions {figures['real_positions']:,.0f} of {figures['computed_positions']:,.0f} an item "
+                f"({figures['useful']:.0%})" if "useful" in figures else "")
+        useful = f", {figures['useful_mfu']:.1%} on real positions" if figures.get("useful_mfu") is not None else ""
+        return (f", MFU {figures['mfu']:.1%}{useful}" if figures.get("mfu") is not None else "") + real
 
     wan_rows = []
     for figure, figures in result.get("wan", {}).items():

@@ -215,6 +215,35 @@ def test_results_do_not_depend_on_batching_and_truncation_is_counted(ingested, t
     torch.testing.assert_close(cache[f"{caption['sample_id']}/0"], direct, rtol=1e-4, atol=1e-5)
 
 
+def test_a_batch_pads_no_caption_by_more_than_a_third_of_itself(tiny_models):
+    """Captions of the spread real sets have (log-normal token counts, a tail cut at 300): each
+    encoded once, every batch within the token budget, and none padded past 4/3 of its own
+    tokens, whatever the budget; by the budget alone, most of what the encoder computed of such a
+    set was padding."""
+    import random
+
+    from configs.schema import ModelConfig, TextEncodingConfig
+    from tasks.demo.models import WORDS
+    from tasks.encode.models import load_text_encoder
+    from tasks.encode.text import length_batches, tokenize
+
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(max(3, min(340, int(rng.lognormvariate(4.1, 0.55))))))
+             for _ in range(256)]
+    model = ModelConfig(path=tiny_models)
+    family = family_of(model)
+    encoder = load_text_encoder(model, family, family.text.encoders[0], "fp32", "cpu", "none")
+    for budget in (600, 16384, 65536):
+        text = TextEncodingConfig(batch_tokens=budget)
+        ids = tokenize(texts, encoder, text)[0]
+        batches = length_batches(ids, encoder, text)
+        assert sorted(i for batch, _ in batches for i in batch) == list(range(len(ids)))
+        for batch, longest in batches:
+            assert longest == max(len(ids[i]) for i in batch) and (len(batch) == 1 or len(batch) * longest <= budget)
+            assert all(3 * longest <= 4 * len(ids[i]) for i in batch), (budget, [len(ids[i]) for i in batch])
+        assert sum(map(len, ids)) / sum(len(batch) * longest for batch, longest in batches) > 0.75
+
+
 def test_fingerprint_covers_dtype_and_weights_not_device(make_config, tmp_path, tiny_models):
     config = make_config()
     base = text_encoder_fingerprint(config.model, config.text_encoding)

@@ -41,25 +41,37 @@ def tokenize(texts: list[str], encoder: TextEncoder, config: TextEncodingConfig)
     return encoder.spec.tokenize(encoder.tokenizer, texts, encoder.max_length(config))
 
 
+def length_batches(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingConfig) -> list[tuple[list[int], int]]:
+    """The encoder's calls for these token sequences: (the sequences' indices, the positions each
+    is padded to). Sorted by the positions a caption's call needs (its tokens, or what the spec
+    keeps of an unmasked encoder's padding) and batched under `text.batch_tokens`; a batch takes no
+    caption shorter than 3/4 of its longest, so padding is at most a third of what a caption
+    computes. (By the budget alone, 256 captions of 68 tokens on average, a few cut at 300, were
+    218 padded to 300 and 38 to 34: 26% of the positions computed were real.)"""
+    spec, limit = encoder.spec, encoder.max_length(text)
+    width = [max(len(x), spec.kept(x, limit)) for x in ids]
+    order = sorted(range(len(ids)), key=lambda i: width[i], reverse=True)
+    batches, start = [], 0
+    while start < len(order):
+        longest, end = width[order[start]], start + 1
+        budget = min(len(order), start + max(1, text.batch_tokens // longest))
+        while end < budget and 4 * width[order[end]] >= 3 * longest:
+            end += 1
+        batches.append((order[start:end], longest))
+        start = end
+    return batches
+
+
 @torch.inference_mode()
 def run_encoder(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingConfig) -> Outputs:
     """Each of the encoder's outputs (its spec's) for each token sequence, on the CPU in the
-    encoder's output dtype: sequences [kept_i, D] (`TextEncoderSpec.kept`), a pooled vector as [1, D].
-
-    Sequences are sorted by length and batched under `text.batch_tokens`, so a batch pads only to
-    its own longest caption and short captions never pay for long ones.
-    """
+    encoder's output dtype: sequences [kept_i, D] (`TextEncoderSpec.kept`), a pooled vector as [1, D],
+    called in `length_batches`."""
     spec, limit = encoder.spec, encoder.max_length(text)
     kept = [spec.kept(x, limit) for x in ids]
-    width = [max(len(x), kept[i]) for i, x in enumerate(ids)]  # the positions a caption's call needs
-    order = sorted(range(len(ids)), key=lambda i: width[i], reverse=True)
     outputs: dict[str, list[Any]] = {output: [None] * len(ids) for output in spec.outputs}
     pad, left = encoder.tokenizer.pad_token_id, spec.pads_left(encoder.tokenizer)
-    start = 0
-    while start < len(order):
-        longest = width[order[start]]
-        batch = order[start : start + max(1, text.batch_tokens // longest)]
-        start += len(batch)
+    for batch, longest in length_batches(ids, encoder, text):
         input_ids = torch.full((len(batch), longest), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), longest), dtype=torch.long)
         for row, index in enumerate(batch):
