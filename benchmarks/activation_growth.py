@@ -2,8 +2,9 @@
 
 On an H100 a Wan 2.1 1.3B LoRA step at 41 × 480×832 peaked at 10.8 GiB and at 81 frames ran out of
 80 GB (docs/benchmarks.md, "GPU: real architectures"): something grew faster than the tokens. This
-runs the trainer's own step (`trainable_network`, `kept_activations`, `diffusion_loss`, backward:
-LoRA r=32, bf16 autocast and base, recompute) on the tiny Wan transformer (`write_tiny_family`: 2
+runs the GPU benchmark's training step (`benchmarks.gpu.lora_step`: the trainer's own
+`trainable_network`, `kept_activations`, `diffusion_loss`, backward and AdamW; LoRA r=32, bf16
+autocast and base, recompute) on the tiny Wan transformer (`write_tiny_family`: 2
 blocks of 96) with latents of the real clips' shape (60 × 104 latents at 21 to 81 frames: 9,360 to
 32,760 tokens) and umT5's 512 zero-padded positions, and counts every storage an op creates while
 it is alive (`Live`): the peak and the largest one. Bytes a token that stay the same at every
@@ -54,37 +55,27 @@ class Live(TorchDispatchMode):
 
 
 def run(frames: tuple[int, ...] = (21, 41, 61, 81), height: int = 480, width: int = 832) -> dict[str, Any]:
-    from configs.schema import ModelConfig, TextEncodingConfig, TrainingConfig
+    from benchmarks.gpu import lora_step, wan_caption
+    from configs.schema import ModelConfig
     from storage.shards import collate
     from tasks.demo.flow_models import write_tiny_family
     from tasks.families import family_of
     from tasks.families.wan import latent_frames
-    from tasks.train.loss import Objective, diffusion_loss
-    from tasks.train.network import kept_activations, trainable_network
 
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = ModelConfig(path=str(write_tiny_family(Path(tmp) / "wan", "wan", random_vae=True)))
         family = family_of(model)
-        (umt5,) = family.text.encoders
-        training = TrainingConfig(lora={"rank": 32, "alpha": 16}, mixed_precision="bf16", base_precision="bf16",
-                                  gradient_checkpointing="recompute")
-        objective = Objective.of(model, training, family)
-        network = trainable_network(model, family, training)
-        config = network.base_model.model.config
-        caption = umt5.rebuilt(torch.randn(40, config.text_dim), family.text.length(model, umt5, TextEncodingConfig()))
-        text = collate([{"umt5_hidden": caption}])
+        config = family.denoiser.transformer_class().load_config(model.path, subfolder="transformer")
+        step = lora_step(model, "recompute, bf16 base", torch.device("cpu"), torch.Generator().manual_seed(0))
+        text = collate([{"umt5_hidden": wan_caption(model, config["text_dim"])}])
         for count in frames:
-            latent = (config.in_channels, latent_frames(count, 4), height // 8, width // 8)
+            latent = (config["in_channels"], latent_frames(count), height // 8, width // 8)
             latents = torch.randn(1, *latent)
             tokens = family.denoiser.image_tokens(config, *latent[1:])
             live, began = Live(), time.perf_counter()
             with live:
-                with kept_activations(training.gradient_checkpointing, latents.device):
-                    loss = diffusion_loss(network, objective, latents, text, torch.Generator().manual_seed(0),
-                                          torch.bfloat16)
-                loss.backward()
-            network.zero_grad(set_to_none=True)
+                step(latents, text)
             results[str(count)] = {"tokens": tokens, "peak_mib": round(live.peak / 2**20, 1),
                                    "largest_mib": round(live.largest / 2**20, 1),
                                    "kib_per_token": round(live.peak / tokens / 1024, 2),

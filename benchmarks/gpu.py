@@ -125,6 +125,19 @@ def lora_step(model: ModelConfig, mode: str, device: torch.device,
     return step
 
 
+CAPTION_TOKENS = 40  # a Wan caption's real umT5 tokens
+
+
+def wan_caption(model: ModelConfig, width: int) -> torch.Tensor:
+    """A caption of CAPTION_TOKENS as the training reader hands it to Wan's transformer: umT5's
+    states zero-padded to its 512 positions (`TextEncoderSpec.rebuilt`)."""
+    from tasks.families import family_of
+
+    family = family_of(model)
+    (umt5,) = family.text.encoders
+    return umt5.rebuilt(torch.randn(CAPTION_TOKENS, width), family.text.length(model, umt5, TextEncodingConfig()))
+
+
 def positions(real: int, computed: int, items: int) -> dict[str, float]:
     """What of the positions a figure's FLOPs were spent on are real tokens, not padding (or masked
     positions): per item, and their share (`useful`), which scales its MFU to `useful_mfu`."""
@@ -182,9 +195,7 @@ def wan(tiny: bool, device: torch.device, repeat: int, peak: float | None, vae_c
                 print(json.dumps({f"wan vae {name} {setting}": results[f"vae {name} {setting}"]}), flush=True)
         del vae
         transformer = json.loads((folder / "transformer" / "config.json").read_text())
-        # a 40-token caption as the training reader hands it over: umT5's zero-padded to its 512
-        (umt5,) = family.text.encoders
-        caption = umt5.rebuilt(torch.randn(40, transformer["text_dim"]), family.text.length(model, umt5, TextEncodingConfig()))
+        caption = wan_caption(model, transformer["text_dim"])
         generator = torch.Generator(device).manual_seed(0)
         step = lora_step(model, "recompute", device, generator)
         # batch 1 at each length, then at 81 frames with SDPA held to each fused kernel alone: on an
@@ -207,7 +218,7 @@ def wan(tiny: bool, device: torch.device, repeat: int, peak: float | None, vae_c
                     first = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
                     where = "counting FLOPs or timing"
                     figures = measure(lambda: step(latents, features), 1, repeat, device)
-                figures = {**figures, **positions(tokens + 40, tokens + len(caption), 1)}  # cross-attended zeros too
+                figures = {**figures, **positions(tokens + CAPTION_TOKENS, tokens + len(caption), 1)}  # cross-attended zeros too
                 results[key] = {**rounded(figures, peak), "tokens": tokens, "plain_step_peak_gib": first}
             except (torch.OutOfMemoryError, RuntimeError) as error:
                 results[key] = {"refused": f"{where}: {type(error).__name__}: {str(error).splitlines()[0]}",
@@ -289,8 +300,8 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
 
         generator = torch.Generator(device).manual_seed(0)
         latent_side = resolution // 8
-        image_tokens = (latent_side // family.denoiser.transformer_class().load_config(
-            model.path, subfolder="transformer")["patch_size"]) ** 2
+        image_tokens = family.denoiser.image_tokens(
+            family.denoiser.transformer_class().load_config(model.path, subfolder="transformer"), latent_side, latent_side)
 
         def cached(step, batch: int) -> dict[str, float]:
             # what the cache hands the trainer: posterior latents and real-length embeddings
