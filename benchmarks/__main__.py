@@ -39,6 +39,8 @@ SUITE = {
     "gpu": ("gpu", {}, {"captions": 128, "repeat": 2, "max_batch": 32}),
     "demo_world": ("demo_world", {}, None),  # seven demo trainings per family, about 75 minutes for the six
     "family_costs": ("family_costs", {}, {}),  # published shapes on the meta device: about 15 s either way
+    # the plan of every family at its published shapes and against the H100's steps: about 15 minutes on 2 cores
+    "memory_plan": ("memory_plan", {}, {"families": ("PixArt-Σ XL/2",), "check": False}),
     "activation_growth": ("activation_growth", {}, {"frames": (21, 41)}),  # 81 frames: about 3 minutes on 2 cores
     "video": ("video", {}, None),  # writing the 720p and 4K sources takes most of its 2 to 3 minutes
     "video_direction": ("video_direction", {}, None),  # two trainings on made-up latents: about 7 minutes on 2 cores

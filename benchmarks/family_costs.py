@@ -1,27 +1,23 @@
-"""Cost model per family at the published shapes: parameters, LoRA r=32 parameters, cache bytes per
-sample and the memory a LoRA training step needs, for PixArt-Σ XL/2, FLUX.1-dev and -schnell, SD3.5
-Large and Medium, Chroma1-HD, Z-Image Turbo and Wan 2.1 T2V 1.3B and 14B (on 81-frame clips at 480p and 720p).
+"""Cost model per family at the published shapes: parameters, LoRA r=32 parameters and cache bytes
+per sample, for PixArt-Σ XL/2, FLUX.1-dev and -schnell, SD3.5 Large and Medium, Chroma1-HD, Z-Image
+Turbo, Qwen-Image, FLUX.2 [dev] and [klein] and Wan 2.1 T2V 1.3B and 14B (on 81-frame clips at 480p
+and 720p).
 
-Why: whether a family trains on a 24 GB card, and what its caches cost per million samples, decide
-a run's base precision and storage, and neither can be measured without the weights and a GPU. So
-every model is built from its published config on the meta device (no weights, no hub: about 15 s
-on 2 CPU cores), which counts every parameter exactly, and the family's own `denoiser.lora_targets`,
-`text.encoders` and T5 length decide the rest. docs/benchmarks.md ("Cost model per family") states
-these figures and how they add up.
+Why: what a family's caches cost per million samples decides a run's storage, and cannot be
+measured without the weights. So every model is built from its published config on the meta device
+(no weights, no hub: seconds on 2 CPU cores), which counts every parameter exactly, and the
+family's own `denoiser.lora_targets`, `text.encoders` and T5 length decide the rest. What a training
+step needs on the device is the memory plan's (`precast plan`, `benchmarks/memory_plan.py`, which
+takes its published configs from here). docs/benchmarks.md ("Cost model per family") states these
+figures and how they add up.
 
 For one 1024×1024 image (a Wan clip: 81 frames at 480×832 or 720×1280) and one caption of 40 T5
 tokens (Chroma also at its 512-token cap):
-- parameters of each transformer, text encoder and VAE; LoRA parameters on the family's targets;
+- parameters of each transformer, text encoder and VAE; LoRA parameters on the family's targets
+  (PEFT's own matching, on meta);
 - text cache bytes per caption: each encoder's cached outputs in bf16, as its `TextEncoderSpec`
   says (a masked encoder keeps the real tokens and its kept pads, an unmasked one all of T5's
-  length); latent cache bytes per image;
-- activations: the transformer's forward runs on meta with LoRA injected (bf16 base; each adapted
-  linear keeps its own bf16 copy of its input, as PEFT's fp32 adapters under bf16 autocast do:
-  x.to(fp32), then autocast's cast back to bf16 for lora_A), attention replaced by a flash-like op
-  (it keeps q, k, v, out and an fp32 logsumexp, never the T×T matrix), and
-  `torch.autograd.graph.saved_tensors_hooks` counts the unique storages autograd keeps, bar the
-  parameters. Hooks on each block attribute them to blocks and record each block's inputs (what
-  gradient checkpointing keeps). `memory` adds them up for a bf16, an int8 and an fp8 base.
+  length); latent cache bytes per image; the frozen base's bytes in bf16, int8 and fp8.
 """
 
 from __future__ import annotations
@@ -36,14 +32,14 @@ import torch
 
 from configs.schema import ModelConfig, TextEncodingConfig
 from tasks.families.chroma import CHROMA
-from tasks.families.flux import FLUX, PackedFlow
-from tasks.families.flux2 import DEV, KLEIN, Flux2Denoiser
-from tasks.families.pixart import SIGMA, PixArtDenoiser
-from tasks.families.qwenimage import QWEN_IMAGE, QwenImageDenoiser
+from tasks.families.flux import FLUX
+from tasks.families.flux2 import DEV, KLEIN
+from tasks.families.pixart import SIGMA
+from tasks.families.qwenimage import QWEN_IMAGE
 from tasks.families.sd3 import SD3
 from tasks.families.spec import Conditioning, Family, TextEncoderSpec
-from tasks.families.wan import WAN, WanDenoiser, latent_frames
-from tasks.families.zimage import ZIMAGE, ZImageDenoiser
+from tasks.families.wan import WAN, latent_frames
+from tasks.families.zimage import ZIMAGE
 
 # --- published configs: each model's config.json, checked against diffusers' conversion scripts
 # black-forest-labs/FLUX.1-dev transformer (convert_flux_to_diffusers.py: 19 double + 38 single blocks)
@@ -204,11 +200,13 @@ def count(model: torch.nn.Module) -> dict[str, int]:
 
 
 def base_bytes(c: dict[str, int]) -> dict[str, int]:
-    """Frozen base: bf16; int8 weight-only (torchao: int8 weights + a bf16 scale per output row,
-    everything outside nn.Linear weights in bf16); fp8 weight-only (1 B + a per-row scale, rest bf16)."""
+    """Frozen base: bf16; int8 and fp8 weight-only as torchao holds them (a byte a nn.Linear
+    weight and what a row keeps besides, `tasks.train.plan.ROW_BYTES`; everything else bf16)."""
+    from tasks.train.plan import ROW_BYTES
+
     rest = (c["other"] + c["buffers"]) * 2
-    quantized = c["linear_weight"] + c["linear_rows"] * 2 + rest
-    return dict(bf16=(c["params"] + c["buffers"]) * 2, int8=quantized, fp8=quantized)
+    return dict(bf16=(c["params"] + c["buffers"]) * 2,
+                **{base: c["linear_weight"] + c["linear_rows"] * row + rest for base, row in ROW_BYTES.items()})
 
 
 def encoder_params() -> dict[str, int]:
@@ -290,183 +288,21 @@ def latent_shape(vae: dict[str, Any], sample: tuple[int, int, int]) -> tuple[int
     return vae["latent_channels"], height // down, width // down
 
 
-# --- LoRA and the activations it keeps, on meta --------------------------------------------
-def inject_lora(model: torch.nn.Module, targets: list[str]) -> tuple[int, dict[str, dict[str, int]]]:
-    """LoRA on `targets` into the bf16 base, its adapters bf16 and trained, each given its own copy
-    of its input; returns the LoRA parameters and the modules matched, by block kind."""
+# --- LoRA, on meta -------------------------------------------------------------------------
+def lora_params(model: torch.nn.Module, targets: list[str]) -> tuple[int, dict[str, dict[str, int]]]:
+    """LoRA r=32 on `targets`, as PEFT matches them: its parameters and the modules matched, by block kind."""
     from peft import LoraConfig, inject_adapter_in_model
 
     with torch.device("meta"):
         inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=RANK, target_modules=targets), model)
     matched = {}
     for name, module in model.named_modules():
-        if name.endswith("lora_dropout"):
-            for key in list(module.keys()):
-                module[key] = CastCopy()
-        elif name.endswith(("lora_A", "lora_B")):
-            for linear in module.values():
-                linear.to(BF16).requires_grad_(True)
-        elif hasattr(module, "lora_A") and isinstance(getattr(module, "base_layer", None), torch.nn.Linear):
+        if hasattr(module, "lora_A") and isinstance(getattr(module, "base_layer", None), torch.nn.Linear):
             top = name.split(".")[0]
             leaf = ".".join(name.split(".")[2:]) if top.endswith("blocks") else name
             matched.setdefault(top, {}).setdefault(leaf, 0)
             matched[top][leaf] += 1
     return sum(p.numel() for name, p in model.named_parameters() if "lora_" in name), matched
-
-
-class FlashLike(torch.autograd.Function):
-    """Attention as a flash kernel keeps it for backward: q, k, v, out and an fp32 logsumexp."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return FlashLike.apply(query, key, value)
-
-
-class CastCopy(torch.nn.Module):
-    """Stands in for lora_dropout: PEFT's fp32 adapter under bf16 autocast gets its own bf16 copy of x."""
-
-    def forward(self, x):
-        return x.clone()
-
-
-class Saved:
-    """The unique storages autograd keeps, bar the model's parameters and buffers: in all, per
-    block (kind, bytes, largest storage) and the blocks' inputs (what checkpointing keeps)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.exclude = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
-        self.seen, self.inputs_seen = set(), set()
-        self.bytes = self.largest = self.block_inputs = 0
-        self.blocks, self.start = [], (0, 0)
-
-    def pack(self, tensor):
-        storage = tensor.untyped_storage()
-        if storage._cdata not in self.exclude and storage._cdata not in self.seen:
-            self.seen.add(storage._cdata)
-            self.bytes += storage.nbytes()
-            self.largest = max(self.largest, storage.nbytes())
-        return tensor
-
-    def unpack(self, tensor):
-        return tensor
-
-    def enter(self, block, args, kwargs):
-        self.start, self.largest = (self.bytes, self.largest), 0
-        for tensor in tensors_in((args, kwargs)):
-            storage = tensor.untyped_storage()
-            if storage._cdata not in self.inputs_seen and storage._cdata not in self.exclude:
-                self.inputs_seen.add(storage._cdata)
-                self.block_inputs += storage.nbytes()
-
-    def leave(self, block, args, kwargs, out):
-        start, largest_before = self.start
-        self.blocks.append((type(block).__name__, self.bytes - start, self.largest))
-        self.largest = max(largest_before, self.largest)
-
-
-def tensors_in(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from tensors_in(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from tensors_in(item)
-
-
-def transformer_inputs(family: Family, config: dict[str, Any], vae: dict[str, Any], text: Conditioning,
-                       sample: tuple[int, int, int]) -> dict:
-    """The transformer's call for one sample and caption, as the family's `predict` makes it: the
-    text as `embedding_kwargs` joins it, the latents the leaf gradients reach."""
-    from torch.fx.experimental import _config
-
-    with _config.patch(meta_nonzero_assume_all_nonzero=True):  # a ragged family's mask: every token real
-        embeddings = family.sampler.embedding_kwargs(text, 1)
-    embeds, latents = embeddings["prompt_embeds"], latent_shape(vae, sample)
-    if isinstance(family.denoiser, ZImageDenoiser):  # lists: each picture a one-frame clip, each caption's tokens
-        with torch.device("meta"):
-            return dict(x=[torch.empty(latents[0], 1, *latents[1:], dtype=BF16, requires_grad=True)],
-                        t=torch.empty(1, dtype=BF16), cap_feats=embeds)
-    with torch.device("meta"):
-        inputs = dict(encoder_hidden_states=embeds, timestep=torch.empty(1, dtype=BF16))
-        if "pooled_prompt_embeds" in embeddings:
-            inputs["pooled_projections"] = embeddings["pooled_prompt_embeds"]
-        if isinstance(family.denoiser, Flux2Denoiser):  # a token a 2×2 patch, (t, h, w, l) positions
-            tokens = family.denoiser.image_tokens(config, *latents[-2:])
-            inputs.update(hidden_states=torch.empty(1, tokens, config["in_channels"], dtype=BF16, requires_grad=True),
-                          img_ids=torch.empty(1, tokens, 4, dtype=torch.long),
-                          txt_ids=torch.empty(1, embeds.shape[1], 4, dtype=torch.long))
-        elif isinstance(family.denoiser, QwenImageDenoiser):  # packed latents, the picture's shape; one caption, no mask
-            tokens = family.denoiser.image_tokens(config, *latents[-2:])
-            inputs.update(hidden_states=torch.empty(1, tokens, config["in_channels"], dtype=BF16, requires_grad=True),
-                          img_shapes=[[(1, latents[-2] // 2, latents[-1] // 2)]])
-        elif isinstance(family.denoiser, PackedFlow):  # FLUX.1, Chroma: packed latents, 2×2 latent pixels a token, ids
-            tokens = family.denoiser.image_tokens(config, *latents[1:])
-            inputs.update(hidden_states=torch.empty(1, tokens, config["in_channels"], dtype=BF16, requires_grad=True),
-                          img_ids=torch.empty(tokens, 3, dtype=BF16),
-                          txt_ids=torch.empty(embeds.shape[1], 3, dtype=BF16))
-            if config.get("guidance_embeds"):
-                inputs["guidance"] = torch.empty(1, dtype=BF16)
-        else:
-            inputs["hidden_states"] = torch.empty(1, *latents, dtype=BF16, requires_grad=True)
-        if isinstance(family.denoiser, PixArtDenoiser):
-            inputs["added_cond_kwargs"] = family.denoiser.micro_conditions(inputs["hidden_states"], embeds)
-    return inputs
-
-
-def activations(family: Family, model: torch.nn.Module, inputs: dict) -> dict[str, Any]:
-    """What one forward keeps for backward: in all, in and outside the blocks, the blocks' inputs,
-    and per block kind its count, the most bytes one keeps and its largest storage."""
-    saved = Saved(model)
-    for block in family.denoiser.blocks(model):
-        block.register_forward_pre_hook(saved.enter, with_kwargs=True)
-        block.register_forward_hook(saved.leave, with_kwargs=True)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    torch.nn.functional.scaled_dot_product_attention = flash_sdpa  # diffusers' attention processors call it
-    try:
-        with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            model(**inputs, return_dict=False)
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
-    kinds = {}
-    for kind, nbytes, largest in saved.blocks:
-        k = kinds.setdefault(kind, dict(n=0, max_saved=0, largest_tensor=0))
-        k["n"] += 1
-        k["max_saved"] = max(k["max_saved"], nbytes)
-        k["largest_tensor"] = max(k["largest_tensor"], largest)
-    in_blocks = sum(nbytes for _, nbytes, _ in saved.blocks)
-    return dict(total_saved=saved.bytes, in_blocks=in_blocks, outside_blocks=saved.bytes - in_blocks,
-                block_inputs=saved.block_inputs, block_kinds=kinds)
-
-
-def memory(row: dict[str, Any]) -> dict[str, Any]:
-    """Training memory at batch 1, gradient checkpointing, bf16 activations:
-    base + 16 B x LoRA params + kept block inputs + outside-block activations
-    + one block's recompute (its saved activations, the largest block kind) + backward transient
-    (2 x that block's largest saved tensor)."""
-    act = row["act"]
-    worst = max(act["block_kinds"].values(), key=lambda k: k["max_saved"])
-    recompute = worst["max_saved"] + 2 * worst["largest_tensor"]
-    activations = act["block_inputs"] + act["outside_blocks"] + recompute
-    lora = 16 * row["lora_params"]  # fp32 weights, grads and AdamW's m and v
-    out = dict(lora_states=lora, kept_inputs=act["block_inputs"], outside=act["outside_blocks"],
-               recompute_peak=recompute, activations=activations)
-    for precision, weights in row["base"].items():
-        out[f"total_{precision}"] = weights + lora + activations
-        out[f"fits_24GiB_{precision}"] = weights + lora + activations + 2**30 < GIB24  # ~1 GiB CUDA context, allocator
-    return out
 
 
 def family_costs(family: Family, config: dict[str, Any], vae: dict[str, Any], caption_tokens: int | None,
@@ -476,24 +312,12 @@ def family_costs(family: Family, config: dict[str, Any], vae: dict[str, Any], ca
     with torch.device("meta"):
         model = family.denoiser.transformer_class()(**config)
     sizes = count(model)
-    model = model.to(BF16).requires_grad_(False)
-    lora_params, matched = inject_lora(model, list(family.denoiser.lora_targets))
-    read = conditioning(family, model_config, caption_tokens, read=True, texts=texts)
-    inputs = transformer_inputs(family, config, vae, read, sample)
-    text_tokens = (inputs["cap_feats"][0] if "cap_feats" in inputs else inputs["encoder_hidden_states"]).shape[-2]
-    image_tokens = family.denoiser.image_tokens(config, *latents[1:])
-    # T, the sequence a block runs over: PixArt's and Wan's text is only cross-attended, the others'
-    # joins the image's
-    tokens = image_tokens if isinstance(family.denoiser, (PixArtDenoiser, WanDenoiser)) else image_tokens + text_tokens
-    hidden = config.get("dim") or config["num_attention_heads"] * config["attention_head_dim"]
-    act = activations(family, model, inputs)
-    for kind in act["block_kinds"].values():  # c: what one block keeps, in T×H bf16 tensors
-        kind["c"] = kind["max_saved"] / (tokens * hidden * 2)
-    row = dict(cls=family.denoiser.transformer, text_tokens=text_tokens, image_tokens=image_tokens, sample=sample,
-               latents=latents, **sizes, base=base_bytes(sizes), lora_params=lora_params, matched=matched,
-               hidden=hidden, act=act, text_cache=text_cache(text), latent_cache=latent_cache(vae, sample))
-    row["memory"] = memory(row)
-    return row
+    lora, matched = lora_params(model.to(BF16), list(family.denoiser.lora_targets))
+    text_tokens = max(t.shape[1] for key, t in text.items() if t.ndim == 3)  # the longest cached sequence
+    return dict(cls=family.denoiser.transformer, text_tokens=text_tokens,
+                image_tokens=family.denoiser.image_tokens(config, *latents[1:]), sample=sample, latents=latents,
+                **sizes, base=base_bytes(sizes), lora_params=lora, matched=matched, text_cache=text_cache(text),
+                latent_cache=latent_cache(vae, sample))
 
 
 def run() -> dict[str, Any]:
@@ -515,18 +339,8 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
     out = [("family costs: encoders' parameters", "; ".join(f"{name} {n:,}" for name, n in result["encoders"].items()),
             "", "")]
     for name, row in result["families"].items():
-        m, act = row["memory"], row["act"]
-        fits = {precision: "fits" if m[f"fits_24GiB_{precision}"] else "over" for precision in ("bf16", "int8")}
-        c = " / ".join(f"{k['c']:.1f}" for k in act["block_kinds"].values())
-        out += [
-            (f"family costs: {name}", f"{row['params']:,} params; LoRA r={RANK}: {row['lora_params']:,}",
-             f"text cache {row['text_cache']['total']:,} B/caption ({row['text_tokens']} tokens), latents "
-             f"{row['latent_cache']['mean+std fp16/bf16']:,} B/sample (fp16 mean+std, "
-             f"{'×'.join(str(side) for side in row['sample'] if side > 1)}; {row['image_tokens']:,} tokens)", ""),
-            (f"family costs: {name}, LoRA step", f"{m['total_bf16'] / 1e9:.1f} GB bf16 base ({fits['bf16']}), "
-             f"{m['total_int8'] / 1e9:.1f} GB int8/fp8 ({fits['int8']})",
-             f"activations {m['activations'] / 1e9:.2f} GB (c per block {c}); "
-             f"{act['total_saved'] / 1e9:.1f} GB without checkpointing", "< 24.7 GB: a 24 GB card less 1 GiB"),
-        ]
+        out.append((f"family costs: {name}", f"{row['params']:,} params; LoRA r={RANK}: {row['lora_params']:,}",
+                    f"text cache {row['text_cache']['total']:,} B/caption ({row['text_tokens']} tokens), latents "
+                    f"{row['latent_cache']['mean+std fp16/bf16']:,} B/sample (fp16 mean+std, "
+                    f"{'×'.join(str(side) for side in row['sample'] if side > 1)}; {row['image_tokens']:,} tokens)", ""))
     return out
-

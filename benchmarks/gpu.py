@@ -27,11 +27,11 @@ Usage: python -m benchmarks.gpu [--tiny]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -67,6 +67,11 @@ def measure(work: Callable[[], Any], items: int, repeat: int, device: torch.devi
     seconds = (time.perf_counter() - started) / repeat
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {"per_s": items / seconds, "peak_gib": peak, "tflops": flops / seconds / 1e12}
+
+
+def allocated(device: torch.device) -> float | None:
+    """GiB the allocator holds for tensors now (None without CUDA)."""
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def synchronize(device: torch.device) -> None:
@@ -105,8 +110,9 @@ MODES = {
 
 def lora_step(model: ModelConfig, mode: str, device: torch.device,
               generator: torch.Generator) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
-    """One optimizer step of LoRA training in `mode`, as the trainer takes it."""
-    from tasks.train.network import kept_activations, trainable_network
+    """One optimizer step of LoRA training in `mode`, as the trainer takes it (`attention`: the
+    context that picks SDPA's kernels; the trainer's order by default)."""
+    from tasks.train.network import attention_kernels, kept_activations, trainable_network
     from tasks.train.loss import Objective, diffusion_loss
 
     training = TrainingConfig(lora={"rank": 32, "alpha": 16}, mixed_precision="bf16", device=device.type, **MODES[mode])
@@ -115,8 +121,8 @@ def lora_step(model: ModelConfig, mode: str, device: torch.device,
     optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=1e-4,
                                   fused=device.type == "cuda" or None)
 
-    def step(latents: torch.Tensor, text: dict[str, torch.Tensor]) -> None:
-        with kept_activations(training.gradient_checkpointing, device):
+    def step(latents: torch.Tensor, text: dict[str, torch.Tensor], attention: Callable = attention_kernels) -> None:
+        with kept_activations(training.gradient_checkpointing, device), attention():
             loss = diffusion_loss(network, objective, latents, text, generator, torch.bfloat16)
         loss.backward()
         optimizer.step()
@@ -162,6 +168,7 @@ def wan(tiny: bool, device: torch.device, repeat: int, peak: float | None, vae_c
     from tasks.encode.latents import encode_pixels
     from tasks.encode.models import load_vae
     from tasks.families import family_of
+    from tasks.train.network import attention_kernels
     from storage.shards import collate
 
     clips = {"480x832": (81, 480, 832), "720x1280": (81, 720, 1280)} if not tiny else \
@@ -197,12 +204,16 @@ def wan(tiny: bool, device: torch.device, repeat: int, peak: float | None, vae_c
         transformer = json.loads((folder / "transformer" / "config.json").read_text())
         caption = wan_caption(model, transformer["text_dim"])
         generator = torch.Generator(device).manual_seed(0)
+        before = allocated(device)
         step = lora_step(model, "recompute", device, generator)
         # batch 1 at each length, then at 81 frames with SDPA held to each fused kernel alone: on an
         # H100 41 frames peaked at 10.8 GiB and 81 ran out of 80, far past the tokens' ratio; a
         # kernel that cannot serve refuses, naming why
-        kernels = {"flash": SDPBackend.FLASH_ATTENTION, "memory-efficient": SDPBackend.EFFICIENT_ATTENTION,
-                   "cuDNN": SDPBackend.CUDNN_ATTENTION}
+        kernels = {"flash": [SDPBackend.FLASH_ATTENTION], "memory-efficient": [SDPBackend.EFFICIENT_ATTENTION],
+                   "cuDNN": [SDPBackend.CUDNN_ATTENTION],
+                   # PyTorch's own order on Hopper with a recent cuDNN, which the trainer no longer takes
+                   "cuDNN first (PyTorch's order)": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                                     SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}
         for frames, kernel in [(f, None) for f in (21, 41, 61, 81)] + [(81, name) for name in kernels]:
             _, height, width = clips["480x832"]
             latent = (16, (frames - 1) // 4 + 1, height // 8, width // 8)
@@ -211,15 +222,16 @@ def wan(tiny: bool, device: torch.device, repeat: int, peak: float | None, vae_c
             key = f"lora 1.3B {frames}x480x832 recompute" + (f", {kernel} attention only" if kernel else "")
             tokens, where = family.denoiser.image_tokens(transformer, *latent[1:]), "a plain step"
             try:
-                with sdpa_kernel([kernels[kernel]]) if kernel else contextlib.nullcontext():
-                    if device.type == "cuda":  # a plain step first: the trainer's own peak, before any counting
-                        torch.cuda.reset_peak_memory_stats(device)
-                    step(latents, features)
-                    first = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-                    where = "counting FLOPs or timing"
-                    figures = measure(lambda: step(latents, features), 1, repeat, device)
+                attention = partial(sdpa_kernel, kernels[kernel], set_priority=True) if kernel else attention_kernels
+                if device.type == "cuda":  # a plain step first: the trainer's own peak, before any counting
+                    torch.cuda.reset_peak_memory_stats(device)
+                step(latents, features, attention)
+                first = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+                where = "counting FLOPs or timing"
+                figures = measure(lambda: step(latents, features, attention), 1, repeat, device)
                 figures = {**figures, **positions(tokens + CAPTION_TOKENS, tokens + len(caption), 1)}  # cross-attended zeros too
-                results[key] = {**rounded(figures, peak), "tokens": tokens, "plain_step_peak_gib": first}
+                results[key] = {**rounded(figures, peak), "tokens": tokens, "plain_step_peak_gib": first,
+                                "allocated_before_gib": before}
             except (torch.OutOfMemoryError, RuntimeError) as error:
                 results[key] = {"refused": f"{where}: {type(error).__name__}: {str(error).splitlines()[0]}",
                                 "tokens": tokens}
@@ -315,9 +327,12 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
 
         results["training_modes"] = {}
         for mode in MODES:
+            # what else is allocated (T5 and the VAE, and anything a mode before left): the plan
+            # (tasks/train/plan.py) counts a step's own bytes, the peak less this
+            before = allocated(device)
             step = lora_step(model, mode, device, generator)
             batch, figures = largest_batch(lambda size: cached(step, size), max_batch)
-            results["training_modes"][mode] = {**figures, "batch": batch}
+            results["training_modes"][mode] = {**figures, "batch": batch, "allocated_before_gib": before}
             print(json.dumps({mode: results["training_modes"][mode]}), flush=True)
             del step
         step = lora_step(model, "recompute", device, generator)

@@ -539,11 +539,19 @@ class TrainingConfig(Section):
         None, ge=1, description="Image tokens per micro-batch instead of a sample count: a bucket whose images are t "
         "tokens each (latent height × width / patch²) gets batch_tokens // t samples (at least 1), so every "
         "micro-batch carries about the same work and small buckets fill the device. None: batch_size samples.")
-    gradient_checkpointing: Annotated[Literal["none", "recompute", "offload"], NOT_COUNTED] = Field(
+    gradient_checkpointing: Annotated[Literal["none", "recompute", "offload", "auto"], NOT_COUNTED] = Field(
         "none", description="none: keep every activation for backward; recompute: keep only each transformer "
         "block's input and recompute the block in backward (less memory, ~1/3 more compute); offload: recompute, "
         "and the kept block inputs wait in pinned host memory (non-blocking copies), so the device holds almost no "
-        "activations. The same weights in every mode. true/false read as recompute/none.")
+        "activations; auto: the fastest of these (and, for LoRA, the fewest blocks_to_swap) that the memory plan "
+        "fits in the training device's memory at the run's base_precision, chosen when training starts and "
+        "logged (`precast plan` prints the same choice beforehand). The same weights in every mode. true/false "
+        "read as recompute/none.")
+    blocks_to_swap: Annotated[int, NOT_COUNTED] = Field(
+        0, ge=0, description="Transformer blocks whose frozen weights wait in pinned host memory and are copied to "
+        "the device just ahead of use, forward and backward, on a side stream (the first blocks; LoRA only, with "
+        "gradient_checkpointing recompute or offload): a transformer larger than the card trains, at the cost of "
+        "copying those weights twice a step. `precast plan` says how many a card needs. The same weights as 0.")
     mixed_precision: Annotated[Literal["no", "bf16", "fp16"], COUNTED] = Field(
         "no", description="Autocast precision of the forward pass; fp16 also scales the loss (GradScaler)."
     )
@@ -591,6 +599,15 @@ class TrainingConfig(Section):
     @classmethod
     def _checkpointing_as_bool(cls, value: Any) -> Any:
         return {True: "recompute", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _streaming_fits(self) -> TrainingConfig:
+        if self.blocks_to_swap and (self.method != "lora" or self.gradient_checkpointing == "none" or self.compile):
+            raise ValueError(f"blocks_to_swap {self.blocks_to_swap} streams a LoRA run's frozen blocks under gradient "
+                             f"checkpointing, uncompiled: it needs method lora (it is {self.method}), "
+                             f"gradient_checkpointing recompute or offload (it is {self.gradient_checkpointing}) "
+                             f"and compile false (it is {str(self.compile).lower()})")
+        return self
 
     @model_validator(mode="after")
     def _precision_fits(self) -> TrainingConfig:

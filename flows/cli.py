@@ -220,6 +220,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from configs.schema import load_config
+    from tasks.train.plan import parse_memory, plan_for, plan_text
+
+    plan = plan_for(load_config(args.config, args.set), parse_memory(args.gpu_memory))
+    print(plan_text(plan))
+    return 0 if plan["choice"] is not None else 1
+
+
 def cmd_tiny_models(args: argparse.Namespace) -> int:
     from tasks.demo import write_demo_models
 
@@ -307,8 +316,8 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def add_store_commands(commands: argparse._SubParsersAction) -> None:
-    """inspect, sample, export, verify, tiny-models, demo-data: the commands that read what is stored,
-    and make the demo's inputs."""
+    """inspect, sample, export, verify, plan, tiny-models, demo-data: the commands that read what is
+    stored, plan a run's memory, and make the demo's inputs."""
     inspect = commands.add_parser("inspect", help="show a training run's page or a dataset's ingest report")
     inspect.add_argument("url", help="a run (<root>/runs/<run_id>, as printed by run) or a dataset "
                                      "(<root>/datasets/<dataset_id>.json, as printed by ingest)")
@@ -359,6 +368,12 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
     verify.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec storage option for the root (repeatable)")
     verify.set_defaults(func=cmd_verify)
+
+    plan = commands.add_parser("plan", help="the memory a config's training step needs, by setting, and the "
+                                            "settings that fit a card (no weights, no GPU: the model's config.json)")
+    with_config(plan)
+    plan.add_argument("--gpu-memory", default="24GiB", help="the card's memory: 24GiB, 80GB, 48G, … (default 24GiB)")
+    plan.set_defaults(func=cmd_plan)
 
     tiny = commands.add_parser("tiny-models", help="write the demo's tiny models in the hub layout")
     tiny.add_argument("dir")

@@ -122,6 +122,10 @@ def test_gpu_work_pool_templates_request_gpus_and_define_every_variable():
 
 
 # --- identities: each field declares whether it counts -------------------------------------------
+# what a field's other values need of fields that count in no identity (blocks_to_swap: checkpointing)
+COMPANIONS = {"blocks_to_swap": {"gradient_checkpointing": "recompute"}}
+
+
 def _other_values(section: type[Section], name: str) -> list:
     """Values of field `name` other than its default, to try (the first that validates is used)."""
     from typing import Literal, get_args, get_origin
@@ -201,6 +205,7 @@ def test_every_field_an_identity_is_made_of_declares_whether_it_counts_and_the_i
             for value in _other_values(inside[outer] if outer else section, name):
                 raw = base.model_dump()
                 if outer is None:
+                    raw.update(COMPANIONS.get(name, {}))
                     raw[name] = value
                 elif outer == "sources":
                     raw["sources"] = [{**raw["sources"][0], name: value}]

@@ -82,6 +82,70 @@ def test_checkpointing_and_offloading_train_the_plain_run_bit_for_bit_and_resume
     assert {m["batch"] for m in plain["metrics"]} <= {1, 2} and all(m["grad_norm"] > 0 for m in plain["metrics"])
 
 
+@pytest.mark.parametrize("checkpointing,base", [("recompute", "fp32"), ("offload", "int8")])
+def test_streamed_blocks_train_the_resident_run_bit_for_bit(cached_manifest, tmp_path, checkpointing, base):
+    """Blocks whose frozen weights wait in host memory (`blocks_to_swap`: here both of the tiny
+    transformer's) keep the math: the same run id, bit-identical losses and adapter as the run with
+    every block resident, under recompute and offload, with a plain and an int8 base; and
+    `gradient_checkpointing: auto` trains the same run with the setting the plan chose for the host."""
+    settings = {"gradient_checkpointing": checkpointing, "base_precision": base}
+    resident = _run(cached_manifest, tmp_path / "resident", **settings)
+    streamed = _run(cached_manifest, tmp_path / "streamed", blocks_to_swap=2, **settings)
+    assert resident["id"] == streamed["id"] and streamed["lineage"]["training"]["blocks_to_swap"] == 2
+    _same_bits(resident, streamed)
+    if checkpointing == "recompute":  # auto: the memory plan's choice for this host, in the lineage
+        auto = _run(cached_manifest, tmp_path / "auto", gradient_checkpointing="auto", base_precision=base)
+        assert auto["id"] == resident["id"] and auto["lineage"]["training"]["gradient_checkpointing"] == "none"
+        _same_bits(resident, auto)
+
+
+def test_a_streamed_block_is_on_the_device_only_around_its_own_turn():
+    """Of eight checkpointed blocks streamed, at any block's entry only it and the block that runs
+    after it (forward: the next; backward's recompute: the one before) hold their frozen weights;
+    the gradients are the resident network's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from tasks.train.streaming import BlockStreamer
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+            self.lora = torch.nn.Parameter(torch.randn(8) * 0.1)
+
+        def forward(self, x):
+            return torch.tanh(self.frozen(x) + self.lora)
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(Block() for _ in range(8))
+    x = torch.randn(4, 8)
+
+    def gradients() -> torch.Tensor:
+        h = x
+        for block in blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        h.square().sum().backward()
+        grads = torch.cat([block.lora.grad for block in blocks])
+        blocks.zero_grad(set_to_none=True)
+        return grads
+
+    expected = gradients()
+    streamer = BlockStreamer(list(blocks), 8, torch.device("cpu"))
+    seen = []
+    for index, block in enumerate(blocks):
+        block.register_forward_pre_hook(  # after the streamer's own hook
+            lambda module, args, index=index: seen.append((index, {i for i, b in enumerate(blocks)
+                                                                   if "weight" in b.frozen._parameters})))
+    assert not any("weight" in block.frozen._parameters for block in blocks)  # all in host memory
+    for _ in range(2):  # a second step starts from what the first left
+        assert torch.equal(gradients(), expected)
+    forward, backward = seen[:8], seen[8:16]
+    assert all(on == ({i, i + 1} & set(range(8))) for i, on in forward)
+    assert [i for i, _ in backward] == list(range(7, -1, -1))
+    assert all(on == ({i, i - 1} & set(range(8))) for i, on in backward)
+    assert streamer.weights[0][0][2].device.type == "cpu"
+
+
 def test_offload_keeps_the_checkpointed_activations_in_host_memory(cached_manifest):
     """What backward keeps on the device: every activation (none), the blocks' inputs
     (recompute), nothing with offload (the saved-tensor hooks take every tensor to host memory and

@@ -70,6 +70,15 @@ class TextEncoderSpec:
         """What else its `from_pretrained` is given (none: the class loads its folder as saved)."""
         return {}
 
+    def width(self, config: dict[str, Any], output: str) -> int:
+        """The width of one of its outputs, read from the encoder's config.json (`config`): a
+        projection model's pooled vector is projected; otherwise the model's hidden width (a
+        multimodal model's language model's)."""
+        if output == "pooled" and self.model_class.endswith("WithProjection"):
+            return config["projection_dim"]
+        text = config.get("text_config") or config
+        return text.get("d_model") or text["hidden_size"]
+
     def keys(self) -> tuple[str, ...]:
         """The names its outputs have in a `Conditioning`."""
         return tuple(f"{self.name}_{output}" for output in self.outputs)
@@ -162,6 +171,9 @@ class ChatEncoderSpec(TextEncoderSpec):
 
     def load_options(self) -> dict[str, Any]:
         return {"key_mapping": dict(self.key_mapping)} if self.key_mapping else {}
+
+    def width(self, config: dict[str, Any], output: str) -> int:
+        return super().width(config, output) * len(self.layers)  # the layers' states side by side
 
     def templated(self, tokenizer: Any, texts: list[str]) -> list[str]:
         for removed in self.removed:

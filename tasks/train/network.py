@@ -20,14 +20,16 @@ from tasks.families import Family
 log = logging.getLogger(__name__)
 
 
-def trainable_network(model: ModelConfig, family: Family, training: TrainingConfig, init: dict | None = None):
+def trainable_network(model: ModelConfig, family: Family, training: TrainingConfig, init: dict | None = None,
+                      transformer: torch.nn.Module | None = None):
     """`model`'s transformer (of `family`) with LoRA layers (only they train, in fp32; from `init`'s weights when
     given) on the frozen base held in `base_precision`, or the whole transformer for `method:
     full`; gradient checkpointing and compiled blocks as configured. Seeded: every process builds
-    the same one."""
+    the same one. `transformer`: the model's, already built in the base's dtype (the memory plan's,
+    on the meta device), instead of loaded."""
     torch.manual_seed(training.seed)
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.base_precision)
-    transformer = family.denoiser.load(model, half)
+    if transformer is None:
+        transformer = family.denoiser.load(model, base_dtype(training))
     if training.gradient_checkpointing != "none":
         transformer.enable_gradient_checkpointing()
     if training.method == "full":
@@ -57,6 +59,12 @@ def trainable_network(model: ModelConfig, family: Family, training: TrainingConf
     return network
 
 
+def base_dtype(training: TrainingConfig) -> torch.dtype | None:
+    """The dtype the frozen base is loaded in: bf16 or fp16 as `base_precision` says, else
+    `from_pretrained`'s own (fp32; int8 and fp8 are quantised from it)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.base_precision)
+
+
 def trainable_state(network: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights that train, by parameter name (the frozen base is the model's own)."""
     return {name: p.detach() for name, p in network.named_parameters() if p.requires_grad}
@@ -84,6 +92,19 @@ def kept_activations(checkpointing: str, device: torch.device):
     if checkpointing == "offload":
         return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
     return contextlib.nullcontext()
+
+
+def attention_kernels():
+    """SDPA's kernels in the order a training step asks for them: flash, then memory-efficient
+    (neither keeps a score matrix for backward), cuDNN's, math last, each used where the one before
+    it cannot serve. PyTorch puts cuDNN's first on Hopper with a recent cuDNN, whose backward keeps
+    workspaces that grow with the square of the tokens: an 81-frame Wan 2.1 1.3B step (32,760
+    tokens) ran out of 80 GB on an H100, where the memory plan counts 14.6 GiB with a flash kernel
+    (docs/benchmarks.md)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                        SDPBackend.MATH], set_priority=True)
 
 
 def sampling_module(network: torch.nn.Module, training: TrainingConfig) -> torch.nn.Module:

@@ -36,8 +36,10 @@ from tasks.train.distributed import Distributed
 from tasks.train.ema import Ema
 from tasks.train.loss import Objective, diffusion_loss
 from tasks.train.metrics import Metrics, Progress
-from tasks.train.network import kept_activations, trainable_network
+from tasks.train.network import attention_kernels, kept_activations, sampling_module, trainable_network
+from tasks.train.streaming import BlockStreamer
 from tasks.train.optimizer import build_optimizer, build_scaler, build_schedule
+from tasks.train.plan import auto_settings, device_memory, reader_shapes
 from tasks.train.publisher import RunPublisher
 from tasks.train.validation import Validation
 
@@ -64,6 +66,7 @@ class Trainer:
     store: Store  # the run's storage, which every part below reads and writes through
     dist: Distributed  # this process's rank and device in the process group
     network: torch.nn.Module  # LoRA layers on the frozen transformer, or the whole transformer
+    streamer: BlockStreamer | None  # the blocks whose frozen weights wait in host memory (blocks_to_swap)
     replicas: torch.nn.Module  # the network as forward and backward run it: DDP averages gradients
     objective: Objective  # the family's loss, with the run's timesteps and weighting
     validation: Validation  # the held-out samples and their loss
@@ -90,12 +93,22 @@ class Trainer:
         # --- model: LoRA layers on the frozen transformer, or the whole transformer -----------
         self.objective = Objective.of(job.model, training)  # and the model's family, resolved here once
         family = self.objective.family
-        self.network = trainable_network(job.model, family, training, job.init).to(device)
+        features = CachedFeatures(store, job.manifest, family)
+        if training.gradient_checkpointing == "auto":  # the memory plan's choice for this device
+            training = self.training = auto_settings(job.model, training, family,
+                                                     reader_shapes(job.model, family, features), device_memory(device))
+            if self.dist.leader:
+                log.info("gradient_checkpointing auto: %s, blocks_to_swap %d, for %.1f GiB", training.gradient_checkpointing,
+                         training.blocks_to_swap, device_memory(device) / 2**30)
+        network = trainable_network(job.model, family, training, job.init)
+        # streamed blocks' frozen weights leave the network before it moves: they never reach the device at once
+        self.streamer = BlockStreamer(family.denoiser.blocks(sampling_module(network, training)),
+                                      training.blocks_to_swap, device) if training.blocks_to_swap else None
+        self.network = network.to(device)
         self.replicas = self.dist.wrap(self.network)
 
         # --- data: cached features only, the held-out samples apart; batch sizes count image
         # tokens as the family's transformer does, so the batches come after the network
-        features = CachedFeatures(store, job.manifest, family)
         self.validation = Validation.from_config(training, features)
         self.data = Batches(training, features, self.validation.training_buckets(), self.dist,
                             lambda *sides: family.denoiser.image_tokens(self.network.config, *sides))
@@ -178,7 +191,7 @@ class Trainer:
             if micro == 0:
                 bucket = bucket_name(*latents.shape[2:])  # a clip's frames too
             torch.manual_seed(seed_of(training.seed, index, "dropout"))  # LoRA dropout, by the micro-batch
-            with kept_activations(training.gradient_checkpointing, device):
+            with kept_activations(training.gradient_checkpointing, device), attention_kernels():
                 loss = diffusion_loss(self.replicas, self.objective.at(step), latents, text,
                                       draws(training.seed, index, "noise", device), self.half)
             self.scaler.scale(loss / self.accumulation).backward()

@@ -1,0 +1,132 @@
+"""The memory plan (tasks/train/plan.py, `precast plan`): what it counts on fake tensors is what the
+trainer's own step holds on real ones, its quantised bases are what torchao makes, and it chooses
+the fastest setting that fits the card."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from configs.schema import PipelineConfig
+from flows.cli import main
+from tasks.families import family_of
+from tasks.train.network import trainable_network
+from tasks.train.plan import (GIB, RESERVE, Footprint, auto_settings, choose, config_shapes, footprint, parse_memory, plan_for, plan_text,
+                              step_ledger)
+
+# a family of each kind of call, each in another checkpointing mode: PixArt's cross-attention,
+# FLUX.1's packed tokens and pooled CLIP, Z-Image's captions as lists cut by their masks, Wan's clips
+CASES = [("pixart-sigma", "none"), ("flux", "offload"), ("zimage", "recompute"), ("wan", "recompute")]
+
+
+def config(folder, **training) -> PipelineConfig:
+    resolution = 256 if "pixart" in str(folder) else 64  # PixArt's buckets start at 256
+    return PipelineConfig(dataset={"sources": [{"path": "unused"}], "video": {"frames": 9}},
+                          model={"path": str(folder)}, latent_encoding={"resolution": resolution},
+                          training={"batch_size": 2, "mixed_precision": "bf16", "base_precision": "bf16", **training})
+
+
+@pytest.mark.parametrize("name,checkpointing", CASES)
+def test_the_plan_counts_what_the_trainers_own_step_holds(name, checkpointing, tiny_family):
+    run = config(tiny_family(name), gradient_checkpointing=checkpointing)
+    family = family_of(run.model)
+    shapes = config_shapes(run, family)
+    planned = footprint(run.model, run.training, family, shapes, "bf16", checkpointing)
+    # the same step on the real transformer, loaded as the trainer loads it, on real tensors
+    network = trainable_network(run.model, family, run.training)
+    real = step_ledger(run.model, family, run.training, network, contextlib.nullcontext(), shapes, planned.batch)
+    assert planned.step == pytest.approx(real.peak, rel=0.02)
+    assert planned.host == real.host_peak
+    assert (planned.host > 0) == (checkpointing == "offload")
+    trained = sum(p.numel() for p in network.parameters() if p.requires_grad)
+    assert planned.trainable == 3 * 4 * trained  # fp32 weights and AdamW's two states
+    if name == "wan":  # a clip: the VAE's own encoder gave its latent frames (9 frames: 1 + 2 × 4)
+        assert len(shapes.latent) == 4 and shapes.latent[1] == 3
+
+
+@pytest.mark.parametrize("base", ["int8", "fp8"])
+def test_a_quantised_base_is_counted_as_torchao_holds_it(base, tiny_family):
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    run = config(tiny_family("flux"))
+    family = family_of(run.model)
+    transformer = family.denoiser.load(run.model, torch.bfloat16)
+    quantize_(transformer, {"int8": Int8WeightOnlyConfig, "fp8": Float8WeightOnlyConfig}[base]())
+    storages: dict[int, int] = {}
+
+    def count(tensor: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(tensor):  # torchao's tensors: their bytes, scales and zero points
+            for inner in tensor.__tensor_flatten__()[0]:
+                count(getattr(tensor, inner))
+        else:
+            storages[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
+
+    for tensor in (*transformer.parameters(), *transformer.buffers()):
+        count(tensor)
+    planned = footprint(run.model, run.training, family, config_shapes(run, family), base, "recompute")
+    assert planned.weights == sum(storages.values())
+
+
+def test_precast_plan_prints_each_setting_and_chooses_the_fastest_that_fits(tiny_family, capsys, tmp_path):
+    folder = tiny_family("pixart-sigma")
+    run = config(folder)
+    plan = plan_for(run, 24 * GIB)
+    rows = {(f.base_precision, f.checkpointing): f for f in plan["footprints"]}
+    assert set(rows) == {(base, mode) for base in ("bf16", "int8", "fp8") for mode in ("none", "recompute", "offload")}
+    none, recompute, offload = (rows["bf16", mode] for mode in ("none", "recompute", "offload"))
+    assert none.step > recompute.step > offload.step and offload.host > 0 == recompute.host
+    assert rows["int8", "none"].weights < none.weights and rows["int8", "none"].step == none.step
+    # the fastest that fits, at the run's own base: none on a card that holds it, then recompute, then offload
+    assert plan["choice"].checkpointing == "none"
+    between = (recompute.total + none.total) // 2 + RESERVE
+    assert choose(plan["footprints"], run.training, between).checkpointing == "recompute"
+    assert choose(plan["footprints"], run.training, offload.total + RESERVE).checkpointing == "offload"
+    assert choose(plan["footprints"], run.training, offload.total + RESERVE - 1) is None
+
+    # gradient_checkpointing auto: the trainer's choice for its device, the same as the plan's
+    auto = run.training.model_copy(update={"gradient_checkpointing": "auto"})
+    family, shapes = family_of(run.model), plan["shapes"]
+    assert auto_settings(run.model, auto, family, shapes, between).gradient_checkpointing == "recompute"
+    with pytest.raises(ValueError, match="auto: no setting fits .* at base_precision bf16; the least, offload"):
+        auto_settings(run.model, auto, family, shapes, offload.total + RESERVE - 1)
+
+    text = plan_text(plan)
+    assert "choice: training.gradient_checkpointing none, blocks_to_swap 0 (base_precision bf16)" in text
+    assert text.count("\nbf16 ") == 3 and "alive at its peak" in text
+
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(run.model_dump_json())  # JSON is YAML
+    assert main(["plan", str(yaml), "--gpu-memory", f"{(offload.total + RESERVE) // 2**20 - 1}MiB"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("\nfp8 ") == 3 and "nothing fits at base_precision bf16, even with every block streamed" in out
+
+
+def test_streamed_blocks_fit_a_card_with_the_fewest_blocks_and_cost_their_copies():
+    """Of 40 blocks of 1 GB, streaming n leaves 40 − n on the device and two streamed ones at a time;
+    the plan streams the fewest that fit, never without checkpointing, and prefers every block
+    resident, then the faster checkpointing."""
+    gb = 10**9
+    base = Footprint("recompute", "int8", 1, 4096, weights=41 * gb, trainable=gb, step=4 * gb, kept_on_host=0,
+                     largest=0, blocks=[gb] * 40)
+    card = 30 * gb + RESERVE  # 46 GB resident: 16 blocks less, two of them back on the device
+    streamed = base.streaming(card)
+    assert streamed.blocks_to_swap == 18 and streamed.total == 30 * gb and streamed.host == 18 * gb
+    assert streamed.seconds_streaming(25.0) == pytest.approx(36 / 25)  # 18 GB in, twice a step
+    assert replace(base, checkpointing="none").streaming(card) is None
+    assert base.streaming(4 * gb) is None  # not even with all 40 streamed
+    offload = replace(base, checkpointing="offload", step=3 * gb)
+    training = PipelineConfig(dataset={"sources": [{"path": "unused"}]}, model={"path": "unused"},
+                              training={"base_precision": "int8", "mixed_precision": "bf16"}).training
+    candidates = [base, offload, streamed, offload.streaming(card)]
+    assert choose(candidates, training, card).blocks_to_swap == 18  # recompute streaming 18 before offload's 17
+    assert choose(candidates, training, 46 * gb + RESERVE).checkpointing == "recompute"
+
+
+def test_card_sizes_read_as_written():
+    assert parse_memory("24GiB") == 24 * GIB and parse_memory("80GB") == 80 * 10**9 and parse_memory("48") == 48 * GIB
+    with pytest.raises(ValueError, match="--gpu-memory 'lots'"):
+        parse_memory("lots")
