@@ -105,6 +105,9 @@ MODES = {
     "offload": {"gradient_checkpointing": "offload"},
     "recompute, bf16 base": {"gradient_checkpointing": "recompute", "base_precision": "bf16"},
     "offload, int8 base": {"gradient_checkpointing": "offload", "base_precision": "int8"},
+    # 20 of PixArt-Σ XL's 28 blocks streamed from pinned host memory (tasks/train/streaming.py)
+    "recompute, bf16 base, 20 blocks streamed": {"gradient_checkpointing": "recompute", "base_precision": "bf16",
+                                                 "blocks_to_swap": 20},
 }
 
 
@@ -112,12 +115,17 @@ def lora_step(model: ModelConfig, mode: str, device: torch.device,
               generator: torch.Generator) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
     """One optimizer step of LoRA training in `mode`, as the trainer takes it (`attention`: the
     context that picks SDPA's kernels; the trainer's order by default)."""
-    from tasks.train.network import attention_kernels, kept_activations, trainable_network
     from tasks.train.loss import Objective, diffusion_loss
+    from tasks.train.network import attention_kernels, kept_activations, sampling_module, trainable_network
+    from tasks.train.streaming import BlockStreamer
 
     training = TrainingConfig(lora={"rank": 32, "alpha": 16}, mixed_precision="bf16", device=device.type, **MODES[mode])
     objective = Objective.of(model, training)
-    network = trainable_network(model, objective.family, training).to(device)
+    network = trainable_network(model, objective.family, training)
+    if training.blocks_to_swap:  # as the trainer streams them: taken out before the network moves (--tiny: all 2)
+        blocks = objective.family.denoiser.blocks(sampling_module(network, training))
+        BlockStreamer(blocks, min(training.blocks_to_swap, len(blocks)), device)
+    network = network.to(device)
     optimizer = torch.optim.AdamW([p for p in network.parameters() if p.requires_grad], lr=1e-4,
                                   fused=device.type == "cuda" or None)
 

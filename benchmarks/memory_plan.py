@@ -66,8 +66,8 @@ def write_published(folder: Path, tiny: str, transformer: dict, vae: dict, texts
     folder = write_tiny_models(folder, random_vae=True) if tiny == "pixart-sigma" else \
         write_tiny_family(folder, tiny, random_vae=True)
     family = family_of(ModelConfig(path=str(folder)))
-    over(folder / "transformer" / "config.json", transformer)
-    over(folder / "vae" / "config.json", vae)
+    over(folder / "transformer" / "config.json", transformer, whole=True)
+    over(folder / "vae" / "config.json", vae, whole=True)
     for spec in family.text.encoders:
         over(folder / spec.folder / "config.json", texts[spec.name])
         if spec.tokenizer_length:  # CLIP's published length
@@ -75,9 +75,12 @@ def write_published(folder: Path, tiny: str, transformer: dict, vae: dict, texts
     return folder
 
 
-def over(path: Path, published: dict) -> None:
-    """`path`'s JSON with `published` written over it (and over its language model's, a multimodal one's)."""
+def over(path: Path, published: dict, whole: bool = False) -> None:
+    """`path`'s JSON with `published` written over it (and over its language model's, a multimodal
+    one's); `whole`: only its class left of it (a diffusers model's config: the rest at the class's defaults)."""
     config = json.loads(path.read_text())
+    if whole:
+        config = {key: value for key, value in config.items() if key.startswith("_")}
     plain = {key: list(value) if isinstance(value, tuple) else value for key, value in published.items()}
     config.update(plain)
     if isinstance(config.get("text_config"), dict):
