@@ -9,7 +9,9 @@ user's folder. For each family: LoRA r=32, alpha 16, bf16 autocast, batch 1, at 
 frames at 480×832), the captions as long as the text cache holds; each checkpointing mode at a
 bf16 and an int8 base (fp8's bytes are int8's within a byte a row); and which setting the plan
 chooses on a 24, 48 and 80 GB card at each base: every block resident if it can, else the fewest
-blocks streamed from host memory, and what their copies cost a step over PCIe 4.0.
+blocks streamed from host memory, and what their copies cost a step over PCIe 4.0. And each encode
+stage alone: the text encoders at bf16, int8 and bf16 with sequential offload (a batch of 16,384
+tokens of the longest captions), the VAE at the defaults (fp32, batch 8).
 
 The H100 check: the rows of docs/benchmarks.md's "GPU: real architectures" (2026-11-26), planned
 with their settings: PixArt-Σ XL/2 at 1024², batch 8 (T5 v1.1 XXL and the SDXL VAE were resident
@@ -29,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 CARDS = {"24 GB": 24 * 10**9, "48 GB": 48 * 10**9, "80 GB": 80 * 10**9}
+# the text encoders' settings planned: as loaded, quantised, streamed a layer at a time (batch_tokens 16,384)
+TEXT_SETTINGS = (("bf16", "none"), ("int8", "none"), ("bf16", "sequential"))
 MODES = ("none", "recompute", "offload")
 
 
@@ -92,7 +96,7 @@ def plan_family(folder: Path, settings: dict[str, Any], training: dict[str, Any]
                 modes=MODES) -> dict[str, Any]:
     from configs.schema import PipelineConfig
     from tasks.families import family_of
-    from tasks.train.plan import LINKS, choose, config_shapes, footprint
+    from tasks.train.plan import LINKS, choose, config_shapes, encoder_footprints, footprint
 
     dataset = {"sources": [{"path": "unused"}], **settings.get("dataset", {})}
     config = PipelineConfig(**{**settings, "dataset": dataset, "model": {"path": str(folder)},
@@ -112,8 +116,18 @@ def plan_family(folder: Path, settings: dict[str, Any], training: dict[str, Any]
                 "checkpointing": pick.checkpointing, "blocks_to_swap": pick.blocks_to_swap,
                 "of_blocks": len(pick.blocks), "total_gb": pick.total / 1e9,
                 "streamed_gb_a_step": 2 * pick.streamed / 1e9, "pcie4_seconds": pick.seconds_streaming(LINKS["PCIe 4.0 x16"])}
+    encoders = {}
+    for dtype, offload in TEXT_SETTINGS:
+        text = config.text_encoding.model_copy(update={"dtype": dtype, "offload": offload})
+        for e in encoder_footprints(config.model_copy(update={"text_encoding": text}), family, shapes):
+            if e.name != "vae" or not encoders.get("vae"):
+                encoders.setdefault(e.name, {})[e.setting] = {
+                    "weights_gb": e.weights / 1e9, "call_gb": e.call / 1e9, "total_gb": e.total / 1e9,
+                    "batch": e.batch, "length": e.length,
+                    "fits": [card for card, size in CARDS.items() if e.fits(size)]}
     return {"latent": list(shapes.latent), "lengths": shapes.lengths, "tokens": rows[0].tokens,
-            "rows": {f"{f.base_precision} {f.checkpointing}": figures(f) for f in rows}, "choice": chosen}
+            "rows": {f"{f.base_precision} {f.checkpointing}": figures(f) for f in rows}, "choice": chosen,
+            "encoders": encoders}
 
 
 def figures(f) -> dict[str, Any]:
@@ -196,6 +210,11 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
                     f"{r['bf16 recompute']['total_gb']:.1f} GB bf16 base, {r['int8 recompute']['total_gb']:.1f} GB "
                     f"int8 (recompute)",
                     "; ".join(f"{card}: {describe(pick)}" for card, pick in family["choice"].items()), ""))
+        for encoder, settings in family.get("encoders", {}).items():
+            out.append((f"memory plan: {name}, encoding with {encoder}",
+                        "; ".join(f"{setting}: {e['total_gb']:.1f} GB" for setting, e in settings.items()),
+                        "; ".join(f"{setting}: {', '.join(e['fits']) or 'no card'}" for setting, e in settings.items()),
+                        ""))
     for name, row in result.get("h100", {}).get("pixart", {}).items():
         out.append((f"memory plan vs H100: PixArt-Σ XL/2 batch 8, {name}",
                     f"{row['planned_gib']:.1f} GiB planned", f"{row['measured_gib']} GiB measured "

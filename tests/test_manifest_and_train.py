@@ -308,11 +308,13 @@ def test_ema_weights_are_the_saved_result(make_config):
 
 
 def test_two_process_data_parallel_training_on_cpu(make_config, tiny_models):
-    """torch DDP over gloo: two processes, each its own batches, rank 0 writes the run."""
+    """torch DDP over gloo: two processes, each its own batches, rank 0 writes the run; each
+    streams a block of its transformer from host memory (`blocks_to_swap`, under recompute: the
+    streamed weights leave the network before DDP wraps it)."""
     from tasks.train.checkpointer import Checkpointer, TrainingState
 
     config = make_config(training={"steps": 3, "processes": 2, "checkpoint_every": 2, "keep_checkpoints": 1,
-                                   "sample_prompts": []})
+                                   "sample_prompts": [], "gradient_checkpointing": "recompute", "blocks_to_swap": 1})
     relayed = []  # rank 0 reports progress through the store; the parent relays it
     record = train(config.storage, config.model, config.training, _manifest(config)["url"],
                    progress=lambda *report: relayed.append(report))

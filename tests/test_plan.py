@@ -15,8 +15,8 @@ from configs.schema import PipelineConfig
 from flows.cli import main
 from tasks.families import family_of
 from tasks.train.network import trainable_network
-from tasks.train.plan import (GIB, RESERVE, Footprint, auto_settings, choose, config_shapes, footprint, parse_memory, plan_for, plan_text,
-                              step_ledger)
+from tasks.train.plan import (GIB, RESERVE, Footprint, Ledger, auto_settings, choose, config_shapes, encoder_footprints,
+                              footprint, parse_memory, plan_for, plan_text, step_ledger)
 
 # a family of each kind of call, each in another checkpointing mode: PixArt's cross-attention,
 # FLUX.1's packed tokens and pooled CLIP, Z-Image's captions as lists cut by their masks, Wan's clips
@@ -46,6 +46,38 @@ def test_the_plan_counts_what_the_trainers_own_step_holds(name, checkpointing, t
     assert planned.trainable == 3 * 4 * trained  # fp32 weights and AdamW's two states
     if name == "wan":  # a clip: the VAE's own encoder gave its latent frames (9 frames: 1 + 2 × 4)
         assert len(shapes.latent) == 4 and shapes.latent[1] == 3
+
+
+@pytest.mark.parametrize("name", ["pixart-sigma", "qwen-image"])
+def test_each_encode_stage_is_counted_as_the_stage_loads_and_calls_it(name, tiny_family):
+    """A text encoder as the text stage loads it (`build_text_encoder`: its dtype, the whole model
+    on the device) and calls it (the prompt function on a batch of the longest captions, some
+    padded: a mask with no padding lets transformers skip building it, which fake tensors cannot
+    tell), and the VAE as the latent stage calls it: the plan's fake count is the real one. PixArt's T5 and 2-D
+    VAE; Qwen-Image's Qwen2.5-VL language model (its template's dropped tokens read too) and 3-D VAE."""
+    from tasks.encode.models import build_text_encoder, build_vae
+
+    run = config(tiny_family(name))
+    family = family_of(run.model)
+    planned = {e.name: e for e in encoder_footprints(run, family, config_shapes(run, family))}
+    for spec in family.text.encoders:
+        loaded = build_text_encoder(run.model, family, spec, "bf16", "cpu", "none").model
+        assert planned[spec.name].weights == sum(p.numel() * p.element_size() for p in loaded.parameters()) + \
+            sum(b.numel() * b.element_size() for b in loaded.buffers())
+        real = Ledger()
+        with real, torch.no_grad():  # a batch of captions of several lengths, as the stage's are: some padding
+            ids = torch.randint(0, 100, (planned[spec.name].batch, planned[spec.name].length))
+            mask = torch.ones_like(ids)
+            mask[0, -1] = 0
+            spec.encode(loaded, ids, mask)
+        assert planned[spec.name].call == pytest.approx(real.peak, rel=0.02)
+    vae = build_vae(run.model, family, "fp32", "cpu")
+    frames, height, width = config_shapes(run, family).pixels
+    shape = (8, 3, height, width) if frames == 1 else (8, 3, frames, height, width)
+    real = Ledger()
+    with real, torch.no_grad():
+        vae.encode(family.codec.vae_pixels(torch.rand(shape))).latent_dist.mean
+    assert planned["vae"].call == pytest.approx(real.peak, rel=0.02)
 
 
 @pytest.mark.parametrize("base", ["int8", "fp8"])
@@ -97,6 +129,7 @@ def test_precast_plan_prints_each_setting_and_chooses_the_fastest_that_fits(tiny
     text = plan_text(plan)
     assert "choice: training.gradient_checkpointing none, blocks_to_swap 0 (base_precision bf16)" in text
     assert text.count("\nbf16 ") == 3 and "alive at its peak" in text
+    assert "  t5 " in text and "  vae " in text and "the encode stages" in text
 
     yaml = tmp_path / "run.yaml"
     yaml.write_text(run.model_dump_json())  # JSON is YAML

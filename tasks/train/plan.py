@@ -93,7 +93,7 @@ class Ledger(TorchDispatchMode):
         weakref.finalize(storage, self._freed, key)
 
     def _freed(self, key: int) -> None:
-        size, _ = self.alive.pop(key)
+        size, made = self.alive.pop(key)
         if key in self.on_host:
             self.on_host.discard(key)
             self.host -= size
@@ -103,7 +103,7 @@ class Ledger(TorchDispatchMode):
             for other, (nbytes, where) in self.alive.items():
                 if other not in self.on_host:
                     self.at_peak[where] += nbytes
-            self.at_peak[self.alive.get(key, (0, None))[1] or ("(freed first)", "")] += size
+            self.at_peak[made] += size
         self.now -= size
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -167,6 +167,7 @@ class Shapes:
 
     latent: tuple[int, ...]
     lengths: dict[str, int]
+    pixels: tuple[int, int, int] = (1, 0, 0)  # frames, height, width of that sample (the VAE's input)
 
 
 @dataclass
@@ -226,8 +227,8 @@ class Footprint:
 def plan_for(config: PipelineConfig, gpu_memory: int) -> dict[str, Any]:
     """Each checkpointing mode at the run's base precision and at the cheaper bases (a LoRA run's:
     its autocast dtype's, int8, fp8), counted at the config's largest sample; at the run's base,
-    where a checkpointed step does not fit, the fewest blocks streamed that make it fit; and the
-    run's choice (`choose`)."""
+    where a checkpointed step does not fit, the fewest blocks streamed that make it fit; the run's
+    choice (`choose`); and each encode stage's own footprint under the config's settings."""
     family = family_of(config.model)
     training = config.training
     shapes = config_shapes(config, family)
@@ -241,7 +242,7 @@ def plan_for(config: PipelineConfig, gpu_memory: int) -> dict[str, Any]:
         own = [f for f in counted if f.base_precision == training.base_precision and not f.fits(gpu_memory)]
         counted += [streamed for f in own if (streamed := f.streaming(gpu_memory)) is not None]
     return {"family": family.name, "gpu_memory": gpu_memory, "shapes": shapes, "footprints": counted,
-            "choice": choose(counted, training, gpu_memory)}
+            "choice": choose(counted, training, gpu_memory), "encoders": encoder_footprints(config, family, shapes)}
 
 
 def choose(footprints: list[Footprint], training: TrainingConfig, gpu_memory: int) -> Footprint | None:
@@ -375,7 +376,7 @@ def config_shapes(config: PipelineConfig, family: Family) -> Shapes:
         latent = vae.encode(family.codec.vae_pixels(torch.empty(shape))).latent_dist.mean[0]
         latent = family.codec.normalised(latent, torch.zeros(()), torch.ones(()))  # as the reader shapes it (patches)
     lengths = {spec.name: family.text.length(model, spec, config.text_encoding) for spec in family.text.encoders}
-    return Shapes(tuple(latent.shape), lengths)
+    return Shapes(tuple(latent.shape), lengths, (frames, int(height), int(width)))
 
 
 def step_ledger(model: ModelConfig, family: Family, training: TrainingConfig, network: torch.nn.Module,
@@ -410,6 +411,68 @@ def step_ledger(model: ModelConfig, family: Family, training: TrainingConfig, ne
                                   DTYPES.get(training.mixed_precision))
         loss.backward()
     return ledger
+
+
+@dataclass
+class EncoderFootprint:
+    """One encode stage's bytes on its device, alone (the stages run one after another, and never
+    beside training): the weights it holds there and its call's own peak."""
+
+    name: str
+    setting: str  # dtype, offload (text) or batch, tiling, slicing (VAE)
+    weights: int  # on the device: all of them, or (sequential offload) the largest layer's
+    call: int  # the peak of one call: its input, activations and output
+    batch: int  # captions or samples a call
+    length: int  # positions a caption (text) or pixels a side, the longest (VAE)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.call
+
+    def fits(self, gpu_memory: int) -> bool:
+        return self.total + RESERVE <= gpu_memory
+
+
+def encoder_footprints(config: PipelineConfig, family: Family, shapes: Shapes) -> list[EncoderFootprint]:
+    """Each text encoder under `text_encoding` (its dtype, offload and batch_tokens: a batch of
+    the longest captions) and the VAE under `latent_encoding` (its dtype, batch_size, tiling and
+    slicing, on the largest sample), each built from its config on the meta device and called on
+    fake tensors as the stage calls it, counted by a `Ledger`."""
+    from tasks.encode.models import TEXT_ACTIVATIONS
+
+    model, text, latent = config.model, config.text_encoding, config.latent_encoding
+    out = []
+    for spec in family.text.encoders:
+        cls = library("transformers", spec.model_class)
+        settings = cls.config_class.from_pretrained(model.path, subfolder=spec.folder, revision=model.revision)
+        with torch.device("meta"):
+            encoder = cls._from_config(settings, dtype=TEXT_ACTIVATIONS[text.dtype]).eval().requires_grad_(False)
+        base = "int8" if text.dtype == "int8" else text.dtype
+        held = (max(frozen_bytes(module, base) for module in encoder.modules() if list(module.parameters(False)))
+                if text.offload == "sequential" else frozen_bytes(encoder, base))
+        length = shapes.lengths[spec.name] + getattr(spec, "drop", 0)  # before the template's tokens are dropped
+        batch = max(1, text.batch_tokens // length)
+        mode, ledger = FakeTensorMode(), Ledger()
+        encoder = faked(encoder, mode)
+        with mode, ledger, torch.no_grad():
+            spec.encode(encoder, torch.zeros(batch, length, dtype=torch.long), torch.ones(batch, length, dtype=torch.long))
+        out.append(EncoderFootprint(spec.name, f"{text.dtype}, offload {text.offload}", held, ledger.peak, batch, length))
+    cls = library("diffusers", family.codec.vae)
+    with torch.device("meta"):
+        vae = cls.from_config(cls.load_config(model.path, subfolder="vae", revision=model.revision))
+        torch.nn.Module.to(vae, DTYPES[latent.dtype])
+    held = frozen_bytes(vae.requires_grad_(False), latent.dtype)
+    mode, ledger = FakeTensorMode(), Ledger()
+    vae = faked(vae, mode)
+    vae.enable_tiling() if latent.tiling else vae.disable_tiling()
+    vae.enable_slicing() if latent.slicing else vae.disable_slicing()
+    frames, height, width = shapes.pixels
+    shape = (latent.batch_size, 3, height, width) if frames == 1 else (latent.batch_size, 3, frames, height, width)
+    with mode, ledger, torch.no_grad():
+        vae.encode(family.codec.vae_pixels(torch.empty(shape, dtype=DTYPES[latent.dtype]))).latent_dist.mean
+    setting = f"{latent.dtype}, batch {latent.batch_size}" + ", tiled" * latent.tiling + ", sliced" * latent.slicing
+    out.append(EncoderFootprint("vae", setting, held, ledger.peak, latent.batch_size, max(height, width)))
+    return out
 
 
 def resident(network: torch.nn.Module, training: TrainingConfig, base_precision: str) -> tuple[int, int]:
@@ -470,6 +533,11 @@ def plan_text(plan: dict[str, Any]) -> str:
         lines.append(f"{f.base_precision:6} {f.checkpointing:14} {f.blocks_to_swap:>8} {gib(f.device_weights):>8} "
                      f"{gib(f.trainable):>8} {gib(f.step):>8} {gib(f.total):>8} {gib(f.host):>7}  "
                      f"{'yes' if f.fits(plan['gpu_memory']) else 'no'}")
+    lines += ["", "the encode stages, each alone on its device (text_encoding's and latent_encoding's settings):"]
+    for e in plan["encoders"]:
+        what = f"{e.batch} captions of {e.length} positions" if e.name != "vae" else f"{e.batch} samples of {e.length} px"
+        lines.append(f"  {e.name:12} {e.setting:24} weights {gib(e.weights)} + a call of {what} {gib(e.call)} = "
+                     f"{gib(e.total)} GiB  {'fits' if e.fits(plan['gpu_memory']) else 'does not fit'}")
     choice = plan["choice"]
     lines.append("")
     if choice is None:
