@@ -86,9 +86,11 @@ def over(path: Path, published: dict, whole: bool = False) -> None:
     if whole:
         config = {key: value for key, value in config.items() if key.startswith("_")}
     plain = {key: list(value) if isinstance(value, tuple) else value for key, value in published.items()}
-    config.update(plain)
-    if isinstance(config.get("text_config"), dict):
-        config["text_config"].update(plain)
+    for part in (config, config.get("text_config")):
+        if isinstance(part, dict):
+            part.update(plain)
+            if "num_hidden_layers" in plain:  # the tiny model's list of its layers' kinds: the class's default
+                part.pop("layer_types", None)
     path.write_text(json.dumps(config))
 
 

@@ -46,8 +46,9 @@ GIB = 2**30
 RESERVE = int(1.5 * GIB)
 CHECKPOINTING = ("none", "recompute", "offload")  # from the fastest to the one that holds least
 ROW_BYTES = {"int8": 5, "fp8": 4}  # what a quantised weight's row holds besides its bytes
-# where streamed blocks come from, GB/s one way: what pinned host-to-device copies reach in practice
-LINKS = {"PCIe 4.0 x16": 25.0, "PCIe 5.0 x16": 50.0}
+# where streamed blocks come from, GB/s one way: what pinned host-to-device copies reach over PCIe
+# in practice; a GH200's host link by its specification (900 GB/s both ways)
+LINKS = {"PCIe 4.0 x16": 25.0, "PCIe 5.0 x16": 50.0, "NVLink-C2C (GH200)": 450.0}
 
 
 class Ledger(TorchDispatchMode):
