@@ -98,7 +98,7 @@ def plan_family(folder: Path, settings: dict[str, Any], training: dict[str, Any]
                 modes=MODES) -> dict[str, Any]:
     from configs.schema import PipelineConfig
     from tasks.families import family_of
-    from tasks.train.plan import LINKS, choose, config_shapes, encoder_footprints, footprint
+    from tasks.train.plan import LINKS, choose, config_shapes, footprint
 
     dataset = {"sources": [{"path": "unused"}], **settings.get("dataset", {})}
     config = PipelineConfig(**{**settings, "dataset": dataset, "model": {"path": str(folder)},
@@ -118,7 +118,16 @@ def plan_family(folder: Path, settings: dict[str, Any], training: dict[str, Any]
                 "checkpointing": pick.checkpointing, "blocks_to_swap": pick.blocks_to_swap,
                 "of_blocks": len(pick.blocks), "total_gb": pick.total / 1e9,
                 "streamed_gb_a_step": 2 * pick.streamed / 1e9, "pcie4_seconds": pick.seconds_streaming(LINKS["PCIe 4.0 x16"])}
-    encoders = {}
+    return {"latent": list(shapes.latent), "lengths": shapes.lengths, "tokens": rows[0].tokens,
+            "rows": {f"{f.base_precision} {f.checkpointing}": figures(f) for f in rows}, "choice": chosen,
+            "encoders": encoder_rows(config, family, shapes)}
+
+
+def encoder_rows(config, family, shapes) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each encode stage's plan: the text encoders at each of TEXT_SETTINGS, the VAE at the config's."""
+    from tasks.train.plan import encoder_footprints
+
+    encoders: dict[str, dict[str, dict[str, Any]]] = {}
     for dtype, offload in TEXT_SETTINGS:
         text = config.text_encoding.model_copy(update={"dtype": dtype, "offload": offload})
         for e in encoder_footprints(config.model_copy(update={"text_encoding": text}), family, shapes):
@@ -127,9 +136,7 @@ def plan_family(folder: Path, settings: dict[str, Any], training: dict[str, Any]
                     "weights_gb": e.weights / 1e9, "call_gb": e.call / 1e9, "total_gb": e.total / 1e9,
                     "batch": e.batch, "length": e.length,
                     "fits": [card for card, size in CARDS.items() if e.fits(size)]}
-    return {"latent": list(shapes.latent), "lengths": shapes.lengths, "tokens": rows[0].tokens,
-            "rows": {f"{f.base_precision} {f.checkpointing}": figures(f) for f in rows}, "choice": chosen,
-            "encoders": encoders}
+    return encoders
 
 
 def figures(f) -> dict[str, Any]:

@@ -65,6 +65,7 @@ def test_each_encode_stage_is_counted_as_the_stage_loads_and_calls_it(name, tiny
         assert planned[spec.name].weights == sum(p.numel() * p.element_size() for p in loaded.parameters()) + \
             sum(b.numel() * b.element_size() for b in loaded.buffers())
         real = Ledger()
+        real.watch(loaded)
         with real, torch.no_grad():  # a batch of captions of several lengths, as the stage's are: some padding
             ids = torch.randint(0, 100, (planned[spec.name].batch, planned[spec.name].length))
             mask = torch.ones_like(ids)
@@ -75,6 +76,7 @@ def test_each_encode_stage_is_counted_as_the_stage_loads_and_calls_it(name, tiny
     frames, height, width = config_shapes(run, family).pixels
     shape = (8, 3, height, width) if frames == 1 else (8, 3, frames, height, width)
     real = Ledger()
+    real.watch(vae)
     with real, torch.no_grad():
         vae.encode(family.codec.vae_pixels(torch.rand(shape))).latent_dist.mean
     assert planned["vae"].call == pytest.approx(real.peak, rel=0.02)

@@ -455,6 +455,7 @@ def encoder_footprints(config: PipelineConfig, family: Family, shapes: Shapes) -
         batch = max(1, text.batch_tokens // length)
         mode, ledger = FakeTensorMode(), Ledger()
         encoder = faked(encoder, mode)
+        ledger.watch(encoder)  # its weights, and views of them, are not the call's
         with mode, ledger, torch.no_grad():
             spec.encode(encoder, torch.zeros(batch, length, dtype=torch.long), torch.ones(batch, length, dtype=torch.long))
         out.append(EncoderFootprint(spec.name, f"{text.dtype}, offload {text.offload}", held, ledger.peak, batch, length))
@@ -465,6 +466,7 @@ def encoder_footprints(config: PipelineConfig, family: Family, shapes: Shapes) -
     held = frozen_bytes(vae.requires_grad_(False), latent.dtype)
     mode, ledger = FakeTensorMode(), Ledger()
     vae = faked(vae, mode)
+    ledger.watch(vae)
     vae.enable_tiling() if latent.tiling else vae.disable_tiling()
     vae.enable_slicing() if latent.slicing else vae.disable_slicing()
     frames, height, width = shapes.pixels
