@@ -18,6 +18,7 @@ import contextlib
 from functools import partial
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 class BlockStreamer:
@@ -57,7 +58,7 @@ class BlockStreamer:
         if self.stream is not None:  # the copy done before the block's kernels run
             torch.cuda.current_stream(self.device).wait_event(self.on_device[index])
             for held_module, name, _ in self.weights[index]:
-                held_module._parameters[name].record_stream(torch.cuda.current_stream(self.device))
+                used_by(held_module._parameters[name], torch.cuda.current_stream(self.device))
         if 0 <= after < len(self.weights):
             self._fetch(after)
 
@@ -77,3 +78,12 @@ class BlockStreamer:
             del module._parameters[name]
         del self.on_device[index]
 
+
+def used_by(tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """Tell the allocator `stream` uses `tensor` (copied on another stream): its memory is not
+    reused before that stream's work is done. A torchao weight: each tensor inside it."""
+    if is_traceable_wrapper_subclass(tensor):
+        for inner in tensor.__tensor_flatten__()[0]:
+            used_by(getattr(tensor, inner), stream)
+    else:
+        tensor.record_stream(stream)
