@@ -117,7 +117,8 @@ def plan_family(folder: Path, settings: dict[str, Any], training: dict[str, Any]
             chosen[f"{card} {base}"] = None if pick is None else {
                 "checkpointing": pick.checkpointing, "blocks_to_swap": pick.blocks_to_swap,
                 "of_blocks": len(pick.blocks), "total_gb": pick.total / 1e9,
-                "streamed_gb_a_step": 2 * pick.streamed / 1e9, "pcie4_seconds": pick.seconds_streaming(LINKS["PCIe 4.0 x16"])}
+                "streamed_gb_a_step": 2 * pick.streamed / 1e9,
+                "pcie4_seconds": pick.seconds_streaming(LINKS["PCIe 4.0 x16"])}
     return {"latent": list(shapes.latent), "lengths": shapes.lengths, "tokens": rows[0].tokens,
             "rows": {f"{f.base_precision} {f.checkpointing}": figures(f) for f in rows}, "choice": chosen,
             "encoders": encoder_rows(config, family, shapes)}

@@ -544,7 +544,7 @@ class TrainingConfig(Section):
         "block's input and recompute the block in backward (less memory, ~1/3 more compute); offload: recompute, "
         "and the kept block inputs wait in pinned host memory (non-blocking copies), so the device holds almost no "
         "activations; auto: the fastest of these (and, for LoRA, the fewest blocks_to_swap) that the memory plan "
-        "fits in the training device's memory at the run's base_precision, chosen when training starts and "
+        "fits in the memory free on the training device at the run's base_precision, chosen when training starts and "
         "logged (`precast plan` prints the same choice beforehand). The same weights in every mode. true/false "
         "read as recompute/none.")
     blocks_to_swap: Annotated[int, NOT_COUNTED] = Field(

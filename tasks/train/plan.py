@@ -358,7 +358,8 @@ def faked(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
 def config_shapes(config: PipelineConfig, family: Family) -> Shapes:
     """The config's largest sample: the bucket with the most pixels at `latent_encoding.resolution`
     (the longest clip the dataset keeps, for a family that trains clips), its latents' shape from
-    the family's VAE encoder run on fake pixels, as the training reader shapes them; and each text encoder's length under `text_encoding`."""
+    the family's VAE encoder run on fake pixels, as the training reader shapes them; and each
+    text encoder's length under `text_encoding`."""
     model = config.model
     table = family.codec.bucket_table(config.latent_encoding.resolution)
     # the most pixels, the squarest of those
@@ -457,8 +458,10 @@ def encoder_footprints(config: PipelineConfig, family: Family, shapes: Shapes) -
         encoder = faked(encoder, mode)
         ledger.watch(encoder)  # its weights, and views of them, are not the call's
         with mode, ledger, torch.no_grad():
-            spec.encode(encoder, torch.zeros(batch, length, dtype=torch.long), torch.ones(batch, length, dtype=torch.long))
-        out.append(EncoderFootprint(spec.name, f"{text.dtype}, offload {text.offload}", held, ledger.peak, batch, length))
+            ids = torch.zeros(batch, length, dtype=torch.long)
+            spec.encode(encoder, ids, torch.ones_like(ids))
+        setting = f"{text.dtype}, offload {text.offload}"
+        out.append(EncoderFootprint(spec.name, setting, held, ledger.peak, batch, length))
     cls = library("diffusers", family.codec.vae)
     with torch.device("meta"):
         vae = cls.from_config(cls.load_config(model.path, subfolder="vae", revision=model.revision))
@@ -501,9 +504,10 @@ def frozen_bytes(module: torch.nn.Module, base_precision: str) -> int:
 
 
 def device_memory(device: torch.device) -> int:
-    """The memory a training device has: an accelerator's total, or the host's available memory."""
+    """The memory a training device has for this run: what an accelerator has free (another
+    process may hold some of it), or the host's available memory."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+        return torch.cuda.mem_get_info(device)[0]
     import psutil
 
     return psutil.virtual_memory().available
@@ -538,7 +542,8 @@ def plan_text(plan: dict[str, Any]) -> str:
                      f"{'yes' if f.fits(plan['gpu_memory']) else 'no'}")
     lines += ["", "the encode stages, each alone on its device (text_encoding's and latent_encoding's settings):"]
     for e in plan["encoders"]:
-        what = f"{e.batch} captions of {e.length} positions" if e.name != "vae" else f"{e.batch} samples of {e.length} px"
+        what = (f"{e.batch} captions of {e.length} positions" if e.name != "vae" else
+                f"{e.batch} samples of {e.length} px")
         lines.append(f"  {e.name:12} {e.setting:24} weights {gib(e.weights)} + a call of {what} {gib(e.call)} = "
                      f"{gib(e.total)} GiB  {'fits' if e.fits(plan['gpu_memory']) else 'does not fit'}")
     choice = plan["choice"]
