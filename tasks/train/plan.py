@@ -368,11 +368,8 @@ def config_shapes(config: PipelineConfig, family: Family) -> Shapes:
     frames = max([video.frames, *video.frame_buckets])
     if family.codec.clip_problem(frames) is not None:
         frames = 1
-    cls = library("diffusers", family.codec.vae)
     mode = FakeTensorMode()
-    with torch.device("meta"):
-        vae = cls.from_config(cls.load_config(model.path, subfolder="vae", revision=model.revision))
-    vae = faked(vae, mode)
+    vae = faked(meta_vae(model, family), mode)
     shape = (1, 3, int(height), int(width)) if frames == 1 else (1, 3, frames, int(height), int(width))
     with mode, torch.no_grad():
         latent = vae.encode(family.codec.vae_pixels(torch.empty(shape))).latent_dist.mean[0]
@@ -435,6 +432,13 @@ class EncoderFootprint:
         return self.total + RESERVE <= gpu_memory
 
 
+def meta_vae(model: ModelConfig, family: Family) -> torch.nn.Module:
+    """The family's VAE built from the model's vae/config.json on the meta device (no weights read)."""
+    cls = library("diffusers", family.codec.vae)
+    with torch.device("meta"):
+        return cls.from_config(cls.load_config(model.path, subfolder="vae", revision=model.revision))
+
+
 def encoder_footprints(config: PipelineConfig, family: Family, shapes: Shapes) -> list[EncoderFootprint]:
     """Each text encoder under `text_encoding` (its dtype, offload and batch_tokens: a batch of
     the longest captions) and the VAE under `latent_encoding` (its dtype, batch_size, tiling and
@@ -462,10 +466,7 @@ def encoder_footprints(config: PipelineConfig, family: Family, shapes: Shapes) -
             spec.encode(encoder, ids, torch.ones_like(ids))
         setting = f"{text.dtype}, offload {text.offload}"
         out.append(EncoderFootprint(spec.name, setting, held, ledger.peak, batch, length))
-    cls = library("diffusers", family.codec.vae)
-    with torch.device("meta"):
-        vae = cls.from_config(cls.load_config(model.path, subfolder="vae", revision=model.revision))
-        torch.nn.Module.to(vae, DTYPES[latent.dtype])
+    vae = torch.nn.Module.to(meta_vae(model, family), DTYPES[latent.dtype])
     held = frozen_bytes(vae.requires_grad_(False), latent.dtype)
     mode, ledger = FakeTensorMode(), Ledger()
     vae = faked(vae, mode)
