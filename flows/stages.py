@@ -165,7 +165,8 @@ def children_work(stage: str, children: Sequence[Any], earlier: Sequence[Any] = 
         tables = {artifact.flow_run_id: json.loads(artifact.data)[0]
                   for artifact in client.read_artifacts(artifact_filter=found)}
     work = {name: sum(table.get(name, 0) for table in tables.values())
-            for name in ("model_loads", "shards_encoded", "shards_cached", "io_retries")}
+            for name in ("model_loads", "shards_encoded", "shards_cached", "samples_encoded", "samples_copied",
+                         "io_retries")}
     return {"workers": sum(tables[run.id]["workers"] for run in children if run.id in tables), **work}
 
 

@@ -64,9 +64,11 @@ def encoding_work_text(work: EncodingWork) -> str:
     """"2 workers, 2 model loads, 16 shards encoded, 0 cached" (the latent encoder's: "…; waiting
     for pixels 4% of the time"; after a throttled store: "…; 3 storage retries")."""
     feed = f"; waiting for pixels {work['feed_wait']:.0%} of the time" if "feed_wait" in work else ""
+    copied = work.get("samples_copied", 0)
+    copied = f"; latents of {copied} re-captioned samples copied, not encoded" if copied else ""
     return (f"{work['workers']} worker{'s' * (work['workers'] != 1)}, {work['model_loads']} model "
             f"load{'s' * (work['model_loads'] != 1)}, {work['shards_encoded']} shards encoded, "
-            f"{work['shards_cached']} cached{feed}{retries_text(work)}")
+            f"{work['shards_cached']} cached{copied}{feed}{retries_text(work)}")
 
 
 def retries_text(work: Work) -> str:

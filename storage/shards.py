@@ -32,6 +32,9 @@ IMAGE_SHARD_SCHEMA = pa.schema(
         ("height", pa.int32()),
         ("captions", pa.list_(pa.string())),
         ("source", pa.string()),
+        # the shard that held this image before its captions changed (null for an image new to the
+        # store): its latents are copied from there, not encoded again (shards of older stores lack it)
+        ("pixels_from", pa.string()),
     ]
 )
 
@@ -44,7 +47,7 @@ def shard_id_of(url: str) -> str:
 # images are JPEG, PNG or WebP bytes, compressed already: zstd gained nothing on 250 KB JPEGs and
 # cost 1.3 ms an image, most of what writing a shard costs (docs/benchmarks.md)
 IMAGE_SHARD_COMPRESSION = {"sample_id": "zstd", "image": "none", "width": "zstd", "height": "zstd",
-                           "captions.list.element": "zstd", "source": "zstd"}  # by leaf column path
+                           "captions.list.element": "zstd", "source": "zstd", "pixels_from": "zstd"}  # by leaf column path
 
 
 def pack_image_shard(rows: list[dict[str, Any]]) -> bytes:
@@ -167,6 +170,14 @@ class LatentShard:
         if posterior == "mean_logvar":
             return mean, torch.exp(0.5 * self._file.get_slice(f"{prefix}logvar/{bucket}")[index].float())
         return mean, None
+
+    def stored(self, sample_id: str) -> tuple[str, dict[str, torch.Tensor]]:
+        """A sample's row as stored: its bucket and every part of it (`mean`, `std` or `logvar`,
+        and their `flip_` twins), each [1, C, (F,) h, w] in the storage dtype."""
+        bucket, index = self.rows[sample_id]
+        named = (name.split("/", 1) for name in self._file.keys())
+        return bucket, {part: self._file.get_slice(f"{part}/{bucket}")[index : index + 1]
+                        for part, held in named if held == bucket}
 
 def collate(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Per-caption text features → a batch's: sequences [len_i, D] right-padded to the longest

@@ -69,6 +69,8 @@ class EncodingWork(TypedDict):
     model_loads: int
     shards_encoded: int  # committed during this run
     shards_cached: int  # found committed already
+    samples_encoded: NotRequired[int]  # by the encoder, in the shards committed during this run
+    samples_copied: NotRequired[int]  # latents copied from a shard holding the same image (re-captioned)
     io_retries: NotRequired[int]  # transient store failures its shards retried
     feed_wait: NotRequired[float]  # the latent encoder: share of its encoding spent waiting for pixels
 
@@ -95,6 +97,7 @@ class LatentShardCommit(Commit):
     clips: NotRequired[int]  # of them clips of more than one frame (shards committed before it was counted: none)
     quarantined: list[dict[str, str]]  # sample_id, reason, message
     buckets: dict[str, int]  # samples per bucket
+    copied: NotRequired[int]  # of the samples, those whose latents came from a shard holding their image
     seconds: NotRequired[float]  # encoding it took, from its first batch's decoding to the last latent
     feed_wait_seconds: NotRequired[float]  # of which the VAE waited for decoded pixels
 

@@ -213,3 +213,51 @@ def test_prefetch_overlaps_loading_and_keeps_order():
     began = time.perf_counter()
     assert [int(t) for t in prefetched(slow, range(8), ahead=4, threads=4)] == list(range(8))
     assert time.perf_counter() - began < 0.8 and len(set(loaded_in)) == 4  # 1.2 s one after another
+
+
+def test_recaptioning_encodes_the_captions_again_and_copies_every_latent(make_config, demo_data, tmp_path):
+    """The commonest dataset change after adding images: every caption given a trigger word. The
+    re-captioned samples go to new image shards (a shard is its records), whose captions are encoded
+    again; their latents are copied from the shards that hold the same images, bit for bit, and only
+    an image new to the store is encoded. A new resolution then encodes latents again and no text."""
+    from tasks.runner import run_direct
+
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    config = make_config(source=str(data))
+    first = run_direct(config, until="encode-latents")
+    for caption in data.glob("*.txt"):
+        caption.write_text("sks " + caption.read_text())
+    Image.new("RGB", (320, 192), (12, 200, 40)).save(data / "new.png")
+    (data / "new.png").with_suffix(".txt").write_text("sks a green picture")
+
+    again = run_direct(config, until="encode-latents")
+    samples = again["ingest"]["samples"]
+    assert again["ingest"]["new_samples"] == samples == first["ingest"]["samples"] + 1
+    assert again["encode-text"]["work"]["samples_encoded"] == samples
+    work = again["encode-latents"]["work"]
+    assert (work["samples_encoded"], work["samples_copied"]) == (1, samples - 1), work
+    assert work["shards_encoded"] == len(again["ingest"]["shards"])  # each new shard written, by copying
+
+    store = Store(config.storage)
+    fingerprint = again["vae_fingerprint"]
+
+    def latents_of(dataset) -> dict[str, tuple]:
+        stored = {}
+        for shard in dataset["shards"]:
+            cache = LatentShard(store.local_path(layout.cache_shard("latents", fingerprint, shard["id"])))
+            stored |= {sample_id: (cache.stored(sample_id), cache.meta["crop_boxes"][sample_id])
+                       for sample_id in cache.rows}
+        return stored
+
+    before, after = latents_of(first["ingest"]), latents_of(again["ingest"])
+    assert set(before) < set(after) and len(after) == len(before) + 1  # and the new image
+    for sample_id, ((bucket, parts), box) in before.items():
+        (bucket_after, parts_after), box_after = after[sample_id]
+        assert (bucket_after, box_after, parts_after.keys()) == (bucket, box, parts.keys())
+        assert all(torch.equal(parts[part], parts_after[part]) for part in parts)
+
+    bigger = make_config(source=str(data), latent_encoding={"resolution": 512})
+    resized = run_direct(bigger, until="encode-latents")
+    assert resized["encode-text"]["work"]["shards_encoded"] == 0
+    assert resized["encode-latents"]["work"]["samples_encoded"] == samples

@@ -27,7 +27,7 @@ from PIL import Image
 
 from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig, VideoConfig
 from storage import layout
-from storage.shards import bucket_name, pack_latents, read_image_shard, shard_id_of
+from storage.shards import LatentShard, bucket_name, pack_latents, read_image_shard, shard_id_of
 from storage.store import Store
 from tasks.encode.models import VAE_IN_USE, build_vae, load_vae
 from tasks.ingest.video import clip_frames, frame_count
@@ -135,8 +135,7 @@ def encode_latents_shard(
     key = layout.cache_shard("latents", fingerprint, shard_id)
     if (record := store.committed(key)) is not None:
         return {**record, "io_retries": len(store.retried)}
-    samples = read_image_shard(store.read_verified(store.key(shard_url)),
-                               columns=["sample_id", "image", "width", "height"]).to_pylist()
+    samples = read_image_shard(store.read_verified(store.key(shard_url))).to_pylist()
     family = family_of(model)
     quarantined: list[dict[str, str]] = []
     frames = {s["sample_id"]: frame_count(s["image"]) for s in samples}  # a picture is one frame
@@ -149,58 +148,69 @@ def encode_latents_shard(
     table = family.codec.bucket_table(latents.resolution)
     boxes = {s["sample_id"]: crop_box(table, s["width"], s["height"], latents.crop, latents.crop_seed, s["sample_id"])
              for s in samples}
-    batches = same_size_batches(samples, boxes, latents.batch_size, frames)
-
-    vae = load_vae(model, family, latents.dtype, latents.device)
-    # only if a batch is non-finite
-    fp32_vae = functools.cache(lambda: build_vae(model, family, "fp32", latents.device))
+    # {sample_id: (bucket, stored parts)}: encoded here, or copied from a shard that holds the image
+    results, factors = held_latents(store, fingerprint, samples)
+    copied = len(results)
+    batches = same_size_batches([s for s in samples if s["sample_id"] not in results], boxes, latents.batch_size,
+                                frames)
     store_dtype = DTYPES[latents.storage_dtype]
+    waited, began = 0.0, time.perf_counter()
+    if batches or factors is None:
+        vae = load_vae(model, family, latents.dtype, latents.device)
+        factors = family.codec.latent_factors(vae)
+        # only if a batch is non-finite
+        fp32_vae = functools.cache(lambda: build_vae(model, family, "fp32", latents.device))
+
+        def load_pixels(batch: list[dict]) -> torch.Tensor:
+            if frames[batch[0]["sample_id"]] > 1:
+                pixels = torch.stack([preprocess_clip(s["image"], boxes[s["sample_id"]]) for s in batch])
+            else:
+                pixels = torch.stack([preprocess(s["image"], boxes[s["sample_id"]]) for s in batch])
+                pixels = family.codec.vae_pixels(pixels)
+            return pixels.pin_memory() if vae.device.type == "cuda" else pixels
+
+        # with an accelerator, the next batches are decoded and resized (Pillow releases the GIL) by
+        # this process's share of the cores while the VAE encodes: one thread decodes ~60 photos/s,
+        # an H100 encodes several hundred. On a CPU they would only compete for the same cores.
+        threads = 0 if vae.device.type == "cpu" else torch.get_num_threads()
+        feed = prefetched(load_pixels, batches, ahead=threads + (threads > 0), threads=max(threads, 1))
+        for batch in batches:
+            asked = time.perf_counter()
+            pixels = next(feed)
+            waited += time.perf_counter() - asked  # the device idle for want of data (on a CPU: the decoding itself)
+            if latents.flip:
+                pixels = torch.cat([pixels, pixels.flip(-1)])
+            with VAE_IN_USE:  # the cached VAE is shared by shards of any config: both switches set every time
+                vae.enable_tiling() if latents.tiling else vae.disable_tiling()
+                vae.enable_slicing() if latents.slicing else vae.disable_slicing()
+                mean, logvar, ok = encode_finite(vae, pixels, fp32_vae, f"shard {shard_id}")
+            count = len(batch)
+            for row, sample in enumerate(batch):
+                sample_id = sample["sample_id"]
+                if not (ok[row] and (not latents.flip or ok[row + count])):
+                    quarantined.append({"sample_id": sample_id, "reason": "non_finite_latent",
+                                        "message": f"VAE output is not finite, even in fp32 ({sample['width']}x"
+                                                   f"{sample['height']})"})
+                    log.warning("quarantined sample %s of shard %s: non-finite latent", sample_id, shard_id)
+                    continue
+                parts = stored_parts(mean[row : row + 1], logvar[row : row + 1], latents.posterior)
+                if latents.flip:
+                    flipped = stored_parts(mean[row + count : row + count + 1],
+                                           logvar[row + count : row + count + 1], latents.posterior)
+                    parts.update({f"flip_{part}": t for part, t in flipped.items()})
+                results[sample_id] = bucket_name(*mean.shape[2:]), {part: t.to(store_dtype) for part, t in parts.items()}
+    # rows in the order one pass over every sample gives, whichever were copied
     encoded: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
     rows: dict[str, tuple[str, int]] = {}
-
-    def load_pixels(batch: list[dict]) -> torch.Tensor:
-        if frames[batch[0]["sample_id"]] > 1:
-            pixels = torch.stack([preprocess_clip(s["image"], boxes[s["sample_id"]]) for s in batch])
-        else:
-            pixels = torch.stack([preprocess(s["image"], boxes[s["sample_id"]]) for s in batch])
-            pixels = family.codec.vae_pixels(pixels)
-        return pixels.pin_memory() if vae.device.type == "cuda" else pixels
-
-    # with an accelerator, the next batches are decoded and resized (Pillow releases the GIL) by
-    # this process's share of the cores while the VAE encodes: one thread decodes ~60 photos/s,
-    # an H100 encodes several hundred. On a CPU they would only compete for the same cores.
-    threads = 0 if vae.device.type == "cpu" else torch.get_num_threads()
-    feed = prefetched(load_pixels, batches, ahead=threads + (threads > 0), threads=max(threads, 1))
-    waited, began = 0.0, time.perf_counter()
-    for batch in batches:
-        asked = time.perf_counter()
-        pixels = next(feed)
-        waited += time.perf_counter() - asked  # the device idle for want of data (on a CPU: the decoding itself)
-        if latents.flip:
-            pixels = torch.cat([pixels, pixels.flip(-1)])
-        with VAE_IN_USE:  # the cached VAE is shared by shards of any config: both switches set every time
-            vae.enable_tiling() if latents.tiling else vae.disable_tiling()
-            vae.enable_slicing() if latents.slicing else vae.disable_slicing()
-            mean, logvar, ok = encode_finite(vae, pixels, fp32_vae, f"shard {shard_id}")
-        count = len(batch)
-        for row, sample in enumerate(batch):
-            sample_id = sample["sample_id"]
-            if not (ok[row] and (not latents.flip or ok[row + count])):
-                quarantined.append({"sample_id": sample_id, "reason": "non_finite_latent",
-                                    "message": f"VAE output is not finite, even in fp32 ({sample['width']}x"
-                                               f"{sample['height']})"})
-                log.warning("quarantined sample %s of shard %s: non-finite latent", sample_id, shard_id)
+    for batch in same_size_batches(samples, boxes, latents.batch_size, frames):
+        for sample in batch:
+            if (result := results.get(sample["sample_id"])) is None:  # quarantined
                 continue
-            name = bucket_name(*mean.shape[2:])
-            parts = stored_parts(mean[row : row + 1], logvar[row : row + 1], latents.posterior)
-            if latents.flip:
-                flipped = stored_parts(mean[row + count : row + count + 1],
-                                       logvar[row + count : row + count + 1], latents.posterior)
-                parts.update({f"flip_{part}": t for part, t in flipped.items()})
+            name, parts = result
             for part, tensor in parts.items():
-                encoded[name][part].append(tensor.to(store_dtype))
-            rows[sample_id] = (name, len(encoded[name]["mean"]) - 1)
-    shift, scale = family.codec.latent_factors(vae)
+                encoded[name][part].append(tensor)
+            rows[sample["sample_id"]] = (name, len(encoded[name]["mean"]) - 1)
+    shift, scale = factors
     buckets = {name: {part: torch.cat(ts) for part, ts in parts.items()} for name, parts in encoded.items()}
     meta = {
         "format": LATENT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "resolution": latents.resolution,
@@ -211,12 +221,30 @@ def encode_latents_shard(
     clips = sum(frames[sample_id] > 1 for sample_id in rows)
     record = store.commit(
         key, pack_latents(buckets, rows, meta), shard=shard_id, samples=len(rows), clips=clips, quarantined=quarantined,
-        buckets={name: len(parts["mean"]) for name, parts in buckets.items()},
+        buckets={name: len(parts["mean"]) for name, parts in buckets.items()}, copied=copied,
         seconds=round(time.perf_counter() - began, 4), feed_wait_seconds=round(waited, 4),
     )
-    log.info("encoded %s of shard %s into %d buckets (%d quarantined)", samples_text(len(rows), clips), shard_id,
-             len(buckets), len(quarantined))
+    log.info("encoded %s of shard %s into %d buckets (%d copied from the shards holding their images, %d "
+             "quarantined)", samples_text(len(rows), clips), shard_id, len(buckets), copied, len(quarantined))
     return {**record, "io_retries": len(store.retried)}
+
+
+def held_latents(store: Store, fingerprint: str, samples: list[dict]) -> tuple[dict[str, tuple], tuple | None]:
+    """The latents of the samples whose image a shard holds with other captions (`pixels_from`: a
+    re-captioned image; its pixels, and so its latents, are the same), from that shard's latents of
+    this fingerprint where they are committed: ({sample_id: (bucket, stored parts)}, and the latent
+    factors those shards recorded, or None when none is)."""
+    wanted: dict[str, list[str]] = defaultdict(list)
+    for sample in samples:
+        if sample.get("pixels_from"):
+            wanted[layout.cache_shard("latents", fingerprint, sample["pixels_from"])].append(sample["sample_id"])
+    checksums = {key: record["sha256"] for key in wanted if (record := store.committed(key)) is not None}
+    found, factors = {}, None
+    for key, path in store.local_paths(checksums).items():
+        shard = LatentShard(path)
+        factors = shard.meta["shift_factor"], shard.meta["scaling_factor"]
+        found |= {sample_id: shard.stored(sample_id) for sample_id in wanted[key] if sample_id in shard}
+    return found, factors
 
 
 def check_latent_encoding(model: ModelConfig, latents: LatentEncodingConfig, video: VideoConfig) -> None:

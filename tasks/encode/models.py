@@ -118,12 +118,15 @@ def model_loads() -> dict[str, int]:
 
 def encoding_work(records: list[dict[str, Any]], since: float, workers: int, loads: int) -> dict[str, Any]:
     """What an encoding stage cost: its workers, the models they loaded, its shards encoded now
-    (committed since `since`) or found already cached, and the store failures the shards encoded
+    (committed since `since`) or found already cached, the samples those encoded (and of them the
+    latents copied from shards holding the same images), and the store failures the shards encoded
     now retried (a cached shard's record, Prefect's included, holds its first run's); for
     the latent encoder, the share of its encoding the VAE waited for decoded pixels (`feed_wait`)."""
     now = [record for record in records if record["committed_at"] >= since]
+    copied = sum(r.get("copied", 0) for r in now)
     work = {"workers": workers, "model_loads": loads, "shards_encoded": len(now),
-            "shards_cached": len(records) - len(now), "io_retries": sum(r.get("io_retries", 0) for r in now)}
+            "shards_cached": len(records) - len(now), "samples_encoded": sum(r.get("samples", 0) for r in now) - copied,
+            "samples_copied": copied, "io_retries": sum(r.get("io_retries", 0) for r in now)}
     if seconds := sum(record.get("seconds", 0) for record in now):  # the latent encoder's feed
         work["feed_wait"] = round(sum(record["feed_wait_seconds"] for record in now) / seconds, 4)
     return work

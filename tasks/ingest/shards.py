@@ -66,7 +66,9 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
     last = ""
     with ThreadPoolExecutor(WRITERS, thread_name_prefix="ingest-write") as pool:
         try:
-            while chunk := list(ledger.rows("SELECT sample_id, captions, width, height, source FROM samples "
+            # an image a shard holds with other captions: that shard, whose latents the encoder copies
+            while chunk := list(ledger.rows("SELECT sample_id, captions, width, height, source, (SELECT min(shard) "
+                                            "FROM stored WHERE stored.sample_id = samples.sample_id) FROM samples "
                                             "WHERE shard IS NULL AND sample_id > ? ORDER BY sample_id LIMIT ?",
                                             (last, dataset.shard_size))):
                 last = chunk[-1][0]
@@ -83,11 +85,11 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
 
 
 def write_shard(store: Store, spill: Path, shard_id: str, chunk: list[tuple]) -> None:
-    """An image shard of `chunk`'s samples (`sample_id, captions, width, height, source`, in sample
-    id order), their images read from the spill folder, committed."""
+    """An image shard of `chunk`'s samples (`sample_id, captions, width, height, source, pixels_from`,
+    in sample id order), their images read from the spill folder, committed."""
     rows = [{"sample_id": sample_id, "image": (spill / sample_id).read_bytes(), "width": width,
-             "height": height, "captions": json.loads(captions), "source": source}
-            for sample_id, captions, width, height, source in chunk]
+             "height": height, "captions": json.loads(captions), "source": source, "pixels_from": holder}
+            for sample_id, captions, width, height, source, holder in chunk]
     store.commit(layout.image_shard(shard_id), pack_image_shard(rows), samples=len(chunk))
 
 
