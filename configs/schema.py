@@ -380,6 +380,13 @@ class LoraConfig(Group):
     rank: Annotated[int, COUNTED] = Field(32, ge=1, description="LoRA rank r.")
     alpha: Annotated[float, COUNTED] = Field(16.0, gt=0, description="LoRA alpha (the scale is alpha / rank).")
     dropout: Annotated[float, COUNTED] = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch.")
+    dora: Annotated[bool, IF_NOT_DEFAULT] = Field(
+        False, description="Weight-decomposed LoRA (DoRA, PEFT's use_dora): each adapted weight's norm per output "
+        "channel trains as a magnitude of its own beside the low-rank update of its direction: one vector a "
+        "module more, and each step computes the adapted weights' norms. Exported with its magnitudes for the "
+        "family pipeline's load_lora_weights; ComfyUI's loader applies them against other norms, so that export "
+        "is refused.",
+    )
     target_modules: Annotated[list[str] | None, COUNTED] = Field(
         None, description="Transformer modules that get LoRA layers (PEFT target_modules). None: the model family's "
         "own (attention q/k/v/out and feed-forward; docs/families.md).",

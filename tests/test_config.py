@@ -295,7 +295,7 @@ def test_training_settings_written_flat_as_before_the_grouping_load_as_the_same_
     assert written_flat["rank"] == 8 and written_flat["optimizer"] == "adamw8bit" and written_flat["sample_fps"] == 8
     assert TrainingConfig.model_validate(written_flat) == grouped
     assert TrainingConfig.model_validate({"rank": 8, "lora": {"alpha": 4}}).lora.model_dump() == {
-        "rank": 8, "alpha": 4.0, "dropout": 0.0, "target_modules": None}
+        "rank": 8, "alpha": 4.0, "dropout": 0.0, "dora": False, "target_modules": None}
     with pytest.raises(ValueError, match="rank given twice: flat and as lora.rank"):
         TrainingConfig.model_validate({"rank": 8, "lora": {"rank": 4}})
     old = tmp_path / "old.yaml"

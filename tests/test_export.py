@@ -17,18 +17,18 @@ from tests.comfyui_pixart import apply_lora, comfy_weights, lora_key_map
 from tasks.runner import run_direct
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_models, demo_data):
+@pytest.fixture(scope="module", params=["lora", "dora"])
+def trained(request, tmp_path_factory, tiny_models, demo_data):
     from configs.schema import PipelineConfig
 
-    root = tmp_path_factory.mktemp("export")
+    root = tmp_path_factory.mktemp(f"export-{request.param}")
     # alpha != rank: an export that lost the alphas would scale the update wrongly in ComfyUI
     config = PipelineConfig.model_validate({
         "storage": {"root": str(root / "store")}, "model": {"path": tiny_models},
         "dataset": {"sources": [{"path": demo_data}], "shard_size": 10},
         "latent_encoding": {"resolution": 256}, "text_encoding": {"dtype": "fp32"},
-        "training": {"rank": 4, "alpha": 2, "steps": 3, "batch_size": 2, "learning_rate": 1e-2,
-                     "sample_prompts": [], "checkpoint_every": 0}})
+        "training": {"lora": {"rank": 4, "alpha": 2, "dora": request.param == "dora"}, "steps": 3, "batch_size": 2,
+                     "learning_rate": 1e-2, "sample_prompts": [], "checkpoint_every": 0}})
     return config, run_direct(config)["train"]
 
 
@@ -44,9 +44,13 @@ def test_the_readme_snippet_loads_the_adapter_into_the_pipeline(trained, tiny_mo
     assert any(not torch.equal(merged[k], base[k]) for k in base)  # the adapter changed the weights
 
 
-def test_comfyui_export_patches_what_peft_merges(trained, tiny_models, tmp_path):
+def test_comfyui_export_patches_what_peft_merges(trained, tiny_models, tmp_path, capsys):
     config, run = trained
     out = tmp_path / "lora.safetensors"
+    if config.training.lora.dora:  # ComfyUI divides a DoRA's magnitudes by other norms than PEFT trained with
+        assert main(["export", run["run"], "--format", "comfyui", "--out", str(out)]) == 1 and not out.exists()
+        assert "DoRA, whose magnitudes ComfyUI's LoRA loader applies against" in capsys.readouterr().err
+        return
     assert main(["export", run["run"], "--format", "comfyui", "--out", str(out)]) == 0
     lora = load_file(out)
     base = PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer")

@@ -132,13 +132,13 @@ def test_each_family_trains_its_default_lora_on_its_own_caches(runs, family):
             assert numerics["dtype"] == config.text_encoding.dtype and numerics["cosine_min"] > 0.99, encoder
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_adapter_loads_with_load_lora_weights_as_peft_merges_it(runs, models, family, tmp_path):
-    config, records = runs[family]
+def _loads_as_peft_merges(config, records, folder, tmp_path) -> None:
+    """The run's `precast export --format diffusers`, read by its pipeline's own `load_lora_weights`
+    and fused, changes the weights to what PEFT's merge of its adapter gives."""
     spec = family_of(config.model)
     out = tmp_path / "lora.safetensors"
     assert main(["export", records["train"]["run"], "--format", "diffusers", "--out", str(out), *_options(config)]) == 0
-    pipeline = spec.sampler.pipeline_class().from_pretrained(models[family])
+    pipeline = spec.sampler.pipeline_class().from_pretrained(folder)
     slot = spec.denoiser.folder(config.model)  # an expert's: transformer_2 for the low-noise one
     before = {k: v.clone() for k, v in getattr(pipeline, slot).state_dict().items()}
     untouched = {k: v.clone() for k, v in pipeline.transformer.state_dict().items()} if slot != "transformer" else {}
@@ -153,6 +153,12 @@ def test_the_adapter_loads_with_load_lora_weights_as_peft_merges_it(runs, models
     assert any(not torch.equal(loaded[k], before[k]) for k in before)  # the adapter changed the weights
     for key in merged:
         torch.testing.assert_close(loaded[key], merged[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_adapter_loads_with_load_lora_weights_as_peft_merges_it(runs, models, family, tmp_path):
+    config, records = runs[family]
+    _loads_as_peft_merges(config, records, models[family], tmp_path)
     grid = sample_run(records["train"]["run"], ["a red circle on a blue background"], steps=2, device="cpu",
                       options=config.storage.options).grid()
     assert grid.size == (256, 256)
@@ -179,6 +185,24 @@ def test_comfyui_export_patches_what_peft_merges(runs, family, tmp_path):
     assert set(weights) == set(expected)
     for key in weights:
         torch.testing.assert_close(weights[key], expected[key], rtol=1e-5, atol=1e-6)
+
+
+def test_a_dora_exports_for_the_pipelines_loader_as_peft_merges_it(runs, models, tmp_path):
+    """`training.lora.dora` (PEFT's DoRA) on Chroma's caches: the diffusers export carries its
+    magnitudes, and the pipeline's own loader fuses what PEFT merges; ComfyUI's export is refused,
+    naming why."""
+    from safetensors.torch import load
+
+    from tasks.runs.export import export_adapter
+
+    base_config, _ = runs["chroma"]
+    config = base_config.model_copy(update={"training": base_config.training.updated({"lora.dora": True})})
+    records = run_direct(config)  # its caches are the LoRA run's: only training runs
+    assert all(records[stage]["work"]["shards_encoded"] == 0 for stage in ("encode-text", "encode-latents"))
+    assert any(key.endswith("lora_magnitude_vector") for key in load(FinishedRun.at(records["train"]["run"]).adapter()[1]))
+    _loads_as_peft_merges(config, records, models["chroma"], tmp_path)
+    with pytest.raises(ValueError, match="DoRA, whose magnitudes ComfyUI's LoRA loader applies against"):
+        export_adapter(records["train"]["run"], "comfyui")
 
 
 def test_true_cfg_scale_guides_flux_samples_as_the_pipeline_does(runs, models, tmp_path):

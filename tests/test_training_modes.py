@@ -227,6 +227,8 @@ def test_token_budget_batches_size_each_bucket_by_its_image_tokens(cached_manife
     from tasks.train.data import CachedFeatures, batch_sizes
 
     base, manifest_key = cached_manifest
+    from diffusers import PixArtTransformer2DModel
+
     transformer = PixArtTransformer2DModel.from_pretrained(base.model.path, subfolder="transformer")
     store = Store(base.storage)
     family = family_of(base.model)
@@ -323,6 +325,27 @@ def test_loss_weighting_and_timestep_sampling_are_runs_of_their_own_that_resume_
     assert len({plain["id"], unbounded["id"], whole["id"]}) == 3
     assert {key: whole["lineage"]["training"]["timesteps"][key] for key in recipe} == recipe
     assert [m["loss"] for m in whole["metrics"]] != [m["loss"] for m in plain["metrics"]]
+
+
+def test_a_dora_trains_a_magnitude_per_output_channel_and_resumes_exactly(cached_manifest, tmp_path):
+    """`training.lora.dora`: PEFT's DoRA layers, whose magnitudes (one per output channel of each
+    adapted module, starting at the base weight's row norms) train beside the low-rank pairs; a run
+    of its own, recorded in its lineage, and a killed one resumes to the same bits."""
+    plain = _run(cached_manifest, tmp_path / "plain")
+    whole = _run(cached_manifest, tmp_path / "whole", lora={"dora": True})
+    resumed = _run(cached_manifest, tmp_path / "resumed", crash_at=9, lora={"dora": True})
+    assert resumed["record"]["resumed_from"] == 4
+    _same_bits(whole, resumed)
+    magnitudes = {key: value for key, value in whole["adapter"].items() if key.endswith("lora_magnitude_vector")}
+    assert len(magnitudes) == len(plain["adapter"]) // 2  # one beside each pair
+    from diffusers import PixArtTransformer2DModel
+
+    transformer = PixArtTransformer2DModel.from_pretrained(cached_manifest[0].model.path, subfolder="transformer")
+    base = transformer.state_dict()
+    moved = [not torch.allclose(value, base[key.removeprefix("base_model.model.").replace(
+        "lora_magnitude_vector", "weight")].norm(dim=1)) for key, value in magnitudes.items()]
+    assert any(moved)  # trained away from the base's norms
+    assert whole["id"] != plain["id"] and whole["lineage"]["training"]["lora"]["dora"] is True
 
 
 def test_the_loop_reads_the_device_only_every_log_every_steps(cached_manifest, tmp_path):

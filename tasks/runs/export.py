@@ -31,9 +31,14 @@ def comfyui_lora(tensors: dict[str, torch.Tensor], adapter_config: dict, name: C
                  ) -> dict[str, torch.Tensor]:
     """PEFT adapter tensors → ComfyUI's LoRA layout, each transformer module by `name(module)` (the
     family's `comfyui_key`)."""
-    for option in ("use_dora", "use_rslora"):
-        if adapter_config.get(option):
-            raise ValueError(f"the adapter uses {option}, which ComfyUI's LoRA loader does not read")
+    if adapter_config.get("use_dora"):
+        # its dora_scale of [out, 1] divides by the base weight's row norms, not the adapted weight's,
+        # as PEFT's magnitudes do (ComfyUI's weight_decompose): no file gives PEFT's weights there
+        raise ValueError("the adapter is a DoRA, whose magnitudes ComfyUI's LoRA loader applies against the base "
+                         "weight's norms, not the adapted weight's as PEFT trained them: load it with PEFT, or export "
+                         "--format diffusers for the family pipeline's load_lora_weights")
+    if adapter_config.get("use_rslora"):
+        raise ValueError("the adapter uses use_rslora, which ComfyUI's LoRA loader does not read")
     patterns = {k: v for k, v in adapter_config.items() if k in ("rank_pattern", "alpha_pattern") and v}
     if patterns:
         raise ValueError(f"the adapter has per-module {', '.join(patterns)}; export supports one rank and alpha")

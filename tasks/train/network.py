@@ -43,7 +43,8 @@ def trainable_network(model: ModelConfig, family: Family, training: TrainingConf
 
             quantize_(transformer, {"int8": Int8WeightOnlyConfig, "fp8": Float8WeightOnlyConfig}[training.base_precision]())
         lora = LoraConfig(r=training.lora.rank, lora_alpha=training.lora.alpha, lora_dropout=training.lora.dropout,
-                          target_modules=family.denoiser.target_modules(training), bias="none")
+                          target_modules=family.denoiser.target_modules(training), bias="none",
+                          use_dora=training.lora.dora)
         with warnings.catch_warnings():  # int8/fp8: PEFT warns that merging needs the quantisation recipe; never merged here
             warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated without")
             network = get_peft_model(transformer, lora)  # the adapter in fp32 on any base (autocast_adapter_dtype)
