@@ -624,6 +624,11 @@ class TrainingConfig(Section):
         if self.base_precision != "fp32" and self.method == "full":
             raise ValueError(f"base_precision {self.base_precision} is for LoRA: method full trains every weight "
                              f"in fp32")
+        if self.lora.dora and self.base_precision in ("int8", "fp8"):
+            raise ValueError(f"lora.dora with base_precision {self.base_precision}: PEFT's DoRA dequantises each "
+                             f"adapted weight to fp32 in every forward (a full-precision copy a layer, kept for "
+                             f"backward under lora.dropout), which the memory plan does not count; use "
+                             f"base_precision bf16")
         return self
 
     @model_validator(mode="after")

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from storage.store import PYTHON_BYTES
+from storage.store import PYTHON_BYTES, Store
 
 IMAGE_SHARD_SCHEMA = pa.schema(
     [
@@ -147,6 +147,38 @@ def pack_latents(
     return save_deterministic(tensors, rows, metadata)
 
 
+# safetensors' dtype names
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                      "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def read_latent_rows(store: Store, key: str, size: int, sample_ids: list[str]
+                     ) -> tuple[dict[str, tuple[str, dict[str, torch.Tensor]]], dict[str, Any]]:
+    """The rows of the samples a committed latent shard of `size` bytes holds, each its bucket and
+    every part of it (`mean`, `std` or `logvar`, and their `flip_` twins) [1, C, (F,) h, w] in the
+    storage dtype, by ranged reads of its header and those rows alone (not the object, nor its hash: a shard
+    encoded from these rows is checked whole by whoever reads it), and the shard's meta."""
+    header, start = store.read_safetensors_header(key, size)
+    rows, meta = (json.loads(header["__metadata__"][name]) for name in ("rows", "meta"))
+    wanted = []
+    for sample_id in (s for s in sample_ids if s in rows):
+        bucket, index = rows[sample_id]
+        for name, entry in header.items():
+            part, _, held = name.partition("/")
+            if held == bucket:
+                (first, last), shape = entry["data_offsets"], entry["shape"]
+                width = (last - first) // shape[0]
+                wanted.append((sample_id, bucket, part, entry, start + first + width * index))
+    data = store.read_ranges(key, [(at, at + (entry["data_offsets"][1] - entry["data_offsets"][0])
+                                    // entry["shape"][0]) for _, _, _, entry, at in wanted])
+    found: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
+    for (sample_id, bucket, part, entry, _), raw in zip(wanted, data):
+        tensor = torch.frombuffer(bytearray(raw), dtype=SAFETENSORS_DTYPES[entry["dtype"]])
+        found.setdefault(sample_id, (bucket, {}))[1][part] = tensor.reshape(1, *entry["shape"][1:])
+    return found, meta
+
+
 class LatentShard:
     """Reader of a latent cache shard; `shard.get(sample_id, flipped)` is (mean, std or None),
     each [C, h, w] (or [C, F, h, w]), whatever posterior layout the shard stores."""
@@ -170,14 +202,6 @@ class LatentShard:
         if posterior == "mean_logvar":
             return mean, torch.exp(0.5 * self._file.get_slice(f"{prefix}logvar/{bucket}")[index].float())
         return mean, None
-
-    def stored(self, sample_id: str) -> tuple[str, dict[str, torch.Tensor]]:
-        """A sample's row as stored: its bucket and every part of it (`mean`, `std` or `logvar`,
-        and their `flip_` twins), each [1, C, (F,) h, w] in the storage dtype."""
-        bucket, index = self.rows[sample_id]
-        named = (name.split("/", 1) for name in self._file.keys())
-        return bucket, {part: self._file.get_slice(f"{part}/{bucket}")[index : index + 1]
-                        for part, held in named if held == bucket}
 
 def collate(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Per-caption text features → a batch's: sequences [len_i, D] right-padded to the longest

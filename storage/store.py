@@ -361,7 +361,22 @@ class Store:
 
     def read_header(self, key: str, size: int) -> dict[str, str]:
         """The `__metadata__` of a safetensors artifact of `size` bytes (its commit record's) from
-        its header alone (one ranged read; two when the header is longer than
+        its header alone (`read_safetensors_header`)."""
+        return self.read_safetensors_header(key, size)[0]["__metadata__"]
+
+    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Byte ranges [start, end) of an artifact, read all at once. As with `read_columns`, a part
+        cannot be checked against the object's sha256."""
+        path = self.path(key)
+        try:
+            return self._io("read", path, lambda: RangesRaise(self.fs).cat_ranges(
+                [path] * len(ranges), [start for start, _ in ranges], [end for _, end in ranges]))
+        except FileNotFoundError as error:
+            raise ArtifactMissing(f"{self.url(key)} does not exist") from error
+
+    def read_safetensors_header(self, key: str, size: int) -> tuple[dict[str, Any], int]:
+        """The header of a safetensors artifact of `size` bytes (its commit record's) and where its
+        data starts, from its header alone (one ranged read; two when the header is longer than
         SAFETENSORS_HEADER_SAMPLE), not its tensors. As with `read_columns`, a part cannot be
         checked against the object's sha256: whoever reads the tensors checks the whole (training
         does, before use). A length prefix past the object's end is damage, found before a read."""
@@ -381,7 +396,10 @@ class Store:
                 raise ValueError(f"its length prefix says {length} bytes, in an object of {size}")
             if 8 + length > len(head):
                 head += read(len(head), 8 + length)
-            return json.loads(head[8 : 8 + length])["__metadata__"]
+            header = json.loads(head[8 : 8 + length])
+            if "__metadata__" not in header:  # every precast artifact has one
+                raise KeyError("__metadata__")
+            return header, 8 + length
         except (ValueError, KeyError, TypeError) as error:  # JSON errors and bad UTF-8 are ValueErrors
             raise Damaged(f"{self.url(key)} is damaged: its safetensors header does not parse ({error})") from error
 

@@ -14,7 +14,7 @@ from diffusers import AutoencoderKL
 from PIL import Image
 
 from storage import layout
-from storage.shards import LatentShard, read_image_shard
+from storage.shards import LatentShard, read_image_shard, read_latent_rows
 from storage.store import Store
 from tasks.encode import latents as encode_latents
 from tasks.encode.latents import crop_box, encode_latents_shard, preprocess
@@ -242,12 +242,16 @@ def test_recaptioning_encodes_the_captions_again_and_copies_every_latent(make_co
     store = Store(config.storage)
     fingerprint = again["vae_fingerprint"]
 
-    def latents_of(dataset) -> dict[str, tuple]:
+    def latents_of(dataset) -> dict[str, tuple]:  # {sample_id: ((bucket, parts), crop box)}, as stored
         stored = {}
         for shard in dataset["shards"]:
-            cache = LatentShard(store.local_path(layout.cache_shard("latents", fingerprint, shard["id"])))
-            stored |= {sample_id: (cache.stored(sample_id), cache.meta["crop_boxes"][sample_id])
-                       for sample_id in cache.rows}
+            key = layout.cache_shard("latents", fingerprint, shard["id"])
+            cache = LatentShard(store.local_path(key))
+            rows, _ = read_latent_rows(store, key, store.committed(key)["size"], list(cache.rows))
+            stored |= {sample_id: (row, cache.meta["crop_boxes"][sample_id]) for sample_id, row in rows.items()}
+            for sample_id, (bucket, parts) in rows.items():  # the ranged reads are the tensors the reader gives
+                mean, _ = cache.get(sample_id)
+                assert torch.equal(parts["mean"][0], mean)
         return stored
 
     before, after = latents_of(first["ingest"]), latents_of(again["ingest"])
@@ -256,6 +260,12 @@ def test_recaptioning_encodes_the_captions_again_and_copies_every_latent(make_co
         (bucket_after, parts_after), box_after = after[sample_id]
         assert (bucket_after, box_after, parts_after.keys()) == (bucket, box, parts.keys())
         assert all(torch.equal(parts[part], parts_after[part]) for part in parts)
+
+    # a text stage's records: one a shard for each encoder (FLUX.1's CLIP and T5), its samples counted once
+    from tasks.encode.models import encoding_work
+
+    records = [{"shard": shard, "samples": 10, "committed_at": 1.0} for shard in ("a", "b") for _ in range(2)]
+    assert encoding_work(records, 0.0, 1, 2)["samples_encoded"] == 20
 
     bigger = make_config(source=str(data), latent_encoding={"resolution": 512})
     resized = run_direct(bigger, until="encode-latents")

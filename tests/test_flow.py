@@ -130,7 +130,8 @@ def test_pipeline_end_to_end_then_all_cache_hits(prefect_server, make_config, ti
     again = pipeline(config=config, return_state=True)
     assert _without_costs(again.result()) == _without_costs(result)
     assert again.result()["stages"]["encode-latents"] | {"seconds": 0} == {
-        "seconds": 0, "workers": 1, "model_loads": 0, "shards_encoded": 0, "shards_cached": 3, "io_retries": 0}
+        "seconds": 0, "workers": 1, "model_loads": 0, "shards_encoded": 0, "shards_cached": 3, "samples_encoded": 0,
+        "samples_copied": 0, "io_retries": 0}
     # ingest is its own cache: it lists the sources and reads nothing; so are the manifest and the
     # finished run (one commit record each); every encoding task is a cache hit
     assert again.result()["stages"]["ingest"] | {"seconds": 0} == {

@@ -346,6 +346,11 @@ def test_a_dora_trains_a_magnitude_per_output_channel_and_resumes_exactly(cached
         "lora_magnitude_vector", "weight")].norm(dim=1)) for key, value in magnitudes.items()]
     assert any(moved)  # trained away from the base's norms
     assert whole["id"] != plain["id"] and whole["lineage"]["training"]["lora"]["dora"] is True
+    # PEFT would load a LoRA's pairs into a DoRA and keep the magnitudes of a zero update
+    with pytest.raises(ValueError, match=r"its adapter lacks \d+ weights this run trains .*lora_magnitude_vector"):
+        _run(cached_manifest, tmp_path / "continued", lora={"dora": True}, init_from=plain["record"]["run"])
+    with pytest.raises(ValueError, match="lora.dora with base_precision int8: PEFT's DoRA dequantises"):
+        type(whole["config"].training).model_validate({"lora": {"dora": True}, "base_precision": "int8"})
 
 
 def test_the_loop_reads_the_device_only_every_log_every_steps(cached_manifest, tmp_path):

@@ -27,8 +27,8 @@ from PIL import Image
 
 from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig, VideoConfig
 from storage import layout
-from storage.shards import LatentShard, bucket_name, pack_latents, read_image_shard, shard_id_of
-from storage.store import Store
+from storage.shards import bucket_name, pack_latents, read_image_shard, read_latent_rows, shard_id_of
+from storage.store import ArtifactMissing, Damaged, Store
 from tasks.encode.models import VAE_IN_USE, build_vae, load_vae
 from tasks.ingest.video import clip_frames, frame_count
 from tasks.families import family_of
@@ -157,6 +157,7 @@ def encode_latents_shard(
     waited, began = 0.0, time.perf_counter()
     if batches or factors is None:
         vae = load_vae(model, family, latents.dtype, latents.device)
+        began = time.perf_counter()
         factors = family.codec.latent_factors(vae)
         # only if a batch is non-finite
         fp32_vae = functools.cache(lambda: build_vae(model, family, "fp32", latents.device))
@@ -238,12 +239,17 @@ def held_latents(store: Store, fingerprint: str, samples: list[dict]) -> tuple[d
     for sample in samples:
         if sample.get("pixels_from"):
             wanted[layout.cache_shard("latents", fingerprint, sample["pixels_from"])].append(sample["sample_id"])
-    checksums = {key: record["sha256"] for key in wanted if (record := store.committed(key)) is not None}
     found, factors = {}, None
-    for key, path in store.local_paths(checksums).items():
-        shard = LatentShard(path)
-        factors = shard.meta["shift_factor"], shard.meta["scaling_factor"]
-        found |= {sample_id: shard.stored(sample_id) for sample_id in wanted[key] if sample_id in shard}
+    for key, ids in wanted.items():
+        if (record := store.committed(key)) is None:
+            continue
+        try:  # their rows alone: a shard holding an image's pixels may hold thousands of others
+            rows, meta = read_latent_rows(store, key, record["size"], ids)
+        except (ArtifactMissing, Damaged) as error:
+            log.warning("latents not copied from %s, encoded instead: %s", store.url(key), error)
+            continue
+        factors = meta["shift_factor"], meta["scaling_factor"]
+        found |= rows
     return found, factors
 
 

@@ -123,9 +123,11 @@ def encoding_work(records: list[dict[str, Any]], since: float, workers: int, loa
     now retried (a cached shard's record, Prefect's included, holds its first run's); for
     the latent encoder, the share of its encoding the VAE waited for decoded pixels (`feed_wait`)."""
     now = [record for record in records if record["committed_at"] >= since]
-    copied = sum(r.get("copied", 0) for r in now)
+    # by image shard: a text stage has a record a shard for each of its encoders
+    samples = {r["shard"]: (r["samples"], r.get("copied", 0)) for r in now if "shard" in r}
+    copied = sum(copied for _, copied in samples.values())
     work = {"workers": workers, "model_loads": loads, "shards_encoded": len(now),
-            "shards_cached": len(records) - len(now), "samples_encoded": sum(r.get("samples", 0) for r in now) - copied,
+            "shards_cached": len(records) - len(now), "samples_encoded": sum(n for n, _ in samples.values()) - copied,
             "samples_copied": copied, "io_retries": sum(r.get("io_retries", 0) for r in now)}
     if seconds := sum(record.get("seconds", 0) for record in now):  # the latent encoder's feed
         work["feed_wait"] = round(sum(record["feed_wait_seconds"] for record in now) / seconds, 4)

@@ -86,7 +86,10 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
 
 def write_shard(store: Store, spill: Path, shard_id: str, chunk: list[tuple]) -> None:
     """An image shard of `chunk`'s samples (`sample_id, captions, width, height, source, pixels_from`,
-    in sample id order), their images read from the spill folder, committed."""
+    in sample id order), their images read from the spill folder, committed unless it is already
+    (the same records, from an ingest that knew other holders: its bytes stand)."""
+    if store.committed(layout.image_shard(shard_id)) is not None:
+        return
     rows = [{"sample_id": sample_id, "image": (spill / sample_id).read_bytes(), "width": width,
              "height": height, "captions": json.loads(captions), "source": source, "pixels_from": holder}
             for sample_id, captions, width, height, source, holder in chunk]

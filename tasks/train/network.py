@@ -50,9 +50,17 @@ def trainable_network(model: ModelConfig, family: Family, training: TrainingConf
             network = get_peft_model(transformer, lora)  # the adapter in fp32 on any base (autocast_adapter_dtype)
         if init is not None:
             try:
-                set_peft_model_state_dict(network, init["tensors"])
+                loaded = set_peft_model_state_dict(network, init["tensors"])
             except RuntimeError as error:
                 raise ValueError(f"init_from {init['url']} does not fit this LoRA config: {error}") from error
+            # PEFT loads what fits and leaves the rest: a LoRA's pairs into a DoRA would keep the
+            # magnitudes of a zero update, a DoRA's magnitudes would be dropped from a LoRA
+            trained = {name for name, parameter in network.named_parameters() if parameter.requires_grad}
+            if (missing := sorted(trained & set(loaded.missing_keys))) or loaded.unexpected_keys:
+                what = (f"lacks {len(missing)} weights this run trains ({missing[0]}, ...)" if missing else
+                        f"has {len(loaded.unexpected_keys)} this run has no place for ({loaded.unexpected_keys[0]}, ...)")
+                raise ValueError(f"init_from {init['url']} does not fit this LoRA config: its adapter {what}; a LoRA "
+                                 f"and a DoRA (training.lora.dora) do not continue each other")
             log.info("continuing from %s", init["url"])
     if training.compile:  # each block once per input shape; the rest of the model stays eager
         for block in family.denoiser.blocks(transformer):
