@@ -161,19 +161,18 @@ def read_latent_rows(store: Store, key: str, size: int, sample_ids: list[str]
     encoded from these rows is checked whole by whoever reads it), and the shard's meta."""
     header, start = store.read_safetensors_header(key, size)
     rows, meta = (json.loads(header["__metadata__"][name]) for name in ("rows", "meta"))
-    wanted = []
+    wanted, ranges = [], []
     for sample_id in (s for s in sample_ids if s in rows):
         bucket, index = rows[sample_id]
         for name, entry in header.items():
             part, _, held = name.partition("/")
-            if held == bucket:
-                (first, last), shape = entry["data_offsets"], entry["shape"]
-                width = (last - first) // shape[0]
-                wanted.append((sample_id, bucket, part, entry, start + first + width * index))
-    data = store.read_ranges(key, [(at, at + (entry["data_offsets"][1] - entry["data_offsets"][0])
-                                    // entry["shape"][0]) for _, _, _, entry, at in wanted])
+            if held == bucket:  # `pack_latents`' "<part>/<bucket>": row `index` of it
+                first, last = entry["data_offsets"]
+                width = (last - first) // entry["shape"][0]
+                wanted.append((sample_id, bucket, part, entry))
+                ranges.append((start + first + width * index, start + first + width * (index + 1)))
     found: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
-    for (sample_id, bucket, part, entry, _), raw in zip(wanted, data):
+    for (sample_id, bucket, part, entry), raw in zip(wanted, store.read_ranges(key, ranges)):
         tensor = torch.frombuffer(bytearray(raw), dtype=SAFETENSORS_DTYPES[entry["dtype"]])
         found.setdefault(sample_id, (bucket, {}))[1][part] = tensor.reshape(1, *entry["shape"][1:])
     return found, meta

@@ -240,8 +240,8 @@ def held_latents(store: Store, fingerprint: str, samples: list[dict]) -> tuple[d
         if sample.get("pixels_from"):
             wanted[layout.cache_shard("latents", fingerprint, sample["pixels_from"])].append(sample["sample_id"])
     found, factors = {}, None
-    for key, ids in wanted.items():
-        if (record := store.committed(key)) is None:
+    for (key, ids), record in zip(wanted.items(), store.committed_all(list(wanted))):
+        if record is None:
             continue
         try:  # their rows alone: a shard holding an image's pixels may hold thousands of others
             rows, meta = read_latent_rows(store, key, record["size"], ids)

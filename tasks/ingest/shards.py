@@ -26,6 +26,9 @@ from tasks.ingest.scan import Scan
 # shards packed and committed at once: packing (pyarrow), hashing and writing release the GIL; each
 # holds one shard's images in memory (shard_size × image size: 77 MB at 256 photos of 300 KB)
 WRITERS = min(8, os.cpu_count() or 1)
+# a sample's shard that holds its image with other captions (its captions changed): the smallest
+# such shard id, one rule for reading the image back and for the new shard's `pixels_from`
+HOLDER = "(SELECT min(shard) FROM stored WHERE stored.sample_id = samples.sample_id)"
 
 
 def read_index(store: Store, ledger: Ledger) -> None:
@@ -67,8 +70,7 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
     with ThreadPoolExecutor(WRITERS, thread_name_prefix="ingest-write") as pool:
         try:
             # an image a shard holds with other captions: that shard, whose latents the encoder copies
-            while chunk := list(ledger.rows("SELECT sample_id, captions, width, height, source, (SELECT min(shard) "
-                                            "FROM stored WHERE stored.sample_id = samples.sample_id) FROM samples "
+            while chunk := list(ledger.rows(f"SELECT sample_id, captions, width, height, source, {HOLDER} FROM samples "
                                             "WHERE shard IS NULL AND sample_id > ? ORDER BY sample_id LIMIT ?",
                                             (last, dataset.shard_size))):
                 last = chunk[-1][0]
@@ -98,8 +100,8 @@ def write_shard(store: Store, spill: Path, shard_id: str, chunk: list[tuple]) ->
 
 def spill_known_images(store: Store, scan: Scan) -> None:
     """Bytes of already-ingested images whose captions changed, from a shard that holds them."""
-    wanted = scan.ledger.rows("SELECT (SELECT shard FROM stored WHERE stored.sample_id = samples.sample_id LIMIT 1) "
-                              "AS holder, sample_id FROM samples WHERE shard IS NULL AND NOT spilled ORDER BY holder")
+    wanted = scan.ledger.rows(f"SELECT {HOLDER} AS holder, sample_id FROM samples WHERE shard IS NULL AND NOT spilled "
+                              "ORDER BY holder")
     for shard_id, group in itertools.groupby(wanted, key=lambda row: row[0]):
         ids = {sample_id for _, sample_id in group}
         table = read_image_shard(store.read_bytes(layout.image_shard(shard_id)), columns=["sample_id", "image"])

@@ -27,6 +27,7 @@ import contextlib
 import re
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -458,28 +459,35 @@ def encoder_footprints(config: PipelineConfig, family: Family, shapes: Shapes) -
                 if text.offload == "sequential" else frozen_bytes(encoder, base))
         length = shapes.lengths[spec.name] + getattr(spec, "drop", 0)  # before the template's tokens are dropped
         batch = max(1, text.batch_tokens // length)
-        mode, ledger = FakeTensorMode(), Ledger()
-        encoder = faked(encoder, mode)
-        ledger.watch(encoder)  # its weights, and views of them, are not the call's
-        with mode, ledger, torch.no_grad():
+
+        def encode(encoder: torch.nn.Module) -> None:  # called at once, in this iteration
             ids = torch.zeros(batch, length, dtype=torch.long)
             spec.encode(encoder, ids, torch.ones_like(ids))
+
         setting = f"{text.dtype}, offload {text.offload}"
-        out.append(EncoderFootprint(spec.name, setting, held, ledger.peak, batch, length))
+        out.append(EncoderFootprint(spec.name, setting, held, call_peak(encoder, encode), batch, length))
     vae = torch.nn.Module.to(meta_vae(model, family), DTYPES[latent.dtype])
     held = frozen_bytes(vae.requires_grad_(False), latent.dtype)
-    mode, ledger = FakeTensorMode(), Ledger()
-    vae = faked(vae, mode)
-    ledger.watch(vae)
     vae.enable_tiling() if latent.tiling else vae.disable_tiling()
     vae.enable_slicing() if latent.slicing else vae.disable_slicing()
     frames, height, width = shapes.pixels
     shape = (latent.batch_size, 3, height, width) if frames == 1 else (latent.batch_size, 3, frames, height, width)
-    with mode, ledger, torch.no_grad():
-        vae.encode(family.codec.vae_pixels(torch.empty(shape, dtype=DTYPES[latent.dtype]))).latent_dist.mean
+    peak = call_peak(vae, lambda vae: vae.encode(family.codec.vae_pixels(
+        torch.empty(shape, dtype=DTYPES[latent.dtype]))).latent_dist.mean)
     setting = f"{latent.dtype}, batch {latent.batch_size}" + ", tiled" * latent.tiling + ", sliced" * latent.slicing
-    out.append(EncoderFootprint("vae", setting, held, ledger.peak, latent.batch_size, max(height, width)))
+    out.append(EncoderFootprint("vae", setting, held, peak, latent.batch_size, max(height, width)))
     return out
+
+
+def call_peak(module: torch.nn.Module, call: Callable[[torch.nn.Module], Any]) -> int:
+    """The peak bytes of `call(module)` without autograd, beyond the module's own weights (and views
+    of them): `module`, on the meta device, made fake, and the call's tensors made under that mode."""
+    mode, ledger = FakeTensorMode(), Ledger()
+    module = faked(module, mode)
+    ledger.watch(module)
+    with mode, ledger, torch.no_grad():
+        call(module)
+    return ledger.peak
 
 
 def resident(network: torch.nn.Module, training: TrainingConfig, base_precision: str) -> tuple[int, int]:
