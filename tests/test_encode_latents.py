@@ -215,7 +215,9 @@ def test_prefetch_overlaps_loading_and_keeps_order():
     assert time.perf_counter() - began < 0.8 and len(set(loaded_in)) == 4  # 1.2 s one after another
 
 
-def test_recaptioning_encodes_the_captions_again_and_copies_every_latent(make_config, demo_data, tmp_path):
+@pytest.mark.parametrize("root", ["local", "s3"])
+def test_recaptioning_encodes_the_captions_again_and_copies_every_latent(make_config, demo_data, tmp_path, root,
+                                                                         request):
     """The commonest dataset change after adding images: every caption given a trigger word. The
     re-captioned samples go to new image shards (a shard is its records), whose captions are encoded
     again; their latents are copied from the shards that hold the same images, bit for bit, and only
@@ -224,7 +226,14 @@ def test_recaptioning_encodes_the_captions_again_and_copies_every_latent(make_co
 
     data = tmp_path / "data"
     shutil.copytree(demo_data, data)
-    config = make_config(source=str(data))
+    where = {}
+    if root == "s3":  # the holders' rows are ranged reads of an object store
+        import s3fs
+
+        endpoint = request.getfixturevalue("s3_endpoint")
+        s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("precast-recaption")
+        where = {"root": "s3://precast-recaption/store", "storage": {"options": {"endpoint_url": endpoint}}}
+    config = make_config(source=str(data), **where)
     first = run_direct(config, until="encode-latents")
     for caption in data.glob("*.txt"):
         caption.write_text("sks " + caption.read_text())
@@ -267,7 +276,7 @@ def test_recaptioning_encodes_the_captions_again_and_copies_every_latent(make_co
     records = [{"shard": shard, "samples": 10, "committed_at": 1.0} for shard in ("a", "b") for _ in range(2)]
     assert encoding_work(records, 0.0, 1, 2)["samples_encoded"] == 20
 
-    bigger = make_config(source=str(data), latent_encoding={"resolution": 512})
+    bigger = make_config(source=str(data), latent_encoding={"resolution": 512}, **where)
     resized = run_direct(bigger, until="encode-latents")
     assert resized["encode-text"]["work"]["shards_encoded"] == 0
     assert resized["encode-latents"]["work"]["samples_encoded"] == samples

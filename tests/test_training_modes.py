@@ -332,8 +332,9 @@ def test_a_dora_trains_a_magnitude_per_output_channel_and_resumes_exactly(cached
     adapted module, starting at the base weight's row norms) train beside the low-rank pairs; a run
     of its own, recorded in its lineage, and a killed one resumes to the same bits."""
     plain = _run(cached_manifest, tmp_path / "plain")
-    whole = _run(cached_manifest, tmp_path / "whole", lora={"dora": True})
-    resumed = _run(cached_manifest, tmp_path / "resumed", crash_at=9, lora={"dora": True})
+    dora = {"lora": {"dora": True}, "mixed_precision": "bf16", "base_precision": "bf16"}  # as users train it
+    whole = _run(cached_manifest, tmp_path / "whole", **dora)
+    resumed = _run(cached_manifest, tmp_path / "resumed", crash_at=9, **dora)
     assert resumed["record"]["resumed_from"] == 4
     _same_bits(whole, resumed)
     magnitudes = {key: value for key, value in whole["adapter"].items() if key.endswith("lora_magnitude_vector")}
@@ -342,9 +343,10 @@ def test_a_dora_trains_a_magnitude_per_output_channel_and_resumes_exactly(cached
 
     transformer = PixArtTransformer2DModel.from_pretrained(cached_manifest[0].model.path, subfolder="transformer")
     base = transformer.state_dict()
-    moved = [not torch.allclose(value, base[key.removeprefix("base_model.model.").replace(
-        "lora_magnitude_vector", "weight")].norm(dim=1)) for key, value in magnitudes.items()]
-    assert any(moved)  # trained away from the base's norms
+    for key, value in magnitudes.items():  # trained away from the base's row norms: by about 1.4% in 6 steps
+        # here, where the bf16 base's rounding moves them by 0.04%
+        norms = base[key.removeprefix("base_model.model.").replace("lora_magnitude_vector", "weight")].norm(dim=1)
+        assert ((value - norms).abs() / norms).max() > 0.005, key
     assert whole["id"] != plain["id"] and whole["lineage"]["training"]["lora"]["dora"] is True
     # PEFT would load a LoRA's pairs into a DoRA and keep the magnitudes of a zero update
     with pytest.raises(ValueError, match=r"its adapter lacks \d+ weights this run trains .*lora_magnitude_vector"):
