@@ -74,6 +74,9 @@ IF_MODE = Identity(True, lambda timesteps, name: timesteps.sampling == "mode")
 # how the global batch is split over nodes, processes and accumulation: the run id holds the
 # micro-batches a step takes, so a run is the same run on any number of nodes
 IN_MICRO_BATCHES = Identity(False, through="micro_batches")
+# how training draws from a dataset's sources (repeats, weights, …): not the dataset's identity,
+# which names what ingest reads; counted in the manifest's through DatasetConfig.mix
+MIXED = Identity(False, through="mix")
 
 
 class StorageConfig(Section):
@@ -159,6 +162,32 @@ class SourceConfig(Section):
         "image", description="Parquet column with image bytes (or a struct with `bytes`).")
     file_column: Annotated[str, COUNTED] = Field(
         "file_name", description="jsonl/csv field with the image path, relative to the file.")
+    # how training draws from the source: ingest and the caches never read these, so changing one
+    # ingests and encodes nothing again; they count in the manifest's id (DatasetConfig.mix), and so in the run's
+    repeats: Annotated[int, MIXED] = Field(
+        1, ge=1, le=10_000, description="Times each of this source's samples is seen per epoch of the sources "
+        "without a `weight` (kohya's and musubi-tuner's num_repeats): a small set of a subject beside a large set "
+        "of styles.")
+    weight: Annotated[float | None, MIXED] = Field(
+        None, gt=0, le=1, description="The share of batches drawn from this source, whatever its size "
+        "(SimpleTuner's probability): 0.3 draws 3 batches in 10 from it. The sources without one share what is "
+        "left by their samples × repeats; if every source has one, they are scaled to add up to 1. None: by size.")
+    loss_weight: Annotated[float, MIXED] = Field(
+        1.0, ge=0, le=100, description="Each of this source's samples' loss is multiplied by this "
+        "(OneTrainer's loss_weight, ai-toolkit's loss_multiplier, sd-scripts' prior_loss_weight).")
+    caption_dropout: Annotated[float | None, MIXED] = Field(
+        None, ge=0, le=1, description="The share of this source's samples trained with the empty caption. "
+        "None: training.caption_dropout.")
+    regularisation: Annotated[Literal["off", "captions", "base_model"], MIXED] = Field(
+        "off", description="A regularisation set (prior preservation). captions: its pictures trained with their "
+        "own captions, as any source, and reported as regularisation (DreamBooth, sd-scripts' reg images; weigh them "
+        "with loss_weight). base_model: trained toward what the base model predicts for the same noisy latents and "
+        "caption, the adapter switched off, so the adapter learns to leave these prompts as they were "
+        "(SimpleTuner's and ai-toolkit's regularisation data); a LoRA or DoRA only.")
+
+    def mixing(self) -> dict[str, Any]:
+        """This source's settings of how training draws from it (the fields marked MIXED)."""
+        return {name: getattr(self, name) for name, field in type(self).model_fields.items() if MIXED in field.metadata}
 
 
 class VideoConfig(Section):
@@ -235,6 +264,36 @@ class DatasetConfig(Section):
         default_factory=VideoConfig, description="How video files (mp4, mov, webm, mkv) become clips, a sample each. "
         "Pictures are one-frame samples.",
     )
+
+    @property
+    def mix(self) -> list[dict[str, Any]] | None:
+        """How training draws from each source (`SourceConfig.mixing`), None while every source
+        keeps the defaults: then the sources are one pool, each sample drawn once an epoch."""
+        mixing = [source.mixing() for source in self.sources]
+        default = SourceConfig(path="-").mixing()
+        return None if all(settings == default for settings in mixing) else mixing
+
+    def shares(self, samples: list[int]) -> list[float]:
+        """The share of training's draws each source takes, given each one's `samples`: a weighted
+        source its weight (all weights scaled to add up to 1 when every source has one), the others
+        what is left, by samples × repeats."""
+        weights = [source.weight for source in self.sources]
+        given = sum(w for w in weights if w is not None)
+        if all(w is not None for w in weights):
+            return [w / given for w in weights]
+        pooled = [n * source.repeats if source.weight is None else 0 for n, source in zip(samples, self.sources)]
+        total = sum(pooled) or 1
+        return [w if w is not None else (1 - given) * p / total for w, p in zip(weights, pooled)]
+
+    @model_validator(mode="after")
+    def _shares(self) -> DatasetConfig:
+        weights = [source.weight for source in self.sources if source.weight is not None]
+        if weights and len(weights) < len(self.sources) and sum(weights) >= 1:
+            unweighted = ", ".join(source.path for source in self.sources if source.weight is None)
+            raise ValueError(f"sources' weights add up to {sum(weights):g}, which leaves no batch for the sources "
+                             f"without one ({unweighted}): give those a weight too, or make the weights add up to "
+                             "less than 1")
+        return self
 
 
 class ModelConfig(Section):
@@ -752,6 +811,15 @@ class PipelineConfig(Section):
             raise ValueError(f"optimizer.warmup_steps ({training.optimizer.warmup_steps}) exceeds steps "
                              f"({training.steps})")
         return training
+
+    @model_validator(mode="after")
+    def _base_model_targets_need_an_adapter(self) -> PipelineConfig:
+        regularised = [s.path for s in self.dataset.sources if s.regularisation == "base_model"]
+        if regularised and self.training.method != "lora":
+            raise ValueError(f"dataset.sources {', '.join(regularised)}: regularisation base_model trains toward the "
+                             "base model's prediction with the adapter switched off, and training.method full has no "
+                             "adapter to switch off: use method lora, or regularisation captions")
+        return self
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:

@@ -45,7 +45,7 @@ from tasks.ingest.stage import latest_dataset
 from tasks.ingest.staging import Partitions
 from tasks.manifest import manifest_record
 from tasks.families import Family, family_of
-from tasks.identity import manifest_id, prompts_cache_key, text_fingerprints, vae_fingerprint
+from tasks.identity import manifest_id, mix_identity, prompts_cache_key, text_fingerprints, vae_fingerprint
 from tasks.records import CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, RunRecord
 from tasks.runner import Shards
 from tasks.runs.page import RunPage, loss_text
@@ -276,7 +276,7 @@ class FlowExecutor:
             run_elsewhere(config, deployment, "manifest")
             return stored_manifest(plan)
         return plan.configured(manifest_task)(config.storage, dataset["id"], plan.text_fps, plan.vae_fp,
-                                              config.training.samples.prompts)
+                                              config.training.samples.prompts, mix_identity(config.dataset))
 
     def train(self, manifest: ManifestRecord) -> RunRecord:
         """Train here, or on the train deployment: one child flow run per node of `training.distribution.nodes`,
@@ -334,7 +334,8 @@ def stored_dataset(plan: Plan) -> DatasetRecord:
 
 def stored_manifest(plan: Plan) -> ManifestRecord:
     dataset = stored_dataset(plan)
-    this_id = manifest_id(dataset["id"], plan.text_fps, plan.vae_fp, plan.config.training.samples.prompts)
+    this_id = manifest_id(dataset["id"], plan.text_fps, plan.vae_fp, plan.config.training.samples.prompts,
+                          mix_identity(plan.config.dataset))
     return manifest_record(plan.store.require(layout.manifest(this_id)))
 
 

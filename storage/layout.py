@@ -83,6 +83,12 @@ def dataset_ref(config_hash: str) -> str:
     return f"refs/datasets/{config_hash}.json"
 
 
+def dataset_members(dataset_id: str, config_hash: str) -> str:
+    """Which of a dataset config's sources each sample of the dataset came from (a config of
+    several sources: the manifest reads it when training draws from them apart)."""
+    return f"datasets/{dataset_id}.members-{config_hash}.parquet"
+
+
 def sources_record(config_hash: str) -> str:
     """What the latest ingest of a dataset config read: each unit's listed objects and outcomes."""
     return f"refs/datasets/{config_hash}.sources.parquet"

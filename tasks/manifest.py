@@ -21,8 +21,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from configs.schema import StorageConfig
+from configs.schema import DatasetConfig, StorageConfig
 from storage import layout
+from storage.shards import read_parquet_bytes
 from storage.store import Store
 from tasks.identity import manifest_id, prompts_cache_key, text_identity
 from tasks.records import ManifestRecord
@@ -35,28 +36,35 @@ MANIFEST_SCHEMA = pa.schema(
         ("text_shards", pa.list_(pa.string())),  # each text encoder's, in the manifest's `text_encoders` order
         ("latent_shard", pa.string()),
         ("bucket", pa.string()),
+        ("source", pa.int32()),  # the index of the dataset source it came from (0 while sources are one pool)
     ]
 )
 
 
 def build_manifest(
-    storage: StorageConfig, dataset_id: str, text_fps: dict[str, str], vae_fp: str, prompts: list[str]
+    storage: StorageConfig, dataset_id: str, text_fps: dict[str, str], vae_fp: str, prompts: list[str],
+    mix: dict[str, Any] | None = None,
 ) -> ManifestRecord:
     """Write the manifest for a dataset encoded with the given fingerprints (each text encoder's,
-    by name, and the VAE's); returns its record, with the store failures retried as its `work`.
-    The committed manifest is its own cache (so the work is always this run's)."""
+    by name, and the VAE's), each sample with its source when training draws from the sources
+    apart (`mix`: `tasks.identity.mix_identity`); returns its record, with the store failures
+    retried as its `work`. The committed manifest is its own cache (so the work is always this run's)."""
     store = Store(storage)
-    this_id = manifest_id(dataset_id, text_fps, vae_fp, prompts)
+    this_id = manifest_id(dataset_id, text_fps, vae_fp, prompts, mix)
     if (record := store.committed(layout.manifest(this_id))) is None:
-        record = _write_manifest(store, this_id, dataset_id, text_fps, vae_fp, prompts)
+        record = _write_manifest(store, this_id, dataset_id, text_fps, vae_fp, prompts, mix)
     return {**manifest_record(record), "work": {"io_retries": len(store.retried)}}
 
 
 def _write_manifest(store: Store, this_id: str, dataset_id: str, text_fps: dict[str, str], vae_fp: str,
-                    prompts: list[str]) -> dict[str, Any]:
+                    prompts: list[str], mix: dict[str, Any] | None) -> dict[str, Any]:
     """The manifest `this_id` (a row per sample of every shard, each shard committed) committed;
     its commit record."""
     dataset = json.loads(store.read_verified(layout.dataset(dataset_id)))
+    source_of: dict[str, int] = {}
+    if mix is not None and len(mix["paths"]) > 1:  # which source each sample came from, as ingest recorded it
+        members = read_parquet_bytes(store.read_verified(layout.dataset_members(dataset_id, mix["sources"])))
+        source_of = dict(zip(members.column("sample_id").to_pylist(), members.column("source").to_pylist()))
     prompts_keys = {name: prompts_cache_key(fp, prompts) for name, fp in text_fps.items()}
     checksums = {key: store.require(key)["sha256"] for key in prompts_keys.values()}
     rows, buckets, quarantined = [], Counter(), Counter()
@@ -94,7 +102,7 @@ def _write_manifest(store: Store, this_id: str, dataset_id: str, text_fps: dict[
                 bucket = latent_rows[sample_id][0]
                 buckets[bucket] += 1
                 rows.append({"sample_id": sample_id, "variants": variants[sample_id], "text_shards": text_shards,
-                             "latent_shard": latent_shard, "bucket": bucket})
+                             "latent_shard": latent_shard, "bucket": bucket, "source": source_of.get(sample_id, 0)})
 
     table_key = layout.manifest_table(this_id)
     buffer = io.BytesIO()
@@ -107,6 +115,11 @@ def _write_manifest(store: Store, this_id: str, dataset_id: str, text_fps: dict[
         "table": table_key, "samples": len(rows),
         "buckets": dict(sorted(buckets.items())), "quarantined": dict(quarantined), "checksums": checksums,
     }
+    if mix is not None:  # how training draws from each source, and its samples here
+        counts = [sum(1 for row in rows if row["source"] == index) for index in range(len(mix["paths"]))]
+        sources = DatasetConfig(sources=[{"path": path, **settings} for path, settings in zip(mix["paths"], mix["mix"])])
+        manifest["mix"] = [{"path": path, "samples": count, **settings, "share": share} for path, settings, count, share
+                           in zip(mix["paths"], mix["mix"], counts, sources.shares(counts))]
     return store.commit_json(layout.manifest(this_id), manifest, samples=len(rows), buckets=manifest["buckets"])
 
 

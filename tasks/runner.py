@@ -31,7 +31,7 @@ from tasks.encode.text import encode_prompts, encode_text_shard, measure_numeric
 from tasks.ingest.stage import ingest
 from tasks.manifest import build_manifest
 from tasks.encode.models import encoding_work, model_loads
-from tasks.identity import text_fingerprints, vae_fingerprint
+from tasks.identity import mix_identity, text_fingerprints, vae_fingerprint
 from tasks.records import (
     CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, Record, Records, RunRecord,
 )
@@ -221,7 +221,7 @@ class Direct:
     def manifest(self, dataset: DatasetRecord) -> ManifestRecord:
         config = self.config
         return build_manifest(config.storage, dataset["id"], self.text_fps, self.vae_fp,
-                              config.training.samples.prompts)
+                              config.training.samples.prompts, mix_identity(config.dataset))
 
     def train(self, manifest: ManifestRecord) -> RunRecord:
         config = self.config

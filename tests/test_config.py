@@ -159,8 +159,8 @@ def _identity_of(section: Section, tiny_models: str) -> object:
     from tasks.families import family_of
 
     model = ModelConfig(path=tiny_models)
-    if isinstance(section, DatasetConfig):
-        return identity.config_hash(section)
+    if isinstance(section, DatasetConfig):  # what ingest reads, and how training draws from it (the manifest's)
+        return identity.config_hash(section), identity.mix_identity(section)
     if isinstance(section, TextEncodingConfig):
         return identity.text_fingerprints(model, section)
     if isinstance(section, LatentEncodingConfig):

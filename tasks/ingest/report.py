@@ -61,6 +61,12 @@ def report_markdown(report: dict[str, Any]) -> str:
     def numeric(label: str) -> tuple[bool, float]:
         return label.startswith(">"), float(label.lstrip("<=>"))
 
+    if len(report.get("sources", [])) > 1:  # reports before sources mixed have none
+        table("By source, as training draws from them", "| source | samples | repeats | weight | loss weight | "
+              "caption dropout | regularisation | share of draws |",
+              [(_literal(s["path"]), s["samples"], s["repeats"], "by size" if s["weight"] is None else f"{s['weight']:g}",
+                f"{s['loss_weight']:g}", "training's" if s["caption_dropout"] is None else f"{s['caption_dropout']:g}",
+                s["regularisation"], f"{s['share']:.1%}") for s in report["sources"]])
     table("By format", "| format | accepted | quarantined |",
           [(f, c["accepted"], c["quarantined"]) for f, c in report["by_format"].items()])
     table("Quarantined by reason", "| reason | count |", list(report["by_reason"].items()))

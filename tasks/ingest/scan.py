@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,6 +47,7 @@ class Scan:
     units_reused: int = 0  # units taken from the last ingest's record, unread
     bytes_read: int = 0  # listed bytes of the objects read
     position: int = 0  # outcomes so far: the listing order that decides which duplicate comes first
+    starts: list[int] = field(default_factory=list)  # the position before each source's first outcome
     # added since the last flush: keyed units' outcomes, quarantined and accepted candidates
     keyed: list[tuple] = field(default_factory=list)
     refused: list[tuple] = field(default_factory=list)
@@ -94,6 +96,11 @@ class Scan:
     def count(self, table: str) -> int:
         return self.ledger.one(f"SELECT count(*) FROM {table}")[0]
 
+    def members(self) -> Iterator[tuple[str, int]]:
+        """(sample id, index of the source it came from, the first that gave it), by sample id."""
+        for sample_id, position in self.ledger.rows("SELECT sample_id, position FROM samples ORDER BY sample_id"):
+            yield sample_id, bisect_left(self.starts, position) - 1
+
 
 def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger, spill: Path,
                  progress: Callable[[int, int], None] | None = None, partitions: Partitions | None = None) -> Scan:
@@ -103,6 +110,7 @@ def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger,
     after each unit."""
     scanner = Scanner(storage, dataset, ledger, spill, progress, partitions)
     for index in range(len(dataset.sources)):
+        scanner.scan.starts.append(scanner.scan.position)
         scanner.read_source(index)
     scanner.scan.flush()
     return scanner.scan

@@ -28,16 +28,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from configs.schema import DatasetConfig, StorageConfig
 from storage import layout
 from storage.store import Store, file_sha256
 from tasks.identity import config_hash, dataset_id as dataset_id_of
-from tasks.ingest.ledger import Ledger
+from tasks.ingest.ledger import PAGE, Ledger
 from tasks.ingest.record import read_sources_record, write_sources_record
 from tasks.ingest.report import ingest_report
-from tasks.ingest.scan import scan_sources
+from tasks.ingest.scan import Scan, scan_sources
 from tasks.ingest.shards import read_index, write_new_shards
 from tasks.ingest.staging import Partitions
+
+# `layout.dataset_members`: a row per sample of the dataset, sorted by sample id
+MEMBERS_SCHEMA = pa.schema([("sample_id", pa.string()), ("source", pa.int32())])
 
 
 def ingest(storage: StorageConfig, dataset: DatasetConfig, progress: Callable[[int, int], None] | None = None,
@@ -61,9 +67,13 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig, progress: Callable[[i
                                    f"{scan.count('quarantined')} quarantined")
             new, members = write_new_shards(store, dataset, scan, committed)
             dataset_id = commit_dataset(store, dataset, ledger, members, samples)
+            per_source = commit_members(store, dataset, scan, dataset_id, spill)
             quarantine = [dict(zip(("source", "format", "reason", "message"), row)) for row in ledger.rows(
                 "SELECT source, format, reason, message FROM quarantined ORDER BY position")]
-            report = {"dataset": dataset_id, **ingest_report(scan), "quarantine": quarantine}
+            report = {"dataset": dataset_id, **ingest_report(scan), "quarantine": quarantine,
+                      "sources": [{"path": source.path, "samples": count, **source.mixing(), "share": share}
+                                  for source, count, share in zip(dataset.sources, per_source,
+                                                                  dataset.shares(per_source))]}
             write_if_changed(store, layout.dataset_report(dataset_id), report)
             write_if_changed(store, layout.dataset_ref(config_hash(dataset)), {"dataset": dataset_id})
             record_file = write_sources_record(ledger)
@@ -96,6 +106,33 @@ def commit_dataset(store: Store, dataset: DatasetConfig, ledger: Ledger, members
     if store.committed(layout.dataset(dataset_id)) is None:  # an unchanged dataset writes nothing
         store.commit_json(layout.dataset(dataset_id), record, samples=samples)
     return dataset_id
+
+
+def commit_members(store: Store, dataset: DatasetConfig, scan: Scan, dataset_id: str, spill: Path) -> list[int]:
+    """With several sources, which one each sample of the dataset came from (`layout.dataset_members`,
+    what the manifest reads when training draws from them apart), committed unless it is, written a
+    page at a time through a file in `spill`; the samples of each source."""
+    counts = [0] * len(dataset.sources)
+    key = layout.dataset_members(dataset_id, config_hash(dataset))
+    writing = len(dataset.sources) > 1 and store.committed(key) is None
+    with pq.ParquetWriter(spill / "members.parquet", MEMBERS_SCHEMA, compression="zstd") as writer:
+        page: list[tuple[str, int]] = []
+        for sample_id, source in scan.members():
+            counts[source] += 1
+            if writing:
+                page.append((sample_id, source))
+            if len(page) == PAGE:
+                writer.write_table(_members_table(page))
+                page.clear()
+        if page:
+            writer.write_table(_members_table(page))
+    if writing:
+        store.commit_file(spill / "members.parquet", key, samples=sum(counts))
+    return counts
+
+
+def _members_table(page: list[tuple[str, int]]) -> pa.Table:
+    return pa.table({"sample_id": [m[0] for m in page], "source": [m[1] for m in page]}, schema=MEMBERS_SCHEMA)
 
 
 def write_if_changed(store: Store, key: str, obj: Any) -> None:

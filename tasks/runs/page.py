@@ -83,6 +83,7 @@ class RunPage:
             ("model", record["model"]["path"] + (f" @ {record['model']['revision']}" if record["model"]["revision"]
                                                   else "")),
             ("manifest", self.lineage["manifest"]),
+            *([("sources", "; ".join(_mixed(source) for source in self.lineage["mix"]))] if self.lineage.get("mix") else []),
         ]
 
     @property
@@ -197,6 +198,17 @@ def _assign(name: str, path: str, width: int = 80) -> str:
     if len(lines) == 1:
         return f"{name} = {path!r}"
     return f"{name} = (" + ("\n" + " " * indent).join(map(repr, lines)) + ")"
+
+
+def _mixed(source: dict[str, Any]) -> str:
+    """A dataset source as the run drew from it: its samples, settings and share of the draws."""
+    settings = [f"×{source['repeats']} repeats" if source["repeats"] != 1 else "",
+                f"weight {source['weight']:g}" if source["weight"] is not None else "",
+                f"loss weight {source['loss_weight']:g}" if source["loss_weight"] != 1 else "",
+                f"caption dropout {source['caption_dropout']:g}" if source["caption_dropout"] is not None else "",
+                f"regularisation ({source['regularisation']})" if source["regularisation"] != "off" else ""]
+    share = f"{source['share']:.1%} of draws"
+    return f"`{source['path']}` {source['samples']} samples, " + ", ".join(filter(None, [*settings, share]))
 
 
 def _data_uri(data: bytes, width: int | None = None) -> str:

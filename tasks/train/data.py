@@ -3,7 +3,8 @@ the family's encoders' outputs, sequences padded to the batch's longest).
 
 Shards are checked against the manifest's checksums in the read that is used (16 fetched and
 checked at once when training starts), then read memory-mapped, a row at a time. Every random
-choice is seeded: the batch order by `bucket_batches`' seed and epoch; flips, caption variants,
+choice is seeded: the batch order by `bucket_batches`' seed and epoch (and, with sources mixed, each
+batch's source by `mixed_batches`' seed); flips, caption variants,
 caption dropout and latent draws, then noise and timesteps, by generators seeded by the
 micro-batch's index in that order (`draws`). A
 micro-batch is the same whichever process of however many trains it, so a run is reproducible,
@@ -28,6 +29,7 @@ from tasks.families.spec import Conditioning, Family, TextEncoderSpec
 from tasks.prefetch import prefetched
 from tasks.records import manifest_encoders, text_shards_of
 from tasks.train.distributed import Distributed
+from tasks.train.loss import Weighing
 
 
 class TextCaches:
@@ -85,15 +87,41 @@ class CachedFeatures:
         self.buckets: dict[str, list[str]] = defaultdict(list)
         for sample_id, row in sorted(self.samples.items()):
             self.buckets[row["bucket"]].append(sample_id)
+        # how training draws from each source of the dataset (None: one pool), as the manifest says
+        self.mix: list[dict[str, Any]] | None = manifest.get("mix")
+
+    def source(self, sample_id: str) -> dict[str, Any]:
+        """The mix settings of the source `sample_id` came from (`SourceConfig.mixing`)."""
+        return self.mix[self.samples[sample_id].get("source") or 0]
+
+    def caption_dropouts(self, sample_ids: list[str], default: float) -> float | list[float]:
+        """Each sample's rate of the empty caption: its source's, or the run's `default` (for all
+        of them while the sources are one pool)."""
+        if self.mix is None:
+            return default
+        return [default if (rate := self.source(s)["caption_dropout"]) is None else rate for s in sample_ids]
+
+    def weighing(self, sample_ids: list[str]) -> Weighing | None:
+        """Each sample's loss weight and whether it trains toward the base model's prediction
+        (a regularisation source's `base_model`); None when every one is plain."""
+        if self.mix is None:
+            return None
+        sources = [self.source(s) for s in sample_ids]
+        weights = [source["loss_weight"] for source in sources]
+        base = [source["regularisation"] == "base_model" for source in sources]
+        return Weighing(None if all(w == 1.0 for w in weights) else torch.tensor(weights),
+                        torch.tensor(base) if any(base) else None)
 
     def batch(
-        self, sample_ids: list[str], generator: torch.Generator, caption_dropout: float
+        self, sample_ids: list[str], generator: torch.Generator, caption_dropout: float | list[float]
     ) -> tuple[torch.Tensor, Conditioning]:
         """Normalised latents [B, C, (F,) h, w] (as the family's codec normalises them) drawn from the stored posteriors (of the flipped image half of
         the time when flips are stored) and the text features of a caption variant of each (the
-        empty caption's, at the rate of `caption_dropout`), collated (`storage.shards.collate`)."""
+        empty caption's, at the rate of `caption_dropout`: one for all, or each sample's),
+        collated (`storage.shards.collate`)."""
         latents, texts = [], []
-        for sample_id in sample_ids:
+        rates = [caption_dropout] * len(sample_ids) if isinstance(caption_dropout, float) else caption_dropout
+        for sample_id, rate in zip(sample_ids, rates):
             row = self.samples[sample_id]
             shard = self._latents[row["latent_shard"]]
             flipped = shard.meta["flip"] and torch.rand((), generator=generator).item() < 0.5
@@ -102,7 +130,7 @@ class CachedFeatures:
             if std is not None:  # a fresh draw from the posterior every time the sample is seen
                 latent = latent + std.float() * torch.randn(mean.shape, generator=generator)
             latents.append(self.codec.normalised(latent, self.shift, self.scale))
-            if torch.rand((), generator=generator).item() < caption_dropout:
+            if torch.rand((), generator=generator).item() < rate:
                 texts.append(self.text.prompt(""))
             else:
                 variant = int(torch.randint(row["variants"], (), generator=generator))
@@ -120,7 +148,9 @@ class Batches:
                  dist: Distributed, tokens: Callable[..., int]):
         self.features, self.training, self.device = features, training, dist.device
         sizes = batch_sizes(buckets, training.batch_size, training.batch_tokens, tokens)
-        self.stream = islice(enumerate(bucket_batches(buckets, sizes, training.seed)), dist.rank, None, dist.world)
+        batches = bucket_batches(buckets, sizes, training.seed) if features.mix is None else \
+            mixed_batches(buckets, sizes, training.seed, features)
+        self.stream = islice(enumerate(batches), dist.rank, None, dist.world)
         self.reader: Iterator | None = None  # started by `resume`
 
     def resume(self, step: int) -> None:
@@ -133,21 +163,22 @@ class Batches:
         ahead = 0 if self.device.type == "cpu" else self.training.prefetch
         self.reader = prefetched(self._load, self.stream, ahead)
 
-    def _load(self, item: tuple[int, list[str]]) -> tuple[int, tuple[torch.Tensor, Conditioning]]:
+    def _load(self, item: tuple[int, list[str]]) -> tuple[int, tuple[torch.Tensor, Conditioning, Weighing | None]]:
         index, sample_ids = item
-        latents, text = self.features.batch(sample_ids, draws(self.training.seed, index, "data"),
-                                            self.training.caption_dropout)
+        features = self.features
+        latents, text = features.batch(sample_ids, draws(self.training.seed, index, "data"),
+                                       features.caption_dropouts(sample_ids, self.training.caption_dropout))
         if self.device.type == "cuda":  # pinned, so the copy to the device does not hold the host
             latents, text = latents.pin_memory(), {name: value.pin_memory() for name, value in text.items()}
-        return index, (latents, text)
+        return index, (latents, text, features.weighing(sample_ids))
 
     def __iter__(self) -> Batches:
         return self
 
-    def __next__(self) -> tuple[int, tuple[torch.Tensor, Conditioning]]:
-        index, (latents, text) = next(self.reader)
+    def __next__(self) -> tuple[int, tuple[torch.Tensor, Conditioning, Weighing | None]]:
+        index, (latents, text, weighing) = next(self.reader)
         return index, (latents.to(self.device, non_blocking=True),
-                       {name: value.to(self.device, non_blocking=True) for name, value in text.items()})
+                       {name: value.to(self.device, non_blocking=True) for name, value in text.items()}, weighing)
 
     def close(self) -> None:
         if self.reader is not None:
@@ -178,6 +209,38 @@ def bucket_batches(buckets: dict[str, list[str]], sizes: dict[str, int] | int, s
         rng.shuffle(batches)
         yield from batches
         epoch += 1
+
+
+def mixed_batches(buckets: dict[str, list[str]], sizes: dict[str, int] | int, seed: int,
+                  features: CachedFeatures) -> Iterator[list[str]]:
+    """Endless batches drawn from the sources as `features.mix` says: each batch from one source
+    with a `weight`, chosen at its share, or from the pool of the others (each of their samples
+    `repeats` times an epoch of the pool), which takes what is left. The choices are a sequence
+    seeded by `seed` alone, so every process, and a resumed run, draws the same batches."""
+    mix = features.mix
+    groups: dict[int | None, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))  # None: the pool
+    for name, ids in buckets.items():
+        for sample_id in ids:
+            source = features.samples[sample_id].get("source") or 0
+            if mix[source]["weight"] is None:
+                groups[None][name] += [sample_id] * mix[source]["repeats"]
+            else:
+                groups[source][name].append(sample_id)
+    weighted = [index for index, source in enumerate(mix) if source["weight"] is not None]
+    shares = {index: mix[index]["weight"] for index in weighted}
+    if len(weighted) < len(mix):
+        shares[None] = 1.0 - sum(shares.values())
+    for group in shares:
+        if group not in groups:
+            named = [mix[group]["path"]] if group is not None else [m["path"] for m in mix if m["weight"] is None]
+            raise ValueError(f"dataset sources {', '.join(named)}: no sample of theirs is left to train on, and "
+                             f"training draws {shares[group]:.0%} of its batches from them")
+    order = sorted(shares, key=lambda group: -1 if group is None else group)
+    streams = [bucket_batches(dict(groups[group]), sizes, seed if group is None else seed + 1 + group) for group in order]
+    choices = random.Random(seed * 100_003 + 99_991)
+    while True:
+        choice = choices.choices(range(len(streams)), weights=[shares[group] for group in order])[0] if len(streams) > 1 else 0
+        yield next(streams[choice])
 
 
 def seed_of(seed: int, index: int, purpose: str) -> int:

@@ -44,15 +44,25 @@ class Objective:
         return Objective(self.family, self.schedule.plain(), self.options)
 
 
+@dataclass(frozen=True)
+class Weighing:
+    """What a batch's samples take from the dataset sources they came from (`DatasetConfig.mix`)."""
+
+    loss_weights: torch.Tensor | None  # [B]: each sample's loss multiplied by it (None: all 1)
+    base_model: torch.Tensor | None  # [B] bool: trained toward the base model's prediction (None: none)
+
+
 def diffusion_loss(
     network, objective: Objective, latents: torch.Tensor, text: Conditioning, generator: torch.Generator,
-    half: torch.dtype | None,
+    half: torch.dtype | None, weighing: Weighing | None = None, adapter: Any = None,
 ) -> torch.Tensor:
     """The training loss for one batch: noise the scaled latents at timesteps the schedule draws
     (noise first, then timesteps, on the generator's device) and regress the schedule's target
     from the text-conditioned transformer, called as the family calls it, each sample weighed as
-    the schedule says. Clips drawn to train image to video (then, `objective.image_to_video` of
-    them) have their first frame given clean and no loss on it. Nothing here waits for the device."""
+    the schedule says, and as its source says (`weighing`). Clips drawn to train image to video (then, `objective.image_to_video` of
+    them) have their first frame given clean and no loss on it. A regularisation sample of
+    `base_model` regresses what `adapter` (the PEFT model) predicts with its adapter switched off
+    for the same input, not the schedule's target. Nothing here waits for the device."""
     family, schedule, device = objective.family, objective.schedule, latents.device
     noise = torch.randn(latents.shape, generator=generator, device=generator.device).to(device)
     drawn = schedule.draw(len(latents), generator, latents.shape).to(device)
@@ -65,6 +75,15 @@ def diffusion_loss(
         prediction = family.denoiser.predict(network, noisy, text, timesteps, **objective.options)
     target = schedule.target(latents, noise, drawn)
     weights = schedule.weights(drawn)
+    if weighing is not None and weighing.base_model is not None:
+        with torch.no_grad(), adapter.disable_adapter(), \
+                torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
+            base = family.denoiser.predict(adapter, noisy, text, timesteps, **objective.options)
+        regularised = weighing.base_model.to(device).view(-1, *[1] * (latents.ndim - 1))
+        target = torch.where(regularised, base.float(), target.float())
+    if weighing is not None and weighing.loss_weights is not None:
+        sources = weighing.loss_weights.to(device)
+        weights = sources if weights is None else weights * sources
     if weights is None and scored is None:
         return F.mse_loss(prediction.float(), target.float())
     error = F.mse_loss(prediction.float(), target.float(), reduction="none")

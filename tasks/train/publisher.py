@@ -59,6 +59,7 @@ class RunPublisher:
             "text": {k: self.prompts.prompts[0].meta[k] for k in ("caption_preprocessing", "max_length")},
             "resolution": self.resolution, **({"frames": self.frames} if self.frames > 1 else {}),
             "fingerprints": {k: self.manifest[k] for k in ("text_fingerprint", "vae_fingerprint") if k in self.manifest},
+            **({"mix": self.manifest["mix"]} if "mix" in self.manifest else {}),  # how it drew from the sources
             "versions": package_versions(), "code": code_version(), "python": platform.python_version(),
         }
 

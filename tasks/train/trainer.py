@@ -187,13 +187,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         step_loss, samples = torch.zeros((), device=device), 0
         for micro in range(self.accumulation):
-            index, (latents, text) = next(self.data)
+            index, (latents, text, weighing) = next(self.data)
             if micro == 0:
                 bucket = bucket_name(*latents.shape[2:])  # a clip's frames too
             torch.manual_seed(seed_of(training.seed, index, "dropout"))  # LoRA dropout, by the micro-batch
             with kept_activations(training.gradient_checkpointing, device), attention_kernels():
                 loss = diffusion_loss(self.replicas, self.objective.at(step), latents, text,
-                                      draws(training.seed, index, "noise", device), self.half)
+                                      draws(training.seed, index, "noise", device), self.half, weighing, self.network)
             self.scaler.scale(loss / self.accumulation).backward()
             step_loss += loss.detach() / self.accumulation
             samples += len(latents)

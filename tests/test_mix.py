@@ -1,0 +1,168 @@
+"""Datasets of several sources, mixed as users mix them: a subject repeated beside a larger set, a
+set drawn at a fixed share whatever its size, a regularisation set trained toward the base
+model's prediction at half the loss. Each sample keeps its source from ingest to the run page; how
+the sources mix counts in the manifest and the run, never in what ingest and the encoders made."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from itertools import islice
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from configs.schema import PipelineConfig
+from storage import layout
+from storage.store import Store
+from tasks.demo.data import write_demo_data
+from tasks.identity import manifest_id
+from tasks.ingest.report import report_markdown
+from tasks.runner import run_direct
+from tasks.runs.page import RunPage
+from tasks.train.data import CachedFeatures, mixed_batches
+
+# a subject repeated 3 times, a set drawn at a quarter of the batches, a regularisation set
+MIX = [{"repeats": 3}, {"weight": 0.25}, {"regularisation": "base_model", "loss_weight": 0.5}]
+SHARES = [0.75 * 24 / 32, 0.25, 0.75 * 8 / 32]  # the pool's 3 × 8 + 8 draws share what the weight leaves
+
+
+def _config(folder: Path, tiny_models: str, sources: list[str], mix: list[dict]) -> PipelineConfig:
+    return PipelineConfig.model_validate({
+        "storage": {"root": str(folder / "store")},
+        "dataset": {"sources": [{"path": path, **settings} for path, settings in zip(sources, mix)], "shard_size": 10},
+        "model": {"path": tiny_models}, "text_encoding": {"dtype": "fp32", "batch_tokens": 256},
+        "latent_encoding": {"resolution": 256, "storage_dtype": "fp32", "batch_size": 4},
+        "training": {"rank": 4, "alpha": 4, "steps": 4, "batch_size": 2, "sample_prompts": [],
+                     "validation_samples": 0}})
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory, tiny_models):
+    """Three sources of 8 pictures each, trained through every stage as MIX says."""
+    folder = tmp_path_factory.mktemp("mixed")
+    sources = [str(write_demo_data(folder / name, count=8, seed=20 + i)) for i, name in enumerate(("subject", "styles",
+                                                                                                   "regularisation"))]
+    config = _config(folder, tiny_models, sources, MIX)
+    return config, sources, run_direct(config)
+
+
+def test_three_sources_train_through_every_stage_and_each_sample_keeps_its_source(mixed):
+    config, sources, done = mixed
+    store = Store(config.storage)
+    report = store.read_json(layout.dataset_report(done["ingest"]["id"]))
+    assert [(s["path"], s["samples"]) for s in report["sources"]] == [(path, 8) for path in sources]
+    assert "## By source, as training draws from them" in report_markdown(report)
+    assert [round(s["share"], 6) for s in report["sources"]] == [round(share, 6) for share in SHARES]
+
+    manifest = store.read_json(store.key(done["manifest"]["url"]))
+    assert [(m["samples"], m["repeats"], m["weight"], m["loss_weight"], m["regularisation"]) for m in manifest["mix"]] \
+        == [(8, 3, None, 1.0, "off"), (8, 1, 0.25, 1.0, "off"), (8, 1, None, 0.5, "base_model")]
+    features = CachedFeatures(store, manifest, config_family(config))
+    for index, path in enumerate(sources):  # a sample's id is its picture's sha256
+        ids = {hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(path).iterdir() if p.suffix != ".txt"}
+        assert {s for s, row in features.samples.items() if row["source"] == index} == ids
+
+    page = RunPage.read(store, store.key(done["train"]["run"])).markdown()
+    assert "×3 repeats, 56.2% of draws" in page and "weight 0.25, 25.0% of draws" in page
+    assert "loss weight 0.5, regularisation (base_model), 18.8% of draws" in page
+
+
+def config_family(config: PipelineConfig):
+    from tasks.families import family_of
+
+    return family_of(config.model)
+
+
+def test_the_sampler_draws_the_declared_shares_the_same_on_every_process_and_after_a_resume(mixed):
+    config, _, done = mixed
+    store = Store(config.storage)
+    features = CachedFeatures(store, store.read_json(store.key(done["manifest"]["url"])), config_family(config))
+    batches = list(islice(mixed_batches(features.buckets, 2, 0, features), 6000))
+    # the weighted source: a quarter of the batches, each of its own samples alone
+    styles = [batch for batch in batches if features.samples[batch[0]]["source"] == 1]
+    assert abs(len(styles) / len(batches) - SHARES[1]) < 0.02, len(styles) / len(batches)
+    assert all(features.samples[s]["source"] == 1 for batch in styles for s in batch)
+    # the pool's batches, the rest: the subject's samples 3 times for each regularisation sample
+    pooled = Counter(features.samples[s]["source"] for batch in batches if batch not in styles for s in batch)
+    assert set(pooled) == {0, 2} and abs(pooled[0] / (pooled[0] + pooled[2]) - 0.75) < 0.02, pooled
+    # a pure function of the seed: two processes (every other batch each) and a run resumed at batch 1,000
+    assert list(islice(mixed_batches(features.buckets, 2, 0, features), 6000)) == batches
+    ranks = [list(islice(mixed_batches(features.buckets, 2, 0, features), rank, 6000, 2)) for rank in (0, 1)]
+    assert [batch for pair in zip(*ranks) for batch in pair] == batches
+    assert list(islice(mixed_batches(features.buckets, 2, 0, features), 1000, 1010)) == batches[1000:1010]
+    assert list(islice(mixed_batches(features.buckets, 2, 1, features), 100)) != batches[:100]
+
+
+def test_a_source_drops_its_captions_and_weighs_its_loss_as_it_says(mixed):
+    """Each source's caption dropout and loss weight reach its samples alone; a regularisation
+    sample of `base_model` regresses the base model's prediction: an adapter that starts as the
+    base (LoRA's B is zero) has nothing to learn from it, a loss of exactly 0."""
+    from tasks.train.data import draws
+    from tasks.train.loss import Objective, Weighing, diffusion_loss
+    from tasks.train.network import trainable_network
+
+    config, _, done = mixed
+    store = Store(config.storage)
+    manifest = store.read_json(store.key(done["manifest"]["url"]))
+    manifest["mix"][0]["caption_dropout"] = 1.0  # the subject's captions always dropped
+    family = config_family(config)
+    features = CachedFeatures(store, manifest, family)
+    by_source = {index: sorted(s for s, row in features.samples.items() if row["source"] == index) for index in range(3)}
+    ids = [by_source[0][0], by_source[1][0]]
+    assert features.caption_dropouts(ids, 0.1) == [1.0, 0.1]
+    empty = features.text.prompt("")
+    for sample_id, dropped in zip(ids, (True, False)):  # a batch each: their buckets may differ
+        _, text = features.batch([sample_id], torch.Generator().manual_seed(0),
+                                 features.caption_dropouts([sample_id], 0.0))
+        assert all(torch.equal(text[name][0], value.float()) == dropped for name, value in empty.items())
+
+    network = trainable_network(config.model, family, config.training, None)
+    objective = Objective.of(config.model, config.training, family)
+
+    def loss(sample_ids: list[str]) -> torch.Tensor:
+        latents, text = features.batch(sample_ids, torch.Generator().manual_seed(1), 0.0)
+        return diffusion_loss(network, objective, latents, text, draws(0, 0, "noise"), None,
+                              features.weighing(sample_ids), network)
+
+    assert features.weighing(by_source[1][:2]) == Weighing(None, None)
+    regularised = by_source[2][:1]
+    assert loss(regularised) == 0.0
+    plain = diffusion_loss(network, objective, *features.batch(regularised, torch.Generator().manual_seed(1), 0.0),
+                           draws(0, 0, "noise"), None)
+    assert plain > 0
+    weighing = features.weighing([by_source[0][0], regularised[0]])
+    assert weighing.loss_weights.tolist() == [1.0, 0.5] and weighing.base_model.tolist() == [False, True]
+
+
+def test_changing_how_sources_mix_reads_and_encodes_nothing_again(mixed, tiny_models):
+    """Repeats, weights and loss weights are training's: a new mix is a new manifest and run over
+    the same dataset and caches; sources that keep every default are one pool, as before sources
+    could mix (the same manifest id as a config without these fields)."""
+    config, sources, done = mixed
+    again = run_direct(_config(Path(config.storage.root).parent, tiny_models, sources,
+                               [{"repeats": 2}, {"weight": 0.5}, {"loss_weight": 2.0}]))
+    assert again["ingest"]["id"] == done["ingest"]["id"] and again["ingest"]["work"]["units_read"] == 0
+    for stage in ("encode-text", "encode-latents"):
+        assert again[stage]["work"]["shards_encoded"] == 0, again[stage]["work"]
+    assert again["manifest"]["url"] != done["manifest"]["url"] and again["train"]["run"] != done["train"]["run"]
+
+    plain = _config(Path(config.storage.root).parent, tiny_models, sources, [{}, {}, {}])
+    assert plain.dataset.mix is None
+    pooled = run_direct(plain, until="manifest")
+    assert Store(config.storage).key(pooled["manifest"]["url"]) == layout.manifest(manifest_id(
+        pooled["ingest"]["id"], pooled["text_fingerprints"], pooled["vae_fingerprint"], []))
+
+
+def test_mixes_that_cannot_be_drawn_are_refused_naming_the_sources(tiny_models):
+    sources = [{"path": "/a", "weight": 0.6}, {"path": "/b", "weight": 0.5}, {"path": "/c"}]
+    with pytest.raises(ValidationError, match=r"weights add up to 1\.1, which leaves no batch for the sources "
+                                              r"without one \(/c\)"):
+        PipelineConfig.model_validate({"dataset": {"sources": sources}, "model": {"path": tiny_models}})
+    with pytest.raises(ValidationError, match=r"dataset.sources /r: regularisation base_model .* training.method full"):
+        PipelineConfig.model_validate({"dataset": {"sources": [{"path": "/d"}, {"path": "/r", "regularisation":
+                                                                                 "base_model"}]},
+                                       "model": {"path": tiny_models}, "training": {"method": "full"}})
