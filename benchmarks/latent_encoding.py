@@ -56,7 +56,7 @@ def plain_loop(files: list[Path], vae, table: dict[str, list[float]]) -> list[by
 
         with Image.open(io.BytesIO(data)) as image:
             width, height = image.size
-        pixels = preprocess(data, crop_box(table, width, height, "center", 0, ""))
+        pixels, _ = preprocess(data, crop_box(table, width, height, "center", 0, ""))
         posterior = vae.encode(pixels[None]).latent_dist
         moments = torch.cat([posterior.mean, posterior.std], dim=1)[0].numpy()
         buffer = io.BytesIO()

@@ -119,7 +119,7 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
             ids, _ = tokenize([s["captions"][0] for s in batch], encoder, config.text_encoding)
             hidden = run_encoder(ids, encoder, config.text_encoding)["hidden"]
             text = collate([{"t5_hidden": h} for h in hidden])
-            pixels = torch.stack([preprocess(s["image"], crop_box(table, s["width"], s["height"], "center", 0, ""))
+            pixels = torch.stack([preprocess(s["image"], crop_box(table, s["width"], s["height"], "center", 0, ""))[0]
                                   for s in batch])
             latents = vae.encode(pixels).latent_dist.sample(generator) * vae.config.scaling_factor
         loss = diffusion_loss(network, objective, latents, text, generator, None)

@@ -55,7 +55,7 @@ def held_bytes(config, manifest_url: str) -> dict[str, float]:
     store = Store(config.storage)
     features = CachedFeatures(store, store.read_json(store.key(manifest_url)), family_of(config.model))
     ids = max(features.buckets.values(), key=len)[:2]
-    latents, text = features.batch(ids, torch.Generator().manual_seed(0), 0.0)
+    latents, text, _ = features.batch(ids, torch.Generator().manual_seed(0), 0.0)
     network = trainable_network(config.model, family_of(config.model), config.training)
     kept: list[int] = []
 

@@ -162,6 +162,11 @@ class SourceConfig(Section):
         "image", description="Parquet column with image bytes (or a struct with `bytes`).")
     file_column: Annotated[str, COUNTED] = Field(
         "file_name", description="jsonl/csv field with the image path, relative to the file.")
+    masks: Annotated[Literal["none", "alpha"], IF_NOT_DEFAULT] = Field(
+        "none", description="Where each picture's loss mask comes from. alpha: its alpha channel (kohya's alpha_mask), "
+        "kept at ingest and cached at latent resolution beside the latents: the loss of each latent pixel is weighed "
+        "by the share of its pixels the mask covers, so transparent parts are not learned. A picture without alpha "
+        "trains whole; one whose alpha is 0 everywhere is quarantined (empty_mask). none: alpha is composited on white.")
     # how training draws from the source: ingest and the caches never read these, so changing one
     # ingests and encodes nothing again; they count in the manifest's id (DatasetConfig.mix), and so in the run's
     repeats: Annotated[int, MIXED] = Field(

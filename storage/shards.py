@@ -12,6 +12,7 @@ memory-mapped through safetensors, a row at a time.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 from typing import Any
@@ -201,6 +202,17 @@ class LatentShard:
         if posterior == "mean_logvar":
             return mean, torch.exp(0.5 * self._file.get_slice(f"{prefix}logvar/{bucket}")[index].float())
         return mean, None
+
+    def mask(self, sample_id: str, flipped: bool = False) -> torch.Tensor | None:
+        """The sample's loss mask on its latents' grid [1, (F,) h, w], or None when its shard holds
+        no masked picture."""
+        bucket, index = self.rows[sample_id]
+        name = f"{'flip_' if flipped else ''}mask/{bucket}"
+        return self._file.get_slice(name)[index] if name in self._names else None
+
+    @functools.cached_property
+    def _names(self) -> set[str]:
+        return set(self._file.keys())
 
 def collate(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Per-caption text features → a batch's: sequences [len_i, D] right-padded to the longest

@@ -41,7 +41,7 @@ def _encode(config, dataset=None, **settings):
 def _direct(vae, row, latents):
     box = crop_box(bucket_table(latents.resolution), row["width"], row["height"], latents.crop, latents.crop_seed,
                    row["sample_id"])
-    pixels = preprocess(row["image"], box)
+    pixels, _ = preprocess(row["image"], box)
     with torch.no_grad():
         return vae.encode(pixels[None]).latent_dist, pixels
 
@@ -140,7 +140,7 @@ def test_fp16_overflow_falls_back_to_fp32(make_config, tiny_models, tmp_path):
     half = AutoencoderKL.from_pretrained(hot, subfolder="vae", torch_dtype=torch.float16)
     record, cache, rows, latents = _encode(config, dtype="fp16")
     with torch.no_grad():
-        assert not half.encode(preprocess(rows[0]["image"], cache.meta["crop_boxes"][rows[0]["sample_id"]])[None]
+        assert not half.encode(preprocess(rows[0]["image"], cache.meta["crop_boxes"][rows[0]["sample_id"]])[0][None]
                                .half()).latent_dist.mean.isfinite().all()  # the trap is real
     assert record["samples"] == len(rows) and record["quarantined"] == []
     for row in rows:

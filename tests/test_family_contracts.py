@@ -293,7 +293,7 @@ def test_latents_are_what_the_image_to_image_pipeline_prepares_of_the_same_pictu
     store, family = Store(config.storage), family_of(config.model)
     features = CachedFeatures(store, store.read_json(store.key(records["manifest"]["url"])), family)
     (sample,) = features.samples
-    ours, _ = features.batch([sample], torch.Generator().manual_seed(3), 0.0)
+    ours, *_ = features.batch([sample], torch.Generator().manual_seed(3), 0.0)
 
     pipeline = getattr(diffusers, preparation.pipeline).from_pretrained(config.model.path)
     shifting = pipeline.scheduler.config.get("use_dynamic_shifting")

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig, VideoConfig
@@ -30,6 +31,7 @@ from storage import layout
 from storage.shards import bucket_name, pack_latents, read_image_shard, read_latent_rows, shard_id_of
 from storage.store import ArtifactMissing, Damaged, Store
 from tasks.encode.models import VAE_IN_USE, build_vae, load_vae
+from tasks.ingest.untrusted import to_rgb
 from tasks.ingest.video import clip_frames, frame_count
 from tasks.families import family_of
 from tasks.loading import DTYPES
@@ -61,10 +63,24 @@ def crop_box(table: dict[str, list[float]], width: int, height: int, crop: str, 
     return [resized_w, resized_h, left, top, left + target_w, top + target_h]
 
 
-def preprocess(image_bytes: bytes, box: list[int]) -> torch.Tensor:
-    """Pixels the VAE sees: resized (bicubic) and cropped by `box`, scaled to [-1, 1], [3, H, W]."""
+def preprocess(image_bytes: bytes, box: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pixels the VAE sees: resized (bicubic) and cropped by `box`, scaled to [-1, 1], [3, H, W];
+    and a picture's loss mask, when ingest kept its alpha (a source's `masks: alpha`): the alpha
+    resized (bilinear) and cropped alike, [1, H, W] in [0, 1], its pixels composited on white."""
     with Image.open(io.BytesIO(image_bytes)) as opened:
-        return pixels_of(opened.convert("RGB"), box)
+        if opened.mode == "RGBA":
+            alpha = opened.getchannel("A").resize(tuple(box[:2]), Image.Resampling.BILINEAR).crop(tuple(box[2:]))
+            mask = torch.from_numpy(np.asarray(alpha, dtype=np.uint8).copy()).float().div(255.0)[None]
+            return pixels_of(to_rgb(opened), box), mask
+        return pixels_of(opened.convert("RGB"), box), None
+
+
+def latent_mask(mask: torch.Tensor | None, latent_shape: torch.Size) -> torch.Tensor:
+    """A picture's loss mask on its latents' grid [1, 1, (F,) h, w]: the share of each latent
+    pixel's pixels it covers (an area mean); all ones for a picture without one."""
+    if mask is None:
+        return torch.ones(1, 1, *latent_shape)
+    return F.interpolate(mask[None], size=tuple(latent_shape[-2:]), mode="area").reshape(1, 1, *latent_shape)
 
 
 def preprocess_clip(clip_bytes: bytes, box: list[int]) -> torch.Tensor:
@@ -162,13 +178,13 @@ def encode_latents_shard(
         # only if a batch is non-finite
         fp32_vae = functools.cache(lambda: build_vae(model, family, "fp32", latents.device))
 
-        def load_pixels(batch: list[dict]) -> torch.Tensor:
+        def load_pixels(batch: list[dict]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
             if frames[batch[0]["sample_id"]] > 1:
-                pixels = torch.stack([preprocess_clip(s["image"], boxes[s["sample_id"]]) for s in batch])
+                pixels, masks = torch.stack([preprocess_clip(s["image"], boxes[s["sample_id"]]) for s in batch]), []
             else:
-                pixels = torch.stack([preprocess(s["image"], boxes[s["sample_id"]]) for s in batch])
-                pixels = family.codec.vae_pixels(pixels)
-            return pixels.pin_memory() if vae.device.type == "cuda" else pixels
+                pixels, masks = zip(*(preprocess(s["image"], boxes[s["sample_id"]]) for s in batch))
+                pixels = family.codec.vae_pixels(torch.stack(pixels))
+            return (pixels.pin_memory() if vae.device.type == "cuda" else pixels), list(masks)
 
         # with an accelerator, the next batches are decoded and resized (Pillow releases the GIL) by
         # this process's share of the cores while the VAE encodes: one thread decodes ~60 photos/s,
@@ -177,7 +193,7 @@ def encode_latents_shard(
         feed = prefetched(load_pixels, batches, ahead=threads + (threads > 0), threads=max(threads, 1))
         for batch in batches:
             asked = time.perf_counter()
-            pixels = next(feed)
+            pixels, masks = next(feed)
             waited += time.perf_counter() - asked  # the device idle for want of data (on a CPU: the decoding itself)
             if latents.flip:
                 pixels = torch.cat([pixels, pixels.flip(-1)])
@@ -195,11 +211,22 @@ def encode_latents_shard(
                     log.warning("quarantined sample %s of shard %s: non-finite latent", sample_id, shard_id)
                     continue
                 parts = stored_parts(mean[row : row + 1], logvar[row : row + 1], latents.posterior)
+                if masks and masks[row] is not None:
+                    parts["mask"] = latent_mask(masks[row], mean.shape[2:])
                 if latents.flip:
                     flipped = stored_parts(mean[row + count : row + count + 1],
                                            logvar[row + count : row + count + 1], latents.posterior)
                     parts.update({f"flip_{part}": t for part, t in flipped.items()})
+                    if "mask" in parts:
+                        parts["flip_mask"] = parts["mask"].flip(-1)
                 results[sample_id] = bucket_name(*mean.shape[2:]), {part: t.to(store_dtype) for part, t in parts.items()}
+    # a shard with a masked picture stores a mask for every row (a bucket's rows share their parts)
+    if any("mask" in parts for _, parts in results.values()):
+        for name, parts in results.values():
+            if "mask" not in parts:
+                parts["mask"] = latent_mask(None, parts["mean"].shape[2:]).to(store_dtype)
+                if "flip_mean" in parts:
+                    parts["flip_mask"] = parts["mask"]
     # rows in the order one pass over every sample gives, whichever were copied
     encoded: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
     rows: dict[str, tuple[str, int]] = {}

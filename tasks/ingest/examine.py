@@ -31,6 +31,8 @@ from tasks.ingest.video import is_video, read_video
 
 
 NOT_A_CONTAINER = "not an mp4, mov, webm or mkv container"  # a file named as a video, and no picture either
+# appended to a picture's bytes for its sample id when its source keeps alpha as the loss mask
+ALPHA_MASKED = b"\0precast: alpha is the loss mask"
 
 
 @dataclass
@@ -52,11 +54,13 @@ class Outcome:
 
 
 def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str], tuple[int, int] | None],
-            keep: Callable[[str, bytes], None], decoding: AbstractContextManager) -> list[Outcome]:
+            keep: Callable[[str, bytes], None], decoding: AbstractContextManager, alpha: bool = False) -> list[Outcome]:
     """One candidate checked: hashed, its geometry checked, and a new image (one `stored` does not
     give the size of) decoded, normalised and handed to `keep` under its sample id; a video, each
-    of its clips, decoded while `decoding` is held (a bound on the videos decoded at once). Never
-    raises: one bad file never fails the stage."""
+    of its clips, decoded while `decoding` is held (a bound on the videos decoded at once). With
+    `alpha` (its source's `masks: alpha`) a picture keeps its alpha channel as its loss mask, under
+    an id of its own (ALPHA_MASKED): the same file is another sample with its mask than without.
+    Never raises: one bad file never fails the stage."""
     outcome = Outcome(printable(candidate.source), candidate.format)
     try:
         if candidate.problem is not None:
@@ -78,13 +82,13 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
             if size > max_image_bytes(dataset):
                 raise Rejected("bad_video", NOT_A_CONTAINER)
             data = data.read_bytes()
-        outcome.sample_id = sha256_bytes(data)
+        outcome.sample_id = sha256_bytes(data + ALPHA_MASKED if alpha else data)
         if (size := stored(outcome.sample_id)) is not None:  # validated when first ingested; only the rules may have changed
             outcome.width, outcome.height = size
             check_geometry(outcome.width, outcome.height, dataset)
         else:
             try:
-                image, outcome.width, outcome.height = normalise_image(data, dataset)
+                image, outcome.width, outcome.height = normalise_image(data, dataset, alpha)
             except Rejected as problem:  # named a video, and its bytes are no container and no picture
                 if problem.reason == "not_image" and is_video_name(candidate.source):
                     raise Rejected("bad_video", NOT_A_CONTAINER) from problem
@@ -130,7 +134,7 @@ def examine_unit(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, 
     outcomes: list[Outcome] = []
     for candidate in read_unit(fs, fmt, source, plan, limit):
         try:
-            outcomes += examine(candidate, dataset, stored, keep, decoding)
+            outcomes += examine(candidate, dataset, stored, keep, decoding, source.masks == "alpha")
         finally:
             if isinstance(candidate.image, Path):
                 candidate.image.unlink(missing_ok=True)

@@ -185,6 +185,11 @@ def check_geometry(width: int, height: int, config: DatasetConfig) -> None:
         raise Rejected("aspect_ratio", f"{width}x{height} is beyond 1:{MAX_ASPECT_RATIO:g}")
 
 
+def to_rgba(image: Image.Image) -> Image.Image:
+    """RGBA pixels of a picture with alpha (16-bit modes have none)."""
+    return image.convert("RGBA")
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB pixels of any mode: 16-bit scaled to 8, palette and LA through RGBA, alpha composited on
     white (what most trainers do), CMYK and grayscale converted."""
@@ -201,9 +206,15 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def normalise_image(data: bytes, config: DatasetConfig) -> tuple[bytes, int, int]:
+def has_alpha(image: Image.Image) -> bool:
+    """Whether a picture carries transparency: an alpha channel, or a palette's transparent colour."""
+    return image.mode in ("RGBA", "PA", "LA", "La", "RGBa") or "transparency" in image.info
+
+
+def normalise_image(data: bytes, config: DatasetConfig, alpha: bool = False) -> tuple[bytes, int, int]:
     """Decode-check an image; returns its bytes (re-encoded as lossless PNG only when it needed
-    conversion or rotation) and its size after EXIF orientation. Raises Rejected."""
+    conversion or rotation) and its size after EXIF orientation. With `alpha` (a source's `masks:
+    alpha`), a picture with an alpha channel keeps it as RGBA, its loss mask. Raises Rejected."""
     if not data:
         raise Rejected("empty_file", "zero bytes")
     if len(data) > max_image_bytes(config):
@@ -219,10 +230,14 @@ def normalise_image(data: bytes, config: DatasetConfig) -> tuple[bytes, int, int
             xmp = opened.info.get("xmp") or b""
             xmp = xmp.encode() if isinstance(xmp, str) else xmp
             clip_like = opened.format == "WEBP" and CLIP_FRAMES.encode() in xmp
-            converted = (rotated or opened.mode != "RGB" or opened.format not in KEEP_AS_IS
+            mode = "RGBA" if alpha and has_alpha(opened) else "RGB"
+            converted = (rotated or opened.mode != mode or opened.format not in KEEP_AS_IS
                          or getattr(opened, "n_frames", 1) > 1 or clip_like)
             if converted:
-                image = to_rgb(image)
+                image = to_rgb(image) if mode == "RGB" else to_rgba(image)
+            if mode == "RGBA" and image.getchannel("A").getextrema()[1] == 0:
+                raise Rejected("empty_mask", "its alpha channel, the loss mask (masks: alpha), is 0 everywhere: no "
+                                             "pixel of it would be learned")
     except UnidentifiedImageError as error:
         raise Rejected("not_image", f"not {', '.join(IMAGE_FORMATS)}") from error
     except Image.DecompressionBombError as error:

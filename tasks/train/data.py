@@ -101,31 +101,33 @@ class CachedFeatures:
             return default
         return [default if (rate := self.source(s)["caption_dropout"]) is None else rate for s in sample_ids]
 
-    def weighing(self, sample_ids: list[str]) -> Weighing | None:
-        """Each sample's loss weight and whether it trains toward the base model's prediction
-        (a regularisation source's `base_model`); None when every one is plain."""
+    def weighing(self, sample_ids: list[str], masks: torch.Tensor | None = None) -> Weighing | None:
+        """Each sample's loss weight and whether it trains toward the base model's prediction (a
+        regularisation source's `base_model`), with the batch's loss `masks`; None when every one is plain."""
         if self.mix is None:
-            return None
+            return None if masks is None else Weighing(None, None, masks)
         sources = [self.source(s) for s in sample_ids]
         weights = [source["loss_weight"] for source in sources]
         base = [source["regularisation"] == "base_model" for source in sources]
         return Weighing(None if all(w == 1.0 for w in weights) else torch.tensor(weights),
-                        torch.tensor(base) if any(base) else None)
+                        torch.tensor(base) if any(base) else None, masks)
 
     def batch(
         self, sample_ids: list[str], generator: torch.Generator, caption_dropout: float | list[float]
-    ) -> tuple[torch.Tensor, Conditioning]:
+    ) -> tuple[torch.Tensor, Conditioning, torch.Tensor | None]:
         """Normalised latents [B, C, (F,) h, w] (as the family's codec normalises them) drawn from the stored posteriors (of the flipped image half of
         the time when flips are stored) and the text features of a caption variant of each (the
         empty caption's, at the rate of `caption_dropout`: one for all, or each sample's),
-        collated (`storage.shards.collate`)."""
-        latents, texts = [], []
+        collated (`storage.shards.collate`); and their loss masks [B, 1, (F,) h, w] (flipped with
+        their latents), None when no sample of the batch has one."""
+        latents, texts, masks = [], [], []
         rates = [caption_dropout] * len(sample_ids) if isinstance(caption_dropout, float) else caption_dropout
         for sample_id, rate in zip(sample_ids, rates):
             row = self.samples[sample_id]
             shard = self._latents[row["latent_shard"]]
             flipped = shard.meta["flip"] and torch.rand((), generator=generator).item() < 0.5
             mean, std = shard.get(sample_id, flipped)
+            masks.append(shard.mask(sample_id, flipped))
             latent = mean.float()
             if std is not None:  # a fresh draw from the posterior every time the sample is seen
                 latent = latent + std.float() * torch.randn(mean.shape, generator=generator)
@@ -135,7 +137,10 @@ class CachedFeatures:
             else:
                 variant = int(torch.randint(row["variants"], (), generator=generator))
                 texts.append(self.text.caption(text_shards_of(row), sample_id, variant))
-        return torch.stack(latents), collate(texts)
+        if all(mask is None for mask in masks):
+            return torch.stack(latents), collate(texts), None
+        whole = torch.ones(1, *latents[0].shape[1:])
+        return torch.stack(latents), collate(texts), torch.stack([whole if m is None else m.float() for m in masks])
 
 
 class Batches:
@@ -166,11 +171,11 @@ class Batches:
     def _load(self, item: tuple[int, list[str]]) -> tuple[int, tuple[torch.Tensor, Conditioning, Weighing | None]]:
         index, sample_ids = item
         features = self.features
-        latents, text = features.batch(sample_ids, draws(self.training.seed, index, "data"),
-                                       features.caption_dropouts(sample_ids, self.training.caption_dropout))
+        latents, text, masks = features.batch(sample_ids, draws(self.training.seed, index, "data"),
+                                              features.caption_dropouts(sample_ids, self.training.caption_dropout))
         if self.device.type == "cuda":  # pinned, so the copy to the device does not hold the host
             latents, text = latents.pin_memory(), {name: value.pin_memory() for name, value in text.items()}
-        return index, (latents, text, features.weighing(sample_ids))
+        return index, (latents, text, features.weighing(sample_ids, masks))
 
     def __iter__(self) -> Batches:
         return self

@@ -50,6 +50,7 @@ class Weighing:
 
     loss_weights: torch.Tensor | None  # [B]: each sample's loss multiplied by it (None: all 1)
     base_model: torch.Tensor | None  # [B] bool: trained toward the base model's prediction (None: none)
+    masks: torch.Tensor | None = None  # [B, 1, (F,) h, w]: each latent pixel's weight in its sample's loss (None: all 1)
 
 
 def diffusion_loss(
@@ -84,10 +85,13 @@ def diffusion_loss(
     if weighing is not None and weighing.loss_weights is not None:
         sources = weighing.loss_weights.to(device)
         weights = sources if weights is None else weights * sources
+    if weighing is not None and weighing.masks is not None:  # a sample's loss: the mean over what its mask covers
+        masks = weighing.masks.to(device=device, dtype=torch.float32)
+        scored = masks if scored is None else scored.to(torch.float32) * masks
     if weights is None and scored is None:
         return F.mse_loss(prediction.float(), target.float())
     error = F.mse_loss(prediction.float(), target.float(), reduction="none")
     dims = list(range(1, latents.ndim))
     scored = None if scored is None else scored.to(error.dtype).expand_as(error)  # fp32: half latents' counts overflow
-    per_sample = error.mean(dim=dims) if scored is None else (error * scored).sum(dim=dims) / scored.sum(dim=dims)
+    per_sample = error.mean(dim=dims) if scored is None else (error * scored).sum(dim=dims) / scored.sum(dim=dims).clamp_min(1e-6)
     return (per_sample * (1.0 if weights is None else weights)).mean()

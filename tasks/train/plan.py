@@ -291,7 +291,7 @@ def reader_shapes(model: ModelConfig, family: Family, features: Any) -> Shapes:
     config = family.denoiser.transformer_class().load_config(model.path, subfolder=family.denoiser.folder(model),
                                                              revision=model.revision)
     bucket = max(features.buckets, key=lambda name: family.denoiser.image_tokens(config, *bucket_sides(name)))
-    latents, _ = features.batch(features.buckets[bucket][:1], torch.Generator().manual_seed(0), 0.0)
+    latents, *_ = features.batch(features.buckets[bucket][:1], torch.Generator().manual_seed(0), 0.0)
     lengths = {spec.name: shard.meta["max_length"] for spec, shard in zip(family.text.encoders, features.text.prompts)}
     return Shapes(tuple(latents.shape[1:]), lengths)
 

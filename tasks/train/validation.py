@@ -10,7 +10,7 @@ import torch
 
 from configs.schema import TrainingConfig
 from tasks.train.data import CachedFeatures
-from tasks.train.loss import Objective, diffusion_loss
+from tasks.train.loss import Objective, Weighing, diffusion_loss
 
 
 class Validation:
@@ -53,9 +53,10 @@ class Validation:
         network.eval()
         total = 0.0
         for ids in self.batches:
-            latents, text = self.features.batch(ids, generator, caption_dropout=0.0)
+            latents, text, masks = self.features.batch(ids, generator, caption_dropout=0.0)
             loss = diffusion_loss(network, objective, latents.to(device),
-                                  {name: value.to(device) for name, value in text.items()}, generator, half)
+                                  {name: value.to(device) for name, value in text.items()}, generator, half,
+                                  None if masks is None else Weighing(None, None, masks))
             total += loss.item() * len(ids)
         network.train(was_training)
         return total / len(self.held)

@@ -1,7 +1,8 @@
-"""Datasets of several sources, mixed as users mix them: a subject repeated beside a larger set, a
-set drawn at a fixed share whatever its size, a regularisation set trained toward the base
-model's prediction at half the loss. Each sample keeps its source from ingest to the run page; how
-the sources mix counts in the manifest and the run, never in what ingest and the encoders made."""
+"""Datasets as users build them. Several sources, mixed as users mix them: a subject repeated beside
+a larger set, a set drawn at a fixed share whatever its size, a regularisation set trained toward
+the base model's prediction at half the loss; each sample keeps its source from ingest to the run
+page, and how the sources mix counts in the manifest and the run, never in what ingest and the
+encoders made. And pictures whose alpha channel is their loss mask."""
 
 from __future__ import annotations
 
@@ -20,14 +21,16 @@ from storage import layout
 from storage.store import Store
 from tasks.demo.data import write_demo_data
 from tasks.identity import manifest_id
+from tasks.ingest.examine import ALPHA_MASKED
 from tasks.ingest.report import report_markdown
 from tasks.runner import run_direct
 from tasks.runs.page import RunPage
 from tasks.train.data import CachedFeatures, mixed_batches
 
-# a subject repeated 3 times, a set drawn at a quarter of the batches, a regularisation set
-MIX = [{"repeats": 3}, {"weight": 0.25}, {"regularisation": "base_model", "loss_weight": 0.5}]
-SHARES = [0.75 * 24 / 32, 0.25, 0.75 * 8 / 32]  # the pool's 3 × 8 + 8 draws share what the weight leaves
+# a subject of cut-outs (their alpha the loss mask) repeated 3 times, a set drawn at a quarter of the
+# batches, a regularisation set trained toward the base model at half the loss
+MIX = [{"repeats": 3, "masks": "alpha"}, {"weight": 0.25}, {"regularisation": "base_model", "loss_weight": 0.5}]
+SHARES = [0.75 * 15 / 23, 0.25, 0.75 * 8 / 23]  # the pool's 3 × 5 + 8 draws share what the weight leaves
 
 
 def _config(folder: Path, tiny_models: str, sources: list[str], mix: list[dict]) -> PipelineConfig:
@@ -42,10 +45,12 @@ def _config(folder: Path, tiny_models: str, sources: list[str], mix: list[dict])
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory, tiny_models):
-    """Three sources of 8 pictures each, trained through every stage as MIX says."""
+    """Three sources trained through every stage as MIX says: the subject's 5 cut-outs (and one
+    wholly transparent, quarantined), 8 pictures of styles, 8 of regularisation."""
     folder = tmp_path_factory.mktemp("mixed")
-    sources = [str(write_demo_data(folder / name, count=8, seed=20 + i)) for i, name in enumerate(("subject", "styles",
-                                                                                                   "regularisation"))]
+    _masked_pictures(folder / "subject")
+    sources = [str(folder / "subject"), *(str(write_demo_data(folder / name, count=8, seed=20 + i))
+                                          for i, name in enumerate(("styles", "regularisation")))]
     config = _config(folder, tiny_models, sources, MIX)
     return config, sources, run_direct(config)
 
@@ -54,21 +59,23 @@ def test_three_sources_train_through_every_stage_and_each_sample_keeps_its_sourc
     config, sources, done = mixed
     store = Store(config.storage)
     report = store.read_json(layout.dataset_report(done["ingest"]["id"]))
-    assert [(s["path"], s["samples"]) for s in report["sources"]] == [(path, 8) for path in sources]
+    assert [(s["path"], s["samples"]) for s in report["sources"]] == [(path, n) for path, n in zip(sources, (5, 8, 8))]
     assert "## By source, as training draws from them" in report_markdown(report)
     assert [round(s["share"], 6) for s in report["sources"]] == [round(share, 6) for share in SHARES]
 
     manifest = store.read_json(store.key(done["manifest"]["url"]))
     assert [(m["samples"], m["repeats"], m["weight"], m["loss_weight"], m["regularisation"]) for m in manifest["mix"]] \
-        == [(8, 3, None, 1.0, "off"), (8, 1, 0.25, 1.0, "off"), (8, 1, None, 0.5, "base_model")]
+        == [(5, 3, None, 1.0, "off"), (8, 1, 0.25, 1.0, "off"), (8, 1, None, 0.5, "base_model")]
     features = CachedFeatures(store, manifest, config_family(config))
-    for index, path in enumerate(sources):  # a sample's id is its picture's sha256
-        ids = {hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(path).iterdir() if p.suffix != ".txt"}
+    for index, path in enumerate(sources):  # a sample's id is its picture's sha256 (the cut-outs' with their mask's word)
+        ids = {hashlib.sha256(p.read_bytes() + (ALPHA_MASKED if index == 0 else b"")).hexdigest()
+               for p in Path(path).iterdir() if p.suffix != ".txt" and p.name != "4.png"}
         assert {s for s, row in features.samples.items() if row["source"] == index} == ids
 
     page = RunPage.read(store, store.key(done["train"]["run"])).markdown()
-    assert "×3 repeats, 56.2% of draws" in page and "weight 0.25, 25.0% of draws" in page
-    assert "loss weight 0.5, regularisation (base_model), 18.8% of draws" in page
+    assert "×3 repeats, 48.9% of draws" in page and "weight 0.25, 25.0% of draws" in page
+    assert "loss weight 0.5, regularisation (base_model), 26.1% of draws" in page
+    assert done["train"]["final_loss"] == done["train"]["final_loss"]  # masked, weighted, regularised: no NaN
 
 
 def config_family(config: PipelineConfig):
@@ -86,9 +93,9 @@ def test_the_sampler_draws_the_declared_shares_the_same_on_every_process_and_aft
     styles = [batch for batch in batches if features.samples[batch[0]]["source"] == 1]
     assert abs(len(styles) / len(batches) - SHARES[1]) < 0.02, len(styles) / len(batches)
     assert all(features.samples[s]["source"] == 1 for batch in styles for s in batch)
-    # the pool's batches, the rest: the subject's samples 3 times for each regularisation sample
+    # the pool's batches, the rest: the subject's 5 samples 3 times each beside the 8 of regularisation
     pooled = Counter(features.samples[s]["source"] for batch in batches if batch not in styles for s in batch)
-    assert set(pooled) == {0, 2} and abs(pooled[0] / (pooled[0] + pooled[2]) - 0.75) < 0.02, pooled
+    assert set(pooled) == {0, 2} and abs(pooled[0] / (pooled[0] + pooled[2]) - 15 / 23) < 0.02, pooled
     # a pure function of the seed: two processes (every other batch each) and a run resumed at batch 1,000
     assert list(islice(mixed_batches(features.buckets, 2, 0, features), 6000)) == batches
     ranks = [list(islice(mixed_batches(features.buckets, 2, 0, features), rank, 6000, 2)) for rank in (0, 1)]
@@ -116,7 +123,7 @@ def test_a_source_drops_its_captions_and_weighs_its_loss_as_it_says(mixed):
     assert features.caption_dropouts(ids, 0.1) == [1.0, 0.1]
     empty = features.text.prompt("")
     for sample_id, dropped in zip(ids, (True, False)):  # a batch each: their buckets may differ
-        _, text = features.batch([sample_id], torch.Generator().manual_seed(0),
+        _, text, _ = features.batch([sample_id], torch.Generator().manual_seed(0),
                                  features.caption_dropouts([sample_id], 0.0))
         assert all(torch.equal(text[name][0], value.float()) == dropped for name, value in empty.items())
 
@@ -124,14 +131,14 @@ def test_a_source_drops_its_captions_and_weighs_its_loss_as_it_says(mixed):
     objective = Objective.of(config.model, config.training, family)
 
     def loss(sample_ids: list[str]) -> torch.Tensor:
-        latents, text = features.batch(sample_ids, torch.Generator().manual_seed(1), 0.0)
+        latents, text, _ = features.batch(sample_ids, torch.Generator().manual_seed(1), 0.0)
         return diffusion_loss(network, objective, latents, text, draws(0, 0, "noise"), None,
                               features.weighing(sample_ids), network)
 
     assert features.weighing(by_source[1][:2]) == Weighing(None, None)
     regularised = by_source[2][:1]
     assert loss(regularised) == 0.0
-    plain = diffusion_loss(network, objective, *features.batch(regularised, torch.Generator().manual_seed(1), 0.0),
+    plain = diffusion_loss(network, objective, *features.batch(regularised, torch.Generator().manual_seed(1), 0.0)[:2],
                            draws(0, 0, "noise"), None)
     assert plain > 0
     weighing = features.weighing([by_source[0][0], regularised[0]])
@@ -144,13 +151,13 @@ def test_changing_how_sources_mix_reads_and_encodes_nothing_again(mixed, tiny_mo
     could mix (the same manifest id as a config without these fields)."""
     config, sources, done = mixed
     again = run_direct(_config(Path(config.storage.root).parent, tiny_models, sources,
-                               [{"repeats": 2}, {"weight": 0.5}, {"loss_weight": 2.0}]))
+                               [{"repeats": 2, "masks": "alpha"}, {"weight": 0.5}, {"loss_weight": 2.0}]))
     assert again["ingest"]["id"] == done["ingest"]["id"] and again["ingest"]["work"]["units_read"] == 0
     for stage in ("encode-text", "encode-latents"):
         assert again[stage]["work"]["shards_encoded"] == 0, again[stage]["work"]
     assert again["manifest"]["url"] != done["manifest"]["url"] and again["train"]["run"] != done["train"]["run"]
 
-    plain = _config(Path(config.storage.root).parent, tiny_models, sources, [{}, {}, {}])
+    plain = _config(Path(config.storage.root).parent, tiny_models, sources, [{"masks": "alpha"}, {}, {}])
     assert plain.dataset.mix is None
     pooled = run_direct(plain, until="manifest")
     assert Store(config.storage).key(pooled["manifest"]["url"]) == layout.manifest(manifest_id(
@@ -166,3 +173,76 @@ def test_mixes_that_cannot_be_drawn_are_refused_naming_the_sources(tiny_models):
         PipelineConfig.model_validate({"dataset": {"sources": [{"path": "/d"}, {"path": "/r", "regularisation":
                                                                                  "base_model"}]},
                                        "model": {"path": tiny_models}, "training": {"method": "full"}})
+
+
+def _masked_pictures(folder: Path) -> dict[str, bytes]:
+    """Pictures with captions: 4 whose right half is transparent, one wholly transparent, one
+    without alpha; {name: file bytes}."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    files = {}
+    for i in range(6):
+        pixels = np.full((128, 128, 4), 255, dtype=np.uint8)
+        pixels[..., :3] = np.random.default_rng(i).integers(0, 255, 3, dtype=np.uint8)
+        pixels[:, 64:, 3] = 0 if i < 4 else pixels[:, 64:, 3]
+        pixels[..., 3] = 0 if i == 4 else pixels[..., 3]
+        image = Image.fromarray(pixels, "RGBA") if i < 5 else Image.fromarray(pixels[..., :3], "RGB")
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        files[f"{i}.png"] = buffer.getvalue()
+        (folder / f"{i}.png").write_bytes(buffer.getvalue())
+        (folder / f"{i}.txt").write_text(f"a picture number {i}")
+    return files
+
+
+def test_a_pictures_alpha_is_its_loss_mask_cached_on_the_latent_grid(tmp_path, tiny_models):
+    """`masks: alpha`: each picture keeps its alpha (its own sample: the same file unmasked is
+    another), the latent cache holds it as the share of each latent pixel it covers, and the loss
+    of a sample is the mean over what its mask covers: a mask of zeros weighs it out as a loss
+    weight of 0 would. A wholly transparent picture is quarantined; one without alpha trains whole."""
+    from storage.shards import LatentShard, read_image_shard
+    from tasks.train.data import draws
+    from tasks.train.loss import Objective, Weighing, diffusion_loss
+    from tasks.train.network import trainable_network
+
+    files = _masked_pictures(tmp_path / "cut-outs")
+    config = _config(tmp_path, tiny_models, [str(tmp_path / "cut-outs")], [{"masks": "alpha"}])
+    done = run_direct(config)
+    assert done["ingest"]["quarantined"] == 1
+    report = Store(config.storage).read_json(layout.dataset_report(done["ingest"]["id"]))
+    assert [(q["reason"], Path(q["source"]).name) for q in report["quarantine"]] == [("empty_mask", "4.png")]
+    ids = {name: hashlib.sha256(data + ALPHA_MASKED).hexdigest() for name, data in files.items() if name != "4.png"}
+    store = Store(config.storage)
+    rows = [row for shard in done["ingest"]["shards"]
+            for row in read_image_shard(store.read_bytes(layout.image_shard(shard["id"]))).to_pylist()]
+    assert {row["sample_id"] for row in rows} == set(ids.values())
+
+    manifest = store.read_json(store.key(done["manifest"]["url"]))
+    features = CachedFeatures(store, manifest, config_family(config))
+    for name, sample_id in ids.items():
+        row = features.samples[sample_id]
+        mask = LatentShard(store.local_paths({row["latent_shard"]: manifest["checksums"][row["latent_shard"]]})
+                           [row["latent_shard"]]).mask(sample_id).float()
+        width = mask.shape[-1]
+        if name == "5.png":  # no alpha: the whole picture
+            assert torch.equal(mask, torch.ones_like(mask))
+        else:  # the right half transparent
+            assert mask[..., : width // 2 - 1].min() == 1 and mask[..., width // 2 + 1 :].max() == 0, mask
+
+    half, whole = ids["0.png"], ids["5.png"]
+    assert features.samples[half]["bucket"] == features.samples[whole]["bucket"]  # square: one batch
+    latents, text, masks = features.batch([half, whole], torch.Generator().manual_seed(0), 0.0)
+    network = trainable_network(config.model, config_family(config), config.training, None)
+    objective = Objective.of(config.model, config.training, config_family(config))
+
+    def loss(weighing):
+        return diffusion_loss(network, objective, latents, text, draws(0, 0, "noise"), None, weighing)
+
+    zero = torch.stack([torch.zeros_like(masks[0]), masks[1]])
+    torch.testing.assert_close(loss(Weighing(None, None, zero)), loss(Weighing(torch.tensor([0.0, 1.0]), None)))
+    assert loss(Weighing(None, None, masks)) != loss(None)
+    assert done["train"]["final_loss"] == done["train"]["final_loss"]  # trained to the end, no NaN from a mask
