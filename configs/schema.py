@@ -451,10 +451,31 @@ class LoraConfig(Group):
         "family pipeline's load_lora_weights; ComfyUI's loader applies them against other norms, so that export "
         "is refused.",
     )
+    adapter: Annotated[Literal["lora", "loha", "lokr"], IF_NOT_DEFAULT] = Field(
+        "lora", description="The kind of adapter, each PEFT's: lora (a low-rank update B·A); loha (LyCORIS' LoHa: "
+        "the Hadamard product of two rank-r updates, rank r² of expressiveness for twice LoRA's weights); lokr "
+        "(LyCORIS' LoKr: the Kronecker product of a small factor and a rank-r one, far fewer weights). rank, alpha "
+        "(scale alpha / rank) and target_modules apply to each; dropout is LoHa's and LoKr's rank dropout. "
+        "Exported for ComfyUI's loader (which reads LyCORIS' keys); the diffusers pipelines' load_lora_weights "
+        "reads LoRA alone, so that export of the others is refused (load them with PEFT).",
+    )
+    factor: Annotated[int, IF_NOT_DEFAULT] = Field(
+        -1, ge=-1, description="lokr: the Kronecker factor's size (PEFT's decompose_factor, LyCORIS' factor; "
+        "-1: the most balanced split of each dimension).",
+    )
     target_modules: Annotated[list[str] | None, COUNTED] = Field(
         None, description="Transformer modules that get LoRA layers (PEFT target_modules). None: the model family's "
         "own (attention q/k/v/out and feed-forward; docs/families.md).",
     )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> LoraConfig:
+        if self.dora and self.adapter != "lora":
+            raise ValueError(f"lora.dora with lora.adapter {self.adapter}: DoRA decomposes a LoRA's update; "
+                             "choose one")
+        if self.factor != -1 and self.adapter != "lokr":
+            raise ValueError(f"lora.factor is LoKr's (lora.adapter lokr), not {self.adapter}'s")
+        return self
 
 
 class OptimizerConfig(Group):
@@ -688,6 +709,10 @@ class TrainingConfig(Section):
         if self.base_precision != "fp32" and self.method == "full":
             raise ValueError(f"base_precision {self.base_precision} is for LoRA: method full trains every weight "
                              f"in fp32")
+        if self.lora.adapter != "lora" and self.base_precision in ("int8", "fp8"):
+            raise ValueError(f"lora.adapter {self.lora.adapter} with base_precision {self.base_precision}: PEFT's "
+                             f"{self.lora.adapter} layers add their update to the base weight itself, which a "
+                             f"quantised base does not hold; use base_precision bf16")
         if self.lora.dora and self.base_precision in ("int8", "fp8"):
             raise ValueError(f"lora.dora with base_precision {self.base_precision}: PEFT's DoRA dequantises each "
                              f"adapted weight to fp32 in every forward (a full-precision copy a layer, kept for "

@@ -5,7 +5,11 @@ key -> ComfyUI model key, with q/k/v fused into `attn.qkv` and k/v into `cross_a
 addressed as (key, (dim, start, length)) slices), the PixArt branch of
 `comfy/lora.py::model_lora_keys_unet` (prefixes `transformer.`, `base_model.model.`,
 `unet.base_model.model.`), `LoRAAdapter.load`'s key pairs and `calculate_weight`'s rule
-`weight += strength * (alpha / rank) * up @ down` (alpha / rank = 1 without an alpha key).
+`weight += strength * (alpha / rank) * up @ down` (alpha / rank = 1 without an alpha key); after a
+module's LoRA pairs, `load_lora` tries LyCORIS' (comfy/weight_adapter/, read at 17adbb5c and
+179c2d35): LoHa's `hada_w1_a/b`, `hada_w2_a/b`, `(w1_a @ w1_b) * (w2_a @ w2_b)` scaled by alpha /
+w1_b's rank, and LoKr's `lokr_w1` (or `lokr_w1_a/b`) and `lokr_w2` (or `lokr_w2_a/b`),
+`kron(w1, w2)` scaled by alpha / the rank of the last decomposed factor, 1.0 when both are whole.
 Only the transformer blocks' linear layers are restated: what a LoRA on them needs.
 """
 
@@ -76,12 +80,35 @@ def apply_lora(weights: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], 
         alpha = lora.get(f"{name}.alpha")
         if alpha is not None:
             loaded.add(f"{name}.alpha")
+        weight = weights[key] if length is None else weights[key].narrow(dim, start, length)
         for up_suffix, down_suffix in PAIRS:
             if name + up_suffix in lora:
                 up, down = lora[name + up_suffix], lora[name + down_suffix]
                 loaded |= {name + up_suffix, name + down_suffix}
                 scale = alpha.item() / down.shape[0] if alpha is not None else 1.0
-                weight = weights[key] if length is None else weights[key].narrow(dim, start, length)
                 weight += strength * scale * (up.float() @ down.float()).reshape(weight.shape)
                 break
+        else:
+            lycoris = {part: lora[f"{name}.{part}"] for part in LYCORIS if f"{name}.{part}" in lora}
+            loaded |= {f"{name}.{part}" for part in lycoris}
+            if "hada_w1_a" in lycoris:
+                scale = alpha.item() / lycoris["hada_w1_b"].shape[0] if alpha is not None else 1.0
+                diff = (lycoris["hada_w1_a"].float() @ lycoris["hada_w1_b"].float()) * \
+                    (lycoris["hada_w2_a"].float() @ lycoris["hada_w2_b"].float())
+                weight += strength * scale * diff.reshape(weight.shape)
+            elif lycoris:
+                rank = None
+                factors = []
+                for n in ("1", "2"):
+                    if f"lokr_w{n}" in lycoris:
+                        factors.append(lycoris[f"lokr_w{n}"].float())
+                    else:
+                        rank = lycoris[f"lokr_w{n}_b"].shape[0]
+                        factors.append(lycoris[f"lokr_w{n}_a"].float() @ lycoris[f"lokr_w{n}_b"].float())
+                scale = alpha.item() / rank if alpha is not None and rank is not None else 1.0
+                weight += strength * scale * torch.kron(*factors).reshape(weight.shape)
     return sorted(set(lora) - loaded)
+
+
+LYCORIS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2",
+           "lokr_w2_a", "lokr_w2_b")

@@ -123,7 +123,8 @@ def test_gpu_work_pool_templates_request_gpus_and_define_every_variable():
 
 # --- identities: each field declares whether it counts -------------------------------------------
 # what a field's other values need of fields that count in no identity (blocks_to_swap: checkpointing)
-COMPANIONS = {"blocks_to_swap": {"gradient_checkpointing": "recompute"}}
+# fields the schema takes only beside another setting: that setting, in the base as in the change
+COMPANIONS = {"blocks_to_swap": {"gradient_checkpointing": "recompute"}, "lora.factor": {"adapter": "lokr"}}
 
 
 def _other_values(section: type[Section], name: str) -> list:
@@ -202,10 +203,17 @@ def test_every_field_an_identity_is_made_of_declares_whether_it_counts_and_the_i
         fields = [(None, name) for name in section.model_fields if name not in inside]
         fields += [(outer, name) for outer, kind in inside.items() for name in kind.model_fields]
         for outer, name in fields:
+            companion = COMPANIONS.get(f"{outer}.{name}" if outer else name, {})
+            with_companion = base.model_dump()
+            if outer is None:
+                with_companion.update(companion)
+            elif outer != "sources":
+                with_companion[outer] = {**with_companion[outer], **companion}
+            field_base = section.model_validate(with_companion) if companion else base
+            field_before = _identity_of(field_base, tiny_models) if companion else before
             for value in _other_values(inside[outer] if outer else section, name):
-                raw = base.model_dump()
+                raw = field_base.model_dump()
                 if outer is None:
-                    raw.update(COMPANIONS.get(name, {}))
                     raw[name] = value
                 elif outer == "sources":
                     raw["sources"] = [{**raw["sources"][0], name: value}]
@@ -220,9 +228,9 @@ def test_every_field_an_identity_is_made_of_declares_whether_it_counts_and_the_i
                          else getattr(changed, outer))
                 rule = declaration(type(where), name)
                 counts = (rule.applies(where, name) if rule.through is None else
-                          getattr(changed, rule.through) != getattr(base, rule.through)) and (
+                          getattr(changed, rule.through) != getattr(field_base, rule.through)) and (
                     outer is None or declaration(section, outer).applies(changed, outer))
-                assert (after != before) == counts, f"{type(where).__name__}.{name} = {value!r}: declared " \
+                assert (after != field_before) == counts, f"{type(where).__name__}.{name} = {value!r}: declared " \
                                                     f"{'counted' if counts else 'not counted'}"
                 break
             else:
@@ -295,7 +303,7 @@ def test_training_settings_written_flat_as_before_the_grouping_load_as_the_same_
     assert written_flat["rank"] == 8 and written_flat["optimizer"] == "adamw8bit" and written_flat["sample_fps"] == 8
     assert TrainingConfig.model_validate(written_flat) == grouped
     assert TrainingConfig.model_validate({"rank": 8, "lora": {"alpha": 4}}).lora.model_dump() == {
-        "rank": 8, "alpha": 4.0, "dropout": 0.0, "dora": False, "target_modules": None}
+        "rank": 8, "alpha": 4.0, "dropout": 0.0, "dora": False, "adapter": "lora", "factor": -1, "target_modules": None}
     with pytest.raises(ValueError, match="rank given twice: flat and as lora.rank"):
         TrainingConfig.model_validate({"rank": 8, "lora": {"rank": 4}})
     old = tmp_path / "old.yaml"

@@ -17,7 +17,7 @@ from tests.comfyui_pixart import apply_lora, comfy_weights, lora_key_map
 from tasks.runner import run_direct
 
 
-@pytest.fixture(scope="module", params=["lora", "dora"])
+@pytest.fixture(scope="module", params=["lora", "dora", "loha", "lokr"])
 def trained(request, tmp_path_factory, tiny_models, demo_data):
     from configs.schema import PipelineConfig
 
@@ -27,7 +27,8 @@ def trained(request, tmp_path_factory, tiny_models, demo_data):
         "storage": {"root": str(root / "store")}, "model": {"path": tiny_models},
         "dataset": {"sources": [{"path": demo_data}], "shard_size": 10},
         "latent_encoding": {"resolution": 256}, "text_encoding": {"dtype": "fp32"},
-        "training": {"lora": {"rank": 4, "alpha": 2, "dora": request.param == "dora"}, "steps": 3, "batch_size": 2,
+        "training": {"lora": {"rank": 4, "alpha": 2, "dora": request.param == "dora",
+                              "adapter": "lora" if request.param == "dora" else request.param}, "steps": 3, "batch_size": 2,
                      "learning_rate": 1e-2, "sample_prompts": [], "checkpoint_every": 0}})
     return config, run_direct(config)["train"]
 
@@ -51,6 +52,11 @@ def test_comfyui_export_patches_what_peft_merges(trained, tiny_models, tmp_path,
         assert main(["export", run["run"], "--format", "comfyui", "--out", str(out)]) == 1 and not out.exists()
         assert "DoRA, whose magnitudes ComfyUI's LoRA loader applies against" in capsys.readouterr().err
         return
+    if config.training.lora.adapter != "lora":  # the pipelines' load_lora_weights reads LoRA alone
+        kind = {"loha": "LoHa", "lokr": "LoKr"}[config.training.lora.adapter]
+        assert main(["export", run["run"], "--format", "diffusers", "--out", str(tmp_path / "d.safetensors")]) == 1
+        assert f"the adapter is a {kind}, and PixArtSigmaPipeline's load_lora_weights reads LoRA weights alone" \
+            in capsys.readouterr().err
     assert main(["export", run["run"], "--format", "comfyui", "--out", str(out)]) == 0
     lora = load_file(out)
     base = PixArtTransformer2DModel.from_pretrained(tiny_models, subfolder="transformer")

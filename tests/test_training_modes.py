@@ -355,6 +355,29 @@ def test_a_dora_trains_a_magnitude_per_output_channel_and_resumes_exactly(cached
         type(whole["config"].training).model_validate({"lora": {"dora": True}, "base_precision": "int8"})
 
 
+@pytest.mark.parametrize("adapter", ["loha", "lokr"])
+def test_a_loha_and_a_lokr_train_their_own_weights_and_resume_exactly(cached_manifest, tmp_path, adapter):
+    """`training.lora.adapter`: PEFT's LoHa and LoKr layers, with a bf16 base under bf16 autocast
+    and rank dropout (seeded by the micro-batch, as LoRA's dropout is): a run of its own, recorded in
+    its lineage, that a killed run resumes to the same bits; a LoRA does not continue it."""
+    settings = {"lora": {"adapter": adapter, "dropout": 0.1}, "mixed_precision": "bf16", "base_precision": "bf16"}
+    whole = _run(cached_manifest, tmp_path / "whole", **settings)
+    resumed = _run(cached_manifest, tmp_path / "resumed", crash_at=9, **settings)
+    assert resumed["record"]["resumed_from"] == 4
+    _same_bits(whole, resumed)
+    prefix = {"loha": "hada_", "lokr": "lokr_"}[adapter]
+    assert whole["adapter"] and all(key.rsplit(".", 1)[1].startswith(prefix) for key in whole["adapter"])
+    assert any(value.abs().max() > 0 for value in whole["adapter"].values())
+    assert whole["lineage"]["training"]["lora"]["adapter"] == adapter
+    with pytest.raises(ValueError, match=r"does not fit this LoRA config: its adapter .*a LoHa or a LoKr"):
+        _run(cached_manifest, tmp_path / "continued", init_from=whole["record"]["run"])
+    training = type(whole["config"].training)
+    with pytest.raises(ValueError, match=f"lora.adapter {adapter} with base_precision int8"):
+        training.model_validate({"lora": {"adapter": adapter}, "base_precision": "int8"})
+    with pytest.raises(ValueError, match=f"lora.dora with lora.adapter {adapter}"):
+        training.model_validate({"lora": {"adapter": adapter, "dora": True}})
+
+
 def test_the_loop_reads_the_device_only_every_log_every_steps(cached_manifest, tmp_path):
     """No value leaves the device per micro-step: in 10 steps of 2 micro-batches with log_every 5,
     training's own code reads tensors twice (one read of every pending step each time)."""

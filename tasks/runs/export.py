@@ -5,10 +5,13 @@
 
 `comfyui`: one safetensors file that ComfyUI's LoRA loader maps onto the family's model: each
 module by the name ComfyUI's key map gives it (`Family.export.comfyui_key`: diffusers' names under
-`transformer.` where ComfyUI converts them, the model's own names where it does not), `lora_A`/
-`lora_B` weights and, for every module, `alpha`. ComfyUI reads no adapter_config.json and scales an update by alpha / rank (1.0 without
-an alpha), while PEFT scales by lora_alpha / r: without the alphas an r=32, alpha=16 adapter would
-act twice as strongly there.
+`transformer.` where ComfyUI converts them, the model's own names where it does not), its weights
+by the names ComfyUI reads (a LoRA's `lora_A`/`lora_B`, LyCORIS' `hada_*` for a LoHa and `lokr_*`
+for a LoKr, which are PEFT's own) and, for every module, `alpha`. ComfyUI reads no
+adapter_config.json and scales an update by alpha / rank (1.0 without an alpha, and for a LoKr
+whose two factors are both whole), while PEFT scales by alpha / r: without the alphas an r=32,
+alpha=16 adapter would act twice as strongly there, and a whole-factor LoKr carries PEFT's scale in
+its second factor.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ from tasks.families import Family
 from tasks.runs.folder import FinishedRun
 
 FORMATS = ("comfyui", "diffusers")
+# the weights of a module each adapter kind (PEFT's peft_type) saves, by the names ComfyUI's loader reads
+COMFYUI_WEIGHTS = {"LORA": ("lora_A", "lora_B"), "LOHA": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"),
+                   "LOKR": ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")}
+KINDS = {"LORA": "LoRA", "LOHA": "LoHa", "LOKR": "LoKr"}  # PEFT's peft_type, as users name them
 PEFT_PREFIX = "base_model.model."
 
 
@@ -42,19 +49,32 @@ def comfyui_lora(tensors: dict[str, torch.Tensor], adapter_config: dict, name: C
     patterns = {k: v for k, v in adapter_config.items() if k in ("rank_pattern", "alpha_pattern") and v}
     if patterns:
         raise ValueError(f"the adapter has per-module {', '.join(patterns)}; export supports one rank and alpha")
-    out = {}
+    kind = adapter_config.get("peft_type", "LORA")
+    alpha = float(adapter_config["lora_alpha" if kind == "LORA" else "alpha"])
+    modules: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        if not key.startswith(PEFT_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
-            raise ValueError(f"adapter key {key!r} is not a PEFT LoRA weight of the transformer")
-        module = key[len(PEFT_PREFIX) : -len(".lora_A.weight")]
-        out[f"{name(module)}{key[-len('.lora_A.weight'):]}"] = tensor
-        out[f"{name(module)}.alpha"] = torch.tensor(float(adapter_config["lora_alpha"]))
+        module, _, weight = key.removeprefix(PEFT_PREFIX).removesuffix(".weight").rpartition(".")
+        if not key.startswith(PEFT_PREFIX) or weight not in COMFYUI_WEIGHTS.get(kind, ()):
+            raise ValueError(f"adapter key {key!r} is not a PEFT {KINDS.get(kind, kind)} weight of the transformer that "
+                             "ComfyUI reads")
+        modules.setdefault(module, {})[weight] = tensor
+    out = {}
+    for module, weights in modules.items():
+        if kind == "LOKR" and {"lokr_w1", "lokr_w2"} <= set(weights):  # ComfyUI scales two whole factors by 1
+            weights["lokr_w2"] = weights["lokr_w2"] * (alpha / adapter_config["r"])
+        out.update({f"{name(module)}.{weight}{'.weight' if kind == 'LORA' else ''}": tensor
+                    for weight, tensor in weights.items()})
+        out[f"{name(module)}.alpha"] = torch.tensor(alpha)
     return out
 
 
 def save_diffusers_lora(family: Family, tensors: dict[str, torch.Tensor], adapter_config: dict, folder: str) -> Path:
     """PEFT adapter tensors written to `folder` by the family's pipeline's own `save_lora_weights`
     (what its `load_lora_weights` reads); the file's path."""
+    if (kind := adapter_config.get("peft_type", "LORA")) != "LORA":
+        raise ValueError(f"the adapter is a {KINDS[kind]}, and {family.sampler.pipeline_name}'s load_lora_weights "
+                         "reads LoRA weights alone: export --format comfyui, or load it with PEFT "
+                         "(PeftModel.from_pretrained, as the run page shows)")
     pipeline = family.sampler.pipeline_class()
     if not hasattr(pipeline, "save_lora_weights"):
         raise ValueError(f"{family.name}'s pipeline ({family.sampler.pipeline_name}) has no LoRA loader; "

@@ -35,19 +35,17 @@ def trainable_network(model: ModelConfig, family: Family, training: TrainingConf
     if training.method == "full":
         network = transformer.requires_grad_(True)
     else:
-        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+        from peft import get_peft_model, set_peft_model_state_dict
 
         transformer.requires_grad_(False)
         if training.base_precision in ("int8", "fp8"):
             from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
             quantize_(transformer, {"int8": Int8WeightOnlyConfig, "fp8": Float8WeightOnlyConfig}[training.base_precision]())
-        lora = LoraConfig(r=training.lora.rank, lora_alpha=training.lora.alpha, lora_dropout=training.lora.dropout,
-                          target_modules=family.denoiser.target_modules(training), bias="none",
-                          use_dora=training.lora.dora)
         with warnings.catch_warnings():  # int8/fp8: PEFT warns that merging needs the quantisation recipe; never merged here
             warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated without")
-            network = get_peft_model(transformer, lora)  # the adapter in fp32 on any base (autocast_adapter_dtype)
+            # the adapter in fp32 on any base (autocast_adapter_dtype)
+            network = get_peft_model(transformer, adapter_config(training, family.denoiser.target_modules(training)))
         if init is not None:
             try:
                 loaded = set_peft_model_state_dict(network, init["tensors"])
@@ -59,13 +57,28 @@ def trainable_network(model: ModelConfig, family: Family, training: TrainingConf
             if (missing := sorted(trained & set(loaded.missing_keys))) or loaded.unexpected_keys:
                 what = (f"lacks {len(missing)} weights this run trains ({missing[0]}, ...)" if missing else
                         f"has {len(loaded.unexpected_keys)} this run has no place for ({loaded.unexpected_keys[0]}, ...)")
-                raise ValueError(f"init_from {init['url']} does not fit this LoRA config: its adapter {what}; a LoRA "
-                                 f"and a DoRA (training.lora.dora) do not continue each other")
+                raise ValueError(f"init_from {init['url']} does not fit this LoRA config: its adapter {what}; "
+                                 f"adapters of other kinds (a LoRA, a DoRA: training.lora.dora, a LoHa or a LoKr: "
+                                 f"training.lora.adapter) do not continue each other")
             log.info("continuing from %s", init["url"])
     if training.compile:  # each block once per input shape; the rest of the model stays eager
         for block in family.denoiser.blocks(transformer):
             block.compile()
     return network
+
+
+def adapter_config(training: TrainingConfig, target_modules: list[str]):
+    """PEFT's config of the run's adapter (`training.lora`): a LoRA (or DoRA), a LoHa or a LoKr."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+
+    lora = training.lora
+    if lora.adapter == "loha":
+        return LoHaConfig(r=lora.rank, alpha=lora.alpha, rank_dropout=lora.dropout, target_modules=target_modules)
+    if lora.adapter == "lokr":
+        return LoKrConfig(r=lora.rank, alpha=lora.alpha, rank_dropout=lora.dropout, decompose_factor=lora.factor,
+                          target_modules=target_modules)
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target_modules,
+                      bias="none", use_dora=lora.dora)
 
 
 def base_dtype(training: TrainingConfig) -> torch.dtype | None:
