@@ -167,6 +167,11 @@ class SourceConfig(Section):
         "kept at ingest and cached at latent resolution beside the latents: the loss of each latent pixel is weighed "
         "by the share of its pixels the mask covers, so transparent parts are not learned. A picture without alpha "
         "trains whole; one whose alpha is 0 everywhere is quarantined (empty_mask). none: alpha is composited on white.")
+    caption_prefix: Annotated[str, IF_NOT_DEFAULT] = Field(
+        "", max_length=1000, description="A trigger word (or any text) for this source's captions: it replaces "
+        "`[trigger]` where a caption has it (ai-toolkit's trigger_word), else starts every caption variant, followed "
+        "by \", \" (unless the caption starts with it already). Changing it reads no file again and encodes no "
+        "latent: the captions are re-encoded, the latents copied.")
     # how training draws from the source: ingest and the caches never read these, so changing one
     # ingests and encodes nothing again; they count in the manifest's id (DatasetConfig.mix), and so in the run's
     repeats: Annotated[int, MIXED] = Field(

@@ -63,6 +63,17 @@ def config_hash(dataset: DatasetConfig) -> str:
     return hash_json(counted(dataset))
 
 
+def units_hash(dataset: DatasetConfig) -> str:
+    """What decides what each of the sources' units gives (its samples, captions as read): the
+    config's hash without the sources' caption prefixes, which ingest applies after (so the
+    record of the units, and units staged by workers, serve any prefix); a config without one
+    hashes as `config_hash`."""
+    settings = counted(dataset)
+    for source in settings["sources"]:
+        source.pop("caption_prefix", None)
+    return hash_json(settings)
+
+
 def image_shard_id(rows: list[tuple[str, Any]]) -> str:
     """An image shard's id: the hash of its (sample_id, captions) rows, sorted by sample id."""
     return hash_json(rows)

@@ -246,3 +246,30 @@ def test_a_pictures_alpha_is_its_loss_mask_cached_on_the_latent_grid(tmp_path, t
     torch.testing.assert_close(loss(Weighing(None, None, zero)), loss(Weighing(torch.tensor([0.0, 1.0]), None)))
     assert loss(Weighing(None, None, masks)) != loss(None)
     assert done["train"]["final_loss"] == done["train"]["final_loss"]  # trained to the end, no NaN from a mask
+
+
+def test_a_trigger_word_on_a_source_reads_no_file_again_and_encodes_its_captions_not_its_latents(tmp_path,
+                                                                                                 tiny_models):
+    """`caption_prefix`: the trigger word takes the place of `[trigger]` in a caption, else starts
+    it; setting it on a source already ingested reads none of its files again (what each unit
+    gave is recorded without it), encodes every caption and copies every latent."""
+    from storage.shards import read_image_shard
+
+    data = write_demo_data(tmp_path / "subject", count=6, seed=3)
+    first_caption = sorted(data.glob("*.txt"))[0]
+    first_caption.write_text("[trigger] on a plain background\n")
+    before = run_direct(_config(tmp_path, tiny_models, [str(data)], [{}]), until="manifest")
+    config = _config(tmp_path, tiny_models, [str(data)], [{"caption_prefix": "ohwx person"}])
+    after = run_direct(config, until="manifest")
+    assert after["ingest"]["work"]["units_read"] == 0 and after["ingest"]["new_samples"] == 6
+    assert after["encode-text"]["work"]["samples_encoded"] == 6
+    assert (after["encode-latents"]["work"]["samples_encoded"], after["encode-latents"]["work"]["samples_copied"]) \
+        == (0, 6)
+    store = Store(config.storage)
+    captions = [caption for shard in after["ingest"]["shards"]
+                for row in read_image_shard(store.read_bytes(layout.image_shard(shard["id"]))).to_pylist()
+                for caption in row["captions"]]
+    assert "ohwx person on a plain background" in captions
+    assert len(captions) == 6 and all(c.startswith("ohwx person") for c in captions)
+    assert sum(c.startswith("ohwx person, ") for c in captions) == len(captions) - 1
+    assert before["ingest"]["id"] != after["ingest"]["id"]

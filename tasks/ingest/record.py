@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from configs.schema import DatasetConfig
 from storage import layout
 from storage.store import Store, file_sha256
-from tasks.identity import config_hash
+from tasks.identity import units_hash
 from tasks.ingest.examine import Outcome
 from tasks.ingest.formats import VIDEO_EXTENSIONS
 from tasks.ingest.ledger import Ledger
@@ -67,7 +67,7 @@ def read_sources_record(store: Store, dataset: DatasetConfig, ledger: Ledger) ->
     (`known`) and where each of its samples is (`stored`, as `read_index` gives for every shard).
     Returns the record's sha256, None when there is none. Units whose samples were in shards
     deleted since are dropped from both: they are read again."""
-    key = layout.sources_record(config_hash(dataset))
+    key = layout.sources_record(units_hash(dataset))
     if not store.exists(key):
         return None
     local = ledger.folder / "last-sources-record.parquet"

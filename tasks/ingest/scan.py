@@ -30,6 +30,7 @@ from tasks.ingest.listing import Listing, list_source, source_options
 from tasks.ingest.record import known_outcomes
 from tasks.ingest.scheduler import in_order
 from tasks.ingest.staging import Partitions, merged_partition
+from tasks.ingest.untrusted import with_prefix
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,10 @@ class Scan:
     refused: list[tuple] = field(default_factory=list)
     accepted: list[tuple] = field(default_factory=list)
 
-    def add(self, unit: Unit, outcomes: list[Outcome], read: bool) -> None:
-        """A unit's outcomes, in order (written to the ledger a page at a time)."""
+    def add(self, unit: Unit, outcomes: list[Outcome], read: bool, prefix: str = "") -> None:
+        """A unit's outcomes, in order (written to the ledger a page at a time), as read: its samples'
+        captions take their source's `caption_prefix` only here, so the record of what each unit
+        gave holds them without it, and another prefix reads no unit again."""
         if unit.key:
             self.keyed.append((unit.key, json.dumps([vars(o) for o in outcomes])))
         if unit.key or unit.size:  # not a metadata row that was refused before any read
@@ -68,7 +71,8 @@ class Scan:
                 log.warning("quarantined %s: %s (%s)", outcome.source, outcome.reason, outcome.message)
                 self.refused.append((self.position, outcome.source, outcome.format, outcome.reason, outcome.message))
             else:
-                self.accepted.append((outcome.sample_id, self.position, json.dumps(outcome.captions), outcome.width,
+                self.accepted.append((outcome.sample_id, self.position, json.dumps(with_prefix(outcome.captions, prefix)),
+                                      outcome.width,
                                       outcome.height, outcome.source, outcome.format, outcome.spilled))
         if len(self.keyed) + len(self.accepted) + len(self.refused) >= PAGE:
             self.flush()
@@ -150,7 +154,7 @@ class Scanner:
             units = in_order(partial(pool.submit, read), source_units(listing, source), self.known, window, full, span)
             try:
                 for unit, outcomes, was_read in units:
-                    self.scan.add(unit, outcomes, was_read)
+                    self.scan.add(unit, outcomes, was_read, source.caption_prefix)
                     self.done += 1
                     if self.progress is not None:
                         self.progress(self.done, self.total)

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from configs.schema import DatasetConfig, StorageConfig
 from storage import layout
 from storage.store import Store, file_sha256
-from tasks.identity import config_hash, dataset_id as dataset_id_of
+from tasks.identity import config_hash, dataset_id as dataset_id_of, units_hash
 from tasks.ingest.ledger import PAGE, Ledger
 from tasks.ingest.record import read_sources_record, write_sources_record
 from tasks.ingest.report import ingest_report
@@ -78,7 +78,7 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig, progress: Callable[[i
             write_if_changed(store, layout.dataset_ref(config_hash(dataset)), {"dataset": dataset_id})
             record_file = write_sources_record(ledger)
             if file_sha256(record_file) != previous:
-                store.put_file(record_file, layout.sources_record(config_hash(dataset)))
+                store.put_file(record_file, layout.sources_record(units_hash(dataset)))
         finally:
             ledger.close()
     work = {"bytes_read": scan.bytes_read, "units_read": scan.units_read, "units_reused": scan.units_reused,

@@ -32,7 +32,7 @@ from configs.schema import DatasetConfig, StorageConfig
 from storage import layout
 from storage.fingerprint import hash_json
 from storage.store import COMMIT_SUFFIX, ArtifactMissing, Damaged, Store
-from tasks.identity import config_hash
+from tasks.identity import units_hash
 from tasks.ingest.examine import Outcome, examine_unit, reading_threads, spill_image, video_decodes
 from tasks.ingest.formats import Unit
 from tasks.ingest.listing import source_options
@@ -79,7 +79,7 @@ def examine_partition(storage: StorageConfig, dataset: DatasetConfig, index: int
     one a shard holds already (the same bytes again: normalising is deterministic)."""
     store = Store(storage)
     # the decoders' versions too: what they make of a file is what is staged
-    key = layout.ingest_partition(hash_json([STAGED_VERSION, PIL.__version__, av.__version__, config_hash(dataset),
+    key = layout.ingest_partition(hash_json([STAGED_VERSION, PIL.__version__, av.__version__, units_hash(dataset),
                                              index, fmt, units]))
     if store.committed(key) is not None:
         return key

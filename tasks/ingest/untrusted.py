@@ -137,6 +137,16 @@ def clean_caption(line: str) -> str:
     return " ".join(CONTROL.sub(" ", INVISIBLE.sub("", ANSI_ESCAPE.sub("", line))).split())
 
 
+def with_prefix(captions: list[str], prefix: str) -> list[str]:
+    """A source's `caption_prefix` in each variant: in place of `[trigger]`, else first (joined by
+    ", " unless the caption starts with it already); sorted as ingest keeps variants."""
+    if not prefix:
+        return captions
+    prefix = clean_caption(prefix)
+    return sorted({caption.replace("[trigger]", prefix) if "[trigger]" in caption else
+                   caption if caption.startswith(prefix) else f"{prefix}, {caption}" for caption in captions})
+
+
 def caption_variants(value: Any) -> list[str]:
     """Caption variants from a caption file's bytes, a string (one variant per non-empty line) or a
     list of strings; cleaned. Raises Rejected for missing, empty, non-UTF-8 or absurdly long text."""
