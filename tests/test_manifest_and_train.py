@@ -273,6 +273,11 @@ def test_init_from_continues_from_an_adapter(make_config):
     wrong_rank = config.training.updated({"init_from": first["run"], "lora.rank": 8})
     with pytest.raises(ValueError, match=f"init_from {first['adapter']} does not fit"):
         train(config.storage, config.model, wrong_rank, manifest["url"])
+    # a nightly run that changed its rank: no run of its form yet, so it starts anew; the next continues it
+    ranked = [train(config.storage, config.model, nightly.updated({"lora.rank": 8, "steps": steps}), manifest["url"])
+              for steps in (2, 3)]
+    inits = [store.read_json(store.key(run["run"]) + "/lineage.json")["init_from"] for run in ranked]
+    assert inits[0] is None and inits[1]["url"] == ranked[0]["adapter"]
 
 
 def test_full_fine_tune_saves_diffusers_weights(make_config, tiny_models, tmp_path):

@@ -77,7 +77,7 @@ def train(
     if not 0 <= node < training.distribution.nodes:
         raise ValueError(f"node {node} is not one of training.distribution.nodes ({training.distribution.nodes})")
     if node == 0 and training.init_from == "latest":  # resolved only now that this run is known to be
-        init = initial_adapter(store, model, training)  # unfinished; DDP gives the other nodes rank 0's weights
+        init = initial_adapter(store, model, training, family)  # unfinished; DDP gives the other nodes rank 0's weights
     job = Job(storage, model, training, manifest, run, init)
     launch = partial(Launcher(store, run, training, node, attempt).launch, partial(train_process, job),
                      partial(finished_run, store, run))

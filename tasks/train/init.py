@@ -15,24 +15,31 @@ from storage.store import Store
 from tasks.families import Family
 from tasks.identity import run_id_for
 from tasks.runs.folder import FinishedRun, run_record, weights_of
+from tasks.train.network import adapter_form
 
 log = logging.getLogger(__name__)
 
 
-def initial_adapter(store: Store, model: ModelConfig, training: TrainingConfig) -> dict | None:
-    """The adapter `init_from` names: None, the newest finished LoRA run of this model in the
-    store ("latest"; None if there is none yet), or a finished run's (or its adapter's) URL.
-    Returns its URL, sha256 and tensors."""
+def initial_adapter(store: Store, model: ModelConfig, training: TrainingConfig, family: Family) -> dict | None:
+    """The adapter `init_from` names: None, the newest finished run of this model in the store
+    whose adapter has this run's form (`adapter_form`: a nightly run that changed its rank or kind
+    starts anew, then continues its own; "latest"; None if there is none yet), or a finished run's
+    (or its adapter's) URL. Returns its URL, sha256 and tensors."""
     if training.init_from == "none":
         return None
     if training.init_from == "latest":
-        finished = []
+        finished, other = [], 0
+        form = adapter_form(training, family.denoiser.target_modules(training))
         for key in store.list(layout.RUNS):
             record = run_record(store, key)
             if record and weights_of(record) == "adapter" and record.get("model") == model.model_dump():
-                finished.append((record["finished"], key))
+                if record.get("adapter_form", form) == form:  # runs published before it was recorded: as before
+                    finished.append((record["finished"], key))
+                else:
+                    other += 1
         if not finished:
-            log.info("init_from latest: no finished run of this model yet, starting from scratch")
+            log.info("init_from latest: no finished run of this model with this adapter yet (%d of other adapters: "
+                     "kind, rank, LoKr factor or modules), starting from scratch", other)
             return None
         run = FinishedRun.read(store, max(finished)[1])
     else:
@@ -50,5 +57,5 @@ def run_for(store: Store, model: ModelConfig, training: TrainingConfig, manifest
     """The run folder these inputs train, and the adapter an explicit `init_from` names (for
     "latest" the newest run is looked up only when training starts: it is not part of the id)."""
     explicit = training.init_from not in ("none", "latest")
-    init = initial_adapter(store, model, training) if explicit else None
+    init = initial_adapter(store, model, training, family) if explicit else None
     return layout.run(run_id_for(manifest_id, model, training, family, init)), init

@@ -81,6 +81,16 @@ def adapter_config(training: TrainingConfig, target_modules: list[str]):
                       bias="none", use_dora=lora.dora)
 
 
+def adapter_form(training: TrainingConfig, target_modules: list[str]) -> dict[str, Any] | None:
+    """What names and shapes an adapter's weights (which finished runs `init_from: latest` can
+    continue): its kind, rank, LoKr factor and the modules it adapts; None for a full fine-tune."""
+    if training.method != "lora":
+        return None
+    lora = training.lora
+    return {"adapter": lora.adapter, "dora": lora.dora, "rank": lora.rank, "factor": lora.factor,
+            "target_modules": sorted(target_modules)}
+
+
 def base_dtype(training: TrainingConfig) -> torch.dtype | None:
     """The dtype the frozen base is loaded in: bf16 or fp16 as `base_precision` says, else
     `from_pretrained`'s own (fp32; int8 and fp8 are quantised from it)."""

@@ -23,7 +23,7 @@ from tasks.runs.folder import write_metrics
 from tasks.runs.plots import loss_curve_png
 from tasks.runs.sampling import read_picture, sample_grid
 from tasks.train.data import TextCaches
-from tasks.train.network import output_name, sampling_module
+from tasks.train.network import adapter_form, output_name, sampling_module
 from tasks.train.trackers import Trackers
 
 
@@ -123,6 +123,7 @@ class RunPublisher:
             **({"sample_videos": videos} if videos else {}), model=model.model_dump(),
             weights=self.output, adapter=store.url(layout.run_part(run, "adapter")) if self.output == "adapter" else None,
             transformer=store.url(layout.run_part(run, "transformer")) if self.output == "transformer" else None,
+            adapter_form=adapter_form(training, self.family.denoiser.target_modules(training)),
             finished=time.time(), steps=training.steps, resumed_from=start, seconds=round(elapsed, 2),
             first_loss=sum(m["loss"] for m in metrics[:window]) / window,
             final_loss=sum(m["loss"] for m in metrics[-window:]) / window, loss_window=window,
