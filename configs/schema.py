@@ -297,6 +297,9 @@ class DatasetConfig(Section):
 
     @model_validator(mode="after")
     def _shares(self) -> DatasetConfig:
+        if both := [source.path for source in self.sources if source.weight is not None and source.repeats != 1]:
+            raise ValueError(f"dataset.sources {', '.join(both)}: repeats has no effect on a source with a weight "
+                             "(its share of the batches is the weight, whatever its size): give one of them")
         weights = [source.weight for source in self.sources if source.weight is not None]
         if weights and len(weights) < len(self.sources) and sum(weights) >= 1:
             unweighted = ", ".join(source.path for source in self.sources if source.weight is None)

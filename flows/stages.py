@@ -276,7 +276,8 @@ class FlowExecutor:
             run_elsewhere(config, deployment, "manifest")
             return stored_manifest(plan)
         return plan.configured(manifest_task)(config.storage, dataset["id"], plan.text_fps, plan.vae_fp,
-                                              config.training.samples.prompts, mix_identity(config.dataset))
+                                              config.training.samples.prompts,
+                                              mix_identity(config.dataset, dataset.get("members")))
 
     def train(self, manifest: ManifestRecord) -> RunRecord:
         """Train here, or on the train deployment: one child flow run per node of `training.distribution.nodes`,
@@ -335,7 +336,7 @@ def stored_dataset(plan: Plan) -> DatasetRecord:
 def stored_manifest(plan: Plan) -> ManifestRecord:
     dataset = stored_dataset(plan)
     this_id = manifest_id(dataset["id"], plan.text_fps, plan.vae_fp, plan.config.training.samples.prompts,
-                          mix_identity(plan.config.dataset))
+                          mix_identity(plan.config.dataset, dataset.get("members")))
     return manifest_record(plan.store.require(layout.manifest(this_id)))
 
 

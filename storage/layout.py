@@ -9,6 +9,8 @@ path. `COMMITTED` lists the kinds that are only valid with a commit record besid
     datasets/<dataset_id>.json, datasets/<dataset_id>.report.json
     refs/datasets/<config hash>.json                          the latest dataset of a dataset config
     refs/datasets/<config hash>.sources.parquet               what that ingest read, for the next one
+    refs/datasets/units-<units hash>.json                     the config whose record serves these units
+    datasets/members/<sha256>.parquet                         which source each sample came from (several sources)
     staging/ingest/<partition id>.parquet                     a worker's examined partition, until merged
     cache/text/<fp>/<shard_id>.safetensors, prompts/<hash>.safetensors, numerics.json
     cache/latents/<fp>/<shard_id>.safetensors
@@ -83,10 +85,16 @@ def dataset_ref(config_hash: str) -> str:
     return f"refs/datasets/{config_hash}.json"
 
 
-def dataset_members(dataset_id: str, config_hash: str) -> str:
-    """Which of a dataset config's sources each sample of the dataset came from (a config of
-    several sources: the manifest reads it when training draws from them apart)."""
-    return f"datasets/{dataset_id}.members-{config_hash}.parquet"
+def dataset_members(sha256: str) -> str:
+    """Which of a dataset config's sources each sample of its dataset came from (a config of
+    several sources: the manifest reads it when training draws from them apart), by its content."""
+    return f"datasets/members/{sha256}.parquet"
+
+
+def units_ref(units_hash: str) -> str:
+    """Which dataset config last recorded what these sources' units give (configs that differ only
+    in their caption prefixes share it: `tasks.identity.units_hash`)."""
+    return f"refs/datasets/units-{units_hash}.json"
 
 
 def sources_record(config_hash: str) -> str:
@@ -181,6 +189,7 @@ COMMITTED = re.compile(
     r"|cache/text/[^/]+/numerics\.json"
     r"|manifests/[^/]+\.(parquet|json)"
     r"|datasets/[^/.]+\.json"
+    r"|datasets/members/[^/]+\.parquet"
     rf"|{RUNS}/[^/]+/{CHECKPOINT_PREFIX}[^/]+\.safetensors"
     rf"|{RUNS}/[^/]+/{RUN_PARTS['lineage']})$"
 )

@@ -138,14 +138,13 @@ def prompts_cache_key(fingerprint: str, prompts: list[str]) -> str:
     return layout.text_prompts(fingerprint, hash_json(prompt_rows(prompts)))
 
 
-def mix_identity(dataset: DatasetConfig) -> dict[str, Any] | None:
+def mix_identity(dataset: DatasetConfig, members: str | None = None) -> dict[str, Any] | None:
     """What a manifest's id counts of how training draws from the sources: None while they are one
-    pool (every id made before sources could be mixed stands), else which sources (by the config's
-    hash: they decide which source each sample belongs to) and each one's repeats, weight, loss
-    weight, caption dropout and regularisation."""
+    pool (every id made before sources could be mixed stands), else the sources, which source each
+    sample came from (`members`: the sha256 of ingest's record of it, the dataset record's
+    `members`) and each one's repeats, weight, loss weight, caption dropout and regularisation."""
     mix = dataset.mix
-    return None if mix is None else {"sources": config_hash(dataset), "paths": [s.path for s in dataset.sources],
-                                     "mix": mix}
+    return None if mix is None else {"members": members, "paths": [s.path for s in dataset.sources], "mix": mix}
 
 
 def manifest_id(dataset: str, text_fps: dict[str, str], vae_fp: str, prompts: list[str],

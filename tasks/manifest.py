@@ -63,7 +63,11 @@ def _write_manifest(store: Store, this_id: str, dataset_id: str, text_fps: dict[
     dataset = json.loads(store.read_verified(layout.dataset(dataset_id)))
     source_of: dict[str, int] = {}
     if mix is not None and len(mix["paths"]) > 1:  # which source each sample came from, as ingest recorded it
-        members = read_parquet_bytes(store.read_verified(layout.dataset_members(dataset_id, mix["sources"])))
+        if mix["members"] is None:
+            raise ValueError(f"dataset {dataset_id} was ingested before ingest recorded which source each sample "
+                             "came from, and training draws from the sources apart: run ingest again (it reads no "
+                             "unchanged file)")
+        members = read_parquet_bytes(store.read_verified(layout.dataset_members(mix["members"]), mix["members"]))
         source_of = dict(zip(members.column("sample_id").to_pylist(), members.column("source").to_pylist()))
     prompts_keys = {name: prompts_cache_key(fp, prompts) for name, fp in text_fps.items()}
     checksums = {key: store.require(key)["sha256"] for key in prompts_keys.values()}

@@ -54,6 +54,9 @@ class DatasetRecord(TypedDict):
     quarantined: int
     amount: str
     committed_at: float
+    # the sha256 of ingest's record of which source each sample came from (None with one source;
+    # absent from a dataset record read by its id alone)
+    members: NotRequired[str | None]
     # ingest's own return only: a dataset read back from the store (a stage run alone, ingest run
     # elsewhere) has none of these
     new_shards: NotRequired[int]

@@ -221,7 +221,7 @@ class Direct:
     def manifest(self, dataset: DatasetRecord) -> ManifestRecord:
         config = self.config
         return build_manifest(config.storage, dataset["id"], self.text_fps, self.vae_fp,
-                              config.training.samples.prompts, mix_identity(config.dataset))
+                              config.training.samples.prompts, mix_identity(config.dataset, dataset.get("members")))
 
     def train(self, manifest: ManifestRecord) -> RunRecord:
         config = self.config

@@ -205,6 +205,17 @@ def test_a_dora_exports_for_the_pipelines_loader_as_peft_merges_it(runs, models,
         export_adapter(records["train"]["run"], "comfyui")
 
 
+def test_a_lokr_samples_through_a_pipeline_whose_loader_reads_lora_alone(runs, models):
+    """A LoKr on Chroma's caches: ChromaPipeline's load_lora_weights reads LoRA weights alone, so
+    `precast sample` merges the adapter with PEFT and draws through the pipeline with that transformer."""
+    base_config, records = runs["chroma"]
+    config = base_config.model_copy(update={"training": base_config.training.updated({"lora.adapter": "lokr"})})
+    lokr = run_direct(config)["train"]["run"]
+    drawn = [sample_run(run, ["a red circle on a blue background"], steps=2, device="cpu",
+                        options=config.storage.options).grid() for run in (lokr, records["train"]["run"])]
+    assert drawn[0].size == drawn[1].size and drawn[0].tobytes() != drawn[1].tobytes()
+
+
 def test_true_cfg_scale_guides_flux_samples_as_the_pipeline_does(runs, models, tmp_path):
     """FLUX.1-dev's guidance_scale is its guidance input; true_cfg_scale adds classifier-free
     guidance with empty negatives, as FluxPipeline's own call with the adapter loaded does."""

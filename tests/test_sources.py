@@ -169,6 +169,9 @@ def test_mixes_that_cannot_be_drawn_are_refused_naming_the_sources(tiny_models):
     with pytest.raises(ValidationError, match=r"weights add up to 1\.1, which leaves no batch for the sources "
                                               r"without one \(/c\)"):
         PipelineConfig.model_validate({"dataset": {"sources": sources}, "model": {"path": tiny_models}})
+    with pytest.raises(ValidationError, match=r"dataset.sources /a: repeats has no effect on a source with a weight"):
+        PipelineConfig.model_validate({"dataset": {"sources": [{"path": "/a", "weight": 0.5, "repeats": 2}]},
+                                       "model": {"path": tiny_models}})
     with pytest.raises(ValidationError, match=r"dataset.sources /r: regularisation base_model .* training.method full"):
         PipelineConfig.model_validate({"dataset": {"sources": [{"path": "/d"}, {"path": "/r", "regularisation":
                                                                                  "base_model"}]},
@@ -273,3 +276,53 @@ def test_a_trigger_word_on_a_source_reads_no_file_again_and_encodes_its_captions
     assert len(captions) == 6 and all(c.startswith("ohwx person") for c in captions)
     assert sum(c.startswith("ohwx person, ") for c in captions) == len(captions) - 1
     assert before["ingest"]["id"] != after["ingest"]["id"]
+    # trying one prefix, then the other again: each config keeps its own record, nothing is new
+    again = run_direct(_config(tmp_path, tiny_models, [str(data)], [{}]), until="manifest")
+    assert again["ingest"]["id"] == before["ingest"]["id"] and again["ingest"]["work"]["units_read"] == 0
+    assert again["ingest"]["new_samples"] == 0 and again["encode-text"]["work"]["shards_encoded"] == 0
+
+
+def test_a_picture_moved_to_another_source_is_drawn_as_that_sources(tmp_path, tiny_models):
+    """Which source a sample came from is ingest's record, keyed by its content: a picture moved
+    from one source's folder to another's, its caption with it, keeps the dataset (the same samples
+    and captions) but makes a new manifest, whose row gives the new source."""
+    import shutil
+
+    folders = [write_demo_data(tmp_path / name, count=4, seed=i) for i, name in enumerate(("a", "b"))]
+    config = _config(tmp_path, tiny_models, list(map(str, folders)), [{"repeats": 2}, {}])
+    before = run_direct(config, until="manifest")
+    moved = sorted(folders[0].glob("*.txt"))[0]
+    picture = next(p for p in folders[0].iterdir() if p.stem == moved.stem and p.suffix != ".txt")
+    sample_id = hashlib.sha256(picture.read_bytes()).hexdigest()
+    for path in (moved, picture):
+        shutil.move(path, folders[1] / f"moved-{path.name}")
+    after = run_direct(config, until="manifest")
+    assert after["ingest"]["id"] == before["ingest"]["id"] and after["ingest"]["members"] != before["ingest"]["members"]
+    store = Store(config.storage)
+    manifests = [store.read_json(store.key(done["manifest"]["url"])) for done in (before, after)]
+    assert manifests[0]["id"] != manifests[1]["id"]
+    assert [m["samples"] for m in manifests[1]["mix"]] == [3, 5]
+    sources = [CachedFeatures(store, manifest, config_family(config)).samples[sample_id]["source"]
+               for manifest in manifests]
+    assert sources == [0, 1]
+
+
+def test_a_file_in_two_sources_that_caption_it_otherwise_keeps_its_first_sources_captions(tmp_path, tiny_models):
+    """A duplicate's captions are merged only between sources that prefix and mix alike: the same
+    pictures under a trigger word in a second source stay the first source's, uncaptioned by it."""
+    import shutil
+
+    from storage.shards import read_image_shard
+
+    plain = write_demo_data(tmp_path / "plain", count=4, seed=5)
+    shutil.copytree(plain, tmp_path / "subject")
+    config = _config(tmp_path, tiny_models, [str(plain), str(tmp_path / "subject")], [{}, {"caption_prefix": "ohwx"}])
+    done = run_direct(config, until="ingest")
+    store = Store(config.storage)
+    report = store.read_json(layout.dataset_report(done["ingest"]["id"]))
+    assert (report["samples"], report["duplicates"], report["duplicates_apart"]) == (4, 4, 4)
+    assert "4 of the duplicates came from a source with another caption prefix" in report_markdown(report)
+    captions = [c for shard in done["ingest"]["shards"]
+                for row in read_image_shard(store.read_bytes(layout.image_shard(shard["id"]))).to_pylist()
+                for c in row["captions"]]
+    assert len(captions) == 4 and not any("ohwx" in c for c in captions)

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from configs.schema import DatasetConfig
 from storage import layout
 from storage.store import Store, file_sha256
-from tasks.identity import units_hash
+from tasks.identity import config_hash, units_hash
 from tasks.ingest.examine import Outcome
 from tasks.ingest.formats import VIDEO_EXTENSIONS
 from tasks.ingest.ledger import Ledger
@@ -63,29 +63,47 @@ def record_rows(ledger: Ledger) -> Iterator[dict[str, Any]]:
 
 
 def read_sources_record(store: Store, dataset: DatasetConfig, ledger: Ledger) -> str | None:
-    """The last ingest's record of these sources and rules into the ledger: what each unit became
-    (`known`) and where each of its samples is (`stored`, as `read_index` gives for every shard).
-    Returns the record's sha256, None when there is none. Units whose samples were in shards
-    deleted since are dropped from both: they are read again."""
-    key = layout.sources_record(units_hash(dataset))
-    if not store.exists(key):
-        return None
+    """The last ingest's record of this config into the ledger: what each unit became (`known`)
+    and where each of its samples is (`stored`, as `read_index` gives for every shard). Returns
+    the record's sha256, None when there is none. Units whose samples were in shards deleted since
+    are dropped from both: they are read again."""
+    key = layout.sources_record(config_hash(dataset))
+    return _read_record(store, key, dataset, ledger, members=True) if store.exists(key) else None
+
+
+def reuse_units(store: Store, dataset: DatasetConfig, ledger: Ledger) -> None:
+    """For a config not ingested yet, with `stored` read from every shard: what each unit gave, from
+    the record of another config of the same units (`units_hash`: one with other caption
+    prefixes), when there is one; units whose samples no shard holds are read again."""
+    if not store.exists(alias := layout.units_ref(units_hash(dataset))):
+        return
+    if not store.exists(record := layout.sources_record(store.read_json(alias)["config"])):  # deleted since
+        return
+    _read_record(store, record, dataset, ledger, members=False)
+    with ledger.transaction():
+        ledger.run("DELETE FROM known WHERE key IN (SELECT key FROM known WHERE sample_id IS NOT NULL AND "
+                   "sample_id NOT IN (SELECT sample_id FROM stored))")
+
+
+def _read_record(store: Store, key: str, dataset: DatasetConfig, ledger: Ledger, members: bool) -> str:
+    """The sources record at `key` into the ledger (its members too, with `members`); its sha256."""
     local = ledger.folder / "last-sources-record.parquet"
     store.get_file(key, local)
     position = 0
     with pq.ParquetFile(local) as record:
         for batch in record.iter_batches(RECORD_PAGE):
-            units, members = [], []
+            units, stored = [], []
             for row in batch.to_pylist():
                 captions = row["captions"] if row["captions"] is None else json.dumps(row["captions"])
                 if row["kind"] == "member":
-                    members.append((row["sample_id"], captions, row["width"], row["height"], row["shard"]))
+                    stored.append((row["sample_id"], captions, row["width"], row["height"], row["shard"]))
                 else:
                     position += 1
                     units.append((row["key"], position, row["source"], row["format"], row["sample_id"], captions,
                                   row["width"], row["height"], row["reason"], row["message"], False, row.get("video")))
             ledger.run_many("INSERT INTO known VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", units)
-            ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?)", members)
+            if members:
+                ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?)", stored)
         made = (record.schema_arrow.metadata or {}).get(b"clips_version", b"1").decode()
     if made != str(CLIPS_VERSION):  # clips made another way: every unit that read a video is read again
         # (a record from before outcomes said so: what names a video, and every parquet file)

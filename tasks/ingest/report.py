@@ -35,6 +35,8 @@ def ingest_report(scan: Scan) -> dict[str, Any]:
         "quarantined": quarantined,
         "candidates": sum(scan.formats.values()),
         "duplicates": sum(scan.formats.values()) - samples - quarantined,
+        # of which, in a source that prefixes or mixes otherwise than the first that gave the file
+        "duplicates_apart": scan.kept_apart,
         "caption_variants": variants,
         "by_reason": dict(ledger.rows("SELECT reason, count(*) FROM quarantined GROUP BY reason ORDER BY reason")),
         "by_format": {f: {"accepted": accepted.get(f, 0), "quarantined": rejected.get(f, 0)} for f in sorted(scan.formats)},
@@ -48,6 +50,10 @@ def report_markdown(report: dict[str, Any]) -> str:
     lines = [f"# Ingest report — dataset `{report['dataset']}`", "",
              f"**{report['samples']}** samples accepted, **{report['quarantined']}** quarantined, "
              f"{report['duplicates']} exact duplicates merged, {report['caption_variants']} caption variants.", ""]
+    if report.get("duplicates_apart"):
+        lines[-1:-1] = [f"{report['duplicates_apart']} of the duplicates came from a source with another caption "
+                        "prefix or mix than the first that gave them: they kept that source's captions and role "
+                        "alone.", ""]
 
     def table(title: str, header: str, rows: list[tuple]) -> None:
         if not rows:  # a header row alone reads as a broken table

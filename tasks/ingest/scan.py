@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from configs.schema import DatasetConfig, StorageConfig
 from storage.store import Store
@@ -49,6 +50,10 @@ class Scan:
     bytes_read: int = 0  # listed bytes of the objects read
     position: int = 0  # outcomes so far: the listing order that decides which duplicate comes first
     starts: list[int] = field(default_factory=list)  # the position before each source's first outcome
+    # what each source gives its samples beyond their files (its caption prefix, how training draws
+    # from it): a duplicate from a source that differs keeps its first source's captions alone
+    signatures: list[Any] = field(default_factory=list)
+    kept_apart: int = 0  # such duplicates
     # added since the last flush: keyed units' outcomes, quarantined and accepted candidates
     keyed: list[tuple] = field(default_factory=list)
     refused: list[tuple] = field(default_factory=list)
@@ -86,11 +91,14 @@ class Scan:
             ledger.run_many("INSERT INTO quarantined VALUES (?, ?, ?, ?, ?)", self.refused)
             ledger.run_many("INSERT INTO accepted VALUES (?, ?, ?, ?, ?, ?, ?, ?)", self.accepted)
             ledger.run("INSERT OR IGNORE INTO samples SELECT *, NULL FROM accepted ORDER BY position")
-            for sample_id, captions, spilled in ledger.all(
-                    "SELECT sample_id, accepted.captions, accepted.spilled FROM accepted JOIN samples USING (sample_id) "
+            for sample_id, captions, spilled, first, later in ledger.all(
+                    "SELECT sample_id, accepted.captions, accepted.spilled, samples.position, accepted.position "
+                    "FROM accepted JOIN samples USING (sample_id) "
                     "WHERE samples.position != accepted.position ORDER BY accepted.position"):
                 known = ledger.one("SELECT captions FROM samples WHERE sample_id = ?", (sample_id,))[0]
-                merged = sorted(set(json.loads(known)) | set(json.loads(captions)))
+                apart = self.signature(first) != self.signature(later)
+                self.kept_apart += apart
+                merged = json.loads(known) if apart else sorted(set(json.loads(known)) | set(json.loads(captions)))
                 ledger.run("UPDATE samples SET captions = ?, spilled = spilled OR ? WHERE sample_id = ?",
                            (json.dumps(merged), spilled, sample_id))
             ledger.run("DELETE FROM accepted")
@@ -99,6 +107,9 @@ class Scan:
 
     def count(self, table: str) -> int:
         return self.ledger.one(f"SELECT count(*) FROM {table}")[0]
+
+    def signature(self, position: int) -> Any:
+        return self.signatures[bisect_left(self.starts, position) - 1] if self.signatures else None
 
     def members(self) -> Iterator[tuple[str, int]]:
         """(sample id, index of the source it came from, the first that gave it), by sample id."""
@@ -113,6 +124,7 @@ def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger,
     (recorded by an earlier ingest, its objects unchanged); `progress(units done, units listed)`
     after each unit."""
     scanner = Scanner(storage, dataset, ledger, spill, progress, partitions)
+    scanner.scan.signatures = [(source.caption_prefix, source.mixing()) for source in dataset.sources]
     for index in range(len(dataset.sources)):
         scanner.scan.starts.append(scanner.scan.position)
         scanner.read_source(index)

@@ -36,7 +36,7 @@ from storage import layout
 from storage.store import Store, file_sha256
 from tasks.identity import config_hash, dataset_id as dataset_id_of, units_hash
 from tasks.ingest.ledger import PAGE, Ledger
-from tasks.ingest.record import read_sources_record, write_sources_record
+from tasks.ingest.record import read_sources_record, reuse_units, write_sources_record
 from tasks.ingest.report import ingest_report
 from tasks.ingest.scan import Scan, scan_sources
 from tasks.ingest.shards import read_index, write_new_shards
@@ -58,8 +58,9 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig, progress: Callable[[i
         ledger = Ledger(spill)
         try:
             previous = read_sources_record(store, dataset, ledger)
-            if previous is None:  # no earlier ingest of these sources: every shard of the store counts
+            if previous is None:  # no earlier ingest of this config: every shard of the store counts
                 read_index(store, ledger)
+                reuse_units(store, dataset, ledger)
             scan = scan_sources(storage, dataset, ledger, spill, progress, partitions)
             samples = scan.count("samples")
             if not samples:
@@ -67,7 +68,7 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig, progress: Callable[[i
                                    f"{scan.count('quarantined')} quarantined")
             new, members = write_new_shards(store, dataset, scan, committed)
             dataset_id = commit_dataset(store, dataset, ledger, members, samples)
-            per_source = commit_members(store, dataset, scan, dataset_id, spill)
+            per_source, members_sha = commit_members(store, dataset, scan, spill)
             quarantine = [dict(zip(("source", "format", "reason", "message"), row)) for row in ledger.rows(
                 "SELECT source, format, reason, message FROM quarantined ORDER BY position")]
             report = {"dataset": dataset_id, **ingest_report(scan), "quarantine": quarantine,
@@ -75,15 +76,17 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig, progress: Callable[[i
                                   for source, count, share in zip(dataset.sources, per_source,
                                                                   dataset.shares(per_source))]}
             write_if_changed(store, layout.dataset_report(dataset_id), report)
-            write_if_changed(store, layout.dataset_ref(config_hash(dataset)), {"dataset": dataset_id})
+            write_if_changed(store, layout.dataset_ref(config_hash(dataset)), {"dataset": dataset_id, **(
+                {"members": members_sha} if members_sha else {})})
             record_file = write_sources_record(ledger)
             if file_sha256(record_file) != previous:
-                store.put_file(record_file, layout.sources_record(units_hash(dataset)))
+                store.put_file(record_file, layout.sources_record(config_hash(dataset)))
+            write_if_changed(store, layout.units_ref(units_hash(dataset)), {"config": config_hash(dataset)})
         finally:
             ledger.close()
     work = {"bytes_read": scan.bytes_read, "units_read": scan.units_read, "units_reused": scan.units_reused,
             "io_retries": len(store.retried)}
-    return {**dataset_record(store, dataset_id, dataset.read_concurrency),
+    return {**dataset_record(store, dataset_id, dataset.read_concurrency), "members": members_sha,
             "new_shards": -(-new // dataset.shard_size), "new_samples": new, "work": work}
 
 
@@ -108,27 +111,32 @@ def commit_dataset(store: Store, dataset: DatasetConfig, ledger: Ledger, members
     return dataset_id
 
 
-def commit_members(store: Store, dataset: DatasetConfig, scan: Scan, dataset_id: str, spill: Path) -> list[int]:
-    """With several sources, which one each sample of the dataset came from (`layout.dataset_members`,
-    what the manifest reads when training draws from them apart), committed unless it is, written a
-    page at a time through a file in `spill`; the samples of each source."""
+def commit_members(store: Store, dataset: DatasetConfig, scan: Scan, spill: Path) -> tuple[list[int], str | None]:
+    """The samples of each source; with several sources, which one each sample came from
+    (`layout.dataset_members`, what the manifest reads when training draws from them apart),
+    written a page at a time through a file in `spill` and committed unless it is, and its sha256
+    (None for one source). Keyed by its content: a sample that moves to another source changes it,
+    whatever the dataset's id."""
     counts = [0] * len(dataset.sources)
-    key = layout.dataset_members(dataset_id, config_hash(dataset))
-    writing = len(dataset.sources) > 1 and store.committed(key) is None
-    with pq.ParquetWriter(spill / "members.parquet", MEMBERS_SCHEMA, compression="zstd") as writer:
+    several = len(dataset.sources) > 1
+    local = spill / "members.parquet"
+    with pq.ParquetWriter(local, MEMBERS_SCHEMA, compression="zstd") as writer:
         page: list[tuple[str, int]] = []
         for sample_id, source in scan.members():
             counts[source] += 1
-            if writing:
+            if several:
                 page.append((sample_id, source))
             if len(page) == PAGE:
                 writer.write_table(_members_table(page))
                 page.clear()
         if page:
             writer.write_table(_members_table(page))
-    if writing:
-        store.commit_file(spill / "members.parquet", key, samples=sum(counts))
-    return counts
+    if not several:
+        return counts, None
+    sha = file_sha256(local)
+    if store.committed(layout.dataset_members(sha)) is None:
+        store.commit_file(local, layout.dataset_members(sha), samples=sum(counts))
+    return counts, sha
 
 
 def _members_table(page: list[tuple[str, int]]) -> pa.Table:
@@ -160,4 +168,5 @@ def latest_dataset(storage: StorageConfig, dataset: DatasetConfig) -> dict[str, 
     ref = layout.dataset_ref(config_hash(dataset))
     if not store.exists(ref):
         raise FileNotFoundError(f"no dataset ingested yet for these sources in {store.root_url}; run ingest first")
-    return dataset_record(store, store.read_json(ref)["dataset"])
+    found = store.read_json(ref)
+    return {**dataset_record(store, found["dataset"]), "members": found.get("members")}

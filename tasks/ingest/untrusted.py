@@ -195,6 +195,9 @@ def check_geometry(width: int, height: int, config: DatasetConfig) -> None:
         raise Rejected("aspect_ratio", f"{width}x{height} is beyond 1:{MAX_ASPECT_RATIO:g}")
 
 
+SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I")  # integer modes `to_rgb` scales to 8 bits
+
+
 def to_rgba(image: Image.Image) -> Image.Image:
     """RGBA pixels of a picture with alpha (16-bit modes have none)."""
     return image.convert("RGBA")
@@ -203,7 +206,7 @@ def to_rgba(image: Image.Image) -> Image.Image:
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB pixels of any mode: 16-bit scaled to 8, palette and LA through RGBA, alpha composited on
     white (what most trainers do), CMYK and grayscale converted."""
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+    if image.mode in SIXTEEN_BIT:
         pixels = np.asarray(image, dtype=np.float64)
         peak = 65535.0 if image.mode != "I" or pixels.max() > 255 else 255.0
         image = Image.fromarray(np.clip(pixels * (255.0 / peak), 0, 255).round().astype(np.uint8), "L")
@@ -217,8 +220,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def has_alpha(image: Image.Image) -> bool:
-    """Whether a picture carries transparency: an alpha channel, or a palette's transparent colour."""
-    return image.mode in ("RGBA", "PA", "LA", "La", "RGBa") or "transparency" in image.info
+    """Whether a picture carries transparency: an alpha channel, or a transparent colour of a
+    palette or an 8-bit picture (a 16-bit one's is dropped where `to_rgb` scales it to 8 bits)."""
+    return image.mode in ("RGBA", "PA", "LA", "La", "RGBa") or (
+        "transparency" in image.info and image.mode not in SIXTEEN_BIT)
 
 
 def normalise_image(data: bytes, config: DatasetConfig, alpha: bool = False) -> tuple[bytes, int, int]:

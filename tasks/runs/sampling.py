@@ -210,11 +210,13 @@ def sample_run(
     check_components(model)
     with tempfile.TemporaryDirectory() as local:
         slot = family.denoiser.folder(model)  # the pipeline's component the run trained
-        if run.weights == "adapter" and hasattr(family.sampler.pipeline_class(), "load_lora_weights"):
-            # the adapter as the family's users load it: the pipeline's own LoRA loader (into a
-            # second transformer as diffusers' loaders put it there: load_into_transformer_2)
+        config, data = run.adapter() if run.weights == "adapter" else ({}, b"")
+        lora = run.weights == "adapter" and config.get("peft_type", "LORA") == "LORA"
+        if lora and hasattr(family.sampler.pipeline_class(), "load_lora_weights"):
+            # a LoRA as the family's users load it: the pipeline's own LoRA loader (into a second
+            # transformer as diffusers' loaders put it there: load_into_transformer_2); a LoHa or
+            # LoKr, which it does not read, merged by PEFT below
             pipeline = family.sampler.pipeline_class().from_pretrained(model.path, revision=model.revision)
-            config, data = run.adapter()
             pipeline.load_lora_weights(str(save_diffusers_lora(family, load(data), config, local)),
                                        **({"load_into_transformer_2": True} if slot == "transformer_2" else {}))
         else:

@@ -173,17 +173,23 @@ class Batches:
         features = self.features
         latents, text, masks = features.batch(sample_ids, draws(self.training.seed, index, "data"),
                                               features.caption_dropouts(sample_ids, self.training.caption_dropout))
+        weighing = features.weighing(sample_ids, masks)
         if self.device.type == "cuda":  # pinned, so the copy to the device does not hold the host
             latents, text = latents.pin_memory(), {name: value.pin_memory() for name, value in text.items()}
-        return index, (latents, text, features.weighing(sample_ids, masks))
+            weighing = weighing and weighing.map(torch.Tensor.pin_memory)
+        return index, (latents, text, weighing)
 
     def __iter__(self) -> Batches:
         return self
 
     def __next__(self) -> tuple[int, tuple[torch.Tensor, Conditioning, Weighing | None]]:
         index, (latents, text, weighing) = next(self.reader)
-        return index, (latents.to(self.device, non_blocking=True),
-                       {name: value.to(self.device, non_blocking=True) for name, value in text.items()}, weighing)
+
+        def moved(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(self.device, non_blocking=True)
+
+        return index, (moved(latents), {name: moved(value) for name, value in text.items()},
+                       weighing and weighing.map(moved))
 
     def close(self) -> None:
         if self.reader is not None:
@@ -242,10 +248,13 @@ def mixed_batches(buckets: dict[str, list[str]], sizes: dict[str, int] | int, se
                              f"training draws {shares[group]:.0%} of its batches from them")
     order = sorted(shares, key=lambda group: -1 if group is None else group)
     streams = [bucket_batches(dict(groups[group]), sizes, seed if group is None else seed + 1 + group) for group in order]
-    choices = random.Random(seed * 100_003 + 99_991)
+    return _chosen(streams, [shares[group] for group in order], random.Random(seed * 100_003 + 99_991))
+
+
+def _chosen(streams: list[Iterator[list[str]]], shares: list[float], choices: random.Random) -> Iterator[list[str]]:
+    """Each next batch from a stream chosen at its share (checked before the first is drawn)."""
     while True:
-        choice = choices.choices(range(len(streams)), weights=[shares[group] for group in order])[0] if len(streams) > 1 else 0
-        yield next(streams[choice])
+        yield next(streams[choices.choices(range(len(streams)), weights=shares)[0] if len(streams) > 1 else 0])
 
 
 def seed_of(seed: int, index: int, purpose: str) -> int:

@@ -3,6 +3,7 @@ features, under the family's noise schedule with the run's timestep sampling and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,6 +52,10 @@ class Weighing:
     loss_weights: torch.Tensor | None  # [B]: each sample's loss multiplied by it (None: all 1)
     base_model: torch.Tensor | None  # [B] bool: trained toward the base model's prediction (None: none)
     masks: torch.Tensor | None = None  # [B, 1, (F,) h, w]: each latent pixel's weight in its sample's loss (None: all 1)
+
+    def map(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Weighing:
+        """Each tensor moved (pinned, copied to the device)."""
+        return Weighing(*(None if t is None else move(t) for t in (self.loss_weights, self.base_model, self.masks)))
 
 
 def diffusion_loss(
