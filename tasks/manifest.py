@@ -120,7 +120,8 @@ def _write_manifest(store: Store, this_id: str, dataset_id: str, text_fps: dict[
         "buckets": dict(sorted(buckets.items())), "quarantined": dict(quarantined), "checksums": checksums,
     }
     if mix is not None:  # how training draws from each source, and its samples here
-        counts = [sum(1 for row in rows if row["source"] == index) for index in range(len(mix["paths"]))]
+        drawn = Counter(row["source"] for row in rows)
+        counts = [drawn[index] for index in range(len(mix["paths"]))]
         sources = DatasetConfig(sources=[{"path": path, **settings} for path, settings in zip(mix["paths"], mix["mix"])])
         manifest["mix"] = [{"path": path, "samples": count, **settings, "share": share} for path, settings, count, share
                            in zip(mix["paths"], mix["mix"], counts, sources.shares(counts))]

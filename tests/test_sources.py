@@ -33,9 +33,10 @@ MIX = [{"repeats": 3, "masks": "alpha"}, {"weight": 0.25}, {"regularisation": "b
 SHARES = [0.75 * 15 / 23, 0.25, 0.75 * 8 / 23]  # the pool's 3 × 5 + 8 draws share what the weight leaves
 
 
-def _config(folder: Path, tiny_models: str, sources: list[str], mix: list[dict]) -> PipelineConfig:
+def _config(folder: Path, tiny_models: str, sources: list[str], mix: list[dict],
+            storage: dict | None = None) -> PipelineConfig:
     return PipelineConfig.model_validate({
-        "storage": {"root": str(folder / "store")},
+        "storage": storage or {"root": str(folder / "store")},
         "dataset": {"sources": [{"path": path, **settings} for path, settings in zip(sources, mix)], "shard_size": 10},
         "model": {"path": tiny_models}, "text_encoding": {"dtype": "fp32", "batch_tokens": 256},
         "latent_encoding": {"resolution": 256, "storage_dtype": "fp32", "batch_size": 4},
@@ -282,14 +283,23 @@ def test_a_trigger_word_on_a_source_reads_no_file_again_and_encodes_its_captions
     assert again["ingest"]["new_samples"] == 0 and again["encode-text"]["work"]["shards_encoded"] == 0
 
 
-def test_a_picture_moved_to_another_source_is_drawn_as_that_sources(tmp_path, tiny_models):
+@pytest.mark.parametrize("root", ["local", "s3"])
+def test_a_picture_moved_to_another_source_is_drawn_as_that_sources(tmp_path, tiny_models, root, request):
     """Which source a sample came from is ingest's record, keyed by its content: a picture moved
     from one source's folder to another's, its caption with it, keeps the dataset (the same samples
-    and captions) but makes a new manifest, whose row gives the new source."""
+    and captions) but makes a new manifest, whose row gives the new source; on a local root and on
+    an S3 root (moto), where the record is an object the manifest reads back."""
     import shutil
 
+    storage = None
+    if root == "s3":
+        import s3fs
+
+        endpoint = request.getfixturevalue("s3_endpoint")
+        s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("precast-sources")
+        storage = {"root": "s3://precast-sources/store", "options": {"endpoint_url": endpoint}}
     folders = [write_demo_data(tmp_path / name, count=4, seed=i) for i, name in enumerate(("a", "b"))]
-    config = _config(tmp_path, tiny_models, list(map(str, folders)), [{"repeats": 2}, {}])
+    config = _config(tmp_path, tiny_models, list(map(str, folders)), [{"repeats": 2}, {}], storage)
     before = run_direct(config, until="manifest")
     moved = sorted(folders[0].glob("*.txt"))[0]
     picture = next(p for p in folders[0].iterdir() if p.stem == moved.stem and p.suffix != ".txt")

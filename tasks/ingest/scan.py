@@ -108,13 +108,17 @@ class Scan:
     def count(self, table: str) -> int:
         return self.ledger.one(f"SELECT count(*) FROM {table}")[0]
 
+    def source_at(self, position: int) -> int:
+        """The index of the source whose outcome is at `position`."""
+        return bisect_left(self.starts, position) - 1
+
     def signature(self, position: int) -> Any:
-        return self.signatures[bisect_left(self.starts, position) - 1] if self.signatures else None
+        return self.signatures[self.source_at(position)] if self.signatures else None
 
     def members(self) -> Iterator[tuple[str, int]]:
         """(sample id, index of the source it came from, the first that gave it), by sample id."""
         for sample_id, position in self.ledger.rows("SELECT sample_id, position FROM samples ORDER BY sample_id"):
-            yield sample_id, bisect_left(self.starts, position) - 1
+            yield sample_id, self.source_at(position)
 
 
 def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger, spill: Path,

@@ -117,22 +117,20 @@ def commit_members(store: Store, dataset: DatasetConfig, scan: Scan, spill: Path
     written a page at a time through a file in `spill` and committed unless it is, and its sha256
     (None for one source). Keyed by its content: a sample that moves to another source changes it,
     whatever the dataset's id."""
+    if len(dataset.sources) == 1:
+        return [scan.count("samples")], None
     counts = [0] * len(dataset.sources)
-    several = len(dataset.sources) > 1
     local = spill / "members.parquet"
     with pq.ParquetWriter(local, MEMBERS_SCHEMA, compression="zstd") as writer:
         page: list[tuple[str, int]] = []
         for sample_id, source in scan.members():
             counts[source] += 1
-            if several:
-                page.append((sample_id, source))
+            page.append((sample_id, source))
             if len(page) == PAGE:
                 writer.write_table(_members_table(page))
                 page.clear()
         if page:
             writer.write_table(_members_table(page))
-    if not several:
-        return counts, None
     sha = file_sha256(local)
     if store.committed(layout.dataset_members(sha)) is None:
         store.commit_file(local, layout.dataset_members(sha), samples=sum(counts))

@@ -90,9 +90,13 @@ class CachedFeatures:
         # how training draws from each source of the dataset (None: one pool), as the manifest says
         self.mix: list[dict[str, Any]] | None = manifest.get("mix")
 
+    def source_index(self, sample_id: str) -> int:
+        """The index of the dataset source `sample_id` came from (0 in manifests before sources mixed)."""
+        return self.samples[sample_id].get("source") or 0
+
     def source(self, sample_id: str) -> dict[str, Any]:
         """The mix settings of the source `sample_id` came from (`SourceConfig.mixing`)."""
-        return self.mix[self.samples[sample_id].get("source") or 0]
+        return self.mix[self.source_index(sample_id)]
 
     def caption_dropouts(self, sample_ids: list[str], default: float) -> float | list[float]:
         """Each sample's rate of the empty caption: its source's, or the run's `default` (for all
@@ -232,7 +236,7 @@ def mixed_batches(buckets: dict[str, list[str]], sizes: dict[str, int] | int, se
     groups: dict[int | None, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))  # None: the pool
     for name, ids in buckets.items():
         for sample_id in ids:
-            source = features.samples[sample_id].get("source") or 0
+            source = features.source_index(sample_id)
             if mix[source]["weight"] is None:
                 groups[None][name] += [sample_id] * mix[source]["repeats"]
             else:

@@ -47,7 +47,8 @@ class Objective:
 
 @dataclass(frozen=True)
 class Weighing:
-    """What a batch's samples take from the dataset sources they came from (`DatasetConfig.mix`)."""
+    """How each sample of a batch weighs in the loss beyond the schedule: what it takes from the
+    dataset source it came from (`DatasetConfig.mix`), and its loss mask from the latent cache."""
 
     loss_weights: torch.Tensor | None  # [B]: each sample's loss multiplied by it (None: all 1)
     base_model: torch.Tensor | None  # [B] bool: trained toward the base model's prediction (None: none)
