@@ -162,11 +162,18 @@ class SourceConfig(Section):
         "image", description="Parquet column with image bytes (or a struct with `bytes`).")
     file_column: Annotated[str, COUNTED] = Field(
         "file_name", description="jsonl/csv field with the image path, relative to the file.")
-    masks: Annotated[Literal["none", "alpha"], IF_NOT_DEFAULT] = Field(
-        "none", description="Where each picture's loss mask comes from. alpha: its alpha channel (kohya's alpha_mask), "
-        "kept at ingest and cached at latent resolution beside the latents: the loss of each latent pixel is weighed "
-        "by the share of its pixels the mask covers, so transparent parts are not learned. A picture without alpha "
-        "trains whole; one whose alpha is 0 everywhere is quarantined (empty_mask). none: alpha is composited on white.")
+    masks: Annotated[Literal["none", "alpha", "files"], IF_NOT_DEFAULT] = Field(
+        "none", description="Where each picture's loss mask comes from, cached at latent resolution beside the latents: "
+        "the loss of each latent pixel is weighed by the share of its pixels the mask covers, so what it leaves out "
+        "is not learned. alpha: the picture's alpha channel (kohya's alpha_mask), its pixels composited on white; a "
+        "picture without alpha trains whole. files: a grayscale picture in `mask_path` at the picture's own relative "
+        "path, any picture extension (x/a.jpg: x/a.png), white learned and black not (ai-toolkit's mask_path), "
+        "resized to the picture; the picture's pixels stay as they are; a picture without its mask is quarantined "
+        "(missing_mask); folder, jsonl and csv sources. A mask that is 0 everywhere is quarantined (empty_mask). "
+        "none: alpha is composited on white.")
+    mask_path: Annotated[str | None, IF_NOT_DEFAULT] = Field(
+        None, description="With masks: files, the folder of the masks (local path or fsspec URL), laid out as the "
+        "source's pictures are (a metadata file's names relative to it).")
     caption_prefix: Annotated[str, IF_NOT_DEFAULT] = Field(
         "", max_length=1000, description="A trigger word (or any text) for this source's captions: it replaces "
         "`[trigger]` where a caption has it (ai-toolkit's trigger_word), else starts every caption variant, followed "
@@ -194,6 +201,13 @@ class SourceConfig(Section):
         "with loss_weight). base_model: trained toward what the base model predicts for the same noisy latents and "
         "caption, the adapter switched off, so the adapter learns to leave these prompts as they were "
         "(SimpleTuner's and ai-toolkit's regularisation data); a LoRA or DoRA only.")
+
+    @model_validator(mode="after")
+    def _masks_have_their_folder(self) -> SourceConfig:
+        if (self.masks == "files") != (self.mask_path is not None):
+            raise ValueError(f"dataset source {self.path!r}: masks: files reads its masks from mask_path, and "
+                             "mask_path is read with masks: files only")
+        return self
 
     def mixing(self) -> dict[str, Any]:
         """This source's settings of how training draws from it (the fields marked MIXED)."""

@@ -124,7 +124,8 @@ def test_gpu_work_pool_templates_request_gpus_and_define_every_variable():
 # --- identities: each field declares whether it counts -------------------------------------------
 # what a field's other values need of fields that count in no identity (blocks_to_swap: checkpointing)
 # fields the schema takes only beside another setting: that setting, in the base as in the change
-COMPANIONS = {"blocks_to_swap": {"gradient_checkpointing": "recompute"}, "lora.factor": {"adapter": "lokr"}}
+COMPANIONS = {"blocks_to_swap": {"gradient_checkpointing": "recompute"}, "lora.factor": {"adapter": "lokr"},
+              "sources.mask_path": {"masks": "files", "mask_path": "/masks"}}
 
 
 def _other_values(section: type[Section], name: str) -> list:
@@ -207,7 +208,9 @@ def test_every_field_an_identity_is_made_of_declares_whether_it_counts_and_the_i
             with_companion = base.model_dump()
             if outer is None:
                 with_companion.update(companion)
-            elif outer != "sources":
+            elif outer == "sources":
+                with_companion["sources"] = [{**with_companion["sources"][0], **companion}]
+            else:
                 with_companion[outer] = {**with_companion[outer], **companion}
             field_base = section.model_validate(with_companion) if companion else base
             field_before = _identity_of(field_base, tiny_models) if companion else before

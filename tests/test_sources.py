@@ -21,7 +21,7 @@ from storage import layout
 from storage.store import Store
 from tasks.demo.data import write_demo_data
 from tasks.identity import manifest_id
-from tasks.ingest.examine import ALPHA_MASKED
+from tasks.ingest.examine import ALPHA_MASKED, MASK_FILE
 from tasks.ingest.report import report_markdown
 from tasks.runner import run_direct
 from tasks.runs.page import RunPage
@@ -69,7 +69,7 @@ def test_three_sources_train_through_every_stage_and_each_sample_keeps_its_sourc
         == [(5, 3, None, 1.0, "off"), (8, 1, 0.25, 1.0, "off"), (8, 1, None, 0.5, "base_model")]
     features = CachedFeatures(store, manifest, config_family(config))
     for index, path in enumerate(sources):  # a sample's id is its picture's sha256 (the cut-outs' with their mask's word)
-        ids = {hashlib.sha256(p.read_bytes() + (ALPHA_MASKED if index == 0 else b"")).hexdigest()
+        ids = {hashlib.sha256(p.read_bytes() + (ALPHA_MASKED if index == 0 and p.name != "5.png" else b"")).hexdigest()
                for p in Path(path).iterdir() if p.suffix != ".txt" and p.name != "4.png"}
         assert {s for s, row in features.samples.items() if row["source"] == index} == ids
 
@@ -219,7 +219,9 @@ def test_a_pictures_alpha_is_its_loss_mask_cached_on_the_latent_grid(tmp_path, t
     assert done["ingest"]["quarantined"] == 1
     report = Store(config.storage).read_json(layout.dataset_report(done["ingest"]["id"]))
     assert [(q["reason"], Path(q["source"]).name) for q in report["quarantine"]] == [("empty_mask", "4.png")]
-    ids = {name: hashlib.sha256(data + ALPHA_MASKED).hexdigest() for name, data in files.items() if name != "4.png"}
+    # a picture without alpha is the same sample as in a source without masks
+    ids = {name: hashlib.sha256(data + ALPHA_MASKED * (name != "5.png")).hexdigest()
+           for name, data in files.items() if name != "4.png"}
     store = Store(config.storage)
     rows = [row for shard in done["ingest"]["shards"]
             for row in read_image_shard(store.read_bytes(layout.image_shard(shard["id"]))).to_pylist()]
@@ -250,6 +252,125 @@ def test_a_pictures_alpha_is_its_loss_mask_cached_on_the_latent_grid(tmp_path, t
     torch.testing.assert_close(loss(Weighing(None, None, zero)), loss(Weighing(torch.tensor([0.0, 1.0]), None)))
     assert loss(Weighing(None, None, masks)) != loss(None)
     assert done["train"]["final_loss"] == done["train"]["final_loss"]  # trained to the end, no NaN from a mask
+
+
+def _png(pixels) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _pictures_with_mask_files(folder: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:
+    """A folder of 8 captioned pictures (two in a subfolder) and a folder of their masks at the same
+    relative paths, white on the left half: a mask as large as its picture, one half as large, one
+    a JPEG; one black everywhere, one missing, one not a picture. ({name: picture}, {name: mask})."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pictures, masks = {}, {}
+    for i in range(8):
+        name = f"sub/{i}" if i in (2, 3) else str(i)
+        pixels = np.random.default_rng(i).integers(0, 255, (128, 128, 3), dtype=np.uint8)
+        pictures[name] = _png(pixels)
+        side = 64 if i == 1 else 128
+        grey = np.zeros((side, side), dtype=np.uint8)
+        grey[:, : side // 2] = 0 if i == 4 else 255
+        if i == 2:
+            buffer = io.BytesIO()
+            Image.fromarray(grey).convert("RGB").save(buffer, format="JPEG", quality=95)
+            masks[name] = buffer.getvalue()
+        elif i != 5:
+            masks[name] = b"not a picture" if i == 6 else _png(grey)
+    for name, data in pictures.items():
+        (folder / "pictures" / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / "pictures" / f"{name}.png").write_bytes(data)
+        (folder / "pictures" / f"{name}.txt").write_text(f"a picture number {name}")
+    for name, data in masks.items():
+        (folder / "masks" / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / "masks" / f"{name}.{'jpg' if name == 'sub/2' else 'png'}").write_bytes(data)
+    return pictures, masks
+
+
+@pytest.mark.parametrize("fmt", ["folder", "jsonl"])
+def test_mask_files_weigh_each_picture_and_leave_its_pixels_whole(tmp_path, tiny_models, fmt):
+    """`masks: files`: each picture's mask is the picture at its relative path in `mask_path`
+    (any picture extension, any size: resized to the picture), cached on the latent grid as alpha's
+    is; the pixels under it are encoded as they are (the latents equal the unmasked picture's),
+    and the sample is the picture with its mask. A black, missing or broken mask quarantines its
+    picture, naming why; a changed mask reads that picture again and encodes it alone."""
+    from storage.shards import LatentShard
+
+    pictures, masks = _pictures_with_mask_files(tmp_path)
+    source = tmp_path / "pictures"
+    if fmt == "jsonl":  # the metadata's names relative to its folder, the masks' to mask_path
+        rows = [{"file_name": f"{name}.png", "text": f"a picture number {name}"} for name in pictures]
+        (source / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    settings = {"masks": "files", "mask_path": str(tmp_path / "masks")}
+    config = _config(tmp_path, tiny_models, [str(source)], [settings])
+    done = run_direct(config, until="manifest")
+    report = Store(config.storage).read_json(layout.dataset_report(done["ingest"]["id"]))
+    assert sorted((Path(q["source"]).name, q["reason"]) for q in report["quarantine"]) == \
+        [("4.png", "empty_mask"), ("5.png", "missing_mask"), ("6.png", "bad_mask")], report["quarantine"]
+    kept = [name for name in pictures if name in masks and name not in ("4", "6")]
+    ids = {name: hashlib.sha256(pictures[name] + MASK_FILE + hashlib.sha256(masks[name]).hexdigest().encode())
+           .hexdigest() for name in kept}
+
+    # the same pictures without masks, in the same store: the pixels the VAE saw are the same
+    plain = run_direct(_config(tmp_path, tiny_models, [str(source)], [{}]), until="manifest")
+    store = Store(config.storage)
+
+    def cached(manifest_url: str) -> tuple[CachedFeatures, dict]:
+        manifest = store.read_json(store.key(manifest_url))
+        return CachedFeatures(store, manifest, config_family(config)), manifest
+
+    (features, manifest), (unmasked, plain_manifest) = cached(done["manifest"]["url"]), cached(plain["manifest"]["url"])
+    assert set(features.samples) == set(ids.values())
+    for name, sample_id in ids.items():
+        row, twin = features.samples[sample_id], unmasked.samples[hashlib.sha256(pictures[name]).hexdigest()]
+        shard, twin_shard = (LatentShard(store.local_paths({r["latent_shard"]: m["checksums"][r["latent_shard"]]})
+                                         [r["latent_shard"]]) for r, m in ((row, manifest), (twin, plain_manifest)))
+        # (within float rounding: the VAE's batches hold other pictures)
+        torch.testing.assert_close(shard.get(sample_id)[0], twin_shard.get(twin["sample_id"])[0], rtol=1e-5, atol=1e-5)
+        mask = shard.mask(sample_id).float()
+        width = mask.shape[-1]
+        assert mask[..., : width // 2 - 1].min() > 0.95 and mask[..., width // 2 + 1:].max() < 0.05, (name, mask)
+
+    # a nightly run after one mask was redrawn (the top half): that picture alone is read and encoded
+    top = torch.zeros(128, 128, dtype=torch.uint8)
+    top[:64] = 255
+    (tmp_path / "masks" / "0.png").write_bytes(_png(top.numpy()))
+    again = run_direct(config, until="manifest")
+    read = 1 + (fmt == "jsonl")  # and the metadata file, read every time
+    assert again["ingest"]["work"]["units_read"] == read and again["ingest"]["new_samples"] == 1
+    assert again["encode-latents"]["work"]["samples_encoded"] == 1
+    features, manifest = cached(again["manifest"]["url"])
+    assert ids["0"] not in features.samples and len(features.samples) == len(ids)
+
+
+def test_mask_files_that_cannot_be_read_as_a_sources_masks_are_refused_naming_the_source(tmp_path, tiny_models):
+    with pytest.raises(ValidationError, match="masks: files reads its masks from mask_path"):
+        _config(tmp_path, tiny_models, [str(tmp_path)], [{"masks": "files"}])
+    with pytest.raises(ValidationError, match="mask_path is read with masks: files only"):
+        _config(tmp_path, tiny_models, [str(tmp_path)], [{"mask_path": str(tmp_path)}])
+    pictures = write_demo_data(tmp_path / "pictures", count=2)
+    inside = _config(tmp_path, tiny_models, [str(pictures)], [{"masks": "files", "mask_path": str(pictures / "m")}])
+    (pictures / "m").mkdir()
+    with pytest.raises(RuntimeError, match="inside the source folder"):
+        run_direct(inside, until="ingest")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"image": [b"x"], "text": ["a"]}), tmp_path / "rows.parquet")
+    rows = _config(tmp_path, tiny_models, [str(tmp_path / "rows.parquet")],
+                   [{"masks": "files", "mask_path": str(tmp_path / "m")}])
+    with pytest.raises(RuntimeError, match="rows.parquet.*masks for folder, jsonl and csv sources, not parquet"):
+        run_direct(rows, until="ingest")
 
 
 def test_a_trigger_word_on_a_source_reads_no_file_again_and_encodes_its_captions_not_its_latents(tmp_path,

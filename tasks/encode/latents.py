@@ -31,7 +31,7 @@ from storage import layout
 from storage.shards import bucket_name, pack_latents, read_image_shard, read_latent_rows, shard_id_of
 from storage.store import ArtifactMissing, Damaged, Store
 from tasks.encode.models import VAE_IN_USE, build_vae, load_vae
-from tasks.ingest.untrusted import to_rgb
+from tasks.ingest.untrusted import MASK_FROM_FILE, to_rgb
 from tasks.ingest.video import clip_frames, frame_count
 from tasks.families import family_of
 from tasks.loading import DTYPES
@@ -65,13 +65,15 @@ def crop_box(table: dict[str, list[float]], width: int, height: int, crop: str, 
 
 def preprocess(image_bytes: bytes, box: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pixels the VAE sees: resized (bicubic) and cropped by `box`, scaled to [-1, 1], [3, H, W];
-    and a picture's loss mask, when ingest kept its alpha (a source's `masks: alpha`): the alpha
-    resized (bilinear) and cropped alike, [1, H, W] in [0, 1], its pixels composited on white."""
+    and a picture's loss mask, when ingest kept one as its alpha (a source's `masks`): the alpha
+    resized (bilinear) and cropped alike, [1, H, W] in [0, 1]; a transparent picture's pixels
+    composited on white, a mask file's left as they are."""
     with Image.open(io.BytesIO(image_bytes)) as opened:
         if opened.mode == "RGBA":
             alpha = opened.getchannel("A").resize(tuple(box[:2]), Image.Resampling.BILINEAR).crop(tuple(box[2:]))
             mask = torch.from_numpy(np.asarray(alpha, dtype=np.uint8).copy()).float().div(255.0)[None]
-            return pixels_of(to_rgb(opened), box), mask
+            whole = MASK_FROM_FILE in opened.info  # a mask file's: the pixels under it are real
+            return pixels_of(opened.convert("RGB") if whole else to_rgb(opened), box), mask
         return pixels_of(opened.convert("RGB"), box), None
 
 

@@ -26,13 +26,15 @@ from storage.store import DiskFull, space_for
 from tasks.ingest.formats import Candidate, is_video_name, read_unit
 from tasks.ingest.listing import is_remote
 from tasks.ingest.untrusted import (Rejected, check_geometry, max_bytes, max_image_bytes, normalise_image,
-                                    printable)
+                                    picture_has_alpha, printable)
 from tasks.ingest.video import is_video, read_video
 
 
 NOT_A_CONTAINER = "not an mp4, mov, webm or mkv container"  # a file named as a video, and no picture either
-# appended to a picture's bytes for its sample id when its source keeps alpha as the loss mask
+# appended to a picture's bytes for its sample id when its alpha is its loss mask (`masks: alpha`),
+# and before the sha256 of its mask file's bytes (`masks: files`)
 ALPHA_MASKED = b"\0precast: alpha is the loss mask"
+MASK_FILE = b"\0precast: the loss mask of a file "
 
 
 @dataclass
@@ -82,13 +84,13 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
             if size > max_image_bytes(dataset):
                 raise Rejected("bad_video", NOT_A_CONTAINER)
             data = data.read_bytes()
-        outcome.sample_id = sha256_bytes(data + ALPHA_MASKED if alpha else data)
+        outcome.sample_id = picture_id(data, alpha, candidate.mask)
         if (size := stored(outcome.sample_id)) is not None:  # validated when first ingested; only the rules may have changed
             outcome.width, outcome.height = size
             check_geometry(outcome.width, outcome.height, dataset)
         else:
             try:
-                image, outcome.width, outcome.height = normalise_image(data, dataset, alpha)
+                image, outcome.width, outcome.height = normalise_image(data, dataset, alpha, candidate.mask)
             except Rejected as problem:  # named a video, and its bytes are no container and no picture
                 if problem.reason == "not_image" and is_video_name(candidate.source):
                     raise Rejected("bad_video", NOT_A_CONTAINER) from problem
@@ -108,6 +110,14 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
         outcome.sample_id = outcome.captions = None
         outcome.spilled = False
     return [outcome]
+
+
+def picture_id(data: bytes, alpha: bool, mask: bytes | None) -> str:
+    """A picture's sample id: the hash of its bytes, and of its mask's (a file's, or its alpha where
+    its source keeps alpha and it has some: a picture without alpha is the same sample either way)."""
+    if mask is not None:
+        return sha256_bytes(data + MASK_FILE + sha256_bytes(mask).encode())
+    return sha256_bytes(data + ALPHA_MASKED if alpha and picture_has_alpha(data) else data)
 
 
 def spill_image(spill: Path, sample_id: str, image: bytes) -> None:

@@ -137,7 +137,54 @@ def list_source(source: SourceConfig, options: dict[str, Any], ledger: Ledger, i
     listing = Listing(fs, root, fmt, ledger, index)
     if listing.format == "auto":
         listing.format = folder_format(listing)
+    if source.masks == "files":
+        list_masks(listing, source, root if is_folder else posixpath.dirname(root), options)
     return listing
+
+
+def masks_of(index: int) -> int:
+    """Where the ledger's `objects` table holds the mask folder of source `index`."""
+    return -1 - index
+
+
+def list_masks(listing: Listing, source: SourceConfig, base: str, options: dict[str, Any]) -> None:
+    """The source's `mask_path` listed into the ledger under `masks_of(index)`, each mask with the
+    stem its picture has under `base` (the folder the source's names are relative to: its mask
+    a/x.png has the stem of the picture a/x.jpg), so a picture finds its mask by the stem index."""
+    from tasks.ingest.formats import is_image_name
+
+    if listing.format not in ("folder", "jsonl", "csv"):
+        raise RuntimeError(f"dataset source {source.path!r}: masks: files reads masks for folder, jsonl and csv "
+                           f"sources, not {listing.format} (a {listing.format} source's masks come from alpha)")
+    try:
+        fs, folder = fsspec.core.url_to_fs(source.mask_path, **options)
+        folder = folder.rstrip("/")
+        if fs.protocol != listing.fs.protocol:  # read with the source's filesystem, here or on a worker
+            raise ValueError("it is not on the source's filesystem")
+        if fs.info(folder)["type"] != "directory":
+            raise ValueError("it is not a folder")
+        if listing.format == "folder" and (folder + "/").startswith(listing.root + "/"):
+            raise ValueError("it lies inside the source folder, whose pictures it would be read as")
+        masks = ((path, size, mark) for path, size, mark in walk_objects(fs, folder) if is_image_name(path))
+        listing.ledger.run_many("INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?)",
+                                ((masks_of(listing.index), encode_path(path), size, mark,
+                                  encode_path(base + path[len(folder):].rpartition(".")[0]), path.rpartition(".")[2])
+                                 for path, size, mark in masks))
+    except DiskFull:
+        raise
+    except Exception as error:
+        raise RuntimeError(f"dataset source {source.path!r}: mask_path {source.mask_path!r} cannot be read: "
+                           f"{error}") from error
+
+
+def mask_beside(listing: Listing, picture: str) -> Listed | None:
+    """The mask of the picture at `picture` (a path under the folder the source's names are
+    relative to), None when the mask folder holds none: of several (a/x.png, a/x.jpg), the first by
+    path."""
+    found = listing.ledger.one("SELECT path, size, stamp FROM objects INDEXED BY objects_stem WHERE source = ? "
+                               "AND stem = ? ORDER BY path LIMIT 1",
+                               (masks_of(listing.index), encode_path(picture.rpartition(".")[0])))
+    return found and Listed(decode_path(found[0]), *found[1:])
 
 
 def walk_objects(fs: fsspec.AbstractFileSystem, folder: str) -> Iterator[tuple[str, int, str]]:

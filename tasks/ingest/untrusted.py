@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps, PngImagePlugin, UnidentifiedImageError
 
 from configs.schema import DatasetConfig
 from storage.store import space_for
@@ -44,6 +44,8 @@ from storage.store import space_for
 MAX_ASPECT_RATIO = 4.0  # the families' bucket tables span 1:4 … 4:1
 KEEP_AS_IS = ("JPEG", "PNG", "WEBP")  # RGB files in these formats are stored byte for byte
 CLIP_FRAMES = "precast.clip_frames"  # a stored clip's XMP: its frame count (tasks/ingest/video.py)
+# a stored picture's PNG text: its alpha is a loss mask from a file, its pixels whole (not to be composited)
+MASK_FROM_FILE = "precast.mask_from_file"
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 # the largest honest encoding is 16-bit RGBA stored uncompressed, plus its metadata
 MAX_BYTES_PER_PIXEL, METADATA_BYTES = 8, 16 << 20
@@ -226,10 +228,15 @@ def has_alpha(image: Image.Image) -> bool:
         "transparency" in image.info and image.mode not in SIXTEEN_BIT)
 
 
-def normalise_image(data: bytes, config: DatasetConfig, alpha: bool = False) -> tuple[bytes, int, int]:
+def normalise_image(data: bytes, config: DatasetConfig, alpha: bool = False,
+                    mask: bytes | None = None) -> tuple[bytes, int, int]:
     """Decode-check an image; returns its bytes (re-encoded as lossless PNG only when it needed
     conversion or rotation) and its size after EXIF orientation. With `alpha` (a source's `masks:
-    alpha`), a picture with an alpha channel keeps it as RGBA, its loss mask. Raises Rejected."""
+    alpha`), a picture with an alpha channel keeps it as RGBA, its loss mask; with `mask` (a mask
+    file's bytes), the picture's pixels take the mask as their alpha, marked MASK_FROM_FILE.
+    Raises Rejected."""
+    if mask is not None:
+        return masked_image(data, mask, config)
     if not data:
         raise Rejected("empty_file", "zero bytes")
     if len(data) > max_image_bytes(config):
@@ -265,3 +272,37 @@ def normalise_image(data: bytes, config: DatasetConfig, alpha: bool = False) -> 
         image.save(buffer, format="PNG")
         data = buffer.getvalue()
     return data, image.width, image.height
+
+
+def masked_image(data: bytes, mask: bytes, config: DatasetConfig) -> tuple[bytes, int, int]:
+    """A picture with its loss mask from a file (grayscale: white learned, black not; resized to
+    the picture where their sizes differ) as an RGBA PNG marked MASK_FROM_FILE: the pixels as they
+    are, the mask their alpha. Raises Rejected, the mask's problems as bad_mask or empty_mask."""
+    picture, width, height = normalise_image(data, config)
+    try:
+        grey, *_ = normalise_image(mask, config)
+    except Rejected as problem:
+        raise Rejected("bad_mask", f"its mask: {problem.reason}: {problem.message}") from problem
+    with Image.open(io.BytesIO(picture)) as opened, Image.open(io.BytesIO(grey)) as drawn:
+        image = to_rgb(ImageOps.exif_transpose(opened))
+        layer = ImageOps.exif_transpose(drawn)
+        layer = (to_rgb(layer) if layer.mode not in ("L", "1") else layer).convert("L")
+        if layer.size != image.size:
+            layer = layer.resize(image.size, Image.Resampling.BILINEAR)
+        if layer.getextrema()[1] == 0:
+            raise Rejected("empty_mask", "its mask file is black everywhere: no pixel of it would be learned")
+        image.putalpha(layer)
+    marked = PngImagePlugin.PngInfo()
+    marked.add_text(MASK_FROM_FILE, "1")
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=marked)
+    return buffer.getvalue(), width, height
+
+
+def picture_has_alpha(data: bytes) -> bool:
+    """Whether a picture's header says it carries transparency (not decoded; False for what is no picture)."""
+    try:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as opened:
+            return has_alpha(opened)
+    except Exception:
+        return False

@@ -17,6 +17,7 @@ break kept.
 from __future__ import annotations
 
 import json
+import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import NamedTuple
 import fsspec
 
 from configs.schema import SourceConfig
-from tasks.ingest.listing import Listed, Listing
+from tasks.ingest.listing import Listed, Listing, mask_beside
 from tasks.ingest.untrusted import Rejected, read_file
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"})
@@ -44,6 +45,7 @@ class Candidate:
     image: bytes | Path | None = None  # a video's bytes are in a local file (`read_file`), not in memory
     captions: list[str] | None = None
     problem: Rejected | None = None
+    mask: bytes | None = None  # its loss mask's picture (a source's `masks: files`)
 
 
 class Unit(NamedTuple):
@@ -112,9 +114,31 @@ def media_kind(path: str) -> str:
     return "video" if is_video_name(path) else "image"
 
 
-def read_media(fs: fsspec.AbstractFileSystem, path: str, limit: Limit, candidate: Candidate) -> None:
-    """A picture's bytes into `candidate.image`, or a video's into a local file it names."""
+def read_media(fs: fsspec.AbstractFileSystem, path: str, limit: Limit, candidate: Candidate,
+               mask: str | None = None) -> None:
+    """A picture's bytes into `candidate.image`, or a video's into a local file it names; with
+    `mask`, the bytes of the picture's mask file."""
+    if mask is not None:
+        candidate.mask = read_file(fs, mask, limit(mask), "missing_mask")
     candidate.image = read_file(fs, path, limit(path), f"missing_{media_kind(path)}", on_disk=is_video_name(path))
+
+
+def masked_unit(listing: Listing, source: SourceConfig, picture: str, where: str, plan: list,
+                *objects: Listed | None) -> Unit:
+    """The unit reading `objects` (as listed; the picture at `picture` among them) by `plan`, with
+    the picture's mask when the source takes masks from files (its path last in the plan, and in
+    the key, so a changed mask is read again); refused, reading nothing, when there is none."""
+    if source.masks != "files":
+        return Unit(*unit_of(*objects), plan)
+    if is_video_name(picture):
+        return refused(where, Rejected("mask_on_clip", "masks: files gives pictures their loss masks; a video's "
+                                                       "clips take none yet"))
+    mask = mask_beside(listing, picture)
+    if mask is None:
+        stem = posixpath.basename(picture.rpartition(".")[0])
+        return refused(where, Rejected("missing_mask", f"no mask {stem}.* in mask_path {source.mask_path!r} at "
+                                                       "the picture's relative path"))
+    return Unit(*unit_of(*objects, mask), [*plan, mask.path])
 
 
 def count_files(suffix: str):

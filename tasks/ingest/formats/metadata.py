@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import fsspec
 
 from configs.schema import SourceConfig
-from tasks.ingest.formats.base import Candidate, Limit, SourceFormat, Unit, read_media, refused, unit_of
+from tasks.ingest.formats.base import Candidate, Limit, SourceFormat, Unit, masked_unit, read_media, refused, unit_of
 from tasks.ingest.listing import Listing
 from tasks.ingest.untrusted import Rejected, caption_variants, parse_json
 
@@ -76,8 +76,9 @@ def metadata_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
         except Rejected as problem:
             yield refused(where, problem)
             continue
-        key, size = unit_of(listing.entry(f"{base}/{name}"))
-        yield Unit(key and json.dumps([key, captions]), size, ["image", f"{base}/{name}", where, captions])
+        path = f"{base}/{name}"
+        unit = masked_unit(listing, source, path, where, ["image", path, where, captions], listing.entry(path))
+        yield unit._replace(key=unit.key and json.dumps([unit.key, captions]))
 
 
 def count_metadata(listing: Listing) -> int:
@@ -87,10 +88,10 @@ def count_metadata(listing: Listing) -> int:
 def read_row(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, args: list,
              limit: Limit) -> Iterator[Candidate]:
     """A metadata row's picture or video, with the captions the row gave."""
-    path, where, captions = args
+    path, where, captions, *mask = args
     candidate = Candidate(where, fmt, captions=captions)
     try:
-        read_media(fs, path, limit, candidate)
+        read_media(fs, path, limit, candidate, *mask)
     except Rejected as problem:
         candidate.problem = problem
     yield candidate
