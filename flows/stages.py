@@ -43,7 +43,7 @@ from tasks.encode.text import encoding_report, encoding_totals, text_cache_recor
 from tasks.ingest.report import report_markdown
 from tasks.ingest.stage import latest_dataset
 from tasks.ingest.staging import Partitions
-from tasks.manifest import manifest_record
+from tasks.manifest import manifest_record, mix_markdown
 from tasks.families import Family, family_of
 from tasks.identity import manifest_id, mix_identity, prompts_cache_key, text_fingerprints, vae_fingerprint
 from tasks.records import CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, RunRecord
@@ -275,9 +275,13 @@ class FlowExecutor:
         if deployment := placed(config, "manifest"):
             run_elsewhere(config, deployment, "manifest")
             return stored_manifest(plan)
-        return plan.configured(manifest_task)(config.storage, dataset["id"], plan.text_fps, plan.vae_fp,
-                                              config.training.samples.prompts,
-                                              mix_identity(config.dataset, dataset.get("members")))
+        record = plan.configured(manifest_task)(config.storage, dataset["id"], plan.text_fps, plan.vae_fp,
+                                                config.training.samples.prompts,
+                                                mix_identity(config.dataset, dataset.get("members")))
+        if config.dataset.mix is not None and (mix := plan.store.read_json(plan.store.key(record["url"])).get("mix")):
+            create_markdown_artifact(markdown=mix_markdown(mix), key="sources-mix",
+                                     description=f"how training draws from the sources of manifest {record['url']}")
+        return record
 
     def train(self, manifest: ManifestRecord) -> RunRecord:
         """Train here, or on the train deployment: one child flow run per node of `training.distribution.nodes`,

@@ -68,11 +68,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         return label.startswith(">"), float(label.lstrip("<=>"))
 
     if len(report.get("sources", [])) > 1:  # reports before sources mixed have none
-        table("By source, as training draws from them", "| source | samples | repeats | weight | loss weight | "
-              "caption dropout | regularisation | share of draws |",
-              [(_literal(s["path"]), s["samples"], s["repeats"], "by size" if s["weight"] is None else f"{s['weight']:g}",
-                f"{s['loss_weight']:g}", "training's" if s["caption_dropout"] is None else f"{s['caption_dropout']:g}",
-                s["regularisation"], f"{s['share']:.1%}") for s in report["sources"]])
+        table("By source", "| source | samples |", [(markdown_literal(s["path"]), s["samples"]) for s in report["sources"]])
     table("By format", "| format | accepted | quarantined |",
           [(f, c["accepted"], c["quarantined"]) for f, c in report["by_format"].items()])
     table("Quarantined by reason", "| reason | count |", list(report["by_reason"].items()))
@@ -84,12 +80,13 @@ def report_markdown(report: dict[str, Any]) -> str:
         shown = report["quarantine"][:200]
         folder = layout.common_folder([q["source"] for q in shown])
         lines.extend([f"## Quarantined inputs, under `{folder}`", ""])
-        lines.extend(f"- {_literal(q['source'].removeprefix(folder))}: {_literal(q['reason'])}: {_literal(q['message'])}"
+        lines.extend(f"- {markdown_literal(q['source'].removeprefix(folder))}: {markdown_literal(q['reason'])}: "
+                     f"{markdown_literal(q['message'])}"
                      for q in shown)
     return "\n".join(lines)
 
 
-def _literal(text: str) -> str:
+def markdown_literal(text: str) -> str:
     """`text` (a message about a hostile input, which may name its bytes) shown as it is in
     markdown: each character that would format it (or open an HTML tag) escaped."""
     return re.sub(r"([\\`*_\[\]|#~<>&])", r"\\\1", text)

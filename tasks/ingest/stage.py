@@ -72,9 +72,10 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig, progress: Callable[[i
             quarantine = [dict(zip(("source", "format", "reason", "message"), row)) for row in ledger.rows(
                 "SELECT source, format, reason, message FROM quarantined ORDER BY position")]
             report = {"dataset": dataset_id, **ingest_report(scan), "quarantine": quarantine,
-                      "sources": [{"path": source.path, "samples": count, **source.mixing(), "share": share}
-                                  for source, count, share in zip(dataset.sources, per_source,
-                                                                  dataset.shares(per_source))]}
+                      # what ingest knows of each source, true for every config of this dataset (how
+                      # training draws from them is the manifest's: `mix_markdown`)
+                      "sources": [{"path": source.path, "samples": count}
+                                  for source, count in zip(dataset.sources, per_source)]}
             write_if_changed(store, layout.dataset_report(dataset_id), report)
             write_if_changed(store, layout.dataset_ref(config_hash(dataset)), {"dataset": dataset_id, **(
                 {"members": members_sha} if members_sha else {})})
