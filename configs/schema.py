@@ -167,8 +167,9 @@ class SourceConfig(Section):
         "the loss of each latent pixel is weighed by the share of its pixels the mask covers, so what it leaves out "
         "is not learned. alpha: the picture's alpha channel (kohya's alpha_mask), its pixels composited on white; a "
         "picture without alpha trains whole. files: a grayscale picture in `mask_path` at the picture's own relative "
-        "path, any picture extension (x/a.jpg: x/a.png), white learned and black not (ai-toolkit's mask_path), "
-        "resized to the picture; the picture's pixels stay as they are; a picture without its mask is quarantined "
+        "path, any picture extension (x/a.jpg: x/a.png), white learned and black or transparent not (ai-toolkit's "
+        "mask_path), resized to the picture; the picture's pixels stay as they are (its own transparency is not "
+        "learned either); a picture without its mask is quarantined "
         "(missing_mask); folder, jsonl and csv sources. A mask that is 0 everywhere is quarantined (empty_mask). "
         "none: alpha is composited on white.")
     mask_path: Annotated[str | None, IF_NOT_DEFAULT] = Field(

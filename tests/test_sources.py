@@ -267,9 +267,11 @@ def _png(pixels) -> bytes:
 
 
 def _pictures_with_mask_files(folder: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:
-    """A folder of 8 captioned pictures (two in a subfolder) and a folder of their masks at the same
-    relative paths, white on the left half: a mask as large as its picture, one half as large, one
-    a JPEG; one black everywhere, one missing, one not a picture. ({name: picture}, {name: mask})."""
+    """A folder of 8 captioned pictures (two in a subfolder; one, 7, transparent on its top rows)
+    and a folder of their masks at the same relative paths, learned on the left half: a mask as
+    large as its picture, one of 16 × 16 (under min_side: a mask is any size), one a JPEG, one
+    white whose right half is transparent; one black everywhere, one missing, one not a picture.
+    ({name: picture}, {name: mask})."""
     import io
 
     import numpy as np
@@ -278,15 +280,20 @@ def _pictures_with_mask_files(folder: Path) -> tuple[dict[str, bytes], dict[str,
     pictures, masks = {}, {}
     for i in range(8):
         name = f"sub/{i}" if i in (2, 3) else str(i)
-        pixels = np.random.default_rng(i).integers(0, 255, (128, 128, 3), dtype=np.uint8)
+        pixels = np.random.default_rng(i).integers(0, 255, (128, 128, 4 if i == 7 else 3), dtype=np.uint8)
+        if i == 7:
+            pixels[..., 3] = 255
+            pixels[:16, :, 3] = 0
         pictures[name] = _png(pixels)
-        side = 64 if i == 1 else 128
+        side = 16 if i == 1 else 128
         grey = np.zeros((side, side), dtype=np.uint8)
         grey[:, : side // 2] = 0 if i == 4 else 255
         if i == 2:
             buffer = io.BytesIO()
             Image.fromarray(grey).convert("RGB").save(buffer, format="JPEG", quality=95)
             masks[name] = buffer.getvalue()
+        elif i == 3:  # white everywhere, the right half transparent: not learned
+            masks[name] = _png(np.stack([np.full_like(grey, 255), grey], axis=-1))
         elif i != 5:
             masks[name] = b"not a picture" if i == 6 else _png(grey)
     for name, data in pictures.items():
@@ -311,7 +318,7 @@ def test_mask_files_weigh_each_picture_and_leave_its_pixels_whole(tmp_path, tiny
     pictures, masks = _pictures_with_mask_files(tmp_path)
     source = tmp_path / "pictures"
     if fmt == "jsonl":  # the metadata's names relative to its folder, the masks' to mask_path
-        rows = [{"file_name": f"{name}.png", "text": f"a picture number {name}"} for name in pictures]
+        rows = [{"file_name": f"./{name}.png", "text": f"a picture number {name}"} for name in pictures]
         (source / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     settings = {"masks": "files", "mask_path": str(tmp_path / "masks")}
     config = _config(tmp_path, tiny_models, [str(source)], [settings])
@@ -341,6 +348,9 @@ def test_mask_files_weigh_each_picture_and_leave_its_pixels_whole(tmp_path, tiny
         torch.testing.assert_close(shard.get(sample_id)[0], twin_shard.get(twin["sample_id"])[0], rtol=1e-5, atol=1e-5)
         mask = shard.mask(sample_id).float()
         width = mask.shape[-1]
+        if name == "7":  # its own transparent top rows (an eighth of its height) are not learned either
+            assert mask[..., : mask.shape[-2] // 8 - 1, :].max() == 0, mask
+            mask = mask[..., mask.shape[-2] // 8 + 1:, :]
         assert mask[..., : width // 2 - 1].min() > 0.95 and mask[..., width // 2 + 1:].max() < 0.05, (name, mask)
 
     # a nightly run after one mask was redrawn (the top half): that picture alone is read and encoded

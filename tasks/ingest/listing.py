@@ -151,7 +151,7 @@ def list_masks(listing: Listing, source: SourceConfig, base: str, options: dict[
     """The source's `mask_path` listed into the ledger under `masks_of(index)`, each mask with the
     stem its picture has under `base` (the folder the source's names are relative to: its mask
     a/x.png has the stem of the picture a/x.jpg), so a picture finds its mask by the stem index."""
-    from tasks.ingest.formats import is_image_name
+    from tasks.ingest.formats import IMAGE_EXTENSIONS
 
     if listing.format not in ("folder", "jsonl", "csv"):
         raise RuntimeError(f"dataset source {source.path!r}: masks: files reads masks for folder, jsonl and csv "
@@ -165,7 +165,8 @@ def list_masks(listing: Listing, source: SourceConfig, base: str, options: dict[
             raise ValueError("it is not a folder")
         if listing.format == "folder" and (folder + "/").startswith(listing.root + "/"):
             raise ValueError("it lies inside the source folder, whose pictures it would be read as")
-        masks = ((path, size, mark) for path, size, mark in walk_objects(fs, folder) if is_image_name(path))
+        masks = ((path, size, mark) for path, size, mark in walk_objects(fs, folder)
+                 if path.rpartition(".")[2].lower() in IMAGE_EXTENSIONS)
         listing.ledger.run_many("INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?)",
                                 ((masks_of(listing.index), encode_path(path), size, mark,
                                   encode_path(base + path[len(folder):].rpartition(".")[0]), path.rpartition(".")[2])

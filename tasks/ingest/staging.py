@@ -44,8 +44,8 @@ PARTITION_BYTES = 256 << 20  # a partition's listed bytes: what a worker stages 
                              # or parquet file larger than this is a partition of its own)
 # with Pillow's and PyAV's versions, part of a staged partition's key: what decodes and normalises
 # (2: clip frames timed to the container's precision, clip ids naming what a clip is; 3: outcomes say
-# whether they are a video's)
-STAGED_VERSION = 3
+# whether they are a video's; 4: masks from files, a masks: alpha picture without alpha its plain id)
+STAGED_VERSION = 4
 STAGED_PAGE = 64  # staged rows written and read at a time: each may hold an image
 STAGED_COLUMNS = MappingProxyType({
     "unit": pa.int32(), "source": pa.string(), "format": pa.string(), "sample_id": pa.string(),
@@ -85,8 +85,13 @@ def examine_partition(storage: StorageConfig, dataset: DatasetConfig, index: int
         return key
     source = dataset.sources[index]
     fs, root = fsspec.core.url_to_fs(source.path, **source_options(source.path, storage))
-    if not fs.exists(root):  # not a sample's problem: this worker does not see the source (a local path?)
-        raise RuntimeError(f"dataset source {source.path!r} cannot be read on worker {socket.gethostname()}")
+    folders = {f"dataset source {source.path!r}": root}
+    if source.masks == "files":
+        folders[f"mask_path {source.mask_path!r}"] = fsspec.core.url_to_fs(
+            source.mask_path, **source_options(source.mask_path, storage))[1]
+    for what, path in folders.items():
+        if not fs.exists(path):  # not a sample's problem: this worker does not see it (a local path?)
+            raise RuntimeError(f"{what} cannot be read on worker {socket.gethostname()}")
     threads = reading_threads(source.path, dataset)
     schema = pa.schema(STAGED_COLUMNS)
     with tempfile.TemporaryDirectory(prefix="precast-partition-") as folder, \

@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
-from PIL import Image, ImageOps, PngImagePlugin, UnidentifiedImageError
+from PIL import Image, ImageChops, ImageOps, PngImagePlugin, UnidentifiedImageError
 
 from configs.schema import DatasetConfig
 from storage.store import space_for
@@ -254,12 +254,12 @@ def normalise_image(data: bytes, config: DatasetConfig, alpha: bool = False,
             clip_like = opened.format == "WEBP" and CLIP_FRAMES.encode() in xmp
             mode = "RGBA" if alpha and has_alpha(opened) else "RGB"
             converted = (rotated or opened.mode != mode or opened.format not in KEEP_AS_IS
-                         or getattr(opened, "n_frames", 1) > 1 or clip_like)
+                         or getattr(opened, "n_frames", 1) > 1 or clip_like or MASK_FROM_FILE in opened.info)
             if converted:
                 image = to_rgb(image) if mode == "RGB" else to_rgba(image)
             if mode == "RGBA" and image.getchannel("A").getextrema()[1] == 0:
-                raise Rejected("empty_mask", "its alpha channel, the loss mask (masks: alpha), is 0 everywhere: no "
-                                             "pixel of it would be learned")
+                raise Rejected("empty_mask", "its alpha channel, part of its loss mask, is 0 everywhere: no pixel "
+                                             "of it would be learned")
     except UnidentifiedImageError as error:
         raise Rejected("not_image", f"not {', '.join(IMAGE_FORMATS)}") from error
     except Image.DecompressionBombError as error:
@@ -275,28 +275,50 @@ def normalise_image(data: bytes, config: DatasetConfig, alpha: bool = False,
 
 
 def masked_image(data: bytes, mask: bytes, config: DatasetConfig) -> tuple[bytes, int, int]:
-    """A picture with its loss mask from a file (grayscale: white learned, black not; resized to
-    the picture where their sizes differ) as an RGBA PNG marked MASK_FROM_FILE: the pixels as they
-    are, the mask their alpha. Raises Rejected, the mask's problems as bad_mask or empty_mask."""
-    picture, width, height = normalise_image(data, config)
-    try:
-        grey, *_ = normalise_image(mask, config)
-    except Rejected as problem:
-        raise Rejected("bad_mask", f"its mask: {problem.reason}: {problem.message}") from problem
-    with Image.open(io.BytesIO(picture)) as opened, Image.open(io.BytesIO(grey)) as drawn:
-        image = to_rgb(ImageOps.exif_transpose(opened))
-        layer = ImageOps.exif_transpose(drawn)
-        layer = (to_rgb(layer) if layer.mode not in ("L", "1") else layer).convert("L")
+    """A picture with its loss mask from a file as an RGBA PNG marked MASK_FROM_FILE: its pixels
+    (a transparent picture's composited on white, as always), the mask their alpha, times the
+    picture's own alpha where it has one (transparent parts are not learned either). Raises
+    Rejected, the mask's problems as bad_mask or empty_mask."""
+    picture, width, height = normalise_image(data, config, alpha=True)  # its own alpha kept, to weigh the mask
+    layer = mask_layer(mask, config)
+    with Image.open(io.BytesIO(picture)) as opened:
+        image = to_rgb(opened)
         if layer.size != image.size:
             layer = layer.resize(image.size, Image.Resampling.BILINEAR)
-        if layer.getextrema()[1] == 0:
-            raise Rejected("empty_mask", "its mask file is black everywhere: no pixel of it would be learned")
-        image.putalpha(layer)
+        if has_alpha(opened):
+            layer = ImageChops.multiply(layer, opened.convert("RGBA").getchannel("A"))
+    if layer.getextrema()[1] == 0:
+        raise Rejected("empty_mask", "its mask file is black everywhere: no pixel of it would be learned")
+    image.putalpha(layer)
     marked = PngImagePlugin.PngInfo()
     marked.add_text(MASK_FROM_FILE, "1")
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", pnginfo=marked)
     return buffer.getvalue(), width, height
+
+
+def mask_layer(mask: bytes, config: DatasetConfig) -> Image.Image:
+    """A mask file as 8-bit grey (white learned, black not; transparent parts black, as ai-toolkit
+    reads them), EXIF orientation applied. Bounded as a picture is (bytes and pixels, refused
+    before decoding), but of any size or shape: it is resized to its picture. Raises Rejected."""
+    if len(mask) > max_image_bytes(config):
+        raise Rejected("bad_mask", f"its mask is over {max_image_bytes(config)} bytes")
+    try:
+        with Image.open(io.BytesIO(mask), formats=IMAGE_FORMATS) as opened:
+            if opened.width * opened.height > config.max_pixels:
+                raise Rejected("bad_mask", f"its mask, {opened.width}x{opened.height}, exceeds max_pixels={config.max_pixels}")
+            opened.load()
+            drawn = ImageOps.exif_transpose(opened)
+            if has_alpha(drawn):
+                rgba = drawn.convert("RGBA")
+                return ImageChops.multiply(rgba.convert("L"), rgba.getchannel("A"))
+            return drawn.convert("L") if drawn.mode in ("L", "1") else to_rgb(drawn).convert("L")
+    except Rejected:
+        raise
+    except UnidentifiedImageError as error:
+        raise Rejected("bad_mask", f"its mask is not {', '.join(IMAGE_FORMATS)}") from error
+    except (Image.DecompressionBombError, OSError, SyntaxError, ValueError) as error:
+        raise Rejected("bad_mask", f"its mask cannot be decoded: {error}") from error
 
 
 def picture_has_alpha(data: bytes) -> bool:

@@ -71,6 +71,7 @@ def metadata_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
                 raise Rejected("unsafe_path", f"{name!r} points outside the metadata folder")
             if "\x00" in name:
                 raise Rejected("unsafe_path", f"{name!r} holds a NUL byte")
+            name = posixpath.normpath(name)  # ./a.png, a//b.png: the listed a.png, a/b.png (and its mask)
             where = fs.unstrip_protocol(f"{base}/{name}")
             captions = caption_variants(record.get(source.caption_column))
         except Rejected as problem:
