@@ -162,19 +162,23 @@ class SourceConfig(Section):
         "image", description="Parquet column with image bytes (or a struct with `bytes`).")
     file_column: Annotated[str, COUNTED] = Field(
         "file_name", description="jsonl/csv field with the image path, relative to the file.")
-    masks: Annotated[Literal["none", "alpha", "files"], IF_NOT_DEFAULT] = Field(
+    masks: Annotated[Literal["none", "alpha", "files", "column"], IF_NOT_DEFAULT] = Field(
         "none", description="Where each picture's loss mask comes from, cached at latent resolution beside the latents: "
         "the loss of each latent pixel is weighed by the share of its pixels the mask covers, so what it leaves out "
         "is not learned. alpha: the picture's alpha channel (kohya's alpha_mask), its pixels composited on white; a "
         "picture without alpha trains whole. files: a grayscale picture in `mask_path` at the picture's own relative "
-        "path, any picture extension (x/a.jpg: x/a.png), white learned and black or transparent not (ai-toolkit's "
-        "mask_path), resized to the picture; the picture's pixels stay as they are (its own transparency is not "
-        "learned either); a picture without its mask is quarantined "
-        "(missing_mask); folder, jsonl and csv sources. A mask that is 0 everywhere is quarantined (empty_mask). "
+        "path, any picture extension (x/a.jpg: x/a.png; ai-toolkit's mask_path); folder, jsonl and csv sources. "
+        "column: each row's `mask_column`, a mask file's name relative to a jsonl/csv file, or the mask's bytes in a "
+        "parquet file. A mask is white where learned, black or transparent where not, of any size (resized to the "
+        "picture), and the picture's pixels stay as they are (its own transparency is not learned either); a picture "
+        "without its mask is quarantined (missing_mask), as is one whose mask is 0 everywhere (empty_mask). "
         "none: alpha is composited on white.")
     mask_path: Annotated[str | None, IF_NOT_DEFAULT] = Field(
         None, description="With masks: files, the folder of the masks (local path or fsspec URL), laid out as the "
         "source's pictures are (a metadata file's names relative to it).")
+    mask_column: Annotated[str, IF_NOT_DEFAULT] = Field(
+        "mask", description="With masks: column, the jsonl/csv field naming each row's mask file (relative to the "
+        "metadata file), or the parquet column of its bytes (or a struct with `bytes`).")
     caption_prefix: Annotated[str, IF_NOT_DEFAULT] = Field(
         "", max_length=1000, description="A trigger word (or any text) for this source's captions: it replaces "
         "`[trigger]` where a caption has it (ai-toolkit's trigger_word), else starts every caption variant, followed "

@@ -306,26 +306,50 @@ def _pictures_with_mask_files(folder: Path) -> tuple[dict[str, bytes], dict[str,
     return pictures, masks
 
 
-@pytest.mark.parametrize("fmt", ["folder", "jsonl"])
+def _masked_source(folder: Path, fmt: str, pictures: dict[str, bytes], masks: dict[str, bytes]) -> tuple[Path, dict]:
+    """The pictures as a source of `fmt` that reads their masks (written by `_pictures_with_mask_files`):
+    its path and settings."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ext = {name: "jpg" if name == "sub/2" else "png" for name in masks}
+    if fmt == "parquet":  # the masks' bytes in a column, a row without one null
+        pq.write_table(pa.table({"image": list(pictures.values()), "text": [f"a picture number {n}" for n in pictures],
+                                 "mask": [masks.get(name) for name in pictures]}), folder / "rows.parquet")
+        return folder / "rows.parquet", {"masks": "column"}
+    if fmt == "jsonl-column":  # each row names its mask file, relative to the metadata file
+        rows = [{"file_name": f"pictures/{name}.png", "text": f"a picture number {name}",
+                 **({"mask": f"masks/{name}.{ext[name]}"} if name in masks else {})} for name in pictures]
+        (folder / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return folder / "metadata.jsonl", {"masks": "column"}
+    if fmt == "jsonl":  # the metadata's names relative to its folder, the masks' to mask_path
+        rows = [{"file_name": f"./{name}.png", "text": f"a picture number {name}"} for name in pictures]
+        (folder / "pictures" / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder / "pictures", {"masks": "files", "mask_path": str(folder / "masks")}
+
+
+@pytest.mark.parametrize("fmt", ["folder", "jsonl", "jsonl-column", "parquet"])
 def test_mask_files_weigh_each_picture_and_leave_its_pixels_whole(tmp_path, tiny_models, fmt):
-    """`masks: files`: each picture's mask is the picture at its relative path in `mask_path`
-    (any picture extension, any size: resized to the picture), cached on the latent grid as alpha's
-    is; the pixels under it are encoded as they are (the latents equal the unmasked picture's),
-    and the sample is the picture with its mask. A black, missing or broken mask quarantines its
-    picture, naming why; a changed mask reads that picture again and encodes it alone."""
+    """`masks: files` (each picture's mask at its relative path in `mask_path`, any picture
+    extension) and `masks: column` (a row's mask file, or its bytes in a parquet column): any size
+    (resized to the picture), cached on the latent grid as alpha's is; the pixels under it are
+    encoded as they are (the latents equal the unmasked picture's), and the sample is the picture
+    with its mask. A black, missing or broken mask quarantines its picture, naming why; a changed
+    mask reads that picture again (a parquet file: the file) and encodes it alone."""
     from storage.shards import LatentShard
 
     pictures, masks = _pictures_with_mask_files(tmp_path)
-    source = tmp_path / "pictures"
-    if fmt == "jsonl":  # the metadata's names relative to its folder, the masks' to mask_path
-        rows = [{"file_name": f"./{name}.png", "text": f"a picture number {name}"} for name in pictures]
-        (source / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    settings = {"masks": "files", "mask_path": str(tmp_path / "masks")}
+    source, settings = _masked_source(tmp_path, fmt, pictures, masks)
     config = _config(tmp_path, tiny_models, [str(source)], [settings])
     done = run_direct(config, until="manifest")
     report = Store(config.storage).read_json(layout.dataset_report(done["ingest"]["id"]))
-    assert sorted((Path(q["source"]).name, q["reason"]) for q in report["quarantine"]) == \
-        [("4.png", "empty_mask"), ("5.png", "missing_mask"), ("6.png", "bad_mask")], report["quarantine"]
+    names = list(pictures)
+
+    def named(source: str) -> str:  # the quarantined picture: a file, or a parquet row
+        return names[int(source.rsplit("#", 1)[1])] if fmt == "parquet" else Path(source).stem
+
+    assert sorted((named(q["source"]), q["reason"]) for q in report["quarantine"]) == \
+        [("4", "empty_mask"), ("5", "missing_mask"), ("6", "bad_mask")], report["quarantine"]
     kept = [name for name in pictures if name in masks and name not in ("4", "6")]
     ids = {name: hashlib.sha256(pictures[name] + MASK_FILE + hashlib.sha256(masks[name]).hexdigest().encode())
            .hexdigest() for name in kept}
@@ -356,9 +380,12 @@ def test_mask_files_weigh_each_picture_and_leave_its_pixels_whole(tmp_path, tiny
     # a nightly run after one mask was redrawn (the top half): that picture alone is read and encoded
     top = torch.zeros(128, 128, dtype=torch.uint8)
     top[:64] = 255
-    (tmp_path / "masks" / "0.png").write_bytes(_png(top.numpy()))
+    masks["0"] = _png(top.numpy())
+    (tmp_path / "masks" / "0.png").write_bytes(masks["0"])
+    if fmt == "parquet":  # the file written again, read again whole
+        _masked_source(tmp_path, fmt, pictures, masks)
     again = run_direct(config, until="manifest")
-    read = 1 + (fmt == "jsonl")  # and the metadata file, read every time
+    read = 1 + fmt.startswith("jsonl")  # and the metadata file, read every time
     assert again["ingest"]["work"]["units_read"] == read and again["ingest"]["new_samples"] == 1
     assert again["encode-latents"]["work"]["samples_encoded"] == 1
     features, manifest = cached(again["manifest"]["url"])
@@ -375,13 +402,16 @@ def test_mask_files_that_cannot_be_read_as_a_sources_masks_are_refused_naming_th
     (pictures / "m").mkdir()
     with pytest.raises(RuntimeError, match="inside the source folder"):
         run_direct(inside, until="ingest")
+    columns = _config(tmp_path, tiny_models, [str(pictures)], [{"masks": "column"}])
+    with pytest.raises(RuntimeError, match="masks: column reads masks for jsonl, csv, parquet sources, not folder"):
+        run_direct(columns, until="ingest")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"image": [b"x"], "text": ["a"]}), tmp_path / "rows.parquet")
     rows = _config(tmp_path, tiny_models, [str(tmp_path / "rows.parquet")],
                    [{"masks": "files", "mask_path": str(tmp_path / "m")}])
-    with pytest.raises(RuntimeError, match="rows.parquet.*masks for folder, jsonl and csv sources, not parquet"):
+    with pytest.raises(RuntimeError, match="rows.parquet.*masks: files reads masks for folder, jsonl, csv sources, not parquet"):
         run_direct(rows, until="ingest")
 
 

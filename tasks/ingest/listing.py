@@ -137,9 +137,16 @@ def list_source(source: SourceConfig, options: dict[str, Any], ledger: Ledger, i
     listing = Listing(fs, root, fmt, ledger, index)
     if listing.format == "auto":
         listing.format = folder_format(listing)
+    if source.masks in MASK_FORMATS and listing.format not in MASK_FORMATS[source.masks]:
+        raise RuntimeError(f"dataset source {source.path!r}: masks: {source.masks} reads masks for "
+                           f"{', '.join(MASK_FORMATS[source.masks])} sources, not {listing.format}")
     if source.masks == "files":
         list_masks(listing, source, root if is_folder else posixpath.dirname(root), options)
     return listing
+
+
+# the source formats each way of reading masks from outside the picture serves
+MASK_FORMATS = {"files": ("folder", "jsonl", "csv"), "column": ("jsonl", "csv", "parquet")}
 
 
 def masks_of(index: int) -> int:
@@ -153,9 +160,6 @@ def list_masks(listing: Listing, source: SourceConfig, base: str, options: dict[
     a/x.png has the stem of the picture a/x.jpg), so a picture finds its mask by the stem index."""
     from tasks.ingest.formats import IMAGE_EXTENSIONS
 
-    if listing.format not in ("folder", "jsonl", "csv"):
-        raise RuntimeError(f"dataset source {source.path!r}: masks: files reads masks for folder, jsonl and csv "
-                           f"sources, not {listing.format} (a {listing.format} source's masks come from alpha)")
     try:
         fs, folder = fsspec.core.url_to_fs(source.mask_path, **options)
         folder = folder.rstrip("/")

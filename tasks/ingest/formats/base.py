@@ -124,21 +124,27 @@ def read_media(fs: fsspec.AbstractFileSystem, path: str, limit: Limit, candidate
 
 
 def masked_unit(listing: Listing, source: SourceConfig, picture: str, where: str, plan: list,
-                *objects: Listed | None) -> Unit:
+                *objects: Listed | None, mask: str | None = None) -> Unit:
     """The unit reading `objects` (as listed; the picture at `picture` among them) by `plan`, with
-    the picture's mask when the source takes masks from files (its path last in the plan, and in
-    the key, so a changed mask is read again); refused, reading nothing, when there is none."""
-    if source.masks != "files":
+    the picture's mask where the source reads masks from files: the one beside it in `mask_path`
+    (masks: files), or `mask`, the file its row names (masks: column). The mask's path is last in
+    the plan and the mask in the key, so a changed mask is read again. Refused, reading nothing,
+    when there is none."""
+    if source.masks not in ("files", "column"):
         return Unit(*unit_of(*objects), plan)
     if is_video_name(picture):
-        return refused(where, Rejected("mask_on_clip", "masks: files gives pictures their loss masks; a video's "
-                                                       "clips take none yet"))
-    mask = mask_beside(listing, picture)
-    if mask is None:
+        return refused(where, Rejected("mask_on_clip", f"masks: {source.masks} gives pictures their loss masks; a "
+                                                       "video's clips take none yet"))
+    if source.masks == "column":
+        if mask is None:
+            return refused(where, Rejected("missing_mask", f"the row has no {source.mask_column!r} field"))
+        return Unit(*unit_of(*objects, listing.entry(mask)), [*plan, mask])  # not there: missing_mask when read
+    found = mask_beside(listing, picture)
+    if found is None:
         stem = posixpath.basename(picture.rpartition(".")[0])
         return refused(where, Rejected("missing_mask", f"no mask {stem}.* in mask_path {source.mask_path!r} at "
                                                        "the picture's relative path"))
-    return Unit(*unit_of(*objects, mask), [*plan, mask.path])
+    return Unit(*unit_of(*objects, found), [*plan, found.path])
 
 
 def count_files(suffix: str):

@@ -66,20 +66,29 @@ def metadata_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
                 record = parse_json(record, "line")
             if not isinstance(record, dict) or not record.get(source.file_column):
                 raise Rejected("bad_metadata", f"no {source.file_column!r} field")
-            name = str(record[source.file_column])
-            if name.startswith("/") or ".." in name.split("/"):
-                raise Rejected("unsafe_path", f"{name!r} points outside the metadata folder")
-            if "\x00" in name:
-                raise Rejected("unsafe_path", f"{name!r} holds a NUL byte")
-            name = posixpath.normpath(name)  # ./a.png, a//b.png: the listed a.png, a/b.png (and its mask)
-            where = fs.unstrip_protocol(f"{base}/{name}")
+            path = f"{base}/{relative_name(record[source.file_column])}"
+            where = fs.unstrip_protocol(path)
             captions = caption_variants(record.get(source.caption_column))
+            # the row's mask file (masks: column); a row without one is refused by `masked_unit`
+            mask = (f"{base}/{relative_name(record[source.mask_column])}"
+                    if source.masks == "column" and record.get(source.mask_column) else None)
         except Rejected as problem:
             yield refused(where, problem)
             continue
-        path = f"{base}/{name}"
-        unit = masked_unit(listing, source, path, where, ["image", path, where, captions], listing.entry(path))
+        unit = masked_unit(listing, source, path, where, ["image", path, where, captions], listing.entry(path),
+                           mask=mask)
         yield unit._replace(key=unit.key and json.dumps([unit.key, captions]))
+
+
+def relative_name(value) -> str:
+    """A file name a row gives, relative to the metadata file's folder, normalised (./a.png,
+    a//b.png: the listed a.png, a/b.png). Raises Rejected for one that leaves that folder."""
+    name = str(value)
+    if name.startswith("/") or ".." in name.split("/"):
+        raise Rejected("unsafe_path", f"{name!r} points outside the metadata folder")
+    if "\x00" in name:
+        raise Rejected("unsafe_path", f"{name!r} holds a NUL byte")
+    return posixpath.normpath(name)
 
 
 def count_metadata(listing: Listing) -> int:

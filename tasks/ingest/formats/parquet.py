@@ -31,23 +31,33 @@ def read_parquet(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, 
     (file,) = args
     # pages streamed CHUNK at a time, not a column chunk read whole first
     with fs.open(file, "rb") as handle, pq.ParquetFile(handle, buffer_size=CHUNK, pre_buffer=False) as parquet:
-        missing = {source.image_column, source.caption_column} - set(parquet.schema_arrow.names)
+        columns = [source.image_column, source.caption_column, *[source.mask_column] * (source.masks == "column")]
+        missing = set(columns) - set(parquet.schema_arrow.names)
         if missing:
             raise RuntimeError(f"dataset source {fs.unstrip_protocol(file)}: no column {sorted(missing)}")
         row = 0
         for batch in parquet.iter_batches(batch_size=parquet_batch_rows(parquet, source.image_column),
-                                          columns=[source.image_column, source.caption_column], **PYTHON_BYTES):
-            for image, caption in zip(*(batch.column(i).to_pylist() for i in range(2))):
+                                          columns=columns, **PYTHON_BYTES):
+            for image, caption, *mask in zip(*(batch.column(i).to_pylist() for i in range(len(columns)))):
                 candidate = Candidate(f"{fs.unstrip_protocol(file)}#{row}", fmt)
                 row += 1
                 try:
                     candidate.captions = caption_variants(caption)
-                    candidate.image = image.get("bytes") if isinstance(image, dict) else image
+                    candidate.image = cell_bytes(image)
                     if candidate.image is None:
                         raise Rejected("missing_image", "no image bytes in the row")
+                    if mask:
+                        candidate.mask = cell_bytes(mask[0])
+                        if candidate.mask is None:
+                            raise Rejected("missing_mask", f"no mask bytes in the row's {source.mask_column!r}")
                 except Rejected as problem:
                     candidate.problem = problem
                 yield candidate
+
+
+def cell_bytes(cell) -> bytes | None:
+    """A media cell's bytes: the bytes, or a struct's `bytes` (as HF datasets writes them)."""
+    return cell.get("bytes") if isinstance(cell, dict) else cell
 
 
 def parquet_batch_rows(parquet: pq.ParquetFile, column: str) -> int:
