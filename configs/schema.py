@@ -314,6 +314,13 @@ class DatasetConfig(Section):
         total = sum(pooled) or 1
         return [w if w is not None else (1 - given) * p / total for w, p in zip(weights, pooled)]
 
+    def drawn(self, samples: list[int]) -> list[dict[str, Any]]:
+        """How training draws from each source, given each one's `samples`: its path, samples,
+        mixing settings and share of the draws (what the manifest, the ingest report and the run
+        page show)."""
+        return [{"path": source.path, "samples": count, **source.mixing(), "share": share}
+                for source, count, share in zip(self.sources, samples, self.shares(samples))]
+
     @model_validator(mode="after")
     def _shares(self) -> DatasetConfig:
         if both := [source.path for source in self.sources if source.weight is not None and source.repeats != 1]:

@@ -40,10 +40,10 @@ from storage.shards import shard_id_of
 from storage.store import Store
 from tasks.encode.latents import latent_cache_record
 from tasks.encode.text import encoding_report, encoding_totals, text_cache_record
-from tasks.ingest.report import report_markdown
+from tasks.ingest.report import mix_markdown, report_markdown
 from tasks.ingest.stage import latest_dataset
 from tasks.ingest.staging import Partitions
-from tasks.manifest import manifest_record, mix_markdown
+from tasks.manifest import manifest_record
 from tasks.families import Family, family_of
 from tasks.identity import manifest_id, mix_identity, prompts_cache_key, text_fingerprints, vae_fingerprint
 from tasks.records import CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, RunRecord
@@ -204,8 +204,11 @@ class FlowExecutor:
                                                   partitions=partitions, committed=committed)
         record["work"]["workers"] = workers
         report = plan.store.read_json(plan.store.key(record["report"]))
-        create_markdown_artifact(markdown=report_markdown(report), key="ingest-report",
-                                 description=f"ingest of dataset {record['id']}")
+        markdown = report_markdown(report)
+        if config.dataset.mix is not None and len(report.get("sources", [])) > 1:
+            # the dataset's report serves every mix of its sources: this run's is shown beside it
+            markdown += "\n\n" + mix_markdown(config.dataset.drawn([s["samples"] for s in report["sources"]]))
+        create_markdown_artifact(markdown=markdown, key="ingest-report", description=f"ingest of dataset {record['id']}")
         return record
 
     def encode_text(self, shards: Shards) -> CacheRecord:
@@ -275,13 +278,9 @@ class FlowExecutor:
         if deployment := placed(config, "manifest"):
             run_elsewhere(config, deployment, "manifest")
             return stored_manifest(plan)
-        record = plan.configured(manifest_task)(config.storage, dataset["id"], plan.text_fps, plan.vae_fp,
-                                                config.training.samples.prompts,
-                                                mix_identity(config.dataset, dataset.get("members")))
-        if config.dataset.mix is not None and (mix := plan.store.read_json(plan.store.key(record["url"])).get("mix")):
-            create_markdown_artifact(markdown=mix_markdown(mix), key="sources-mix",
-                                     description=f"how training draws from the sources of manifest {record['url']}")
-        return record
+        return plan.configured(manifest_task)(config.storage, dataset["id"], plan.text_fps, plan.vae_fp,
+                                              config.training.samples.prompts,
+                                              mix_identity(config.dataset, dataset.get("members")))
 
     def train(self, manifest: ManifestRecord) -> RunRecord:
         """Train here, or on the train deployment: one child flow run per node of `training.distribution.nodes`,

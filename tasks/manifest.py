@@ -26,7 +26,6 @@ from storage import layout
 from storage.shards import read_parquet_bytes
 from storage.store import Store
 from tasks.identity import manifest_id, prompts_cache_key, text_identity
-from tasks.ingest.report import markdown_literal
 from tasks.records import ManifestRecord
 
 MANIFEST_CONCURRENCY = 32  # shards whose commit records and headers are read at once (round trips)
@@ -124,19 +123,8 @@ def _write_manifest(store: Store, this_id: str, dataset_id: str, text_fps: dict[
         drawn = Counter(row["source"] for row in rows)
         counts = [drawn[index] for index in range(len(mix["paths"]))]
         sources = DatasetConfig(sources=[{"path": path, **settings} for path, settings in zip(mix["paths"], mix["mix"])])
-        manifest["mix"] = [{"path": path, "samples": count, **settings, "share": share} for path, settings, count, share
-                           in zip(mix["paths"], mix["mix"], counts, sources.shares(counts))]
+        manifest["mix"] = sources.drawn(counts)
     return store.commit_json(layout.manifest(this_id), manifest, samples=len(rows), buckets=manifest["buckets"])
-
-
-def mix_markdown(mix: list[dict[str, Any]]) -> str:
-    """A manifest's sources as training draws from them (its `mix`), as a markdown table."""
-    rows = [(markdown_literal(s["path"]), s["samples"], s["repeats"], "by size" if s["weight"] is None else f"{s['weight']:g}",
-             f"{s['loss_weight']:g}", "training's" if s["caption_dropout"] is None else f"{s['caption_dropout']:g}",
-             s["regularisation"], f"{s['share']:.1%}") for s in mix]
-    return "\n".join(["## The sources, as training draws from them", "",
-                      "| source | samples | repeats | weight | loss weight | caption dropout | regularisation | "
-                      "share of draws |", "|" + " --- |" * 8, *("| " + " | ".join(map(str, row)) + " |" for row in rows)])
 
 
 def manifest_record(commit: dict[str, Any]) -> ManifestRecord:

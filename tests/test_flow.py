@@ -403,3 +403,19 @@ def test_the_run_pages_code_splits_a_long_path_that_python_joins_back():
         assert path == unbreakable or max(map(len, code.splitlines())) <= 80, code
     assert _assign("model", "/data/store") == "model = '/data/store'"
     assert len(_assign("model", snapshot).splitlines()) == 2 and len(_assign("model", unbreakable).splitlines()) == 2
+
+
+def test_the_ingest_report_artifact_shows_how_this_run_mixes_its_sources(prefect_server, make_config, tmp_path):
+    """The stored report serves every mix of the dataset's sources (their samples alone); the run's
+    `ingest-report` artifact adds this config's mix: each source's settings and share of the draws."""
+    from tasks.demo.data import write_demo_data
+
+    sources = [{"path": str(write_demo_data(tmp_path / name, count=4, seed=seed)), **mix}
+               for name, seed, mix in (("subject", 1, {"repeats": 3}), ("styles", 2, {"weight": 0.25}))]
+    config = make_config(dataset={"sources": sources})
+    record = stage(name="ingest", config=config)
+    report = Store(config.storage).read_json(Store(config.storage).key(record["report"]))
+    assert [s["samples"] for s in report["sources"]] == [4, 4] and "share" not in report["sources"][0]
+    artifact = _latest_artifact("ingest-report")
+    assert "## By source, as this run's training draws from them" in artifact
+    assert "| 75.0% |" in artifact and "| 25.0% |" in artifact and "| 3 |" in artifact

@@ -21,9 +21,8 @@ from storage import layout
 from storage.store import Store
 from tasks.demo.data import write_demo_data
 from tasks.identity import manifest_id
-from tasks.manifest import mix_markdown
 from tasks.ingest.examine import ALPHA_MASKED, MASK_FILE
-from tasks.ingest.report import report_markdown
+from tasks.ingest.report import mix_markdown, report_markdown
 from tasks.runner import run_direct
 from tasks.runs.page import RunPage
 from tasks.train.data import CachedFeatures, mixed_batches
@@ -68,7 +67,10 @@ def test_three_sources_train_through_every_stage_and_each_sample_keeps_its_sourc
     assert [(m["samples"], m["repeats"], m["weight"], m["loss_weight"], m["regularisation"]) for m in manifest["mix"]] \
         == [(5, 3, None, 1.0, "off"), (8, 1, 0.25, 1.0, "off"), (8, 1, None, 0.5, "base_model")]
     assert [round(m["share"], 6) for m in manifest["mix"]] == [round(share, 6) for share in SHARES]
-    assert "| 48.9% |" in mix_markdown(manifest["mix"]) and "| 25.0% |" in mix_markdown(manifest["mix"])
+    # the ingest report's artifact shows this config's mix beside the dataset's report (flows/stages.py)
+    table = mix_markdown(config.dataset.drawn([s["samples"] for s in report["sources"]]))
+    assert "| 48.9% |" in table and "| 25.0% |" in table and "| 26.1% |" in table
+    assert config.dataset.drawn([5, 8, 8]) == manifest["mix"]
     features = CachedFeatures(store, manifest, config_family(config))
     for index, path in enumerate(sources):  # a sample's id is its picture's sha256 (the cut-outs' with their mask's word)
         ids = {hashlib.sha256(p.read_bytes() + (ALPHA_MASKED if index == 0 and p.name != "5.png" else b"")).hexdigest()

@@ -86,6 +86,18 @@ def report_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def mix_markdown(drawn: list[dict[str, Any]]) -> str:
+    """How training draws from the sources (`DatasetConfig.drawn`), as a markdown table."""
+    rows = [(markdown_literal(s["path"]), s["samples"], s["repeats"],
+             "by size" if s["weight"] is None else f"{s['weight']:g}", f"{s['loss_weight']:g}",
+             "training's" if s["caption_dropout"] is None else f"{s['caption_dropout']:g}", s["regularisation"],
+             f"{s['share']:.1%}") for s in drawn]
+    return "\n".join(["## By source, as this run's training draws from them", "",
+                      "| source | samples | repeats | weight | loss weight | caption dropout | regularisation | "
+                      "share of draws |", "|" + " --- |" * 8, *("| " + " | ".join(map(str, row)) + " |" for row in rows),
+                      ""])
+
+
 def markdown_literal(text: str) -> str:
     """`text` (a message about a hostile input, which may name its bytes) shown as it is in
     markdown: each character that would format it (or open an HTML tag) escaped."""
