@@ -330,19 +330,36 @@ def _masked_source(folder: Path, fmt: str, pictures: dict[str, bytes], masks: di
     return folder / "pictures", {"masks": "files", "mask_path": str(folder / "masks")}
 
 
-@pytest.mark.parametrize("fmt", ["folder", "jsonl", "jsonl-column", "parquet"])
-def test_mask_files_weigh_each_picture_and_leave_its_pixels_whole(tmp_path, tiny_models, fmt):
+@pytest.mark.parametrize("fmt", ["folder", "folder on S3", "jsonl", "jsonl-column", "parquet"])
+def test_mask_files_weigh_each_picture_and_leave_its_pixels_whole(tmp_path, tiny_models, fmt, request):
     """`masks: files` (each picture's mask at its relative path in `mask_path`, any picture
     extension) and `masks: column` (a row's mask file, or its bytes in a parquet column): any size
     (resized to the picture), cached on the latent grid as alpha's is; the pixels under it are
     encoded as they are (the latents equal the unmasked picture's), and the sample is the picture
     with its mask. A black, missing or broken mask quarantines its picture, naming why; a changed
-    mask reads that picture again (a parquet file: the file) and encodes it alone."""
+    mask reads that picture again (a parquet file: the file) and encodes it alone. On S3 (moto) the
+    source, its masks and the store are objects."""
     from storage.shards import LatentShard
 
     pictures, masks = _pictures_with_mask_files(tmp_path)
-    source, settings = _masked_source(tmp_path, fmt, pictures, masks)
-    config = _config(tmp_path, tiny_models, [str(source)], [settings])
+    source, settings = _masked_source(tmp_path, fmt.removesuffix(" on S3"), pictures, masks)
+    storage, upload = None, lambda: None
+    if fmt.endswith("on S3"):  # the pictures and masks uploaded, read back through the store's options
+        import s3fs
+
+        endpoint = request.getfixturevalue("s3_endpoint")
+        s3 = s3fs.S3FileSystem(endpoint_url=endpoint)
+        s3.mkdir("precast-masks")
+        storage = {"root": "s3://precast-masks/store", "options": {"endpoint_url": endpoint}}
+
+        def upload():  # file by file: a folder put again would land inside the one put before
+            for name in ("pictures", "masks"):
+                for path in (tmp_path / name).rglob("*.*"):
+                    s3.put_file(str(path), f"precast-masks/{name}/{path.relative_to(tmp_path / name)}")
+
+        upload()
+        source, settings = "s3://precast-masks/pictures", {**settings, "mask_path": "s3://precast-masks/masks"}
+    config = _config(tmp_path, tiny_models, [str(source)], [settings], storage)
     done = run_direct(config, until="manifest")
     report = Store(config.storage).read_json(layout.dataset_report(done["ingest"]["id"]))
     names = list(pictures)
@@ -357,7 +374,7 @@ def test_mask_files_weigh_each_picture_and_leave_its_pixels_whole(tmp_path, tiny
            .hexdigest() for name in kept}
 
     # the same pictures without masks, in the same store: the pixels the VAE saw are the same
-    plain = run_direct(_config(tmp_path, tiny_models, [str(source)], [{}]), until="manifest")
+    plain = run_direct(_config(tmp_path, tiny_models, [str(source)], [{}], storage), until="manifest")
     store = Store(config.storage)
 
     def cached(manifest_url: str) -> tuple[CachedFeatures, dict]:
@@ -386,6 +403,7 @@ def test_mask_files_weigh_each_picture_and_leave_its_pixels_whole(tmp_path, tiny
     (tmp_path / "masks" / "0.png").write_bytes(masks["0"])
     if fmt == "parquet":  # the file written again, read again whole
         _masked_source(tmp_path, fmt, pictures, masks)
+    upload()
     again = run_direct(config, until="manifest")
     read = 1 + fmt.startswith("jsonl")  # and the metadata file, read every time
     assert again["ingest"]["work"]["units_read"] == read and again["ingest"]["new_samples"] == 1
