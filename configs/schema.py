@@ -212,6 +212,8 @@ class SourceConfig(Section):
         if (self.masks == "files") != (self.mask_path is not None):
             raise ValueError(f"dataset source {self.path!r}: masks: files reads its masks from mask_path, and "
                              "mask_path is read with masks: files only")
+        if self.masks != "column" and self.mask_column != "mask":
+            raise ValueError(f"dataset source {self.path!r}: mask_column is read with masks: column only")
         return self
 
     def mixing(self) -> dict[str, Any]:

@@ -205,7 +205,8 @@ class FlowExecutor:
         record["work"]["workers"] = workers
         report = plan.store.read_json(plan.store.key(record["report"]))
         markdown = report_markdown(report)
-        if config.dataset.mix is not None and len(report.get("sources", [])) > 1:
+        counted = [source["path"] for source in report.get("sources", [])]
+        if config.dataset.mix is not None and counted == [source.path for source in config.dataset.sources]:
             # the dataset's report serves every mix of its sources: this run's is shown beside it
             markdown += "\n\n" + mix_markdown(config.dataset.drawn([s["samples"] for s in report["sources"]]))
         create_markdown_artifact(markdown=markdown, key="ingest-report", description=f"ingest of dataset {record['id']}")

@@ -412,6 +412,33 @@ def test_mask_files_weigh_each_picture_and_leave_its_pixels_whole(tmp_path, tiny
     assert ids["0"] not in features.samples and len(features.samples) == len(ids)
 
 
+def test_a_rows_mask_that_cannot_be_a_mask_quarantines_the_row_alone(tmp_path, tiny_models):
+    """A metadata row naming its mask through a file, as a folder or by a name too long for the
+    filesystem, and a parquet mask cell that holds a string: each row is quarantined for its reason,
+    the others ingested."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pictures, masks = _pictures_with_mask_files(tmp_path)
+    named = {"0": "pictures/1.png/x.png", "1": "masks/sub", "7": "m" * 300 + ".png", "sub/3": "masks/sub/3.png"}
+    (tmp_path / "metadata.jsonl").write_text("".join(
+        json.dumps({"file_name": f"pictures/{name}.png", "text": "a picture", "mask": mask}) + "\n"
+        for name, mask in named.items()))
+    pq.write_table(pa.table({"image": [pictures["0"], pictures["sub/3"]], "text": ["a", "b"],
+                             "mask": pa.array(["masks/0.png", None], pa.string())}), tmp_path / "strings.parquet")
+    pq.write_table(pa.table({"image": [pictures["sub/3"]], "text": ["b"], "mask": [masks["sub/3"]]}),
+                   tmp_path / "bytes.parquet")
+    reasons = []
+    for sources in (["metadata.jsonl"], ["strings.parquet", "bytes.parquet"]):
+        config = _config(tmp_path, tiny_models, [str(tmp_path / source) for source in sources],
+                         [{"masks": "column"}] * len(sources), {"root": str(tmp_path / f"store-{sources[0]}")})
+        done = run_direct(config, until="ingest")
+        report = Store(config.storage).read_json(layout.dataset_report(done["ingest"]["id"]))
+        reasons.append(sorted(q["reason"] for q in report["quarantine"]))
+    # (a folder is no regular file: special_file, as for a row's picture)
+    assert reasons == [["missing_mask", "missing_mask", "special_file"], ["bad_mask", "missing_mask"]], reasons
+
+
 def test_mask_files_that_cannot_be_read_as_a_sources_masks_are_refused_naming_the_source(tmp_path, tiny_models):
     with pytest.raises(ValidationError, match="masks: files reads its masks from mask_path"):
         _config(tmp_path, tiny_models, [str(tmp_path)], [{"masks": "files"}])

@@ -74,8 +74,8 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
         if is_video(data[:8] if isinstance(data, bytes) else _head(data)):
             outcome.video = True
             if candidate.mask is not None:
-                raise Rejected("mask_on_clip", "a video named as a picture: masks: files gives pictures their loss "
-                                               "masks; a video's clips take none yet")
+                raise Rejected("mask_on_clip", "a video named as a picture: loss masks are given to pictures; a "
+                                               "video's clips take none yet")
             if size > dataset.video.max_bytes:
                 raise Rejected("too_large", f"over video.max_bytes={dataset.video.max_bytes}")
             captions = sorted(set(candidate.captions))

@@ -23,6 +23,7 @@ In a tar, links, devices and members named outside it are `unsafe_member`, archi
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -94,6 +95,12 @@ def read_file(fs: fsspec.AbstractFileSystem, path: str, limit: int, missing: str
             return copy_to_disk(source, limit + 1)
     except FileNotFoundError as error:
         raise Rejected(missing, f"{name} does not exist") from error
+    except (NotADirectoryError, IsADirectoryError) as error:  # a row's name through a file, or of a folder
+        raise Rejected(missing, f"{name} is not a file: {error.strerror}") from error
+    except OSError as error:
+        if error.errno != errno.ENAMETOOLONG:  # the machine's fault, not the name's: fails the stage
+            raise
+        raise Rejected(missing, f"{name[:100]}… is too long a name for the filesystem") from error
 
 
 def copy_to_disk(source: BinaryIO, most: int) -> Path:

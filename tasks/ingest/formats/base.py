@@ -137,7 +137,7 @@ def masked_unit(listing: Listing, source: SourceConfig, picture: str, where: str
                                                        "video's clips take none yet"))
     if source.masks == "column":
         if mask is None:
-            return refused(where, Rejected("missing_mask", f"the row has no {source.mask_column!r} field"))
+            return refused(where, Rejected("missing_mask", f"the row names no mask in {source.mask_column!r}"))
         return Unit(*unit_of(*objects, listing.entry(mask)), [*plan, mask])  # not there: missing_mask when read
     found = mask_beside(listing, picture)
     if found is None:

@@ -50,6 +50,9 @@ def read_parquet(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, 
                         candidate.mask = cell_bytes(mask[0])
                         if candidate.mask is None:
                             raise Rejected("missing_mask", f"no mask bytes in the row's {source.mask_column!r}")
+                        if not isinstance(candidate.mask, bytes):
+                            raise Rejected("bad_mask", f"the row's {source.mask_column!r} holds "
+                                                       f"{type(candidate.mask).__name__}, not a mask's bytes")
                 except Rejected as problem:
                     candidate.problem = problem
                 yield candidate
