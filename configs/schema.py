@@ -170,8 +170,9 @@ class SourceConfig(Section):
         "path, any picture extension (x/a.jpg: x/a.png; ai-toolkit's mask_path); folder, jsonl and csv sources. "
         "column: each row's `mask_column`, a mask file's name relative to a jsonl/csv file, or the mask's bytes in a "
         "parquet file. A mask is white where learned, black or transparent where not, of any size (resized to the "
-        "picture), and the picture's pixels stay as they are (its own transparency is not learned either); a picture "
-        "without its mask is quarantined (missing_mask), as is one whose mask is 0 everywhere (empty_mask). "
+        "picture), and the picture's pixels stay as they are (its own transparency is not learned either); a video's "
+        "mask is a picture that every frame of its clips takes. A picture or video without its mask is quarantined "
+        "(missing_mask), as is one whose mask is 0 everywhere (empty_mask). "
         "none: alpha is composited on white.")
     mask_path: Annotated[str | None, IF_NOT_DEFAULT] = Field(
         None, description="With masks: files, the folder of the masks (local path or fsspec URL), laid out as the "

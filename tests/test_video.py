@@ -436,6 +436,72 @@ def test_wan_encodes_and_trains_on_clips_and_a_picture_family_quarantines_them(v
     assert all("trains on pictures" in q["message"] for q in shard["quarantined"]) and len(shard["quarantined"]) == 3
 
 
+def test_a_videos_mask_file_weighs_every_frame_of_its_clips_and_leaves_their_pixels_whole(videos, tmp_path,
+                                                                                            tiny_family):
+    """`masks: files` on videos: a video's mask is a picture (any size, upright as the video is
+    shown) that every frame of each of its clips takes, so its latent mask is the same in every
+    latent frame; the clips are samples of their own, their frames as without the mask (the mask is
+    stored once beside them), and a training step weighs their loss by it."""
+    from tasks.runner import run_direct
+
+    wan = tiny_family("wan")
+    source, masks = tmp_path / "source", tmp_path / "masks"
+    source.mkdir()
+    masks.mkdir()
+    for name in ("ok.mp4", "ok.txt", "portrait.mov", "portrait.txt"):
+        shutil.copy(videos / name, source)
+    left = np.zeros((32, 32), np.uint8)
+    left[:, :16] = 255
+    Image.fromarray(left).save(masks / "ok.png")
+    top = np.zeros((96, 64), np.uint8)  # the portrait video as it is shown: 64 wide, 96 high
+    top[:48] = 255
+    Image.fromarray(top).save(masks / "portrait.png")
+
+    def config(root, **settings):
+        return PipelineConfig.model_validate({
+            "storage": {"root": str(tmp_path / root)},
+            "dataset": {"sources": [{"path": str(source), **settings}], "video": VIDEO, **RULES},
+            "model": {"path": str(wan)}, "text_encoding": {"dtype": "fp32"},
+            "latent_encoding": {"resolution": 64, "storage_dtype": "fp32", "batch_size": 2},
+            "training": {"rank": 4, "alpha": 4, "steps": 2, "batch_size": 1, "validation_samples": 0,
+                         "sample_prompts": []},
+            "execution": {"retries": 0}})
+
+    masked_config = config("masked", masks="files", mask_path=str(masks))
+    done = run_direct(masked_config)
+    plain = run_direct(config("plain"), until="encode-latents")
+    assert done["ingest"]["quarantined"] == 0 and done["train"]["final_loss"] == done["train"]["final_loss"]
+    shards = {}
+    for name, record in (("masked", done), ("plain", plain)):
+        store = Store(StorageConfig(root=str(tmp_path / name)))
+        (shard,) = record["encode-latents"]["shards"]
+        shards[name] = LatentShard(store.local_path(store.key(shard["url"])))
+    assert not set(shards["masked"].rows) & set(shards["plain"].rows)  # samples of their own
+    assert len(shards["masked"].rows) == len(shards["plain"].rows) == 3  # the portrait's clip and ok.mp4's two
+    for sample_id in shards["masked"].rows:
+        latents, mask = shards["masked"].get(sample_id)[0], shards["masked"].mask(sample_id).float()
+        # its unmasked twin: the same frames, so the same latents (within float rounding: the VAE's
+        # batches are cut in sample id order)
+        nearest = min((latents - shards["plain"].get(twin)[0]).abs().max().item() for twin in shards["plain"].rows
+                      if shards["plain"].get(twin)[0].shape == latents.shape)
+        assert nearest < 1e-4, nearest
+        assert mask.shape[1:] == latents.shape[1:] and torch.equal(mask, mask[:, :1].expand_as(mask))
+        frames, height, width = mask.shape[1:]
+        if height > width:  # the portrait: learned on its top half
+            assert mask[..., : height // 2 - 1, :].min() > 0.95 and mask[..., height // 2 + 1:, :].max() < 0.05
+        else:
+            assert mask[..., : width // 2 - 1].min() > 0.95 and mask[..., width // 2 + 1:].max() < 0.05
+    # what training reads: each clip's mask beside its latents, [B, 1, F, h, w]
+    from tasks.families import family_of
+    from tasks.train.data import CachedFeatures
+
+    store = Store(masked_config.storage)
+    features = CachedFeatures(store, store.read_json(store.key(done["manifest"]["url"])), family_of(masked_config.model))
+    sample_id = next(iter(shards["masked"].rows))
+    latents, _, weights = features.batch([sample_id], torch.Generator().manual_seed(0), 0.0)
+    assert weights.shape == (1, 1, *latents.shape[2:]) and 0 < weights.mean() < 1
+
+
 def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_frames_given(videos, tmp_path, capfd,
                                                                                            tiny_family):
     """A TI2V run with half its clips trained image to video (`training.image_to_video`) samples

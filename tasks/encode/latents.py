@@ -32,7 +32,7 @@ from storage.shards import bucket_name, pack_latents, read_image_shard, read_lat
 from storage.store import ArtifactMissing, Damaged, Store
 from tasks.encode.models import VAE_IN_USE, build_vae, load_vae
 from tasks.ingest.untrusted import MASK_FROM_FILE, to_rgb
-from tasks.ingest.video import clip_frames, frame_count
+from tasks.ingest.video import clip_frames, clip_mask, frame_count
 from tasks.families import family_of
 from tasks.loading import DTYPES
 from tasks.identity import LATENT_FORMAT
@@ -78,16 +78,23 @@ def preprocess(image_bytes: bytes, box: list[int]) -> tuple[torch.Tensor, torch.
 
 
 def latent_mask(mask: torch.Tensor | None, latent_shape: torch.Size) -> torch.Tensor:
-    """A picture's loss mask on its latents' grid [1, 1, (F,) h, w]: the share of each latent
-    pixel's pixels it covers (an area mean); all ones for a picture without one."""
+    """A picture's or clip's loss mask on its latents' grid [1, 1, (F,) h, w]: the share of each
+    latent pixel's pixels it covers (an area mean), a clip's the same in every latent frame; all
+    ones for a sample without one."""
     if mask is None:
         return torch.ones(1, 1, *latent_shape)
-    return F.interpolate(mask[None], size=tuple(latent_shape[-2:]), mode="area").reshape(1, 1, *latent_shape)
+    grid = F.interpolate(mask[None], size=tuple(latent_shape[-2:]), mode="area")  # [1, 1, h, w]
+    return grid.reshape(1, 1, *[1] * (len(latent_shape) - 2), *latent_shape[-2:]).expand(1, 1, *latent_shape).clone()
 
 
-def preprocess_clip(clip_bytes: bytes, box: list[int]) -> torch.Tensor:
-    """A clip's pixels, each frame as `preprocess` makes a picture's: [3, F, H, W]."""
-    return torch.stack([pixels_of(frame, box) for frame in clip_frames(clip_bytes)], dim=1)
+def preprocess_clip(clip_bytes: bytes, box: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A clip's pixels, each frame as `preprocess` makes a picture's: [3, F, H, W]; and its loss
+    mask (the same for every frame: ingest's `masks`), resized and cropped alike, [1, H, W]."""
+    pixels = torch.stack([pixels_of(frame, box) for frame in clip_frames(clip_bytes)], dim=1)
+    if (alpha := clip_mask(clip_bytes)) is None:
+        return pixels, None
+    alpha = alpha.resize(tuple(box[:2]), Image.Resampling.BILINEAR).crop(tuple(box[2:]))
+    return pixels, torch.from_numpy(np.asarray(alpha, dtype=np.uint8).copy()).float().div(255.0)[None]
 
 
 def pixels_of(image: Image.Image, box: list[int]) -> torch.Tensor:
@@ -182,7 +189,8 @@ def encode_latents_shard(
 
         def load_pixels(batch: list[dict]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
             if frames[batch[0]["sample_id"]] > 1:
-                pixels, masks = torch.stack([preprocess_clip(s["image"], boxes[s["sample_id"]]) for s in batch]), []
+                pixels, masks = zip(*(preprocess_clip(s["image"], boxes[s["sample_id"]]) for s in batch))
+                pixels = torch.stack(pixels)
             else:
                 pixels, masks = zip(*(preprocess(s["image"], boxes[s["sample_id"]]) for s in batch))
                 pixels = family.codec.vae_pixels(torch.stack(pixels))

@@ -73,16 +73,13 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
             raise Rejected("empty_file", "zero bytes")
         if is_video(data[:8] if isinstance(data, bytes) else _head(data)):
             outcome.video = True
-            if candidate.mask is not None:
-                raise Rejected("mask_on_clip", "a video named as a picture: loss masks are given to pictures; a "
-                                               "video's clips take none yet")
             if size > dataset.video.max_bytes:
                 raise Rejected("too_large", f"over video.max_bytes={dataset.video.max_bytes}")
             captions = sorted(set(candidate.captions))
             with decoding:
                 return [Outcome(outcome.source, outcome.format, sample_id, captions, width, height, spilled=new,
                                 video=True)
-                        for sample_id, width, height, new in read_video(data, dataset, stored, keep)]
+                        for sample_id, width, height, new in read_video(data, dataset, stored, keep, candidate.mask)]
         if isinstance(data, Path):  # named a video, and no container: a picture at most
             if size > max_image_bytes(dataset):
                 raise Rejected("bad_video", NOT_A_CONTAINER)

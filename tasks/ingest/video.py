@@ -18,6 +18,7 @@ rewritten video, or another policy, gives other clips, and an unchanged video th
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import math
@@ -32,7 +33,7 @@ from PIL import Image
 from configs.schema import DatasetConfig, VideoConfig
 from storage.fingerprint import hash_json, sha256_bytes
 from storage.store import file_sha256, space_for
-from tasks.ingest.untrusted import CLIP_FRAMES, Rejected, check_geometry
+from tasks.ingest.untrusted import CLIP_FRAMES, MASK_FROM_FILE, Rejected, check_geometry, mask_layer
 
 # what makes a clip, in its id and the ingest record: a change of it makes every video's clips again
 # (2: frames timed to the container's precision, anamorphic pixels made square; 3: edit lists honoured)
@@ -197,13 +198,16 @@ def clip_times(probed: Probe, video: VideoConfig) -> list[list[float]]:
     return [[(start + k) / fps for k in range(frames)] for start in starts]
 
 
-def clip_ids(data_sha256: str, probed: Probe, video: VideoConfig, times: list[list[float]]) -> list[str]:
+def clip_ids(data_sha256: str, probed: Probe, video: VideoConfig, times: list[list[float]],
+             mask_sha256: str | None = None) -> list[str]:
     """The sample ids of a video's clips (`clip_times`): its bytes and what each clip is (its rate,
-    first frame and length at that rate, and how its frames are stored). What only chooses clips
-    (where, how many, the limits) is no part of it: a clip another policy also takes keeps its id."""
+    first frame and length at that rate, how its frames are stored, and its loss mask's bytes if it
+    has one). What only chooses clips (where, how many, the limits) is no part of it: a clip
+    another policy also takes keeps its id."""
     fps = video.fps or probed.fps
+    masked = {} if mask_sha256 is None else {"mask": mask_sha256}
     return [hash_json({"video": data_sha256, "fps": fps, "start": round(clip[0] * fps), "frames": len(clip),
-                       "frame_pixels": video.frame_pixels, "quality": video.quality, "made": CLIPS_VERSION})
+                       "frame_pixels": video.frame_pixels, "quality": video.quality, "made": CLIPS_VERSION, **masked})
             for clip in times]
 
 
@@ -299,15 +303,36 @@ def _upright(frame, probed: Probe, video: VideoConfig) -> Image.Image:
     return image
 
 
-def clip_bytes(frames: list[Image.Image], fps: float, quality: int) -> bytes:
+def clip_bytes(frames: list[Image.Image], fps: float, quality: int, mask: Image.Image | None = None) -> bytes:
     """A clip as an animated WebP, each frame shown 1/fps s, its frame count in its XMP: WebP's
-    encoder stores a frame that repeats the one before as a longer showing of it."""
+    encoder stores a frame that repeats the one before as a longer showing of it. A loss `mask`
+    (grey, the frames' size) is stored once, a PNG in the XMP (MASK_FROM_FILE): as the frames'
+    alpha, an animated WebP keeps no pixel under a transparent one from frame to frame."""
     out = io.BytesIO()
+    meta: dict[str, Any] = {CLIP_FRAMES: len(frames)}
+    if mask is not None:
+        png = io.BytesIO()
+        mask.save(png, format="PNG")
+        meta[MASK_FROM_FILE] = base64.b64encode(png.getvalue()).decode()
     # method 0, libwebp's fastest: about the same bytes as its default (4) in half the time or less
     # (benchmarks/video.py)
     frames[0].save(out, format="WEBP", save_all=True, append_images=frames[1:], quality=quality, method=0,
-                   duration=round(1000 / fps), loop=0, xmp=json.dumps({CLIP_FRAMES: len(frames)}).encode())
+                   duration=round(1000 / fps), loop=0, xmp=json.dumps(meta).encode())
     return out.getvalue()
+
+
+def clip_mask(data: bytes) -> Image.Image | None:
+    """A stored clip's loss mask (grey, the frames' size: every frame's), None when it has none."""
+    with Image.open(io.BytesIO(data)) as opened:
+        xmp = opened.info.get("xmp") if opened.format == "WEBP" else None
+    try:
+        png = json.loads(xmp).get(MASK_FROM_FILE) if xmp else None
+    except (ValueError, TypeError, AttributeError):  # another program's XMP
+        return None
+    if not isinstance(png, str):
+        return None
+    with Image.open(io.BytesIO(base64.b64decode(png)), formats=["PNG"]) as mask:
+        return mask.convert("L")
 
 
 def clip_frames(data: bytes) -> Iterator[Image.Image]:
@@ -343,13 +368,20 @@ def frame_count(data: bytes) -> int:
 
 
 def read_video(data: Video, dataset: DatasetConfig, stored: Callable[[str], Any],
-               keep: Callable[[str, bytes], None]) -> list[tuple[str, int, int, bool]]:
+               keep: Callable[[str, bytes], None], mask: bytes | None = None) -> list[tuple[str, int, int, bool]]:
     """A video's clips as samples: (sample id, width, height, whether it was new) each; new clips
-    decoded and handed to `keep`. Rejected as a whole when any clip cannot be made."""
+    decoded and handed to `keep`. With `mask` (a mask file's bytes: a source's `masks: files` or
+    `column`), every frame of every clip takes it as its alpha, resized to the frames (a mask that
+    stays where the video's frames are), and the clips are samples of their own. Rejected as a
+    whole when any clip cannot be made."""
     video = dataset.video
+    layer = None if mask is None else mask_layer(mask, dataset)  # resized to the frames when the first is made
+    if layer is not None and layer.getextrema()[1] == 0:
+        raise Rejected("empty_mask", "its mask is black everywhere: no pixel of it would be learned")
     probed = probe(data, video, dataset)
     times = clip_times(probed, video)
-    ids = clip_ids(sha256_bytes(data) if isinstance(data, bytes) else file_sha256(data), probed, video, times)
+    ids = clip_ids(sha256_bytes(data) if isinstance(data, bytes) else file_sha256(data), probed, video, times,
+                   None if mask is None else sha256_bytes(mask))
     sizes: dict[int, tuple[int, int]] = {}
     for index, sample_id in enumerate(ids):
         if (known := stored(sample_id)) is not None:  # a shard holds it: not decoded again
@@ -358,7 +390,8 @@ def read_video(data: Video, dataset: DatasetConfig, stored: Callable[[str], Any]
     with tempfile.TemporaryFile(prefix="precast-clips-") as spill:  # made clips wait on disk, not in memory
 
         def take(index: int, frames: list[Image.Image]) -> None:
-            clip = clip_bytes(frames, video.fps or probed.fps, video.quality)
+            grey = None if layer is None else layer.resize(frames[0].size, Image.Resampling.BILINEAR)
+            clip = clip_bytes(frames, video.fps or probed.fps, video.quality, grey)
             with space_for(tempfile.gettempdir(), "a video's clips"):
                 made[index] = (spill.tell(), spill.write(clip))
                 spill.flush()  # on disk now: a full disk is DiskFull here, not an error later

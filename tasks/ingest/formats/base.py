@@ -125,16 +125,13 @@ def read_media(fs: fsspec.AbstractFileSystem, path: str, limit: Limit, candidate
 
 def masked_unit(listing: Listing, source: SourceConfig, picture: str, where: str, plan: list,
                 *objects: Listed | None, mask: str | None = None) -> Unit:
-    """The unit reading `objects` (as listed; the picture at `picture` among them) by `plan`, with
-    the picture's mask where the source reads masks from files: the one beside it in `mask_path`
+    """The unit reading `objects` (as listed; the picture or video at `picture` among them) by
+    `plan`, with its mask where the source reads masks from files: the one beside it in `mask_path`
     (masks: files), or `mask`, the file its row names (masks: column). The mask's path is last in
     the plan and the mask in the key, so a changed mask is read again. Refused, reading nothing,
     when there is none."""
     if source.masks not in ("files", "column"):
         return Unit(*unit_of(*objects), plan)
-    if is_video_name(picture):
-        return refused(where, Rejected("mask_on_clip", f"masks: {source.masks} gives pictures their loss masks; a "
-                                                       "video's clips take none yet"))
     if source.masks == "column":
         if mask is None:
             return refused(where, Rejected("missing_mask", f"the row names no mask in {source.mask_column!r}"))
