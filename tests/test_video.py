@@ -23,7 +23,7 @@ from storage.store import Store
 from tasks.ingest.stage import ingest
 from flows.cli import main
 from tasks.ingest.untrusted import Rejected
-from tasks.ingest.video import CLIP_FRAMES, clip_frames, clip_times, decode_clips, frame_count, probe
+from tasks.ingest.video import CLIP_FRAMES, clip_frames, clip_mask, clip_times, decode_clips, frame_count, probe
 from tasks.demo.videos import write_audio_only
 from tests.videos import frame_pixels, level, remux, write_cover_art, write_resizing, write_video
 
@@ -33,7 +33,7 @@ VIDEO = {"frames": 17, "fps": 16, "clips": "sliding", "max_clips": 2, "stride": 
 RULES = {"min_side": 32, "max_pixels": 10_000}
 CLIPS = {"ok.mp4": 2, "ok.webm": 2, "ok.mkv": 2, "portrait.mov": 1, "vfr.mp4": 2, "anamorphic.mp4": 2, "still.mp4": 2,
          "sound.mkv": 2, "late.mkv": 2}
-PICTURES = ("picture.png", "animated.webp", "forged.webp", "tagged.webp")  # each a one-frame sample
+PICTURES = ("picture.png", "animated.webp", "forged.webp", "escaped.webp", "tagged.webp")  # each a one-frame sample
 QUARANTINED = {"truncated.mp4": {"bad_video"}, "audio.mp4": {"no_video_stream"}, "single.mp4": {"too_few_frames"},
                "short.mp4": {"too_short"}, "huge.mp4": {"too_large"}, "long.mp4": {"too_long"},
                "uncaptioned.mp4": {"missing_caption"}, "lonely.txt": {"orphan_caption"},
@@ -62,6 +62,8 @@ def videos(tmp_path_factory):
     frames[0].save(root / "animated.webp", save_all=True, append_images=frames[1:], duration=100)
     # a picture whose XMP says what precast's clips say there: still one frame
     frames[0].save(root / "forged.webp", xmp=json.dumps({CLIP_FRAMES: 5}).encode())
+    # the same, its keys escaped, with a mask that is no PNG: a picture all the same
+    frames[0].save(root / "escaped.webp", xmp=b'{"precast.clip\\u005fframes": 5, "precast.mask_from_file": "!"}')
     frames[0].save(root / "tagged.webp", xmp=b"<x:xmpmeta>a photographer's own XMP</x:xmpmeta>")  # stored as is
     # what its index says of the file is its longest track's (audio 4 s), or its video's end (from 0.5 s)
     remux(root / "ok.mp4", root / "sound.mkv", audio_seconds=4.0)
@@ -123,6 +125,7 @@ def test_videos_become_clips_and_hostile_videos_are_quarantined_with_their_reaso
     assert (samples["anamorphic.mp4"][0]["width"], samples["anamorphic.mp4"][0]["height"]) == (96, 64)
     for name in PICTURES:  # an animated picture is its first frame
         assert frame_count(samples[name][0]["image"]) == len(list(clip_frames(samples[name][0]["image"]))) == 1
+        assert clip_mask(samples[name][0]["image"]) is None
     assert samples["tagged.webp"][0]["image"] == (videos / "tagged.webp").read_bytes()
     still = [level(np.asarray(frame)) for frame in clip_frames(samples["still.mp4"][0]["image"])]
     assert still == [0] * 17  # libwebp stores it as one frame shown 17 times

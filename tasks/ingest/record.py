@@ -112,6 +112,8 @@ def _read_record(store: Store, key: str, dataset: DatasetConfig, ledger: Ledger,
             ledger.run(f"DELETE FROM known WHERE key IN (SELECT key FROM known WHERE video OR (video IS NULL AND "
                        f"(format = 'parquet' OR {named})))",
                        tuple(pattern for ext in sorted(VIDEO_EXTENSIONS) for pattern in (f"%.{ext}", f"%.{ext}%")))
+    with ledger.transaction():  # videos refused masks before clips took them: read again
+        ledger.run("DELETE FROM known WHERE key IN (SELECT key FROM known WHERE reason = 'mask_on_clip')")
     forget_deleted_shards(store, dataset, ledger)
     return file_sha256(local)
 

@@ -44,8 +44,9 @@ PARTITION_BYTES = 256 << 20  # a partition's listed bytes: what a worker stages 
                              # or parquet file larger than this is a partition of its own)
 # with Pillow's and PyAV's versions, part of a staged partition's key: what decodes and normalises
 # (2: clip frames timed to the container's precision, clip ids naming what a clip is; 3: outcomes say
-# whether they are a video's; 4: masks from files, a masks: alpha picture without alpha its plain id)
-STAGED_VERSION = 4
+# whether they are a video's; 4: masks from files, a masks: alpha picture without alpha its plain id;
+# 5: clips take masks)
+STAGED_VERSION = 5
 STAGED_PAGE = 64  # staged rows written and read at a time: each may hold an image
 STAGED_COLUMNS = MappingProxyType({
     "unit": pa.int32(), "source": pa.string(), "format": pa.string(), "sample_id": pa.string(),

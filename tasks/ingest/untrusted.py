@@ -254,11 +254,9 @@ def normalise_image(data: bytes, config: DatasetConfig, alpha: bool = False,
             opened.load()
             rotated = opened.getexif().get(0x0112, 1) != 1  # EXIF orientation other than "as stored"
             image = ImageOps.exif_transpose(opened) if rotated else opened
-            # an animated picture is stored as its first frame, and a WebP whose XMP names a clip's
-            # frame count is stored without it: a picture never passes for a clip
-            xmp = opened.info.get("xmp") or b""
-            xmp = xmp.encode() if isinstance(xmp, str) else xmp
-            clip_like = opened.format == "WEBP" and CLIP_FRAMES.encode() in xmp
+            # an animated picture is stored as its first frame, and a WebP whose XMP reads as a
+            # clip's (its frame count, its mask) is stored without it: a picture never passes for a clip
+            clip_like = opened.format == "WEBP" and reads_as_clip(opened.info.get("xmp"))
             mode = "RGBA" if alpha and has_alpha(opened) else "RGB"
             converted = (rotated or opened.mode != mode or opened.format not in KEEP_AS_IS
                          or getattr(opened, "n_frames", 1) > 1 or clip_like or MASK_FROM_FILE in opened.info)
@@ -326,6 +324,16 @@ def mask_layer(mask: bytes, config: DatasetConfig) -> Image.Image:
         raise Rejected("bad_mask", f"its mask is not {', '.join(IMAGE_FORMATS)}") from error
     except (Image.DecompressionBombError, OSError, SyntaxError, ValueError) as error:
         raise Rejected("bad_mask", f"its mask cannot be decoded: {error}") from error
+
+
+def reads_as_clip(xmp: str | bytes | None) -> bool:
+    """Whether a WebP's XMP is what a stored clip's is read as: JSON naming a frame count or a mask
+    (however its keys are escaped)."""
+    try:
+        meta = json.loads(xmp) if xmp else None
+    except (ValueError, TypeError):
+        return False
+    return isinstance(meta, dict) and (CLIP_FRAMES in meta or MASK_FROM_FILE in meta)
 
 
 def picture_has_alpha(data: bytes) -> bool:

@@ -327,12 +327,12 @@ def clip_mask(data: bytes) -> Image.Image | None:
         xmp = opened.info.get("xmp") if opened.format == "WEBP" else None
     try:
         png = json.loads(xmp).get(MASK_FROM_FILE) if xmp else None
-    except (ValueError, TypeError, AttributeError):  # another program's XMP
+        if not isinstance(png, str):
+            return None
+        with Image.open(io.BytesIO(base64.b64decode(png)), formats=["PNG"]) as mask:
+            return mask.convert("L")
+    except (ValueError, TypeError, AttributeError, OSError, Image.DecompressionBombError):  # another program's XMP
         return None
-    if not isinstance(png, str):
-        return None
-    with Image.open(io.BytesIO(base64.b64decode(png)), formats=["PNG"]) as mask:
-        return mask.convert("L")
 
 
 def clip_frames(data: bytes) -> Iterator[Image.Image]:
@@ -376,8 +376,6 @@ def read_video(data: Video, dataset: DatasetConfig, stored: Callable[[str], Any]
     whole when any clip cannot be made."""
     video = dataset.video
     layer = None if mask is None else mask_layer(mask, dataset)  # resized to the frames when the first is made
-    if layer is not None and layer.getextrema()[1] == 0:
-        raise Rejected("empty_mask", "its mask is black everywhere: no pixel of it would be learned")
     probed = probe(data, video, dataset)
     times = clip_times(probed, video)
     ids = clip_ids(sha256_bytes(data) if isinstance(data, bytes) else file_sha256(data), probed, video, times,
@@ -391,6 +389,9 @@ def read_video(data: Video, dataset: DatasetConfig, stored: Callable[[str], Any]
 
         def take(index: int, frames: list[Image.Image]) -> None:
             grey = None if layer is None else layer.resize(frames[0].size, Image.Resampling.BILINEAR)
+            if grey is not None and grey.getextrema()[1] == 0:
+                raise Rejected("empty_mask", "its mask, at the frames' size, is black everywhere: no pixel of it "
+                                             "would be learned")
             clip = clip_bytes(frames, video.fps or probed.fps, video.quality, grey)
             with space_for(tempfile.gettempdir(), "a video's clips"):
                 made[index] = (spill.tell(), spill.write(clip))

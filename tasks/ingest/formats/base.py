@@ -140,7 +140,7 @@ def masked_unit(listing: Listing, source: SourceConfig, picture: str, where: str
     if found is None:
         stem = posixpath.basename(picture.rpartition(".")[0])
         return refused(where, Rejected("missing_mask", f"no mask {stem}.* in mask_path {source.mask_path!r} at "
-                                                       "the picture's relative path"))
+                                                       "its relative path"))
     return Unit(*unit_of(*objects, found), [*plan, found.path])
 
 
