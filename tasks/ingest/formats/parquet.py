@@ -36,8 +36,9 @@ def read_parquet(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, 
         if missing:
             raise RuntimeError(f"dataset source {fs.unstrip_protocol(file)}: no column {sorted(missing)}")
         row = 0
-        for batch in parquet.iter_batches(batch_size=parquet_batch_rows(parquet, source.image_column),
-                                          columns=columns, **PYTHON_BYTES):
+        media = {source.image_column, *columns[2:]}  # a mask column's bytes are held as the pictures' are
+        for batch in parquet.iter_batches(batch_size=parquet_batch_rows(parquet, media), columns=columns,
+                                          **PYTHON_BYTES):
             for image, caption, *mask in zip(*(batch.column(i).to_pylist() for i in range(len(columns)))):
                 candidate = Candidate(f"{fs.unstrip_protocol(file)}#{row}", fmt)
                 row += 1
@@ -63,14 +64,15 @@ def cell_bytes(cell) -> bytes | None:
     return cell.get("bytes") if isinstance(cell, dict) else cell
 
 
-def parquet_batch_rows(parquet: pq.ParquetFile, column: str) -> int:
-    """Rows a batch: 64 small pictures, one video (the largest row group's bytes a row decide)."""
+def parquet_batch_rows(parquet: pq.ParquetFile, media: set[str]) -> int:
+    """Rows a batch: 64 small pictures, one video (the largest row group's bytes a row in the
+    `media` columns decide)."""
     metadata = parquet.metadata
     row_bytes = 0
     for group in range(metadata.num_row_groups):
         chunks = metadata.row_group(group)
         media = sum(chunks.column(i).total_uncompressed_size for i in range(chunks.num_columns)
-                    if chunks.column(i).path_in_schema.split(".")[0] == column)
+                    if chunks.column(i).path_in_schema.split(".")[0] in media)
         row_bytes = max(row_bytes, media // max(chunks.num_rows, 1))
     return max(1, min(64, PARQUET_BATCH_BYTES // max(row_bytes, 1)))
 
