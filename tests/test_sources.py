@@ -315,9 +315,10 @@ def _masked_source(folder: Path, fmt: str, pictures: dict[str, bytes], masks: di
     import pyarrow.parquet as pq
 
     ext = {name: "jpg" if name == "sub/2" else "png" for name in masks}
-    if fmt == "parquet":  # the masks' bytes in a column, a row without one null
+    if fmt == "parquet":  # the masks' bytes in a column, a row without one null; two row groups
         pq.write_table(pa.table({"image": list(pictures.values()), "text": [f"a picture number {n}" for n in pictures],
-                                 "mask": [masks.get(name) for name in pictures]}), folder / "rows.parquet")
+                                 "mask": [masks.get(name) for name in pictures]}), folder / "rows.parquet",
+                       row_group_size=4)
         return folder / "rows.parquet", {"masks": "column"}
     if fmt == "jsonl-column":  # each row names its mask file, relative to the metadata file
         rows = [{"file_name": f"pictures/{name}.png", "text": f"a picture number {name}",

@@ -71,9 +71,9 @@ def parquet_batch_rows(parquet: pq.ParquetFile, media: set[str]) -> int:
     row_bytes = 0
     for group in range(metadata.num_row_groups):
         chunks = metadata.row_group(group)
-        media = sum(chunks.column(i).total_uncompressed_size for i in range(chunks.num_columns)
-                    if chunks.column(i).path_in_schema.split(".")[0] in media)
-        row_bytes = max(row_bytes, media // max(chunks.num_rows, 1))
+        held = sum(chunks.column(i).total_uncompressed_size for i in range(chunks.num_columns)
+                   if chunks.column(i).path_in_schema.split(".")[0] in media)
+        row_bytes = max(row_bytes, held // max(chunks.num_rows, 1))
     return max(1, min(64, PARQUET_BATCH_BYTES // max(row_bytes, 1)))
 
 
