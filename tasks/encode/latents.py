@@ -70,10 +70,9 @@ def preprocess(image_bytes: bytes, box: list[int]) -> tuple[torch.Tensor, torch.
     composited on white, a mask file's left as they are."""
     with Image.open(io.BytesIO(image_bytes)) as opened:
         if opened.mode == "RGBA":
-            alpha = opened.getchannel("A").resize(tuple(box[:2]), Image.Resampling.BILINEAR).crop(tuple(box[2:]))
-            mask = torch.from_numpy(np.asarray(alpha, dtype=np.uint8).copy()).float().div(255.0)[None]
             whole = MASK_FROM_FILE in opened.info  # a mask file's: the pixels under it are real
-            return pixels_of(opened.convert("RGB") if whole else to_rgb(opened), box), mask
+            pixels = pixels_of(opened.convert("RGB") if whole else to_rgb(opened), box)
+            return pixels, mask_of(opened.getchannel("A"), box)
         return pixels_of(opened.convert("RGB"), box), None
 
 
@@ -91,10 +90,14 @@ def preprocess_clip(clip_bytes: bytes, box: list[int]) -> tuple[torch.Tensor, to
     """A clip's pixels, each frame as `preprocess` makes a picture's: [3, F, H, W]; and its loss
     mask (the same for every frame: ingest's `masks`), resized and cropped alike, [1, H, W]."""
     pixels = torch.stack([pixels_of(frame, box) for frame in clip_frames(clip_bytes)], dim=1)
-    if (alpha := clip_mask(clip_bytes)) is None:
-        return pixels, None
-    alpha = alpha.resize(tuple(box[:2]), Image.Resampling.BILINEAR).crop(tuple(box[2:]))
-    return pixels, torch.from_numpy(np.asarray(alpha, dtype=np.uint8).copy()).float().div(255.0)[None]
+    mask = clip_mask(clip_bytes)
+    return pixels, None if mask is None else mask_of(mask, box)
+
+
+def mask_of(grey: Image.Image, box: list[int]) -> torch.Tensor:
+    """A loss mask (8-bit grey) resized (bilinear) and cropped by `box` as its pixels are: [1, H, W] in [0, 1]."""
+    grey = grey.resize(tuple(box[:2]), Image.Resampling.BILINEAR).crop(tuple(box[2:]))
+    return torch.from_numpy(np.asarray(grey, dtype=np.uint8).copy()).float().div(255.0)[None]
 
 
 def pixels_of(image: Image.Image, box: list[int]) -> torch.Tensor:

@@ -32,7 +32,7 @@ from tasks.ingest.video import is_video, read_video
 
 NOT_A_CONTAINER = "not an mp4, mov, webm or mkv container"  # a file named as a video, and no picture either
 # appended to a picture's bytes for its sample id when its alpha is its loss mask (`masks: alpha`),
-# and before the sha256 of its mask file's bytes (`masks: files`)
+# and before the sha256 of its mask file's bytes (`masks: files` or `column`)
 ALPHA_MASKED = b"\0precast: alpha is the loss mask"
 MASK_FILE = b"\0precast: the loss mask of a file "
 

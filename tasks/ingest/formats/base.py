@@ -45,7 +45,7 @@ class Candidate:
     image: bytes | Path | None = None  # a video's bytes are in a local file (`read_file`), not in memory
     captions: list[str] | None = None
     problem: Rejected | None = None
-    mask: bytes | None = None  # its loss mask's picture (a source's `masks: files`)
+    mask: bytes | None = None  # its loss mask's picture (a source's `masks: files` or `column`)
 
 
 class Unit(NamedTuple):
