@@ -185,6 +185,13 @@ class SourceConfig(Section):
         "`[trigger]` where a caption has it (ai-toolkit's trigger_word), else starts every caption variant, followed "
         "by \", \" (unless the caption starts with it already). Changing it reads no file again and encodes no "
         "latent: the captions are re-encoded, the latents copied.")
+    resolution: Annotated[int | None, IF_NOT_DEFAULT] = Field(
+        None, ge=64, le=4096, description="This source's base resolution, in place of latent_encoding.resolution: "
+        "its pictures and clips go to the family's buckets for it (SimpleTuner's, musubi-tuner's and ai-toolkit's "
+        "resolution per dataset: a few close-ups at 1024 beside a large set at 512). Training draws batches of one "
+        "bucket, so they never mix sizes. Changing it reads no file again and re-encodes this source's latents "
+        "alone; its captions are encoded again with them, since its samples move to shards of their own. "
+        "None: latent_encoding.resolution.")
     # how training draws from the source: ingest and the caches never read these, so changing one
     # ingests and encodes nothing again; they count in the manifest's id (DatasetConfig.mix), and so in the run's
     repeats: Annotated[int, MIXED] = Field(

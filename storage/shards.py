@@ -33,9 +33,12 @@ IMAGE_SHARD_SCHEMA = pa.schema(
         ("height", pa.int32()),
         ("captions", pa.list_(pa.string())),
         ("source", pa.string()),
-        # the shard that held this image before its captions changed (null for an image new to the
-        # store): its latents are copied from there, not encoded again (shards of older stores lack it)
+        # the shard that held this image before its captions or its source's resolution changed (null
+        # for an image new to the store): its latents are copied from there where that shard's crop is
+        # the same, not encoded again (shards of older stores lack it)
         ("pixels_from", pa.string()),
+        # its source's own resolution (null: latent_encoding's; shards of older stores lack it)
+        ("resolution", pa.int32()),
     ]
 )
 
@@ -48,7 +51,8 @@ def shard_id_of(url: str) -> str:
 # images are JPEG, PNG or WebP bytes, compressed already: zstd gained nothing on 250 KB JPEGs and
 # cost 1.3 ms an image, most of what writing a shard costs (docs/benchmarks.md)
 IMAGE_SHARD_COMPRESSION = {"sample_id": "zstd", "image": "none", "width": "zstd", "height": "zstd",
-                           "captions.list.element": "zstd", "source": "zstd", "pixels_from": "zstd"}  # by leaf column path
+                           "captions.list.element": "zstd", "source": "zstd", "pixels_from": "zstd",
+                           "resolution": "zstd"}  # by leaf column path
 
 
 def pack_image_shard(rows: list[dict[str, Any]]) -> bytes:
@@ -75,7 +79,11 @@ def save_deterministic(tensors: dict[str, torch.Tensor], rows: dict[str, Any], m
 
 
 def read_image_shard(data: bytes, columns: list[str] | None = None) -> pa.Table:
-    return read_parquet_bytes(data, columns)
+    """An image shard's table, or its `columns` and its `resolution` (which shards of older stores lack)."""
+    with pq.ParquetFile(pa.BufferReader(data)) as parquet:
+        if columns is not None and "resolution" in parquet.schema_arrow.names:
+            columns = [*columns, "resolution"]
+        return parquet.read(columns=columns, **PYTHON_BYTES)
 
 
 def read_parquet_bytes(data: bytes, columns: list[str] | None = None) -> pa.Table:
@@ -154,16 +162,17 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def read_latent_rows(store: Store, key: str, size: int, sample_ids: list[str]
+def read_latent_rows(store: Store, key: str, size: int, boxes: dict[str, list[int]]
                      ) -> tuple[dict[str, tuple[str, dict[str, torch.Tensor]]], dict[str, Any]]:
-    """The rows of the samples a committed latent shard of `size` bytes holds, each its bucket and
-    every part of it (`mean`, `std` or `logvar`, and their `flip_` twins) [1, C, (F,) h, w] in the
-    storage dtype, by ranged reads of its header and those rows alone (not the object, nor its hash: a shard
-    encoded from these rows is checked whole by whoever reads it), and the shard's meta."""
+    """The rows of the samples of `boxes` a committed latent shard of `size` bytes holds cropped by
+    the same box (the same pixels), each its bucket and every part of it (`mean`, `std` or `logvar`,
+    and their `flip_` twins) [1, C, (F,) h, w] in the storage dtype, by ranged reads of its header and
+    those rows alone (not the object, nor its hash: a shard encoded from these rows is checked whole
+    by whoever reads it), and the shard's meta."""
     header, start = store.read_safetensors_header(key, size)
     rows, meta = (json.loads(header["__metadata__"][name]) for name in ("rows", "meta"))
     wanted, ranges = [], []
-    for sample_id in (s for s in sample_ids if s in rows):
+    for sample_id in (s for s, box in boxes.items() if s in rows and meta["crop_boxes"].get(s) == box):
         bucket, index = rows[sample_id]
         for name, entry in header.items():
             part, _, held = name.partition("/")

@@ -339,10 +339,12 @@ class Store:
         with ThreadPoolExecutor(min(concurrency, len(keys))) as pool:
             return list(pool.map(read, keys))
 
-    def read_columns(self, key: str, columns: list[str]) -> pa.Table:
-        """`columns` of a committed parquet artifact, reading only its footer and those columns'
+    def read_columns(self, key: str, columns: list[str], optional: tuple[str, ...] = ()) -> pa.Table:
+        """`columns` of a committed parquet artifact (and those of `optional` it has: columns
+        added since older artifacts were written), reading only its footer and those columns'
         byte ranges (a few ranged reads, not the object). A part cannot be checked against the
         object's sha256: the caller checks what it read against the artifact's content address."""
+        columns = [*columns, *optional]
         self.require(key)
         path = self.path(key)
         try:  # the footer and the columns' ranges are fetched here, all at once
@@ -354,8 +356,9 @@ class Store:
         except pa.ArrowException as error:  # a footer that does not parse
             raise Damaged(f"{self.url(key)} is damaged: {error}") from error
         try:  # from memory: an error now is in the bytes (pyarrow reports a page that does not decode as OSError)
-            with file:
-                return pq.ParquetFile(file).read(columns=columns, **PYTHON_BYTES)
+            with file, pq.ParquetFile(file) as parquet:
+                names = set(parquet.schema_arrow.names)
+                return parquet.read(columns=[c for c in columns if c in names or c not in optional], **PYTHON_BYTES)
         except (pa.ArrowException, OSError) as error:
             raise Damaged(f"{self.url(key)} is damaged: {error}") from error
 

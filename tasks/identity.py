@@ -65,18 +65,21 @@ def config_hash(dataset: DatasetConfig) -> str:
 
 def units_hash(dataset: DatasetConfig) -> str:
     """What decides what each of the sources' units gives (its samples, captions as read): the
-    config's hash without the sources' caption prefixes, which ingest applies after (so the
-    record of the units, and units staged by workers, serve any prefix); a config without one
-    hashes as `config_hash`."""
+    config's hash without the sources' caption prefixes and resolutions, which ingest applies after
+    (so the record of the units, and units staged by workers, serve any of them); a config without
+    them hashes as `config_hash`."""
     settings = counted(dataset)
     for source in settings["sources"]:
         source.pop("caption_prefix", None)
+        source.pop("resolution", None)
     return hash_json(settings)
 
 
-def image_shard_id(rows: list[tuple[str, Any]]) -> str:
-    """An image shard's id: the hash of its (sample_id, captions) rows, sorted by sample id."""
-    return hash_json(rows)
+def image_shard_id(rows: list[tuple[str, Any, int | None]]) -> str:
+    """An image shard's id: the hash of its (sample_id, captions, resolution) rows, sorted by
+    sample id, each without its resolution where its source has none of its own (every id made
+    before sources had one stands)."""
+    return hash_json([row[:2] if not row[2] else row for row in rows])
 
 
 def dataset_id(shards: list[dict[str, Any]]) -> str:

@@ -139,7 +139,7 @@ def run_stages(executor: Executor, until: Stage = "train", watch: Watch = lambda
     if "train" in names:  # what training would refuse, before ingest and the encoders work for it
         check_training(executor.config.model, executor.config.training)
     if "encode-latents" in names:
-        check_latent_encoding(executor.config.model, executor.config.latent_encoding, executor.config.dataset.video)
+        check_latent_encoding(executor.config.model, executor.config.latent_encoding, executor.config.dataset)
     executor.store.check_reachable()  # only now: a refused config leaves nothing behind, not even the root
     shards = Shards(executor.store)
 

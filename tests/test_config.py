@@ -147,7 +147,7 @@ def _other_values(section: type[Section], name: str) -> list:
             values.append(not default)
         elif kind in (int, float):
             base = default or 1
-            values += [kind(base * 2), kind(base + 1), kind(base / 2) if kind is float else base - 1, 8, 16]
+            values += [kind(base * 2), kind(base + 1), kind(base / 2) if kind is float else base - 1, 8, 16, 1024]
         elif kind is str:
             values += ["cpu", "latest", "x"]
         elif get_origin(kind) is list:

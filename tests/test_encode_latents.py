@@ -256,7 +256,7 @@ def test_recaptioning_encodes_the_captions_again_and_copies_every_latent(make_co
         for shard in dataset["shards"]:
             key = layout.cache_shard("latents", fingerprint, shard["id"])
             cache = LatentShard(store.local_path(key))
-            rows, _ = read_latent_rows(store, key, store.committed(key)["size"], list(cache.rows))
+            rows, _ = read_latent_rows(store, key, store.committed(key)["size"], cache.meta["crop_boxes"])
             stored |= {sample_id: (row, cache.meta["crop_boxes"][sample_id]) for sample_id, row in rows.items()}
             for sample_id, (bucket, parts) in rows.items():  # the ranged reads are the tensors the reader gives
                 mean, _ = cache.get(sample_id)

@@ -494,6 +494,52 @@ def test_a_trigger_word_on_a_source_reads_no_file_again_and_encodes_its_captions
     assert again["ingest"]["new_samples"] == 0 and again["encode-text"]["work"]["shards_encoded"] == 0
 
 
+def test_a_source_at_its_own_resolution_encodes_its_latents_alone_and_trains_beside_the_others(tmp_path,
+                                                                                                  tiny_models):
+    """`resolution` on a source: its pictures take the family's buckets for it, the others the
+    config's, and training draws both (a batch never mixes sizes). Changing it reads no file again
+    and encodes that source's latents alone (its captions with them: its samples move to shards of
+    their own); where the crop comes out the same (its resolution set to the config's), its latents
+    are copied; and going back to a resolution ingested before finds everything cached."""
+    folders = [write_demo_data(tmp_path / name, count=4, seed=i) for i, name in enumerate(("wide", "close"))]
+    sources = list(map(str, folders))
+    ids = [{hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir() if p.suffix != ".txt"}
+           for folder in folders]
+    config = _config(tmp_path, tiny_models, sources, [{}, {"resolution": 512}])
+    first = run_direct(config)
+    store = Store(config.storage)
+    manifest = store.read_json(store.key(first["manifest"]["url"]))
+    rows = CachedFeatures(store, manifest, config_family(config)).samples
+
+    def area(bucket: str) -> int:  # latent pixels (a /8 VAE): 32 × 32 at 256, 64 × 64 at 512
+        height, width = map(int, bucket.split("x")[-2:])
+        return height * width
+
+    assert all(700 <= area(rows[s]["bucket"]) <= 1300 for s in ids[0]), [rows[s]["bucket"] for s in ids[0]]
+    assert all(3000 <= area(rows[s]["bucket"]) <= 5200 for s in ids[1]), [rows[s]["bucket"] for s in ids[1]]
+    assert first["train"]["url"]
+
+    def again(settings: dict) -> dict:
+        return run_direct(_config(tmp_path, tiny_models, sources, [{}, settings]), until="manifest")
+
+    def counts(done: dict) -> tuple:
+        latents = done["encode-latents"]["work"]
+        return (done["ingest"]["work"]["units_read"], done["ingest"]["new_samples"],
+                done["encode-text"]["work"]["samples_encoded"], latents["samples_encoded"], latents["samples_copied"])
+
+    # units read, new samples, captioned samples encoded, latents encoded, latents copied
+    assert counts(again({})) == (0, 4, 4, 4, 0)  # the config's 256: another crop, encoded again
+    assert counts(again({"resolution": 256})) == (0, 4, 4, 0, 4)  # the same crop as the config's: copied
+    back = again({"resolution": 512})
+    assert counts(back) == (0, 0, 0, 0, 0) and back["ingest"]["id"] == first["ingest"]["id"]
+    assert back["manifest"]["url"] == first["manifest"]["url"]
+
+    with pytest.raises(ValueError, match=r"dataset source '.*close': resolution 300: .* has aspect-ratio buckets for "
+                                         r"256, 512, 1024, 2048 only"):
+        run_direct(_config(tmp_path / "refused", tiny_models, sources, [{}, {"resolution": 300}]))
+    assert not (tmp_path / "refused").exists()
+
+
 @pytest.mark.parametrize("root", ["local", "s3"])
 def test_a_picture_moved_to_another_source_is_drawn_as_that_sources(tmp_path, tiny_models, root, request):
     """Which source a sample came from is ingest's record, keyed by its content: a picture moved

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from configs.schema import LatentEncodingConfig, ModelConfig, StorageConfig, VideoConfig
+from configs.schema import DatasetConfig, LatentEncodingConfig, ModelConfig, StorageConfig
 from storage import layout
 from storage.shards import bucket_name, pack_latents, read_image_shard, read_latent_rows, shard_id_of
 from storage.store import ArtifactMissing, Damaged, Store
@@ -173,11 +173,12 @@ def encode_latents_shard(
         quarantined.append({"sample_id": sample_id, "reason": "frames", "message": problem})
         log.warning("quarantined sample %s of shard %s: %s", sample_id, shard_id, problem)
     samples = [s for s in samples if s["sample_id"] not in problems]
-    table = family.codec.bucket_table(latents.resolution)
-    boxes = {s["sample_id"]: crop_box(table, s["width"], s["height"], latents.crop, latents.crop_seed, s["sample_id"])
+    # each sample at its source's resolution, or the config's
+    boxes = {s["sample_id"]: crop_box(family.codec.bucket_table(s.get("resolution") or latents.resolution),
+                                      s["width"], s["height"], latents.crop, latents.crop_seed, s["sample_id"])
              for s in samples}
     # {sample_id: (bucket, stored parts)}: encoded here, or copied from a shard that holds the image
-    results, factors = held_latents(store, fingerprint, samples)
+    results, factors = held_latents(store, fingerprint, samples, boxes)
     copied = len(results)
     batches = same_size_batches([s for s in samples if s["sample_id"] not in results], boxes, latents.batch_size,
                                 frames)
@@ -270,21 +271,24 @@ def encode_latents_shard(
     return {**record, "io_retries": len(store.retried)}
 
 
-def held_latents(store: Store, fingerprint: str, samples: list[dict]) -> tuple[dict[str, tuple], tuple | None]:
-    """The latents of the samples whose image a shard holds with other captions (`pixels_from`: a
-    re-captioned image; its pixels, and so its latents, are the same), from that shard's latents of
-    this fingerprint where they are committed: ({sample_id: (bucket, stored parts)}, and the latent
+def held_latents(store: Store, fingerprint: str, samples: list[dict], boxes: dict[str, list[int]]
+                 ) -> tuple[dict[str, tuple], tuple | None]:
+    """The latents of the samples whose image a shard holds with other captions or resolution
+    (`pixels_from`: a re-captioned image, or its source's resolution changed), from that shard's
+    latents of this fingerprint where they are committed and crop the image by the same box (its
+    pixels, and so its latents, are the same): ({sample_id: (bucket, stored parts)}, and the latent
     factors those shards recorded, or None when none is)."""
-    wanted: dict[str, list[str]] = defaultdict(list)
+    wanted: dict[str, dict[str, list[int]]] = defaultdict(dict)
     for sample in samples:
         if sample.get("pixels_from"):
-            wanted[layout.cache_shard("latents", fingerprint, sample["pixels_from"])].append(sample["sample_id"])
+            key = layout.cache_shard("latents", fingerprint, sample["pixels_from"])
+            wanted[key][sample["sample_id"]] = boxes[sample["sample_id"]]
     found, factors = {}, None
-    for (key, ids), record in zip(wanted.items(), store.committed_all(list(wanted))):
+    for (key, held), record in zip(wanted.items(), store.committed_all(list(wanted))):
         if record is None:
             continue
         try:  # their rows alone: a shard holding an image's pixels may hold thousands of others
-            rows, meta = read_latent_rows(store, key, record["size"], ids)
+            rows, meta = read_latent_rows(store, key, record["size"], held)
         except (ArtifactMissing, Damaged) as error:
             log.warning("latents not copied from %s, encoded instead: %s", store.url(key), error)
             continue
@@ -293,16 +297,24 @@ def held_latents(store: Store, fingerprint: str, samples: list[dict]) -> tuple[d
     return found, factors
 
 
-def check_latent_encoding(model: ModelConfig, latents: LatentEncodingConfig, video: VideoConfig) -> None:
-    """Refuse, naming the setting, a resolution the model's family has no buckets for and clip
-    lengths it never encodes (Wan: 4N + 1), so that nothing is ingested or encoded for latents that
-    cannot be made. A model this process cannot read is left to the stage that reads it (as
-    `check_training` does)."""
+def check_latent_encoding(model: ModelConfig, latents: LatentEncodingConfig, dataset: DatasetConfig) -> None:
+    """Refuse, naming the setting, a resolution the model's family has no buckets for (the config's,
+    or a source's) and clip lengths it never encodes (Wan: 4N + 1), so that nothing is ingested or
+    encoded for latents that cannot be made. A model this process cannot read is left to the stage
+    that reads it (as `check_training` does)."""
     try:
         family = family_of(model)
     except (OSError, ValueError):
         return
     family.codec.bucket_table(latents.resolution)  # raises, naming latent_encoding.resolution
+    for source in dataset.sources:
+        if source.resolution is not None:
+            try:
+                family.codec.bucket_table(source.resolution)
+            except ValueError as error:
+                raise ValueError(f"dataset source {source.path!r}: {error}".replace(
+                    "latent_encoding.resolution", "resolution")) from None
+    video = dataset.video
     if problem := family.codec.clip_policy_problem(sorted({video.frames, *video.frame_buckets})):
         raise ValueError(f"dataset.video: {problem}")
 

@@ -34,16 +34,17 @@ CREATE TABLE known (key TEXT, position INTEGER, source TEXT, format TEXT, sample
 CREATE INDEX known_key ON known (key, position);
 CREATE INDEX known_sample ON known (sample_id);
 -- ... and the samples shards hold: (sample id, captions) -> shard, with the image's size
-CREATE TABLE stored (sample_id TEXT, captions TEXT, width INTEGER, height INTEGER, shard TEXT,
-                     PRIMARY KEY (sample_id, captions)) WITHOUT ROWID;
+-- (resolution: the source's own, 0 for latent_encoding's)
+CREATE TABLE stored (sample_id TEXT, captions TEXT, width INTEGER, height INTEGER, shard TEXT, resolution INTEGER,
+                     PRIMARY KEY (sample_id, captions, resolution)) WITHOUT ROWID;
 CREATE INDEX stored_shard ON stored (shard);
 -- what this ingest found: each unit's outcomes (for the next record), the samples, the quarantine
 CREATE TABLE units (position INTEGER PRIMARY KEY, key TEXT, outcomes TEXT);
 CREATE TABLE samples (sample_id TEXT PRIMARY KEY, position INTEGER, captions TEXT, width INTEGER, height INTEGER,
-                      source TEXT, format TEXT, spilled INTEGER, shard TEXT);
+                      source TEXT, format TEXT, spilled INTEGER, resolution INTEGER, shard TEXT);
 CREATE INDEX samples_position ON samples (position);
 CREATE TABLE accepted (sample_id TEXT, position INTEGER, captions TEXT, width INTEGER, height INTEGER, source TEXT,
-                       format TEXT, spilled INTEGER);  -- candidates on their way into `samples`
+                       format TEXT, spilled INTEGER, resolution INTEGER);  -- candidates on their way into `samples`
 CREATE TABLE quarantined (position INTEGER PRIMARY KEY, source TEXT, format TEXT, reason TEXT, message TEXT);
 """
 PAGE = 1000  # rows read back at a time

@@ -34,7 +34,7 @@ RECORD_PAGE = 10_000  # record rows written and read at a time
 RECORD_COLUMNS = MappingProxyType({
     "kind": pa.string(), "key": pa.string(), "source": pa.string(), "format": pa.string(), "sample_id": pa.string(),
     "captions": pa.list_(pa.string()), "width": pa.int32(), "height": pa.int32(), "reason": pa.string(),
-    "message": pa.string(), "shard": pa.string(), "video": pa.bool_()})
+    "message": pa.string(), "shard": pa.string(), "video": pa.bool_(), "resolution": pa.int32()})
 
 
 def write_sources_record(ledger: Ledger) -> Path:
@@ -56,10 +56,10 @@ def record_rows(ledger: Ledger) -> Iterator[dict[str, Any]]:
     for key, outcomes in ledger.rows("SELECT key, outcomes FROM units ORDER BY position"):
         rows = json.loads(outcomes)  # a unit that held nothing is recorded too, so it is not read again
         yield from ({"kind": "unit", "key": key, **o} for o in rows) if rows else [{"kind": "unit", "key": key}]
-    for sample_id, captions, width, height, shard in ledger.rows(
-            "SELECT sample_id, captions, width, height, shard FROM samples ORDER BY position"):
+    for sample_id, captions, width, height, shard, resolution in ledger.rows(
+            "SELECT sample_id, captions, width, height, shard, resolution FROM samples ORDER BY position"):
         yield {"kind": "member", "sample_id": sample_id, "captions": json.loads(captions), "width": width,
-               "height": height, "shard": shard}
+               "height": height, "shard": shard, "resolution": resolution or None}
 
 
 def read_sources_record(store: Store, dataset: DatasetConfig, ledger: Ledger) -> str | None:
@@ -96,14 +96,15 @@ def _read_record(store: Store, key: str, dataset: DatasetConfig, ledger: Ledger,
             for row in batch.to_pylist():
                 captions = row["captions"] if row["captions"] is None else json.dumps(row["captions"])
                 if row["kind"] == "member":
-                    stored.append((row["sample_id"], captions, row["width"], row["height"], row["shard"]))
+                    stored.append((row["sample_id"], captions, row["width"], row["height"], row["shard"],
+                                   row.get("resolution") or 0))
                 else:
                     position += 1
                     units.append((row["key"], position, row["source"], row["format"], row["sample_id"], captions,
                                   row["width"], row["height"], row["reason"], row["message"], False, row.get("video")))
             ledger.run_many("INSERT INTO known VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", units)
             if members:
-                ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?)", stored)
+                ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?, ?)", stored)
         made = (record.schema_arrow.metadata or {}).get(b"clips_version", b"1").decode()
     if made != str(CLIPS_VERSION):  # clips made another way: every unit that read a video is read again
         # (a record from before outcomes said so: what names a video, and every parquet file)

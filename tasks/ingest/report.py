@@ -52,8 +52,8 @@ def report_markdown(report: dict[str, Any]) -> str:
              f"{report['duplicates']} exact duplicates merged, {report['caption_variants']} caption variants.", ""]
     if report.get("duplicates_apart"):
         lines[-1:-1] = [f"{report['duplicates_apart']} of the duplicates came from a source with another caption "
-                        "prefix or mix than the first that gave them: they kept that source's captions and role "
-                        "alone.", ""]
+                        "prefix, resolution or mix than the first that gave them: they kept that source's captions, "
+                        "resolution and role alone.", ""]
 
     def table(title: str, header: str, rows: list[tuple]) -> None:
         if not rows:  # a header row alone reads as a broken table

@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from configs.schema import DatasetConfig, StorageConfig
+from configs.schema import DatasetConfig, SourceConfig, StorageConfig
 from storage.store import Store
 from tasks.ingest.examine import Outcome, examine_unit, reading_threads, spill_image, video_decodes
 from tasks.ingest.formats import Unit, count_units, source_units
@@ -59,10 +59,10 @@ class Scan:
     refused: list[tuple] = field(default_factory=list)
     accepted: list[tuple] = field(default_factory=list)
 
-    def add(self, unit: Unit, outcomes: list[Outcome], read: bool, prefix: str = "") -> None:
-        """A unit's outcomes, in order (written to the ledger a page at a time), as read: its samples'
-        captions take their source's `caption_prefix` only here, so the record of what each unit
-        gave holds them without it, and another prefix reads no unit again."""
+    def add(self, unit: Unit, outcomes: list[Outcome], read: bool, source: SourceConfig) -> None:
+        """A unit's outcomes, in order (written to the ledger a page at a time), as read: its samples
+        take their source's `caption_prefix` and `resolution` only here, so the record of what each
+        unit gave holds neither, and another prefix or resolution reads no unit again."""
         if unit.key:
             self.keyed.append((unit.key, json.dumps([vars(o) for o in outcomes])))
         if unit.key or unit.size:  # not a metadata row that was refused before any read
@@ -76,9 +76,9 @@ class Scan:
                 log.warning("quarantined %s: %s (%s)", outcome.source, outcome.reason, outcome.message)
                 self.refused.append((self.position, outcome.source, outcome.format, outcome.reason, outcome.message))
             else:
-                self.accepted.append((outcome.sample_id, self.position, json.dumps(with_prefix(outcome.captions, prefix)),
-                                      outcome.width,
-                                      outcome.height, outcome.source, outcome.format, outcome.spilled))
+                captions = json.dumps(with_prefix(outcome.captions, source.caption_prefix))
+                self.accepted.append((outcome.sample_id, self.position, captions, outcome.width, outcome.height,
+                                      outcome.source, outcome.format, outcome.spilled, source.resolution or 0))
         if len(self.keyed) + len(self.accepted) + len(self.refused) >= PAGE:
             self.flush()
 
@@ -89,7 +89,7 @@ class Scan:
         with ledger.transaction():
             ledger.run_many("INSERT INTO units (key, outcomes) VALUES (?, ?)", self.keyed)
             ledger.run_many("INSERT INTO quarantined VALUES (?, ?, ?, ?, ?)", self.refused)
-            ledger.run_many("INSERT INTO accepted VALUES (?, ?, ?, ?, ?, ?, ?, ?)", self.accepted)
+            ledger.run_many("INSERT INTO accepted VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", self.accepted)
             ledger.run("INSERT OR IGNORE INTO samples SELECT *, NULL FROM accepted ORDER BY position")
             for sample_id, captions, spilled, first, later in ledger.all(
                     "SELECT sample_id, accepted.captions, accepted.spilled, samples.position, accepted.position "
@@ -128,7 +128,7 @@ def scan_sources(storage: StorageConfig, dataset: DatasetConfig, ledger: Ledger,
     (recorded by an earlier ingest, its objects unchanged); `progress(units done, units listed)`
     after each unit."""
     scanner = Scanner(storage, dataset, ledger, spill, progress, partitions)
-    scanner.scan.signatures = [(source.caption_prefix, source.mixing()) for source in dataset.sources]
+    scanner.scan.signatures = [(source.caption_prefix, source.resolution, source.mixing()) for source in dataset.sources]
     for index in range(len(dataset.sources)):
         scanner.scan.starts.append(scanner.scan.position)
         scanner.read_source(index)
@@ -170,7 +170,7 @@ class Scanner:
             units = in_order(partial(pool.submit, read), source_units(listing, source), self.known, window, full, span)
             try:
                 for unit, outcomes, was_read in units:
-                    self.scan.add(unit, outcomes, was_read, source.caption_prefix)
+                    self.scan.add(unit, outcomes, was_read, source)
                     self.done += 1
                     if self.progress is not None:
                         self.progress(self.done, self.total)

@@ -26,9 +26,13 @@ from tasks.ingest.scan import Scan
 # shards packed and committed at once: packing (pyarrow), hashing and writing release the GIL; each
 # holds one shard's images in memory (shard_size × image size: 77 MB at 256 photos of 300 KB)
 WRITERS = min(8, os.cpu_count() or 1)
-# a sample's shard that holds its image with other captions (its captions changed): the smallest
-# such shard id, one rule for reading the image back and for the new shard's `pixels_from`
-HOLDER = "(SELECT min(shard) FROM stored WHERE stored.sample_id = samples.sample_id)"
+# a sample's shard that holds its image with other captions or another resolution (its captions or
+# its source's resolution changed), one rule for reading the image back and for the new shard's
+# `pixels_from`, whose latents are copied where they crop alike: one of the same resolution, else of
+# the config's (the commonest other), else the smallest shard id (SQLite's subquery cannot order by
+# the outer row: the least of the two flags and the id, the flags cut off)
+HOLDER = ("(SELECT substr(min((stored.resolution != samples.resolution) || (stored.resolution != 0) || shard), 3) "
+          "FROM stored WHERE stored.sample_id = samples.sample_id)")
 
 
 def read_index(store: Store, ledger: Ledger) -> None:
@@ -37,9 +41,9 @@ def read_index(store: Store, ledger: Ledger) -> None:
         if store.committed(key) is None:
             continue
         table = read_image_shard(store.read_bytes(key), columns=["sample_id", "captions", "width", "height"])
-        ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?)",
-                        ((row["sample_id"], json.dumps(row["captions"]), row["width"], row["height"], shard_id_of(key))
-                         for row in table.to_pylist()))
+        ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?, ?)",
+                        ((row["sample_id"], json.dumps(row["captions"]), row["width"], row["height"], shard_id_of(key),
+                          row.get("resolution") or 0) for row in table.to_pylist()))
 
 
 def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
@@ -54,7 +58,7 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
     ledger = scan.ledger
     with ledger.transaction():
         ledger.run("UPDATE samples SET shard = (SELECT shard FROM stored WHERE stored.sample_id = samples.sample_id "
-                   "AND stored.captions = samples.captions)")
+                   "AND stored.captions = samples.captions AND stored.resolution = samples.resolution)")
     new = ledger.one("SELECT count(*) FROM samples WHERE shard IS NULL")[0]
     spill_known_images(store, scan)
     writing: deque[tuple[Future, str, list[tuple]]] = deque()
@@ -70,11 +74,12 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
     with ThreadPoolExecutor(WRITERS, thread_name_prefix="ingest-write") as pool:
         try:
             # an image a shard holds with other captions: that shard, whose latents the encoder copies
-            while chunk := list(ledger.rows(f"SELECT sample_id, captions, width, height, source, {HOLDER} FROM samples "
-                                            "WHERE shard IS NULL AND sample_id > ? ORDER BY sample_id LIMIT ?",
-                                            (last, dataset.shard_size))):
+            while chunk := list(ledger.rows(f"SELECT sample_id, captions, width, height, source, {HOLDER}, resolution "
+                                            "FROM samples WHERE shard IS NULL AND sample_id > ? ORDER BY sample_id "
+                                            "LIMIT ?", (last, dataset.shard_size))):
                 last = chunk[-1][0]
-                shard_id = image_shard_id([(sample_id, json.loads(captions)) for sample_id, captions, *_ in chunk])
+                shard_id = image_shard_id([(sample_id, json.loads(captions), resolution)
+                                           for sample_id, captions, *_, resolution in chunk])
                 writing.append((pool.submit(write_shard, store, scan.spill, shard_id, chunk), shard_id, chunk))
                 if len(writing) >= WRITERS:
                     written()
@@ -87,14 +92,15 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
 
 
 def write_shard(store: Store, spill: Path, shard_id: str, chunk: list[tuple]) -> None:
-    """An image shard of `chunk`'s samples (`sample_id, captions, width, height, source, pixels_from`,
-    in sample id order), their images read from the spill folder, committed unless it is already
-    (the same records, from an ingest that knew other holders: its bytes stand)."""
+    """An image shard of `chunk`'s samples (`sample_id, captions, width, height, source, pixels_from,
+    resolution`, in sample id order), their images read from the spill folder, committed unless it is
+    already (the same records, from an ingest that knew other holders: its bytes stand)."""
     if store.committed(layout.image_shard(shard_id)) is not None:
         return
     rows = [{"sample_id": sample_id, "image": (spill / sample_id).read_bytes(), "width": width,
-             "height": height, "captions": json.loads(captions), "source": source, "pixels_from": holder}
-            for sample_id, captions, width, height, source, holder in chunk]
+             "height": height, "captions": json.loads(captions), "source": source, "pixels_from": holder,
+             "resolution": resolution or None}
+            for sample_id, captions, width, height, source, holder, resolution in chunk]
     store.commit(layout.image_shard(shard_id), pack_image_shard(rows), samples=len(chunk))
 
 

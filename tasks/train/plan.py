@@ -358,11 +358,12 @@ def faked(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
 
 def config_shapes(config: PipelineConfig, family: Family) -> Shapes:
     """The config's largest sample: the bucket with the most pixels at `latent_encoding.resolution`
-    (the longest clip the dataset keeps, for a family that trains clips), its latents' shape from
-    the family's VAE encoder run on fake pixels, as the training reader shapes them; and each
-    text encoder's length under `text_encoding`."""
+    or a source's, the largest (the longest clip the dataset keeps, for a family that trains clips),
+    its latents' shape from the family's VAE encoder run on fake pixels, as the training reader
+    shapes them; and each text encoder's length under `text_encoding`."""
     model = config.model
-    table = family.codec.bucket_table(config.latent_encoding.resolution)
+    table = family.codec.bucket_table(max([config.latent_encoding.resolution,
+                                           *(s.resolution for s in config.dataset.sources if s.resolution)]))
     # the most pixels, the squarest of those
     height, width = max(table.values(), key=lambda sides: (sides[0] * sides[1], -abs(sides[0] - sides[1])))
     video = config.dataset.video
