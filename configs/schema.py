@@ -189,9 +189,10 @@ class SourceConfig(Section):
         None, ge=64, le=4096, description="This source's base resolution, in place of latent_encoding.resolution: "
         "its pictures and clips go to the family's buckets for it (SimpleTuner's, musubi-tuner's and ai-toolkit's "
         "resolution per dataset: a few close-ups at 1024 beside a large set at 512). Training draws batches of one "
-        "bucket, so they never mix sizes. Changing it reads no file again and re-encodes this source's latents "
-        "alone; its captions are encoded again with them, since its samples move to shards of their own. "
-        "None: latent_encoding.resolution.")
+        "bucket, so they never mix sizes. Changing it reads no file again and encodes this source's latents "
+        "alone (copied where they crop alike, as at the config's resolution written out); its captions are "
+        "encoded again with them, since its samples move to shards of their own. A file in two sources at two "
+        "resolutions is trained at the first's. None: latent_encoding.resolution.")
     # how training draws from the source: ingest and the caches never read these, so changing one
     # ingests and encodes nothing again; they count in the manifest's id (DatasetConfig.mix), and so in the run's
     repeats: Annotated[int, MIXED] = Field(

@@ -26,6 +26,7 @@ from tasks.ingest.report import mix_markdown, report_markdown
 from tasks.runner import run_direct
 from tasks.runs.page import RunPage
 from tasks.train.data import CachedFeatures, mixed_batches
+from tasks.train.plan import config_shapes
 
 # a subject of cut-outs (their alpha the loss mask) repeated 3 times, a set drawn at a quarter of the
 # batches, a regularisation set trained toward the base model at half the loss
@@ -34,12 +35,12 @@ SHARES = [0.75 * 15 / 23, 0.25, 0.75 * 8 / 23]  # the pool's 3 × 5 + 8 draws sh
 
 
 def _config(folder: Path, tiny_models: str, sources: list[str], mix: list[dict],
-            storage: dict | None = None) -> PipelineConfig:
+            storage: dict | None = None, storage_dtype: str = "fp32") -> PipelineConfig:
     return PipelineConfig.model_validate({
         "storage": storage or {"root": str(folder / "store")},
         "dataset": {"sources": [{"path": path, **settings} for path, settings in zip(sources, mix)], "shard_size": 10},
         "model": {"path": tiny_models}, "text_encoding": {"dtype": "fp32", "batch_tokens": 256},
-        "latent_encoding": {"resolution": 256, "storage_dtype": "fp32", "batch_size": 4},
+        "latent_encoding": {"resolution": 256, "storage_dtype": storage_dtype, "batch_size": 4},
         "training": {"rank": 4, "alpha": 4, "steps": 4, "batch_size": 2, "sample_prompts": [],
                      "validation_samples": 0}})
 
@@ -211,14 +212,16 @@ def test_a_pictures_alpha_is_its_loss_mask_cached_on_the_latent_grid(tmp_path, t
     """`masks: alpha`: each picture keeps its alpha (its own sample: the same file unmasked is
     another), the latent cache holds it as the share of each latent pixel it covers, and the loss
     of a sample is the mean over what its mask covers: a mask of zeros weighs it out as a loss
-    weight of 0 would. A wholly transparent picture is quarantined; one without alpha trains whole."""
+    weight of 0 would. A wholly transparent picture is quarantined; one without alpha trains whole.
+    Latents and masks are stored at the default precision (fp16), as users store them."""
     from storage.shards import LatentShard, read_image_shard
     from tasks.train.data import draws
     from tasks.train.loss import Objective, Weighing, diffusion_loss
     from tasks.train.network import trainable_network
 
     files = _masked_pictures(tmp_path / "cut-outs")
-    config = _config(tmp_path, tiny_models, [str(tmp_path / "cut-outs")], [{"masks": "alpha"}])
+    config = _config(tmp_path, tiny_models, [str(tmp_path / "cut-outs")], [{"masks": "alpha"}], storage_dtype="fp16")
+    assert config.latent_encoding.storage_dtype == type(config.latent_encoding)().storage_dtype
     done = run_direct(config)
     assert done["ingest"]["quarantined"] == 1
     report = Store(config.storage).read_json(layout.dataset_report(done["ingest"]["id"]))
@@ -236,7 +239,9 @@ def test_a_pictures_alpha_is_its_loss_mask_cached_on_the_latent_grid(tmp_path, t
     for name, sample_id in ids.items():
         row = features.samples[sample_id]
         mask = LatentShard(store.local_paths({row["latent_shard"]: manifest["checksums"][row["latent_shard"]]})
-                           [row["latent_shard"]]).mask(sample_id).float()
+                           [row["latent_shard"]]).mask(sample_id)
+        assert mask.dtype == torch.float16
+        mask = mask.float()
         width = mask.shape[-1]
         if name == "5.png":  # no alpha: the whole picture
             assert torch.equal(mask, torch.ones_like(mask))
@@ -534,10 +539,31 @@ def test_a_source_at_its_own_resolution_encodes_its_latents_alone_and_trains_bes
     assert counts(back) == (0, 0, 0, 0, 0) and back["ingest"]["id"] == first["ingest"]["id"]
     assert back["manifest"]["url"] == first["manifest"]["url"]
 
-    with pytest.raises(ValueError, match=r"dataset source '.*close': resolution 300: .* has aspect-ratio buckets for "
-                                         r"256, 512, 1024, 2048 only"):
-        run_direct(_config(tmp_path / "refused", tiny_models, sources, [{}, {"resolution": 300}]))
+    refused = _config(tmp_path / "refused", tiny_models, sources, [{}, {"resolution": 300}])
+    named = r"dataset source '.*close': resolution 300: .* has aspect-ratio buckets for 256, 512, 1024, 2048 only"
+    with pytest.raises(ValueError, match=named):
+        run_direct(refused)
     assert not (tmp_path / "refused").exists()
+    with pytest.raises(ValueError, match=named):  # `precast plan` names it too
+        config_shapes(refused, config_family(refused))
+
+
+def test_a_sample_moved_to_another_resolution_takes_its_pixels_from_a_shard_that_crops_it_alike(tmp_path):
+    """Where a sample's latents are copied from when it moves to a new shard (`pixels_from`): the
+    shard holding its image at the same resolution (its captions changed too), else at the config's
+    (a source's resolution written out as the config's crops alike), else the smallest shard id."""
+    from tasks.ingest.ledger import Ledger
+    from tasks.ingest.shards import HOLDER
+
+    ledger = Ledger(tmp_path)
+    # (sample, shard, resolution): every holder of each sample, the one wanted not the smallest id
+    held = [("a", "s0", 300), ("a", "s1", 512), ("a", "s2", 0), ("b", "t0", 0), ("b", "t1", 300), ("b", "t2", 512),
+            ("c", "u1", 512), ("c", "u0", 300)]
+    ledger.run_many("INSERT INTO stored VALUES (?, '[]', 8, 8, ?, ?)", held)
+    ledger.run_many("INSERT INTO samples VALUES (?, 0, '[\"x\"]', 8, 8, 'x.png', 'folder', 0, ?, NULL)",
+                    [("a", 256), ("b", 300), ("c", 0), ("d", 0)])
+    assert dict(ledger.all(f"SELECT sample_id, {HOLDER} FROM samples")) == \
+        {"a": "s2", "b": "t1", "c": "u0", "d": None}
 
 
 @pytest.mark.parametrize("root", ["local", "s3"])
@@ -593,3 +619,11 @@ def test_a_file_in_two_sources_that_caption_it_otherwise_keeps_its_first_sources
                 for row in read_image_shard(store.read_bytes(layout.image_shard(shard["id"]))).to_pylist()
                 for c in row["captions"]]
     assert len(captions) == 4 and not any("ohwx" in c for c in captions)
+    # a source at another resolution keeps its duplicates apart alike: they are trained at the first's
+    config = _config(tmp_path, tiny_models, [str(plain), str(tmp_path / "subject")], [{}, {"resolution": 512}])
+    done = run_direct(config, until="ingest")
+    report = store.read_json(layout.dataset_report(done["ingest"]["id"]))
+    assert (report["samples"], report["duplicates"], report["duplicates_apart"]) == (4, 4, 4)
+    rows = [row for shard in done["ingest"]["shards"]
+            for row in read_image_shard(store.read_bytes(layout.image_shard(shard["id"]))).to_pylist()]
+    assert len(rows) == 4 and {row["resolution"] for row in rows} == {None}

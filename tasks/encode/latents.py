@@ -1,8 +1,8 @@
 """Stage 3 — encode-latents: VAE per image shard → posterior (`posterior`: mean+std, mean+logvar or
 mean) per aspect-ratio bucket.
 
-Each image goes to the nearest ratio of the model family's bucket table for the configured
-resolution, is resized to cover it and cropped (centred, or at a seeded position), and encoded in
+Each image goes to the nearest ratio of the model family's bucket table for its source's
+resolution (its row's), else the configured one, is resized to cover it and cropped (centred, or at a seeded position), and encoded in
 batches that never mix shapes. A clip (a video's, stored as an animated WebP) is cropped frame by
 frame as its first frame's box says and encoded whole, for a family that takes clips of its frame
 count (`Family.codec.clip_problem`; others quarantine it, naming why). The posterior (mean, std)
@@ -173,10 +173,13 @@ def encode_latents_shard(
         quarantined.append({"sample_id": sample_id, "reason": "frames", "message": problem})
         log.warning("quarantined sample %s of shard %s: %s", sample_id, shard_id, problem)
     samples = [s for s in samples if s["sample_id"] not in problems]
-    # each sample at its source's resolution, or the config's
-    boxes = {s["sample_id"]: crop_box(family.codec.bucket_table(s.get("resolution") or latents.resolution),
-                                      s["width"], s["height"], latents.crop, latents.crop_seed, s["sample_id"])
-             for s in samples}
+    def table(sample: dict) -> dict[str, list[float]]:  # at its source's resolution, or the config's
+        if sample.get("resolution"):
+            return family.codec.bucket_table(sample["resolution"], f"the source of {sample['source']!r}: resolution")
+        return family.codec.bucket_table(latents.resolution)
+
+    boxes = {s["sample_id"]: crop_box(table(s), s["width"], s["height"], latents.crop, latents.crop_seed,
+                                      s["sample_id"]) for s in samples}
     # {sample_id: (bucket, stored parts)}: encoded here, or copied from a shard that holds the image
     results, factors = held_latents(store, fingerprint, samples, boxes)
     copied = len(results)
@@ -309,11 +312,7 @@ def check_latent_encoding(model: ModelConfig, latents: LatentEncodingConfig, dat
     family.codec.bucket_table(latents.resolution)  # raises, naming latent_encoding.resolution
     for source in dataset.sources:
         if source.resolution is not None:
-            try:
-                family.codec.bucket_table(source.resolution)
-            except ValueError as error:
-                raise ValueError(f"dataset source {source.path!r}: {error}".replace(
-                    "latent_encoding.resolution", "resolution")) from None
+            family.codec.bucket_table(source.resolution, f"dataset source {source.path!r}: resolution")
     video = dataset.video
     if problem := family.codec.clip_policy_problem(sorted({video.frames, *video.frame_buckets})):
         raise ValueError(f"dataset.video: {problem}")

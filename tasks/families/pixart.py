@@ -60,9 +60,9 @@ class PixArtBuckets(Buckets):
     def rule(self) -> str | None:
         return None
 
-    def table(self, resolution: int) -> dict[str, list[float]]:
+    def table(self, resolution: int, setting: str = "latent_encoding.resolution") -> dict[str, list[float]]:
         if resolution not in self.resolutions:
-            raise ValueError(f"latent_encoding.resolution {resolution}: {self.family} has aspect-ratio buckets for "
+            raise ValueError(f"{setting} {resolution}: {self.family} has aspect-ratio buckets for "
                              f"{', '.join(map(str, self.resolutions))} only")
         return bucket_tables()[resolution]
 

@@ -298,8 +298,9 @@ class Buckets(Part):
     def rule(self) -> str | None:
         return f"area/{self.step}"
 
-    def table(self, resolution: int) -> dict[str, list[float]]:
-        """height/width ratio → [height, width] in pixels, for `latent_encoding.resolution`."""
+    def table(self, resolution: int, setting: str = "latent_encoding.resolution") -> dict[str, list[float]]:
+        """height/width ratio → [height, width] in pixels, for `resolution` (the value of `setting`,
+        which a family without buckets for it names in its refusal)."""
         return area_buckets(resolution, step=self.step)
 
 
@@ -311,8 +312,8 @@ class Codec(Part):
     buckets: Buckets = Buckets()
     vae: str = "AutoencoderKL"
 
-    def bucket_table(self, resolution: int) -> dict[str, list[float]]:
-        return self.buckets.table(resolution)
+    def bucket_table(self, resolution: int, setting: str = "latent_encoding.resolution") -> dict[str, list[float]]:
+        return self.buckets.table(resolution, setting)
 
     def sample_size(self, resolution: int) -> tuple[int, int]:
         """(height, width) of the samples of a run at `resolution`: its most nearly square bucket

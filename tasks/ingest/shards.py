@@ -1,8 +1,8 @@
 """Image shards: what the store's committed shards hold, and new shards for the samples none holds.
 
 Shards are append-only and content-addressed (`tasks.identity.image_shard_id`): a sample goes to a
-new shard only when no shard holds it with the same captions, and shards are cut in sample id order,
-so the same samples always make the same shards.
+new shard only when no shard holds it with the same captions and resolution, and shards are cut in
+sample id order, so the same samples always make the same shards.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
     last = ""
     with ThreadPoolExecutor(WRITERS, thread_name_prefix="ingest-write") as pool:
         try:
-            # an image a shard holds with other captions: that shard, whose latents the encoder copies
+            # an image a shard holds with other captions or resolution: that shard, whose latents the
+            # encoder copies where it crops alike
             while chunk := list(ledger.rows(f"SELECT sample_id, captions, width, height, source, {HOLDER}, resolution "
                                             "FROM samples WHERE shard IS NULL AND sample_id > ? ORDER BY sample_id "
                                             "LIMIT ?", (last, dataset.shard_size))):

@@ -1,9 +1,9 @@
 """Stage 1 — ingest: any source format → validated, content-addressed parquet shards.
 
 `sample_id` is the sha256 of the source image bytes; a shard's id is the hash of its sorted
-(sample id, captions) records. Shards are append-only: a re-run over the same sources writes
-nothing and yields the same dataset id; new samples, and samples whose captions changed, go to new
-shards holding only them. Images already in a shard are not decoded again. A dataset version lists
+(sample id, captions, and its source's resolution where it has one) records. Shards are
+append-only: a re-run over the same sources writes nothing and yields the same dataset id; new
+samples, and samples whose captions or source resolution changed, go to new shards holding only them. Images already in a shard are not decoded again. A dataset version lists
 its shards (and, for a shard only partly current, which of its samples). A bad input never fails
 the stage: it is quarantined with a reason code; an unreachable source fails it, naming the source.
 

@@ -83,7 +83,8 @@ class CachedFeatures:
         first = next(iter(self._latents.values())).meta
         # the family's normalisation (`Family.codec.latent_factors`): numbers, or one per channel
         self.shift, self.scale = (torch.tensor(first[key], dtype=torch.float32) for key in ("shift_factor", "scaling_factor"))
-        self.resolution = first["resolution"]  # the side of the square the buckets keep the area of
+        # latent_encoding.resolution (a source's own changes its samples' buckets): the samples' side
+        self.resolution = first["resolution"]
         self.buckets: dict[str, list[str]] = defaultdict(list)
         for sample_id, row in sorted(self.samples.items()):
             self.buckets[row["bucket"]].append(sample_id)

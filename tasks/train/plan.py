@@ -362,10 +362,12 @@ def config_shapes(config: PipelineConfig, family: Family) -> Shapes:
     its latents' shape from the family's VAE encoder run on fake pixels, as the training reader
     shapes them; and each text encoder's length under `text_encoding`."""
     model = config.model
-    table = family.codec.bucket_table(max([config.latent_encoding.resolution,
-                                           *(s.resolution for s in config.dataset.sources if s.resolution)]))
-    # the most pixels, the squarest of those
-    height, width = max(table.values(), key=lambda sides: (sides[0] * sides[1], -abs(sides[0] - sides[1])))
+    tables = [family.codec.bucket_table(config.latent_encoding.resolution),
+              *(family.codec.bucket_table(s.resolution, f"dataset source {s.path!r}: resolution")
+                for s in config.dataset.sources if s.resolution)]
+    # the most pixels, the squarest of those, of any table
+    height, width = max((sides for table in tables for sides in table.values()),
+                        key=lambda sides: (sides[0] * sides[1], -abs(sides[0] - sides[1])))
     video = config.dataset.video
     frames = max([video.frames, *video.frame_buckets])
     if family.codec.clip_problem(frames) is not None:
