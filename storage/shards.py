@@ -79,15 +79,12 @@ def save_deterministic(tensors: dict[str, torch.Tensor], rows: dict[str, Any], m
 
 
 def read_image_shard(data: bytes, columns: list[str] | None = None) -> pa.Table:
-    """An image shard's table, or its `columns` and its `resolution` (which shards of older stores lack)."""
-    with pq.ParquetFile(pa.BufferReader(data)) as parquet:
-        if columns is not None and "resolution" in parquet.schema_arrow.names:
-            columns = [*columns, "resolution"]
-        return parquet.read(columns=columns, **PYTHON_BYTES)
+    return read_parquet_bytes(data, columns)
 
 
 def read_parquet_bytes(data: bytes, columns: list[str] | None = None) -> pa.Table:
-    """A parquet file's table from its bytes, decoded in this thread (`PYTHON_BYTES`)."""
+    """A parquet file's table (or those of `columns` it has: shards of older stores lack the
+    columns added since) from its bytes, decoded in this thread (`PYTHON_BYTES`)."""
     with pq.ParquetFile(pa.BufferReader(data)) as parquet:
         return parquet.read(columns=columns, **PYTHON_BYTES)
 

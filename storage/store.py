@@ -339,12 +339,11 @@ class Store:
         with ThreadPoolExecutor(min(concurrency, len(keys))) as pool:
             return list(pool.map(read, keys))
 
-    def read_columns(self, key: str, columns: list[str], optional: tuple[str, ...] = ()) -> pa.Table:
-        """`columns` of a committed parquet artifact (and those of `optional` it has: columns
-        added since older artifacts were written), reading only its footer and those columns'
+    def read_columns(self, key: str, columns: list[str]) -> pa.Table:
+        """`columns` of a committed parquet artifact (those it has: older artifacts lack the columns
+        added since), reading only its footer and those columns'
         byte ranges (a few ranged reads, not the object). A part cannot be checked against the
         object's sha256: the caller checks what it read against the artifact's content address."""
-        columns = [*columns, *optional]
         self.require(key)
         path = self.path(key)
         try:  # the footer and the columns' ranges are fetched here, all at once
@@ -356,9 +355,8 @@ class Store:
         except pa.ArrowException as error:  # a footer that does not parse
             raise Damaged(f"{self.url(key)} is damaged: {error}") from error
         try:  # from memory: an error now is in the bytes (pyarrow reports a page that does not decode as OSError)
-            with file, pq.ParquetFile(file) as parquet:
-                names = set(parquet.schema_arrow.names)
-                return parquet.read(columns=[c for c in columns if c in names or c not in optional], **PYTHON_BYTES)
+            with file:
+                return pq.ParquetFile(file).read(columns=columns, **PYTHON_BYTES)
         except (pa.ArrowException, OSError) as error:
             raise Damaged(f"{self.url(key)} is damaged: {error}") from error
 

@@ -275,3 +275,22 @@ def test_an_image_shard_compresses_every_column_but_the_compressed_images():
     codecs = {group.column(n).path_in_schema.split(".")[0]: group.column(n).compression
               for n in range(group.num_columns)}
     assert codecs == {name: "UNCOMPRESSED" if name == "image" else "ZSTD" for name in IMAGE_SHARD_SCHEMA.names}
+
+
+def test_an_image_shard_written_before_a_column_existed_reads_without_it(tmp_path):
+    """Shards of older stores lack the columns added since (`resolution`): asked for it, they are
+    read without it, from their bytes or by ranged reads of the columns."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from storage.shards import read_image_shard
+
+    buffer = io.BytesIO()
+    pq.write_table(pa.table({"sample_id": ["a"], "captions": [["x"]]}), buffer)
+    store = Store(StorageConfig(root=str(tmp_path / "store")))
+    store.commit("shards/images/old.parquet", buffer.getvalue())
+    wanted = ["sample_id", "captions", "resolution"]
+    for table in (read_image_shard(buffer.getvalue(), wanted), store.read_columns("shards/images/old.parquet", wanted)):
+        assert table.to_pylist() == [{"sample_id": "a", "captions": ["x"]}]

@@ -158,7 +158,7 @@ def shard_captions(store: Store, shard_url: str) -> tuple[list[str], dict[str, i
     them. Only the shard's sample id and caption columns are read, not its images (the latent
     encoder reads those), and they are checked against the shard's id, which is their hash."""
     key = store.key(shard_url)
-    samples = store.read_columns(key, ["sample_id", "captions"], optional=("resolution",)).to_pylist()
+    samples = store.read_columns(key, ["sample_id", "captions", "resolution"]).to_pylist()
     if (found := image_shard_id([(s["sample_id"], s["captions"], s.get("resolution")) for s in samples])
             ) != shard_id_of(shard_url):
         raise Damaged(f"{shard_url} is damaged: its sample ids, captions and resolutions hash to {found}, not to its id")

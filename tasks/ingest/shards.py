@@ -40,7 +40,7 @@ def read_index(store: Store, ledger: Ledger) -> None:
     for key in store.list(layout.IMAGE_SHARDS, ".parquet"):
         if store.committed(key) is None:
             continue
-        table = read_image_shard(store.read_bytes(key), columns=["sample_id", "captions", "width", "height"])
+        table = read_image_shard(store.read_bytes(key), ["sample_id", "captions", "width", "height", "resolution"])
         ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?, ?)",
                         ((row["sample_id"], json.dumps(row["captions"]), row["width"], row["height"], shard_id_of(key),
                           row.get("resolution") or 0) for row in table.to_pylist()))
