@@ -208,6 +208,43 @@ def test_the_hand_set_vae_gives_back_the_palette_and_gets_the_shift_and_scale_th
     assert abs(latents.mean().item()) < 0.1 and abs(latents.std().item() - 1) < 0.1
 
 
+def test_the_hand_set_flux2_vae_gives_back_the_palette_and_its_batch_norm_normalises_its_patches():
+    from tasks.demo.flow_models import flux2_block_vae
+    from tasks.families.flux2 import Flux2Codec, patchify
+
+    vae = flux2_block_vae(seed=2)
+    assert palette_confusions(vae) == []
+    rng = random.Random(1)  # other pictures than the ones the statistics were fitted on
+    pictures = torch.stack([_pixels(draw_scene(rng, 256, 256)[0]) for _ in range(32)])
+    shift, scale = Flux2Codec().latent_factors(vae)
+    with torch.no_grad():
+        patches = (patchify(vae.encode(pictures).latent_dist.mean) - torch.tensor(shift)[:, None, None]) * \
+            torch.tensor(scale)[:, None, None]
+    assert abs(patches.mean().item()) < 0.1 and abs(patches.std().item() - 1) < 0.1
+
+
+def test_klein_s_qwen3_carries_each_word_and_the_one_before_it_into_the_layers_flux2_reads(pipes):
+    """FLUX.2 [klein]'s tiny encoder (`previous_word_heads`): a random causal LM would blur each
+    word into the words before it, and "blue" of "a blue background" would not be told from "a red
+    circle"'s colour; here the state at each position is its word's and the previous word's, at
+    each of the layers the pipeline reads."""
+    pipe = pipes["flux2-klein"]
+    captions = ["a red circle on a blue background", "a green circle on a blue background",
+                "a red circle on a green background"]
+    tokens = pipe.tokenizer(captions, return_tensors="pt")
+    with torch.no_grad():
+        states = pipe.text_encoder(**tokens, output_hidden_states=True).hidden_states
+    words = [pipe.tokenizer.convert_ids_to_tokens(ids) for ids in tokens.input_ids]
+    circle, background = words[0].index("Ġcircle"), words[0].index("Ġbackground")
+    for layer in (9, 18, 27):
+        assert torch.equal(states[layer], states[1])  # every layer past the first passes its input on
+        at = states[layer]
+        # "background" after "blue" is the same whatever the shape's colour, and not after "green"
+        assert torch.allclose(at[0, background], at[1, background], atol=1e-5)
+        assert not torch.allclose(at[0, background], at[2, background], atol=1e-3)
+        assert not torch.allclose(at[0, circle], at[1, circle], atol=1e-3)  # "circle" after "red" or "green"
+
+
 def test_a_write_is_deterministic_by_seed(tmp_path):
     first, second = (write_tiny_family(tmp_path / name, "sd3", seed=3) for name in ("a", "b"))
     files = sorted(path.relative_to(first) for path in first.rglob("*") if path.is_file())

@@ -1,6 +1,6 @@
 """The demo's fixtures: generated pictures with captions that name what they show (`data`), and
 tiny models in the hub layout that load through the real `from_pretrained` path (`models`: PixArt-Σ;
-`flow_models`: FLUX.1, SD3.5, Chroma). Used by
+`flow_models`: FLUX.1, SD3.5, Chroma, Z-Image, Qwen-Image, FLUX.2, Wan). Used by
 `precast demo`, the tests and the benchmarks; no stage imports them."""
 
 from __future__ import annotations
@@ -9,22 +9,24 @@ import json
 from pathlib import Path
 
 # what `--family` chooses
-DEMO_FAMILIES = ("pixart", "flux", "flux-schnell", "sd3", "chroma", "zimage", "qwen-image", "wan")
-# every tiny model folder precast writes: the demos' (the wan demo's is wan-ti2v), FLUX.2's and
+DEMO_FAMILIES = ("pixart", "flux", "flux-schnell", "sd3", "chroma", "zimage", "qwen-image", "flux2-klein", "wan")
+# every tiny model folder precast writes: the demos' (the wan demo's is wan-ti2v), FLUX.2 [dev]'s and
 # Wan 2.2's published layouts (TI2V-5B, A14B), which have no demo
-TINY_FAMILIES = (*DEMO_FAMILIES, "flux2-dev", "flux2-klein", "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b")
+TINY_FAMILIES = (*DEMO_FAMILIES, "flux2-dev", "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b")
 VIDEO_FAMILIES = ("wan",)  # their demo learns from generated videos (`videos`), the others' from pictures
 # the tiny models a demo trains, where not its own family's: the wan demo's sample from a first frame too
 DEMO_MODELS = {"wan": "wan-ti2v"}
 # the picture demos' training, where not the quickstart's (PixArt's: 700 steps at a learning rate of
 # 1e-3, the weights averaged with decay 0.995): FLUX.1-dev, SD3 and Chroma learn their world in fewer
 # steps at twice the rate with a shorter average, each the fewest steps whose seven perturbations stay
-# above its bar; FLUX.1-schnell, Z-Image and Qwen-Image train 1,000 at the quickstart's rate, as their
-# tables were drawn (Z-Image and Qwen-Image do not learn in 600 at twice it): benchmarks/results/demo-worlds.md
+# above its bar; FLUX.2 [klein] 1,000 at that rate (at 700, one of four model draws drew 7 and 6 of
+# 12); FLUX.1-schnell, Z-Image and Qwen-Image train 1,000 at the quickstart's rate, as their tables
+# were drawn (Z-Image and Qwen-Image do not learn in 600 at twice it): benchmarks/results/demo-worlds.md
 FASTER = {"training.optimizer.learning_rate": 0.002, "training.optimizer.ema_decay": 0.99}
 DEMO_TRAINING = {"flux": {"training.steps": 700, **FASTER}, "sd3": {"training.steps": 400, **FASTER},
                  "chroma": {"training.steps": 400, **FASTER}, "flux-schnell": {"training.steps": 1000},
-                 "zimage": {"training.steps": 1000}, "qwen-image": {"training.steps": 1000}}
+                 "zimage": {"training.steps": 1000}, "qwen-image": {"training.steps": 1000},
+                 "flux2-klein": {"training.steps": 1000, **FASTER}}
 FIRST_FRAMES = "precast-demo/first-frames"  # the video demo's sample prompts' first frames (`videos.first_frame`)
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import json
+import random
 from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -111,7 +112,8 @@ class TinyFamily(NamedTuple):
 # Wan 2.1 T2V: umT5 (T5's shape, its own class), the causal 3-D VAE (4x in time, 8x in space,
 # normalised per channel by the published latents_mean / latents_std), 1x2x2 patches, RoPE over
 # (frame, row, column), and UniPC sampling on flow sigmas shifted by 3.0, as published
-# FLUX.2 [klein] 4B: Qwen3 of 36 layers (its 9th, 18th and 27th read), the 32-channel VAE with 2x2
+# FLUX.2 [klein] 4B: Qwen3 of 36 layers (its 9th, 18th and 27th read; each position's state its word
+# and the one before it: `previous_word_heads`), the 32-channel VAE with 2x2
 # patches and batch-norm statistics, double and single blocks over one token a patch (128 channels)
 # with 4-axis RoPE, no guidance input, distilled (no classifier-free guidance); the scheduler as
 # FLUX.2 [dev]'s is published (shift 3.0, dynamic)
@@ -234,11 +236,10 @@ def write_tiny_family(folder: str | Path, family: str, seed: int = 0, random_vae
         with torch.random.fork_rng():
             wan_vae(seed, perturb, block_average=not random_vae, vae=spec.vae,
                     **(spec.vae_shape or {})).save_pretrained(folder / "vae")
-    elif spec.vae == "AutoencoderKLFlux2":
-        if not random_vae:
-            raise ValueError(f"the tiny {family} VAE is written random only (random_vae): its family has no demo")
+    elif spec.vae == "AutoencoderKLFlux2":  # by hand (`flux2_block_vae`), or random
         with torch.random.fork_rng():
-            flux2_vae(seed, perturb, **spec.vae_shape).save_pretrained(folder / "vae")
+            vae = flux2_vae(seed, perturb, **spec.vae_shape) if random_vae else flux2_block_vae(seed, perturb)
+            vae.save_pretrained(folder / "vae")
     else:
         with torch.random.fork_rng():  # the transformer's draws do not depend on the VAE
             block_vae(seed, 16, spec.vae_factors, random_vae, perturb).save_pretrained(folder / "vae")
@@ -267,7 +268,8 @@ def _write_text_encoders(folder: Path, encoders, clip_tokens: int, perturb: int 
             tokenizer_class = "T5TokenizerFast"  # what the published folders name, the class T5 loads as
         elif encoder.startswith("qwen3"):  # "qwen3-36": 36 layers, as published (FLUX.2 reads three)
             layers = int(encoder.partition("-")[2] or QWEN3_SHAPE["num_hidden_layers"])
-            write_qwen3(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb, layers)
+            write_qwen3(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb, layers,
+                        word_order=layers > QWEN3_SHAPE["num_hidden_layers"])
             tokenizer_class = "Qwen2Tokenizer"
         elif encoder == "mistral3":
             write_mistral3(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb)
@@ -520,9 +522,10 @@ def write_mistral3(tokenizer_folder: Path, encoder_folder: Path, perturb: int | 
 
 
 def write_qwen3(tokenizer_folder: Path, encoder_folder: Path, perturb: int | None = None,
-                layers: int = QWEN3_SHAPE["num_hidden_layers"]) -> None:
+                layers: int = QWEN3_SHAPE["num_hidden_layers"], word_order: bool = False) -> None:
     """A Qwen3 decoder of `layers` layers (saved with its vocabulary head, as the published
-    checkpoints are) and its tokenizer with Qwen3's chat template."""
+    checkpoints are) and its tokenizer with Qwen3's chat template; with `word_order`, each
+    position's state is its word and the word before it (`previous_word_heads`)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = write_qwen_tokenizer(tokenizer_folder, QWEN3_CHAT_TEMPLATE)
@@ -531,7 +534,60 @@ def write_qwen3(tokenizer_folder: Path, encoder_folder: Path, perturb: int | Non
     model = Qwen3ForCausalLM(config)
     if perturb is not None:
         perturb_last_bits(model, perturb)
+    if word_order:
+        previous_word_heads(model)
     model.save_pretrained(encoder_folder)
+
+
+def previous_word_heads(model, gain: float = 10.0) -> None:
+    """`model` (a Qwen3 decoder) set so that each position's state is its word and the word before
+    it, as `tasks.demo.models.position_heads` sets T5 to carry word order: a random causal LM blurs
+    each token into an average of the words before it, more with every layer, and at the 9th, 18th
+    and 27th layers that FLUX.2 [klein] reads, "a red circle on a blue background" read as the same
+    bag of words as "a blue circle on a red background": its demo drew one background colour for
+    every prompt (1 of 12 right; FLUX.1's demo with its T5's position heads taken out, 0 to 2).
+
+    The embeddings hold a word in channels 1 to 15, one value for every token in channel 0, and 0
+    in channels 16 to 31. The first layer's heads attend to the previous position: their queries and
+    keys read only channel 0, so after each head's RMS norm they are the same vectors at every
+    position and the score depends on the distance alone, through the rotary embedding (the key is
+    the query turned by one position's angle in each frequency pair, so every pair peaks at the
+    previous position; `gain` sets how sharply: at 10, 0.9999 of the weight). The padding token's
+    channel 0 is 0, so a padded position (encoded under the mask, and cached: FLUX.2 attends to it)
+    averages the words instead: a query peaked one position back would find its nearest words far
+    away, where the rotary angles come close to peaking again, and bf16's rounding chose another of
+    them than fp32 (a padded state 0.81 cosine from fp32's at 512 positions). Their values copy
+    channels 1 to 15 and the output writes them, at the embeddings' scale, into channels 16 to 31;
+    its MLP and every later layer pass their input on. What is random is the words' embeddings."""
+    config, text = model.config, model.model
+    size, half, width = config.head_dim, config.head_dim // 2, config.hidden_size // 2
+    angles = config.rope_parameters["rope_theta"] ** (-torch.arange(half, dtype=torch.float64) * 2 / size)
+    query = torch.cat([torch.ones(half), torch.zeros(half)])
+    key = torch.cat([angles.cos(), angles.sin()]).float()  # rotate_half's pairs: (i, i + half)
+    with torch.no_grad():
+        embeddings = text.embed_tokens.weight
+        embeddings[:, 0] = 0.05
+        embeddings[config.pad_token_id, 0] = 0.0
+        embeddings[:, width:] = 0.0
+        scale = embeddings.pow(2).mean(1).sqrt().mean()  # what the first layer's RMS norm divides by
+        attention = text.layers[0].self_attn
+        for projection, vector, heads in ((attention.q_proj, query, config.num_attention_heads),
+                                          (attention.k_proj, key, config.num_key_value_heads)):
+            projection.weight.zero_()
+            projection.weight[:, 0] = vector.repeat(heads)
+        attention.q_norm.weight.fill_(gain)
+        attention.k_norm.weight.fill_(gain)
+        attention.v_proj.weight.zero_()
+        attention.o_proj.weight.zero_()
+        group = config.num_attention_heads // config.num_key_value_heads  # query heads a value head serves
+        for channel in range(1, width):  # channel c of the previous word into channel width + c - 1
+            head, place = divmod(channel - 1, size)
+            attention.v_proj.weight[head * size + place, channel] = 1.0
+            attention.o_proj.weight[width + channel - 1, head * group * size + place] = scale
+        for layer in text.layers:
+            layer.mlp.down_proj.weight.zero_()
+        for layer in text.layers[1:]:
+            layer.self_attn.o_proj.weight.zero_()
 
 
 def _merge(symbols: list[str], pair: tuple[str, str]) -> list[str]:
@@ -581,6 +637,33 @@ def flux2_vae(seed: int, perturb: int | None = None, **shape):
         vae.bn.running_var.copy_(torch.rand_like(vae.bn.running_var) * 2 + 0.25)
     if perturb is not None:
         perturb_last_bits(vae, perturb + 1)
+    return vae
+
+
+def flux2_block_vae(seed: int, perturb: int | None = None):
+    """The demo's `AutoencoderKLFlux2`: `block_vae`'s layout and hand-set weights
+    (`set_block_average`: each 8 x 8 block's mean colour in latent channels 0 to 2) at 32 latent
+    channels, its batch norm holding one mean and variance of demo pictures' 2x2 patches, as
+    `latent_factors` fits FLUX.1's shift and scale: the published statistics are per patch channel,
+    and the channels the hand-set VAE leaves at 0 would divide by a variance of 0."""
+    from diffusers import AutoencoderKLFlux2
+
+    from tasks.demo.data import draw_scene
+    from tasks.demo.models import _pixels, set_block_average
+    from tasks.families.flux2 import patchify
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLFlux2(latent_channels=32, layers_per_block=0, norm_num_groups=1, block_out_channels=(8,) * 4,
+                             mid_block_add_attention=False, sample_size=256)
+    set_block_average(vae)
+    if perturb is not None:
+        perturb_last_bits(vae, perturb + 1)
+    rng = random.Random(seed)
+    pictures = torch.stack([_pixels(draw_scene(rng, 256, 256)[0]) for _ in range(64)])
+    with torch.no_grad():
+        patches = patchify(vae.encode(pictures).latent_dist.mean)
+        vae.bn.running_mean.fill_(patches.mean().item())
+        vae.bn.running_var.fill_(patches.var().item())
     return vae
 
 

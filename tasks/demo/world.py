@@ -26,8 +26,9 @@ PROMPTS = [f"a {colour} {shape} on a {background} background"
 # flow families' and Wan's: the issue's bar; Z-Image's and Qwen-Image's one under their tables' worst)
 THRESHOLDS = {"pixart": (8, 3), "flux": (9, 3), "flux-schnell": (9, 3), "sd3": (9, 3), "chroma": (9, 3),
               "zimage": (7, 3), "qwen-image": (8, 3), "wan": (9, 3)}
-# the test file that asserts each family's thresholds
-TESTS = {family: "tests/test_learning_families.py" for family in DEMO_FAMILIES} | {
+# the test file that asserts each family's thresholds; FLUX.2 [klein]'s demo has none yet: two of its
+# table's training seeds draw 2 to 4 of 12 (benchmarks/results/demo-worlds.md)
+TESTS = {family: "tests/test_learning_families.py" for family in DEMO_FAMILIES if family in THRESHOLDS} | {
     "pixart": "tests/test_learning.py", "wan": "tests/test_learning_video.py"}
 # what tests/test_learning_video.py asserts of a video demo's samples from first frames: at least
 # this many of 12 move the way their prompt names, and the opposite way when that is named (chance:
