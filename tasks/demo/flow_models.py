@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import json
-import random
 from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -648,8 +647,7 @@ def flux2_block_vae(seed: int, perturb: int | None = None):
     and the channels the hand-set VAE leaves at 0 would divide by a variance of 0."""
     from diffusers import AutoencoderKLFlux2
 
-    from tasks.demo.data import draw_scene
-    from tasks.demo.models import _pixels, set_block_average
+    from tasks.demo.models import demo_latents, set_block_average
     from tasks.families.flux2 import patchify
 
     torch.manual_seed(seed)
@@ -658,10 +656,8 @@ def flux2_block_vae(seed: int, perturb: int | None = None):
     set_block_average(vae)
     if perturb is not None:
         perturb_last_bits(vae, perturb + 1)
-    rng = random.Random(seed)
-    pictures = torch.stack([_pixels(draw_scene(rng, 256, 256)[0]) for _ in range(64)])
+    patches = patchify(demo_latents(vae, seed))
     with torch.no_grad():
-        patches = patchify(vae.encode(pictures).latent_dist.mean)
         vae.bn.running_mean.fill_(patches.mean().item())
         vae.bn.running_var.fill_(patches.var().item())
     return vae

@@ -316,10 +316,16 @@ def set_block_average(vae) -> None:
 def latent_factors(vae, seed: int) -> tuple[float, float]:
     """The shift and scale that give the posterior means of 64 demo pictures (drawn from `seed`)
     mean 0 and std 1: what Flux and SD3 latents are, `(z - shift_factor) * scaling_factor`."""
+    latents = demo_latents(vae, seed)
+    return latents.mean().item(), 1.0 / latents.std().item()
+
+
+def demo_latents(vae, seed: int) -> torch.Tensor:
+    """`vae`'s posterior means of 64 demo pictures of 256 px drawn from `seed`: what a hand-set
+    VAE's normalisation is fitted on."""
     from tasks.demo.data import draw_scene
 
     rng = random.Random(seed)
     pictures = torch.stack([_pixels(draw_scene(rng, 256, 256)[0]) for _ in range(64)])
     with torch.no_grad():
-        latents = vae.encode(pictures).latent_dist.mean
-    return latents.mean().item(), 1.0 / latents.std().item()
+        return vae.encode(pictures).latent_dist.mean
