@@ -145,6 +145,9 @@ def credential_keys(options: Any, where: str = "") -> list[str]:
                           and value not in CREDENTIAL_SOURCES else credential_keys(value, f"{where}{name}."))]
 
 
+MAX_REFERENCES = 8  # reference images a target may have (FLUX.2 takes up to 10, Qwen-Image-Edit-Plus 3)
+
+
 class SourceConfig(Section):
     path: Annotated[str, COUNTED] = Field(
         ..., description="Local path or fsspec URL (s3://…) of a folder, a metadata.jsonl/.csv, a parquet file or "
@@ -180,6 +183,25 @@ class SourceConfig(Section):
     mask_column: Annotated[str, IF_NOT_DEFAULT] = Field(
         "mask", description="With masks: column, the jsonl/csv field naming each row's mask file (relative to the "
         "metadata file), or the parquet column of its bytes (or a struct with `bytes`).")
+    references: Annotated[Literal["none", "files", "column"], IF_NOT_DEFAULT] = Field(
+        "none", description="Where each picture's reference images come from, for edit and reference training "
+        "(FLUX.1 Kontext, Qwen-Image-Edit, FLUX.2): the picture is the target, its references what it was made from, "
+        "in order (Picture 1, Picture 2, …). files: a picture in each folder of `reference_path` at the target's own "
+        "relative path, any picture extension (ai-toolkit's control_path, diffusion-pipe's and musubi-tuner's "
+        "control folders; a list of folders for several references); folder, jsonl and csv sources. column: each "
+        "row's `reference_column`, a file name relative to a jsonl/csv file or a list of them; in a parquet file the "
+        "reference's bytes (or a struct with `bytes`) or a list of them; in a webdataset tar the members "
+        "`x.<reference_column>.<ext>`, then `x.<reference_column>_2.<ext>`, … A reference is stored once however many "
+        "targets name it, and the target's sample id covers its references' bytes, so a changed reference reads, "
+        "stores and encodes only what depends on it. A target whose reference is missing, unreadable or refused is "
+        "quarantined with the reference's reason (missing_reference, bad_reference); a video cannot have references "
+        "(reference_on_clip). none: pictures alone.")
+    reference_path: Annotated[str | list[str] | None, IF_NOT_DEFAULT] = Field(
+        None, description="With references: files, the folder of the references (local path or fsspec URL), laid "
+        "out as the source's pictures are, or a list of folders, one reference each, in order.")
+    reference_column: Annotated[str, IF_NOT_DEFAULT] = Field(
+        "reference", description="With references: column, the jsonl/csv field naming each row's reference file(s), "
+        "the parquet column of their bytes, or the webdataset member name before the extension.")
     caption_prefix: Annotated[str, IF_NOT_DEFAULT] = Field(
         "", max_length=1000, description="A trigger word (or any text) for this source's captions: it replaces "
         "`[trigger]` where a caption has it (ai-toolkit's trigger_word), else starts every caption variant, followed "
@@ -223,7 +245,19 @@ class SourceConfig(Section):
                              "mask_path is read with masks: files only")
         if self.masks != "column" and self.mask_column != "mask":
             raise ValueError(f"dataset source {self.path!r}: mask_column is read with masks: column only")
+        if (self.references == "files") != bool(self.reference_path):
+            raise ValueError(f"dataset source {self.path!r}: references: files reads its references from "
+                             "reference_path, and reference_path is read with references: files only")
+        if self.references != "column" and self.reference_column != "reference":
+            raise ValueError(f"dataset source {self.path!r}: reference_column is read with references: column only")
+        if len(self.reference_folders()) > MAX_REFERENCES:
+            raise ValueError(f"dataset source {self.path!r}: reference_path names more than {MAX_REFERENCES} folders")
         return self
+
+    def reference_folders(self) -> list[str]:
+        """The folders of `reference_path`, in the order of the references they hold."""
+        folders = self.reference_path or []
+        return [folders] if isinstance(folders, str) else list(folders)
 
     def mixing(self) -> dict[str, Any]:
         """This source's settings of how training draws from it (the fields marked MIXED)."""

@@ -39,6 +39,10 @@ IMAGE_SHARD_SCHEMA = pa.schema(
         ("pixels_from", pa.string()),
         # its source's own resolution (null: latent_encoding's; shards of older stores lack it)
         ("resolution", pa.int32()),
+        # "reference": a paired sample's reference image (no captions, no sample of its own); null: a sample
+        ("role", pa.string()),
+        # a paired sample's references' ids (rows of role "reference"), in order; null: none
+        ("references", pa.list_(pa.string())),
     ]
 )
 
@@ -52,7 +56,8 @@ def shard_id_of(url: str) -> str:
 # cost 1.3 ms an image, most of what writing a shard costs (docs/benchmarks.md)
 IMAGE_SHARD_COMPRESSION = {"sample_id": "zstd", "image": "none", "width": "zstd", "height": "zstd",
                            "captions.list.element": "zstd", "source": "zstd", "pixels_from": "zstd",
-                           "resolution": "zstd"}  # by leaf column path
+                           "resolution": "zstd", "role": "zstd",
+                           "references.list.element": "zstd"}  # by leaf column path
 
 
 def pack_image_shard(rows: list[dict[str, Any]]) -> bytes:

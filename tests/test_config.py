@@ -125,7 +125,9 @@ def test_gpu_work_pool_templates_request_gpus_and_define_every_variable():
 # what a field's other values need of fields that count in no identity (blocks_to_swap: checkpointing)
 # fields the schema takes only beside another setting: that setting, in the base as in the change
 COMPANIONS = {"blocks_to_swap": {"gradient_checkpointing": "recompute"}, "lora.factor": {"adapter": "lokr"},
-              "sources.mask_path": {"masks": "files", "mask_path": "/masks"}, "sources.mask_column": {"masks": "column"}}
+              "sources.mask_path": {"masks": "files", "mask_path": "/masks"}, "sources.mask_column": {"masks": "column"},
+              "sources.reference_path": {"references": "files", "reference_path": "/references"},
+              "sources.reference_column": {"references": "column"}}
 
 
 def _other_values(section: type[Section], name: str) -> list:

@@ -560,7 +560,7 @@ def test_a_sample_moved_to_another_resolution_takes_its_pixels_from_a_shard_that
     held = [("a", "s0", 300), ("a", "s1", 512), ("a", "s2", 0), ("b", "t0", 0), ("b", "t1", 300), ("b", "t2", 512),
             ("c", "u1", 512), ("c", "u0", 300)]
     ledger.run_many("INSERT INTO stored VALUES (?, '[]', 8, 8, ?, ?)", held)
-    ledger.run_many("INSERT INTO samples VALUES (?, 0, '[\"x\"]', 8, 8, 'x.png', 'folder', 0, ?, NULL)",
+    ledger.run_many("INSERT INTO samples VALUES (?, 0, '[\"x\"]', 8, 8, 'x.png', 'folder', 0, ?, NULL, NULL, NULL)",
                     [("a", 256), ("b", 300), ("c", 0), ("d", 0)])
     assert dict(ledger.all(f"SELECT sample_id, {HOLDER} FROM samples")) == \
         {"a": "s2", "b": "t1", "c": "u0", "d": None}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from PIL import Image, ImageDraw
+from PIL import Image, ImageChops, ImageDraw
 
 COLORS = {
     "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 210), "yellow": (235, 210, 40),
@@ -98,3 +98,35 @@ def write_demo_data(folder: str | Path, count: int = 48, seed: int = 0) -> Path:
             image.save(stem.with_suffix(".png"))
         stem.with_suffix(".txt").write_text(_caption(rng, background, objects) + "\n", encoding="utf-8")
     return folder
+
+
+def write_edit_data(folder: str | Path, count: int = 16, seed: int = 0) -> Path:
+    """Write `count` edit pairs into `folder`: each reference (`references/<n>.png`) a demo scene,
+    its target (`targets/<n>.png`) the same shapes on another background, captioned with the edit
+    ("make the background red"). Every second target is another edit of the reference before it,
+    so references are shared as edit datasets share them. Returns the folder."""
+    folder = Path(folder)
+    for part in ("targets", "references"):
+        (folder / part).mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    reference, background = None, None
+    for index in range(count):
+        if index % 2 == 0:
+            width, height = SIZES[index // 2 % len(SIZES)]
+            reference, background, objects = draw_scene(rng, width, height)
+            taken = {background, *(color for color, *_ in objects)}
+        new = rng.choice([name for name in COLORS if name not in taken])
+        taken.add(new)  # the second edit of a reference names another colour
+        target = Image.new("RGB", reference.size, COLORS[new])
+        # the shapes kept where they are: every pixel of the background's colour takes the new one
+        target.paste(reference, mask=_not_background(reference, COLORS[background]))
+        reference.save(folder / "references" / f"{index:05d}.png")
+        target.save(folder / "targets" / f"{index:05d}.png")
+        (folder / "targets" / f"{index:05d}.txt").write_text(f"make the background {new}\n", encoding="utf-8")
+    return folder
+
+
+def _not_background(image: Image.Image, color: tuple[int, int, int]) -> Image.Image:
+    """A mask of the pixels of `image` that are not of `color` (255 where a shape is)."""
+    red, green, blue = (channel.point(lambda v, c=c: 255 * (v != c)) for channel, c in zip(image.split(), color))
+    return ImageChops.lighter(ImageChops.lighter(red, green), blue)

@@ -302,8 +302,8 @@ def held_latents(store: Store, fingerprint: str, samples: list[dict], boxes: dic
 
 def check_latent_encoding(model: ModelConfig, latents: LatentEncodingConfig, dataset: DatasetConfig) -> None:
     """Refuse, naming the setting, a resolution the model's family has no buckets for (the config's,
-    or a source's) and clip lengths it never encodes (Wan: 4N + 1), so that nothing is ingested or
-    encoded for latents that cannot be made. A model this process cannot read is left to the stage
+    or a source's), reference images it takes none of, and clip lengths it never encodes (Wan: 4N +
+    1), so that nothing is ingested or encoded for latents that cannot be made. A model this process cannot read is left to the stage
     that reads it (as `check_training` does)."""
     try:
         family = family_of(model)
@@ -313,6 +313,10 @@ def check_latent_encoding(model: ModelConfig, latents: LatentEncodingConfig, dat
     for source in dataset.sources:
         if source.resolution is not None:
             family.codec.bucket_table(source.resolution, f"dataset source {source.path!r}: resolution")
+        if source.references != "none" and family.codec.references is None:
+            raise ValueError(f"dataset source {source.path!r}: references: {source.references} pairs each picture "
+                             f"with the reference images it was made from, and {family.name} takes none (an edit "
+                             "or reference family does)")
     video = dataset.video
     if problem := family.codec.clip_policy_problem(sorted({video.frames, *video.frame_buckets})):
         raise ValueError(f"dataset.video: {problem}")

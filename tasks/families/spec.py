@@ -311,6 +311,9 @@ class Codec(Part):
 
     buckets: Buckets = Buckets()
     vae: str = "AutoencoderKL"
+    # how the pipeline sizes a target's reference images for the VAE (edit and reference families);
+    # None: the family takes no reference images, and a paired dataset is refused before any stage
+    references: str | None = None
 
     def bucket_table(self, resolution: int, setting: str = "latent_encoding.resolution") -> dict[str, list[float]]:
         return self.buckets.table(resolution, setting)

@@ -35,6 +35,10 @@ NOT_A_CONTAINER = "not an mp4, mov, webm or mkv container"  # a file named as a 
 # and before the sha256 of its mask file's bytes (`masks: files` or `column`)
 ALPHA_MASKED = b"\0precast: alpha is the loss mask"
 MASK_FILE = b"\0precast: the loss mask of a file "
+# appended to a reference's bytes for its id, so a picture that is a reference is never the same
+# row as that picture as a sample; and before the ids of a target's references, for its sample id
+REFERENCE = b"\0precast: a reference image"
+REFERENCES = b"\0precast: made from the references "
 
 
 @dataclass
@@ -53,6 +57,8 @@ class Outcome:
     # from a video (a clip, or why it gave none): read again when CLIPS_VERSION changes; None: not
     # known (recorded before outcomes said so)
     video: bool | None = False
+    role: str | None = None  # "reference": a target's reference image, no sample of its own
+    references: list[str] | None = None  # a target's references' ids, in order
 
 
 def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str], tuple[int, int] | None],
@@ -73,6 +79,8 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
             raise Rejected("empty_file", "zero bytes")
         if is_video(data[:8] if isinstance(data, bytes) else _head(data)):
             outcome.video = True
+            if candidate.references:
+                raise Rejected("reference_on_clip", "a video cannot have references: edit training takes pictures")
             if size > dataset.video.max_bytes:
                 raise Rejected("too_large", f"over video.max_bytes={dataset.video.max_bytes}")
             captions = sorted(set(candidate.captions))
@@ -84,7 +92,9 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
             if size > max_image_bytes(dataset):
                 raise Rejected("bad_video", NOT_A_CONTAINER)
             data = data.read_bytes()
-        outcome.sample_id = picture_id(data, alpha, candidate.mask)
+        references = examine_references(candidate, dataset, stored, keep)
+        outcome.references = [reference.sample_id for reference in references] or None
+        outcome.sample_id = picture_id(data, alpha, candidate.mask, outcome.references)
         if (size := stored(outcome.sample_id)) is not None:  # validated when first ingested; only the rules may have changed
             outcome.width, outcome.height = size
             check_geometry(outcome.width, outcome.height, dataset)
@@ -100,24 +110,51 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
         # variants are a set (training picks one at random): sorted, so line order or which
         # duplicate came first never changes a sample's identity
         outcome.captions = sorted(set(candidate.captions))
+        return [outcome, *references]
     except Rejected as problem:
         outcome.reason, outcome.message = problem.reason, printable(problem.message)
     except DiskFull:  # the machine's fault, not the file's: quarantined, the image would be lost for good
         raise
     except Exception as error:  # one bad file never fails the stage
         outcome.reason, outcome.message = "error", printable(f"{type(error).__name__}: {error}")
-    if outcome.reason is not None:
-        outcome.sample_id = outcome.captions = None
-        outcome.spilled = False
+    outcome.sample_id = outcome.captions = outcome.references = None
+    outcome.spilled = False
     return [outcome]
 
 
-def picture_id(data: bytes, alpha: bool, mask: bytes | None) -> str:
+def examine_references(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str], tuple[int, int] | None],
+                       keep: Callable[[str, bytes], None]) -> list[Outcome]:
+    """A candidate's references, each checked as any picture is and a new one kept under its id
+    (the hash of its bytes, salted: REFERENCE), as outcomes of the role "reference". Raises
+    Rejected naming the first that cannot be one (bad_reference, with its own reason)."""
+    found = []
+    for number, (where, data) in enumerate(candidate.references, start=1):
+        reference = Outcome(printable(where), candidate.format, sha256_bytes(data + REFERENCE), [], role="reference")
+        try:
+            if (size := stored(reference.sample_id)) is not None:
+                reference.width, reference.height = size
+                check_geometry(reference.width, reference.height, dataset)
+            else:
+                image, reference.width, reference.height = normalise_image(data, dataset)
+                keep(reference.sample_id, image)
+                reference.spilled = True
+        except Rejected as problem:
+            raise Rejected("bad_reference", f"reference {number}, {where}: {problem.reason}: {problem.message}") from problem
+        found.append(reference)
+    return found
+
+
+def picture_id(data: bytes, alpha: bool, mask: bytes | None, references: list[str] | None = None) -> str:
     """A picture's sample id: the hash of its bytes, and of its mask's (a file's, or its alpha where
-    its source keeps alpha and it has some: a picture without alpha is the same sample either way)."""
+    its source keeps alpha and it has some: a picture without alpha is the same sample either way),
+    and of its references' ids, in order (a target with other references is another sample)."""
     if mask is not None:
-        return sha256_bytes(data + MASK_FILE + sha256_bytes(mask).encode())
-    return sha256_bytes(data + ALPHA_MASKED if alpha and picture_has_alpha(data) else data)
+        data = data + MASK_FILE + sha256_bytes(mask).encode()
+    elif alpha and picture_has_alpha(data):
+        data = data + ALPHA_MASKED
+    if references:
+        data = data + REFERENCES + ",".join(references).encode()
+    return sha256_bytes(data)
 
 
 def spill_image(spill: Path, sample_id: str, image: bytes) -> None:

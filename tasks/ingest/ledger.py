@@ -30,7 +30,8 @@ CREATE TABLE objects (source INTEGER, path BLOB, size INTEGER, stamp TEXT, stem 
 CREATE INDEX objects_stem ON objects (source, stem, ext);
 -- the last ingest's record: what each unit became, in order ...
 CREATE TABLE known (key TEXT, position INTEGER, source TEXT, format TEXT, sample_id TEXT, captions TEXT,
-                    width INTEGER, height INTEGER, reason TEXT, message TEXT, spilled INTEGER, video INTEGER);
+                    width INTEGER, height INTEGER, reason TEXT, message TEXT, spilled INTEGER, video INTEGER,
+                    role TEXT, refs TEXT);
 CREATE INDEX known_key ON known (key, position);
 CREATE INDEX known_sample ON known (sample_id);
 -- ... and the samples shards hold: (sample id, captions) -> shard, with the image's size
@@ -38,13 +39,16 @@ CREATE INDEX known_sample ON known (sample_id);
 CREATE TABLE stored (sample_id TEXT, captions TEXT, width INTEGER, height INTEGER, shard TEXT, resolution INTEGER,
                      PRIMARY KEY (sample_id, captions, resolution)) WITHOUT ROWID;
 CREATE INDEX stored_shard ON stored (shard);
--- what this ingest found: each unit's outcomes (for the next record), the samples, the quarantine
+-- what this ingest found: each unit's outcomes (for the next record), the samples (and the
+-- references of paired ones: role 'reference'; refs, a target's references' ids as JSON), the quarantine
 CREATE TABLE units (position INTEGER PRIMARY KEY, key TEXT, outcomes TEXT);
 CREATE TABLE samples (sample_id TEXT PRIMARY KEY, position INTEGER, captions TEXT, width INTEGER, height INTEGER,
-                      source TEXT, format TEXT, spilled INTEGER, resolution INTEGER, shard TEXT);
+                      source TEXT, format TEXT, spilled INTEGER, resolution INTEGER, role TEXT, refs TEXT,
+                      shard TEXT);
 CREATE INDEX samples_position ON samples (position);
 CREATE TABLE accepted (sample_id TEXT, position INTEGER, captions TEXT, width INTEGER, height INTEGER, source TEXT,
-                       format TEXT, spilled INTEGER, resolution INTEGER);  -- candidates on their way into `samples`
+                       format TEXT, spilled INTEGER, resolution INTEGER, role TEXT,
+                       refs TEXT);  -- candidates on their way into `samples`
 CREATE TABLE quarantined (position INTEGER PRIMARY KEY, source TEXT, format TEXT, reason TEXT, message TEXT);
 """
 PAGE = 1000  # rows read back at a time

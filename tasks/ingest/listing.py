@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from configs.schema import SourceConfig, StorageConfig
+from configs.schema import MAX_REFERENCES, SourceConfig, StorageConfig
 from storage.store import DiskFull, fsspec_options
 from tasks.ingest.ledger import Ledger, decode_path, encode_path
 
@@ -137,31 +137,41 @@ def list_source(source: SourceConfig, options: dict[str, Any], ledger: Ledger, i
     listing = Listing(fs, root, fmt, ledger, index)
     if listing.format == "auto":
         listing.format = folder_format(listing)
-    if source.masks in MASK_FORMATS and listing.format not in MASK_FORMATS[source.masks]:
-        raise RuntimeError(f"dataset source {source.path!r}: masks: {source.masks} reads masks for "
-                           f"{', '.join(MASK_FORMATS[source.masks])} sources, not {listing.format}")
+    base = root if is_folder else posixpath.dirname(root)
+    for kind, rules, reading in (("masks", MASK_FORMATS, source.masks), ("references", REFERENCE_FORMATS,
+                                                                           source.references)):
+        if reading in rules and listing.format not in rules[reading]:
+            raise RuntimeError(f"dataset source {source.path!r}: {kind}: {reading} reads {kind} for "
+                               f"{', '.join(rules[reading])} sources, not {listing.format}")
     if source.masks == "files":
-        list_masks(listing, source, root if is_folder else posixpath.dirname(root), options)
+        list_companions(listing, source, "mask_path", source.mask_path, MASKS, base, options)
+    for slot, folder in enumerate(source.reference_folders(), start=MASKS + 1):
+        list_companions(listing, source, "reference_path", folder, slot, base, options)
     return listing
 
 
-# the source formats each way of reading masks from outside the picture serves
+# the source formats each way of reading masks, and references, from outside the picture serves
 MASK_FORMATS = {"files": ("folder", "jsonl", "csv"), "column": ("jsonl", "csv", "parquet")}
+REFERENCE_FORMATS = {"files": ("folder", "jsonl", "csv"), "column": ("jsonl", "csv", "parquet", "webdataset")}
+MASKS = 0  # the companion slot of a source's mask folder; its reference folders are slots 1, 2, …
 
 
-def masks_of(index: int) -> int:
-    """Where the ledger's `objects` table holds the mask folder of source `index`."""
-    return -1 - index
+def companions_of(index: int, slot: int) -> int:
+    """Where the ledger's `objects` table holds companion folder `slot` of source `index` (its mask
+    folder, or one of its reference folders): below every source's own index."""
+    return -1 - index * (MAX_REFERENCES + 1) - slot
 
 
-def list_masks(listing: Listing, source: SourceConfig, base: str, options: dict[str, Any]) -> None:
-    """The source's `mask_path` listed into the ledger under `masks_of(index)`, each mask with the
-    stem its picture has under `base` (the folder the source's names are relative to: its mask
-    a/x.png has the stem of the picture a/x.jpg), so a picture finds its mask by the stem index."""
+def list_companions(listing: Listing, source: SourceConfig, name: str, url: str, slot: int, base: str,
+                    options: dict[str, Any]) -> None:
+    """A companion folder of the source (its `mask_path`, or a folder of its `reference_path`,
+    named `name` in errors) listed into the ledger under `companions_of(index, slot)`, each picture
+    with the stem its target has under `base` (the folder the source's names are relative to: the
+    companion a/x.png has the stem of the picture a/x.jpg), so a picture finds it by the stem index."""
     from tasks.ingest.formats import IMAGE_EXTENSIONS
 
     try:
-        fs, folder = fsspec.core.url_to_fs(source.mask_path, **options)
+        fs, folder = fsspec.core.url_to_fs(url, **options)
         folder = folder.rstrip("/")
         if fs.protocol != listing.fs.protocol:  # read with the source's filesystem, here or on a worker
             raise ValueError("it is not on the source's filesystem")
@@ -169,26 +179,25 @@ def list_masks(listing: Listing, source: SourceConfig, base: str, options: dict[
             raise ValueError("it is not a folder")
         if listing.format == "folder" and (folder + "/").startswith(listing.root + "/"):
             raise ValueError("it lies inside the source folder, whose pictures it would be read as")
-        masks = ((path, size, mark) for path, size, mark in walk_objects(fs, folder)
+        found = ((path, size, mark) for path, size, mark in walk_objects(fs, folder)
                  if path.rpartition(".")[2].lower() in IMAGE_EXTENSIONS)
         listing.ledger.run_many("INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?)",
-                                ((masks_of(listing.index), encode_path(path), size, mark,
+                                ((companions_of(listing.index, slot), encode_path(path), size, mark,
                                   encode_path(base + path[len(folder):].rpartition(".")[0]), path.rpartition(".")[2])
-                                 for path, size, mark in masks))
+                                 for path, size, mark in found))
     except DiskFull:
         raise
     except Exception as error:
-        raise RuntimeError(f"dataset source {source.path!r}: mask_path {source.mask_path!r} cannot be read: "
-                           f"{error}") from error
+        raise RuntimeError(f"dataset source {source.path!r}: {name} {url!r} cannot be read: {error}") from error
 
 
-def mask_beside(listing: Listing, picture: str) -> Listed | None:
-    """The mask of the picture at `picture` (a path under the folder the source's names are
-    relative to), None when the mask folder holds none: of several (a/x.png, a/x.jpg), the first by
-    path."""
+def companion_beside(listing: Listing, slot: int, picture: str) -> Listed | None:
+    """The picture of companion folder `slot` beside the picture at `picture` (a path under the
+    folder the source's names are relative to), None when the folder holds none: of several
+    (a/x.png, a/x.jpg), the first by path."""
     found = listing.ledger.one("SELECT path, size, stamp FROM objects INDEXED BY objects_stem WHERE source = ? "
                                "AND stem = ? ORDER BY path LIMIT 1",
-                               (masks_of(listing.index), encode_path(picture.rpartition(".")[0])))
+                               (companions_of(listing.index, slot), encode_path(picture.rpartition(".")[0])))
     return found and Listed(decode_path(found[0]), *found[1:])
 
 

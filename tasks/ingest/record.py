@@ -34,7 +34,8 @@ RECORD_PAGE = 10_000  # record rows written and read at a time
 RECORD_COLUMNS = MappingProxyType({
     "kind": pa.string(), "key": pa.string(), "source": pa.string(), "format": pa.string(), "sample_id": pa.string(),
     "captions": pa.list_(pa.string()), "width": pa.int32(), "height": pa.int32(), "reason": pa.string(),
-    "message": pa.string(), "shard": pa.string(), "video": pa.bool_(), "resolution": pa.int32()})
+    "message": pa.string(), "shard": pa.string(), "video": pa.bool_(), "resolution": pa.int32(), "role": pa.string(),
+    "references": pa.list_(pa.string())})
 
 
 def write_sources_record(ledger: Ledger) -> Path:
@@ -101,8 +102,9 @@ def _read_record(store: Store, key: str, dataset: DatasetConfig, ledger: Ledger,
                 else:
                     position += 1
                     units.append((row["key"], position, row["source"], row["format"], row["sample_id"], captions,
-                                  row["width"], row["height"], row["reason"], row["message"], False, row.get("video")))
-            ledger.run_many("INSERT INTO known VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", units)
+                                  row["width"], row["height"], row["reason"], row["message"], False, row.get("video"),
+                                  row.get("role"), row.get("references") and json.dumps(row["references"])))
+            ledger.run_many("INSERT INTO known VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", units)
             if members:
                 ledger.run_many("INSERT OR REPLACE INTO stored VALUES (?, ?, ?, ?, ?, ?)", stored)
         made = (record.schema_arrow.metadata or {}).get(b"clips_version", b"1").decode()
@@ -138,10 +140,11 @@ def forget_deleted_shards(store: Store, dataset: DatasetConfig, ledger: Ledger) 
 def known_outcomes(ledger: Ledger, key: str) -> list[Outcome] | None:
     """The outcomes the last ingest recorded for a unit, None if it did not record the unit (they
     were spilled then, not now: a reused outcome's image is in a shard)."""
-    rows = ledger.all("SELECT source, format, sample_id, captions, width, height, reason, message, video FROM known "
-                      "WHERE key = ? ORDER BY position", (key,))
+    rows = ledger.all("SELECT source, format, sample_id, captions, width, height, reason, message, video, role, refs "
+                      "FROM known WHERE key = ? ORDER BY position", (key,))
     if not rows:
         return None
     return [Outcome(source, fmt, sample_id, captions and json.loads(captions), width, height, reason, message,
-                    video=None if video is None else bool(video))
-            for source, fmt, sample_id, captions, width, height, reason, message, video in rows if source is not None]
+                    video=None if video is None else bool(video), role=role, references=refs and json.loads(refs))
+            for source, fmt, sample_id, captions, width, height, reason, message, video, role, refs in rows
+            if source is not None]

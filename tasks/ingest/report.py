@@ -20,17 +20,18 @@ ASPECT_BINS = tuple(round(2 ** (step / 8), 2) for step in range(-16, 17))
 def ingest_report(scan: Scan) -> dict[str, Any]:
     """Counts by reason, by format, by aspect-ratio bucket, and a caption length histogram."""
     ledger = scan.ledger
-    accepted = dict(ledger.rows("SELECT format, count(*) FROM samples GROUP BY format"))
+    accepted = dict(ledger.rows("SELECT format, count(*) FROM samples WHERE role IS NULL GROUP BY format"))
     rejected = dict(ledger.rows("SELECT format, count(*) FROM quarantined GROUP BY format"))
     words, buckets, variants = Counter(), Counter(), 0
-    for width, height, captions in ledger.rows("SELECT width, height, captions FROM samples"):
+    for width, height, captions in ledger.rows("SELECT width, height, captions FROM samples WHERE role IS NULL"):
         buckets[str(min(ASPECT_BINS, key=lambda ratio: abs(ratio - height / width)))] += 1
         for caption in json.loads(captions):
             variants += 1
             count = len(caption.split())
             words[next((f"<={b}" for b in CAPTION_WORD_BINS if count <= b), f">{CAPTION_WORD_BINS[-1]}")] += 1
-    samples, quarantined = scan.count("samples"), scan.count("quarantined")
+    samples, quarantined = scan.samples(), scan.count("quarantined")
     return {
+        **paired(scan),
         "samples": samples,
         "quarantined": quarantined,
         "candidates": sum(scan.formats.values()),
@@ -45,11 +46,28 @@ def ingest_report(scan: Scan) -> dict[str, Any]:
     }
 
 
+def paired(scan: Scan) -> dict[str, int]:
+    """Of a dataset with references: its pairs (samples with references), its references (each
+    stored once) and those of them several targets share, and the references its pairs name."""
+    ledger = scan.ledger
+    pairs = ledger.one("SELECT count(*) FROM samples WHERE refs IS NOT NULL")[0]
+    if not pairs:
+        return {}
+    return {"pairs": pairs, "references": scan.count("samples") - scan.samples(),
+            "references_shared": ledger.one("SELECT count(*) FROM (SELECT value FROM samples, json_each(samples.refs) "
+                                            "GROUP BY value HAVING count(*) > 1)")[0],
+            "references_named": ledger.one("SELECT count(*) FROM samples, json_each(samples.refs)")[0]}
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     """The ingest report as markdown (the Prefect artifact and `precast inspect`)."""
     lines = [f"# Ingest report — dataset `{report['dataset']}`", "",
              f"**{report['samples']}** samples accepted, **{report['quarantined']}** quarantined, "
              f"{report['duplicates']} exact duplicates merged, {report['caption_variants']} caption variants.", ""]
+    if report.get("pairs"):
+        lines[-1:-1] = [f"**{report['pairs']}** of the samples are pairs made from references: they name "
+                        f"{report['references_named']} references, **{report['references']}** stored (each once), "
+                        f"{report['references_shared']} of them shared by several targets.", ""]
     if report.get("duplicates_apart"):
         lines[-1:-1] = [f"{report['duplicates_apart']} of the duplicates came from a source with another caption "
                         "prefix, resolution or mix than the first that gave them: they kept that source's captions, "

@@ -54,6 +54,7 @@ class Scan:
     # from it): a duplicate from a source that differs keeps its first source's captions alone
     signatures: list[Any] = field(default_factory=list)
     kept_apart: int = 0  # such duplicates
+    reference_uses: int = 0  # references named by accepted targets (a reference shared is counted per target)
     # added since the last flush: keyed units' outcomes, quarantined and accepted candidates
     keyed: list[tuple] = field(default_factory=list)
     refused: list[tuple] = field(default_factory=list)
@@ -70,31 +71,36 @@ class Scan:
             self.units_reused += not read
         self.bytes_read += unit.size if read else 0
         for outcome in outcomes:
-            self.formats[outcome.format] += 1
             self.position += 1
+            if outcome.role == "reference":  # no candidate of its own: its target's
+                self.reference_uses += 1
+            else:
+                self.formats[outcome.format] += 1
             if outcome.reason is not None:
                 log.warning("quarantined %s: %s (%s)", outcome.source, outcome.reason, outcome.message)
                 self.refused.append((self.position, outcome.source, outcome.format, outcome.reason, outcome.message))
             else:
                 captions = json.dumps(with_prefix(outcome.captions, source.caption_prefix))
                 self.accepted.append((outcome.sample_id, self.position, captions, outcome.width, outcome.height,
-                                      outcome.source, outcome.format, outcome.spilled, source.resolution or 0))
+                                      outcome.source, outcome.format, outcome.spilled, source.resolution or 0,
+                                      outcome.role, outcome.references and json.dumps(outcome.references)))
         if len(self.keyed) + len(self.accepted) + len(self.refused) >= PAGE:
             self.flush()
 
     def flush(self) -> None:
         """What was added since the last flush, into the ledger: a sample seen before (an exact
-        duplicate) keeps its first source and gains the later one's captions."""
+        duplicate) keeps its first source and gains the later one's captions; a reference named again
+        is the same reference (it has no captions)."""
         ledger = self.ledger
         with ledger.transaction():
             ledger.run_many("INSERT INTO units (key, outcomes) VALUES (?, ?)", self.keyed)
             ledger.run_many("INSERT INTO quarantined VALUES (?, ?, ?, ?, ?)", self.refused)
-            ledger.run_many("INSERT INTO accepted VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", self.accepted)
+            ledger.run_many("INSERT INTO accepted VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", self.accepted)
             ledger.run("INSERT OR IGNORE INTO samples SELECT *, NULL FROM accepted ORDER BY position")
             for sample_id, captions, spilled, first, later in ledger.all(
                     "SELECT sample_id, accepted.captions, accepted.spilled, samples.position, accepted.position "
                     "FROM accepted JOIN samples USING (sample_id) "
-                    "WHERE samples.position != accepted.position ORDER BY accepted.position"):
+                    "WHERE samples.position != accepted.position AND accepted.role IS NULL ORDER BY accepted.position"):
                 known = ledger.one("SELECT captions FROM samples WHERE sample_id = ?", (sample_id,))[0]
                 apart = self.signature(first) != self.signature(later)
                 self.kept_apart += apart
@@ -108,6 +114,10 @@ class Scan:
     def count(self, table: str) -> int:
         return self.ledger.one(f"SELECT count(*) FROM {table}")[0]
 
+    def samples(self) -> int:
+        """The samples found (a paired sample's references are none)."""
+        return self.ledger.one("SELECT count(*) FROM samples WHERE role IS NULL")[0]
+
     def source_at(self, position: int) -> int:
         """The index of the source whose outcome is at `position`."""
         return bisect_left(self.starts, position) - 1
@@ -117,7 +127,8 @@ class Scan:
 
     def members(self) -> Iterator[tuple[str, int]]:
         """(sample id, index of the source it came from, the first that gave it), by sample id."""
-        for sample_id, position in self.ledger.rows("SELECT sample_id, position FROM samples ORDER BY sample_id"):
+        for sample_id, position in self.ledger.rows("SELECT sample_id, position FROM samples WHERE role IS NULL "
+                                                    "ORDER BY sample_id"):
             yield sample_id, self.source_at(position)
 
 

@@ -75,12 +75,12 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
         try:
             # an image a shard holds with other captions or resolution: that shard, whose latents the
             # encoder copies where it crops alike
-            while chunk := list(ledger.rows(f"SELECT sample_id, captions, width, height, source, {HOLDER}, resolution "
-                                            "FROM samples WHERE shard IS NULL AND sample_id > ? ORDER BY sample_id "
+            while chunk := list(ledger.rows(f"SELECT sample_id, captions, width, height, source, {HOLDER}, resolution, "
+                                            "role, refs FROM samples WHERE shard IS NULL AND sample_id > ? ORDER BY sample_id "
                                             "LIMIT ?", (last, dataset.shard_size))):
                 last = chunk[-1][0]
                 shard_id = image_shard_id([(sample_id, json.loads(captions), resolution)
-                                           for sample_id, captions, *_, resolution in chunk])
+                                           for sample_id, captions, *_, resolution, _, _ in chunk])
                 writing.append((pool.submit(write_shard, store, scan.spill, shard_id, chunk), shard_id, chunk))
                 if len(writing) >= WRITERS:
                     written()
@@ -94,14 +94,14 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
 
 def write_shard(store: Store, spill: Path, shard_id: str, chunk: list[tuple]) -> None:
     """An image shard of `chunk`'s samples (`sample_id, captions, width, height, source, pixels_from,
-    resolution`, in sample id order), their images read from the spill folder, committed unless it is
-    already (the same records, from an ingest that knew other holders: its bytes stand)."""
+    resolution, role, refs`, in sample id order), their images read from the spill folder, committed
+    unless it is already (the same records, from an ingest that knew other holders: its bytes stand)."""
     if store.committed(layout.image_shard(shard_id)) is not None:
         return
     rows = [{"sample_id": sample_id, "image": (spill / sample_id).read_bytes(), "width": width,
              "height": height, "captions": json.loads(captions), "source": source, "pixels_from": holder,
-             "resolution": resolution or None}
-            for sample_id, captions, width, height, source, holder, resolution in chunk]
+             "resolution": resolution or None, "role": role, "references": refs and json.loads(refs)}
+            for sample_id, captions, width, height, source, holder, resolution, role, refs in chunk]
     store.commit(layout.image_shard(shard_id), pack_image_shard(rows), samples=len(chunk))
 
 

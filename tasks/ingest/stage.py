@@ -62,12 +62,12 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig, progress: Callable[[i
                 read_index(store, ledger)
                 reuse_units(store, dataset, ledger)
             scan = scan_sources(storage, dataset, ledger, spill, progress, partitions)
-            samples = scan.count("samples")
+            samples = scan.samples()
             if not samples:
                 raise RuntimeError(f"no usable samples in {[s.path for s in dataset.sources]}: "
                                    f"{scan.count('quarantined')} quarantined")
             new, members = write_new_shards(store, dataset, scan, committed)
-            dataset_id = commit_dataset(store, dataset, ledger, members, samples)
+            dataset_id = commit_dataset(store, dataset, ledger, members, samples, scan.count("samples") - samples)
             per_source, members_sha = commit_members(store, dataset, scan, spill)
             quarantine = [dict(zip(("source", "format", "reason", "message"), row)) for row in ledger.rows(
                 "SELECT source, format, reason, message FROM quarantined ORDER BY position")]
@@ -92,9 +92,9 @@ def ingest(storage: StorageConfig, dataset: DatasetConfig, progress: Callable[[i
 
 
 def commit_dataset(store: Store, dataset: DatasetConfig, ledger: Ledger, members: dict[str, int],
-                   samples: int) -> str:
-    """The dataset version of the shards `members` counts the current samples of, committed unless
-    it is already; returns its id."""
+                   samples: int, references: int) -> str:
+    """The dataset version of the shards `members` counts the current rows of (`samples` samples,
+    and `references` references of paired ones), committed unless it is already; returns its id."""
     shards = []
     commits = store.require_all([layout.image_shard(shard_id) for shard_id in sorted(members)],
                                 dataset.read_concurrency)
@@ -105,7 +105,7 @@ def commit_dataset(store: Store, dataset: DatasetConfig, ledger: Ledger, members
             sample_id for (sample_id,) in ledger.rows(
                 "SELECT sample_id FROM samples WHERE shard = ? ORDER BY sample_id", (shard_id,))]})
     dataset_id = dataset_id_of(shards)
-    record = {"id": dataset_id, "shards": shards, "samples": samples,
+    record = {"id": dataset_id, "shards": shards, "samples": samples, **({"references": references} if references else {}),
               "sources": [s.path for s in dataset.sources]}
     if store.committed(layout.dataset(dataset_id)) is None:  # an unchanged dataset writes nothing
         store.commit_json(layout.dataset(dataset_id), record, samples=samples)
@@ -156,8 +156,9 @@ def dataset_record(store: Store, dataset_id: str, concurrency: int = 32) -> dict
     commits = [store.require(key)] + store.require_all([layout.image_shard(s["id"]) for s in record["shards"]],
                                                        concurrency)
     report = store.read_json(layout.dataset_report(dataset_id))
+    references = f" and {record['references']} references" if record.get("references") else ""
     return {**record, "report": store.url(layout.dataset_report(dataset_id)), "quarantined": report["quarantined"],
-            "amount": f"{record['samples']} samples in {len(record['shards'])} shards",
+            "amount": f"{record['samples']} samples{references} in {len(record['shards'])} shards",
             "committed_at": max(c["committed_at"] for c in commits)}
 
 

@@ -45,13 +45,14 @@ PARTITION_BYTES = 256 << 20  # a partition's listed bytes: what a worker stages 
 # with Pillow's and PyAV's versions, part of a staged partition's key: what decodes and normalises
 # (2: clip frames timed to the container's precision, clip ids naming what a clip is; 3: outcomes say
 # whether they are a video's; 4: masks from files, a masks: alpha picture without alpha its plain id;
-# 5: clips take masks)
-STAGED_VERSION = 5
+# 5: clips take masks; 6: references)
+STAGED_VERSION = 6
 STAGED_PAGE = 64  # staged rows written and read at a time: each may hold an image
 STAGED_COLUMNS = MappingProxyType({
     "unit": pa.int32(), "source": pa.string(), "format": pa.string(), "sample_id": pa.string(),
     "captions": pa.list_(pa.string()), "width": pa.int32(), "height": pa.int32(), "reason": pa.string(),
-    "message": pa.string(), "spilled": pa.bool_(), "video": pa.bool_(), "image": pa.binary()})
+    "message": pa.string(), "spilled": pa.bool_(), "video": pa.bool_(), "role": pa.string(),
+    "references": pa.list_(pa.string()), "image": pa.binary()})
 
 
 @dataclass(frozen=True)

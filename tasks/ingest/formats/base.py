@@ -26,7 +26,7 @@ from typing import NamedTuple
 import fsspec
 
 from configs.schema import SourceConfig
-from tasks.ingest.listing import Listed, Listing, mask_beside
+from tasks.ingest.listing import MASKS, Listed, Listing, companion_beside
 from tasks.ingest.untrusted import Rejected, read_file
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"})
@@ -46,6 +46,8 @@ class Candidate:
     captions: list[str] | None = None
     problem: Rejected | None = None
     mask: bytes | None = None  # its loss mask's picture (a source's `masks: files` or `column`)
+    # its reference images, in order, each with where it came from (a source's `references`)
+    references: list[tuple[str, bytes]] = field(default_factory=list)
 
 
 class Unit(NamedTuple):
@@ -115,33 +117,56 @@ def media_kind(path: str) -> str:
 
 
 def read_media(fs: fsspec.AbstractFileSystem, path: str, limit: Limit, candidate: Candidate,
-               mask: str | None = None) -> None:
+               companions: dict | None = None) -> None:
     """A picture's bytes into `candidate.image`, or a video's into a local file it names; with
-    `mask`, the bytes of the picture's mask file."""
-    if mask is not None:
-        candidate.mask = read_file(fs, mask, limit(mask), "missing_mask")
+    `companions` (what `companion_unit` planned), the bytes of the picture's mask file and of its
+    reference files."""
+    companions = companions or {}
+    if "mask" in companions:
+        candidate.mask = read_file(fs, companions["mask"], limit(companions["mask"]), "missing_mask")
+    candidate.references = [(fs.unstrip_protocol(name), read_file(fs, name, limit(name), "missing_reference"))
+                            for name in companions.get("references", [])]
     candidate.image = read_file(fs, path, limit(path), f"missing_{media_kind(path)}", on_disk=is_video_name(path))
 
 
-def masked_unit(listing: Listing, source: SourceConfig, picture: str, where: str, plan: list,
-                *objects: Listed | None, mask: str | None = None) -> Unit:
+def companion_unit(listing: Listing, source: SourceConfig, picture: str, where: str, plan: list,
+                   *objects: Listed | None, mask: str | None = None, references: list[str] | None = None) -> Unit:
     """The unit reading `objects` (as listed; the picture or video at `picture` among them) by
-    `plan`, with its mask where the source reads masks from files: the one beside it in `mask_path`
-    (masks: files), or `mask`, the file its row names (masks: column). The mask's path is last in
-    the plan and the mask in the key, so a changed mask is read again. Refused, reading nothing,
-    when there is none."""
-    if source.masks not in ("files", "column"):
-        return Unit(*unit_of(*objects), plan)
+    `plan`, with the companions its source reads from files: its mask, the one beside it in
+    `mask_path` (masks: files) or `mask`, the file its row names (masks: column); its references,
+    the one beside it in each folder of `reference_path` (references: files) or `references`, the
+    files its row names (references: column). Their paths end the plan as one object and their
+    listed entries the key, so a changed mask or reference is read again. Refused, reading nothing,
+    when the source reads one and there is none."""
+    companions, entries = {}, []
+    stem = posixpath.basename(picture.rpartition(".")[0])
     if source.masks == "column":
         if mask is None:
             return refused(where, Rejected("missing_mask", f"the row names no mask in {source.mask_column!r}"))
-        return Unit(*unit_of(*objects, listing.entry(mask)), [*plan, mask])  # not there: missing_mask when read
-    found = mask_beside(listing, picture)
-    if found is None:
-        stem = posixpath.basename(picture.rpartition(".")[0])
-        return refused(where, Rejected("missing_mask", f"no mask {stem}.* in mask_path {source.mask_path!r} at "
-                                                       "its relative path"))
-    return Unit(*unit_of(*objects, found), [*plan, found.path])
+        companions["mask"], entries = mask, [listing.entry(mask)]  # not there: missing_mask when read
+    elif source.masks == "files":
+        if (found := companion_beside(listing, MASKS, picture)) is None:
+            return refused(where, Rejected("missing_mask", f"no mask {stem}.* in mask_path {source.mask_path!r} at "
+                                                           "its relative path"))
+        companions["mask"], entries = found.path, [found]
+    if source.references == "column":
+        if not references:
+            return refused(where, Rejected("missing_reference",
+                                           f"the row names no reference in {source.reference_column!r}"))
+        companions["references"] = references
+        entries += [listing.entry(name) for name in references]  # not there: missing_reference when read
+    elif source.references == "files":
+        found = [companion_beside(listing, slot, picture)
+                 for slot in range(MASKS + 1, MASKS + 1 + len(source.reference_folders()))]
+        for folder, entry in zip(source.reference_folders(), found):
+            if entry is None:
+                return refused(where, Rejected("missing_reference", f"no reference {stem}.* in reference_path "
+                                                                    f"{folder!r} at its relative path"))
+        companions["references"] = [entry.path for entry in found]
+        entries += found
+    if not companions:
+        return Unit(*unit_of(*objects), plan)
+    return Unit(*unit_of(*objects, *entries), [*plan, companions])
 
 
 def count_files(suffix: str):

@@ -10,7 +10,7 @@ import fsspec
 
 from configs.schema import SourceConfig
 from tasks.ingest.formats.base import (MEDIA_EXTENSIONS, Candidate, Limit, SourceFormat, Unit, is_image_name,
-                                       masked_unit, media_kind, read_media, refused)
+                                       companion_unit, media_kind, read_media, refused)
 from tasks.ingest.listing import Listing
 from tasks.ingest.untrusted import MAX_CAPTION_BYTES, Rejected, caption_variants, read_file
 
@@ -23,7 +23,7 @@ def folder_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
     for image, captions in listing.files_beside(*CAPTION_EXTENSIONS):
         if is_image_name(image.path):
             caption = next(filter(None, captions), None)  # in order of preference
-            yield masked_unit(listing, source, image.path, listing.fs.unstrip_protocol(image.path),
+            yield companion_unit(listing, source, image.path, listing.fs.unstrip_protocol(image.path),
                               ["file", image.path, caption and caption.path], *(image, caption) if caption else (image,))
     for caption in listing.alone(CAPTION_EXTENSIONS, MEDIA_EXTENSIONS):
         name = posixpath.basename(caption.path)
@@ -38,15 +38,16 @@ def count_folder(listing: Listing) -> int:
 
 def read_captioned_file(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, args: list,
                         limit: Limit) -> Iterator[Candidate]:
-    """An image file of a folder and the caption file beside it."""
-    file, caption_file, *mask = args
+    """An image file of a folder and the caption file beside it (and its companions: its mask and
+    references)."""
+    file, caption_file, *companions = args
     candidate = Candidate(fs.unstrip_protocol(file), fmt)
     try:
         if caption_file is None:
             stem = posixpath.basename(file).rpartition(".")[0]
             raise Rejected("missing_caption", f"no {stem}.txt or .caption beside the {media_kind(file)}")
         candidate.captions = caption_variants(read_file(fs, caption_file, MAX_CAPTION_BYTES, "missing_caption"))
-        read_media(fs, file, limit, candidate, *mask)
+        read_media(fs, file, limit, candidate, *companions)
     except Rejected as problem:
         candidate.problem = problem
     yield candidate

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import fsspec
 
-from configs.schema import SourceConfig
-from tasks.ingest.formats.base import Candidate, Limit, SourceFormat, Unit, masked_unit, read_media, refused, unit_of
+from configs.schema import MAX_REFERENCES, SourceConfig
+from tasks.ingest.formats.base import Candidate, Limit, SourceFormat, Unit, companion_unit, read_media, refused, unit_of
 from tasks.ingest.listing import Listing
 from tasks.ingest.untrusted import Rejected, caption_variants, parse_json
 
@@ -69,15 +69,36 @@ def metadata_units(listing: Listing, source: SourceConfig) -> Iterator[Unit]:
             path = f"{base}/{relative_name(record[source.file_column])}"
             where = fs.unstrip_protocol(path)
             captions = caption_variants(record.get(source.caption_column))
-            # the row's mask file (masks: column); a row without one is refused by `masked_unit`
+            # the row's mask file (masks: column) and reference files (references: column); a row
+            # without them is refused by `companion_unit`
             mask = (f"{base}/{relative_name(record[source.mask_column])}"
                     if source.masks == "column" and record.get(source.mask_column) else None)
+            references = ([f"{base}/{relative_name(name)}" for name in reference_names(record, source)]
+                          if source.references == "column" else None)
         except Rejected as problem:
             yield refused(where, problem)
             continue
-        unit = masked_unit(listing, source, path, where, ["image", path, where, captions], listing.entry(path),
-                           mask=mask)
+        unit = companion_unit(listing, source, path, where, ["image", path, where, captions], listing.entry(path),
+                              mask=mask, references=references)
         yield unit._replace(key=unit.key and json.dumps([unit.key, captions]))
+
+
+def reference_names(record: dict, source: SourceConfig) -> list[str]:
+    """The reference file names a row gives: in `reference_column` one name or a list of them, then
+    one in each of `<reference_column>_2`, `_3`, … (a csv row's further references; musubi-tuner's
+    control_path_N)."""
+    value = record.get(source.reference_column)
+    names = list(value) if isinstance(value, list) else [] if value in (None, "") else [value]
+    number = 2
+    while record.get(f"{source.reference_column}_{number}") not in (None, ""):
+        names.append(record[f"{source.reference_column}_{number}"])
+        number += 1
+    if not all(isinstance(name, str) and name for name in names):
+        raise Rejected("bad_metadata", f"{source.reference_column!r} is not a file name or a list of them")
+    if len(names) > MAX_REFERENCES:
+        raise Rejected("bad_metadata", f"{source.reference_column!r} names {len(names)} references, more than "
+                                       f"{MAX_REFERENCES}")
+    return names
 
 
 def relative_name(value) -> str:
@@ -98,10 +119,10 @@ def count_metadata(listing: Listing) -> int:
 def read_row(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, args: list,
              limit: Limit) -> Iterator[Candidate]:
     """A metadata row's picture or video, with the captions the row gave."""
-    path, where, captions, *mask = args
+    path, where, captions, *companions = args
     candidate = Candidate(where, fmt, captions=captions)
     try:
-        read_media(fs, path, limit, candidate, *mask)
+        read_media(fs, path, limit, candidate, *companions)
     except Rejected as problem:
         candidate.problem = problem
     yield candidate

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import fsspec
 import pyarrow.parquet as pq
 
-from configs.schema import SourceConfig
+from configs.schema import MAX_REFERENCES, SourceConfig
 from storage.store import PYTHON_BYTES
 from tasks.ingest.formats.base import CHUNK, Candidate, Limit, SourceFormat, Unit, count_files, top_level, unit_of
 from tasks.ingest.listing import Listing
@@ -31,32 +31,55 @@ def read_parquet(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfig, 
     (file,) = args
     # pages streamed CHUNK at a time, not a column chunk read whole first
     with fs.open(file, "rb") as handle, pq.ParquetFile(handle, buffer_size=CHUNK, pre_buffer=False) as parquet:
-        columns = [source.image_column, source.caption_column, *[source.mask_column] * (source.masks == "column")]
-        missing = set(columns) - set(parquet.schema_arrow.names)
+        masks, references = source.masks == "column", source.references == "column"
+        columns = [source.image_column, source.caption_column, source.mask_column if masks else None,
+                   source.reference_column if references else None]
+        missing = set(filter(None, columns)) - set(parquet.schema_arrow.names)
         if missing:
             raise RuntimeError(f"dataset source {fs.unstrip_protocol(file)}: no column {sorted(missing)}")
         row = 0
-        media = {source.image_column, *columns[2:]}  # a mask column's bytes are held as the pictures' are
-        for batch in parquet.iter_batches(batch_size=parquet_batch_rows(parquet, media), columns=columns,
+        read = [column for column in columns if column]
+        media = {source.image_column, *read[2:]}  # mask and reference bytes are held as the pictures' are
+        for batch in parquet.iter_batches(batch_size=parquet_batch_rows(parquet, media), columns=read,
                                           **PYTHON_BYTES):
-            for image, caption, *mask in zip(*(batch.column(i).to_pylist() for i in range(len(columns)))):
+            cells = {name: batch.column(name).to_pylist() for name in read}
+            for at in range(batch.num_rows):
                 candidate = Candidate(f"{fs.unstrip_protocol(file)}#{row}", fmt)
                 row += 1
                 try:
-                    candidate.captions = caption_variants(caption)
-                    candidate.image = cell_bytes(image)
+                    candidate.captions = caption_variants(cells[source.caption_column][at])
+                    candidate.image = cell_bytes(cells[source.image_column][at])
                     if candidate.image is None:
                         raise Rejected("missing_image", "no image bytes in the row")
-                    if mask:
-                        candidate.mask = cell_bytes(mask[0])
-                        if candidate.mask is None:
-                            raise Rejected("missing_mask", f"no mask bytes in the row's {source.mask_column!r}")
-                        if not isinstance(candidate.mask, bytes):
-                            raise Rejected("bad_mask", f"the row's {source.mask_column!r} holds "
-                                                       f"{type(candidate.mask).__name__}, not a mask's bytes")
+                    if masks:
+                        candidate.mask = picture_bytes(cells[source.mask_column][at], source.mask_column, "mask")
+                    if references:
+                        found = cells[source.reference_column][at]
+                        found = found if isinstance(found, list) else [] if found is None else [found]
+                        if not found:
+                            raise Rejected("missing_reference",
+                                           f"no reference bytes in the row's {source.reference_column!r}")
+                        if len(found) > MAX_REFERENCES:
+                            raise Rejected("bad_reference", f"the row's {source.reference_column!r} holds "
+                                                            f"{len(found)} references, more than {MAX_REFERENCES}")
+                        candidate.references = [
+                            (f"{candidate.source}:{source.reference_column}[{number}]",
+                             picture_bytes(cell, source.reference_column, "reference"))
+                            for number, cell in enumerate(found)]
                 except Rejected as problem:
                     candidate.problem = problem
                 yield candidate
+
+
+def picture_bytes(cell, column: str, kind: str) -> bytes:
+    """A mask's or reference's bytes from its cell: `missing_<kind>` when there are none, `bad_<kind>`
+    when the cell holds anything else."""
+    found = cell_bytes(cell)
+    if found is None:
+        raise Rejected(f"missing_{kind}", f"no {kind} bytes in the row's {column!r}")
+    if not isinstance(found, bytes):
+        raise Rejected(f"bad_{kind}", f"the row's {column!r} holds {type(found).__name__}, not a {kind}'s bytes")
+    return found
 
 
 def cell_bytes(cell) -> bytes | None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import fsspec
 
-from configs.schema import SourceConfig
-from tasks.ingest.formats.base import (CHUNK, MEDIA_EXTENSIONS, VIDEO_EXTENSIONS, Candidate, Limit, SourceFormat, Unit,
+from configs.schema import MAX_REFERENCES, SourceConfig
+from tasks.ingest.formats.base import (CHUNK, IMAGE_EXTENSIONS, MEDIA_EXTENSIONS, VIDEO_EXTENSIONS, Candidate, Limit, SourceFormat, Unit,
                                        count_files, top_level, unit_of)
 from tasks.ingest.listing import Listing
 from tasks.ingest.untrusted import (MAX_CAPTION_BYTES, Rejected, caption_variants, copy_to_disk, member_problem,
@@ -48,6 +48,9 @@ def read_webdataset(fs: fsspec.AbstractFileSystem, fmt: str, source: SourceConfi
     (file,) = args
     limits = {**{ext: limit(f"x.{ext}") for ext in MEDIA_EXTENSIONS}, "txt": MAX_CAPTION_BYTES,
               "json": MAX_CAPTION_BYTES}
+    if source.references == "column":  # `x.reference.png`, `x.reference_2.png`, …
+        limits.update({f"{name}.{ext}": limit(f"x.{ext}") for name in reference_members(source)
+                       for ext in IMAGE_EXTENSIONS})
     parts: dict[str, bytes | Path] = {}
     try:
         yield from _read_tar(fs, file, fs.unstrip_protocol(file), source, fmt, limits, parts)
@@ -110,6 +113,8 @@ def _tar_sample(url: str, key: str, parts: dict[str, bytes | Path], source: Sour
         return
     candidate = Candidate(f"{url}::{key}.{image_ext}", fmt, image=parts[image_ext])
     try:
+        if source.references == "column":
+            candidate.references = tar_references(url, key, parts, source)
         if "txt" in parts:
             candidate.captions = caption_variants(parts["txt"])
         elif "json" in parts:
@@ -122,6 +127,24 @@ def _tar_sample(url: str, key: str, parts: dict[str, bytes | Path], source: Sour
     except Rejected as problem:
         candidate.problem = problem
     yield candidate
+
+
+def reference_members(source: SourceConfig) -> list[str]:
+    """The member names (before the picture's extension) of a sample's references, in order."""
+    return [source.reference_column, *(f"{source.reference_column}_{n}" for n in range(2, MAX_REFERENCES + 1))]
+
+
+def tar_references(url: str, key: str, parts: dict[str, bytes | Path], source: SourceConfig) -> list[tuple[str, bytes]]:
+    """A sample's reference members, in order (they stop at the first number missing)."""
+    found = []
+    for name in reference_members(source):
+        ext = next((ext for ext in IMAGE_EXTENSIONS if f"{name}.{ext}" in parts), None)
+        if ext is None:
+            break
+        found.append((f"{url}::{key}.{name}.{ext}", parts[f"{name}.{ext}"]))
+    if not found:
+        raise Rejected("missing_reference", f"no {key}.{source.reference_column}.* picture in the archive")
+    return found
 
 
 WEBDATASET = SourceFormat("webdataset", webdataset_units, count_files(".tar"), {"tar": read_webdataset},
