@@ -92,7 +92,7 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
             if size > max_image_bytes(dataset):
                 raise Rejected("bad_video", NOT_A_CONTAINER)
             data = data.read_bytes()
-        references = examine_references(candidate, dataset, stored, keep)
+        references, new = examine_references(candidate, dataset, stored)
         outcome.references = [reference.sample_id for reference in references] or None
         outcome.sample_id = picture_id(data, alpha, candidate.mask, outcome.references)
         if (size := stored(outcome.sample_id)) is not None:  # validated when first ingested; only the rules may have changed
@@ -110,6 +110,8 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
         # variants are a set (training picks one at random): sorted, so line order or which
         # duplicate came first never changes a sample's identity
         outcome.captions = sorted(set(candidate.captions))
+        for sample_id, image in new.items():  # kept only once their target is
+            keep(sample_id, image)
         return [outcome, *references]
     except Rejected as problem:
         outcome.reason, outcome.message = problem.reason, printable(problem.message)
@@ -122,12 +124,13 @@ def examine(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str]
     return [outcome]
 
 
-def examine_references(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str], tuple[int, int] | None],
-                       keep: Callable[[str, bytes], None]) -> list[Outcome]:
-    """A candidate's references, each checked as any picture is and a new one kept under its id
-    (the hash of its bytes, salted: REFERENCE), as outcomes of the role "reference". Raises
-    Rejected naming the first that cannot be one (bad_reference, with its own reason)."""
-    found = []
+def examine_references(candidate: Candidate, dataset: DatasetConfig, stored: Callable[[str], tuple[int, int] | None]
+                       ) -> tuple[list[Outcome], dict[str, bytes]]:
+    """A candidate's references, each checked as any picture is, as outcomes of the role
+    "reference" whose id is the hash of its bytes, salted (REFERENCE), and the normalised bytes of
+    those no shard holds yet, by id. Raises Rejected naming the first that cannot be one
+    (bad_reference, with its own reason)."""
+    found, new = [], {}
     for number, (where, data) in enumerate(candidate.references, start=1):
         reference = Outcome(printable(where), candidate.format, sha256_bytes(data + REFERENCE), [], role="reference")
         try:
@@ -135,13 +138,12 @@ def examine_references(candidate: Candidate, dataset: DatasetConfig, stored: Cal
                 reference.width, reference.height = size
                 check_geometry(reference.width, reference.height, dataset)
             else:
-                image, reference.width, reference.height = normalise_image(data, dataset)
-                keep(reference.sample_id, image)
+                new[reference.sample_id], reference.width, reference.height = normalise_image(data, dataset)
                 reference.spilled = True
         except Rejected as problem:
             raise Rejected("bad_reference", f"reference {number}, {where}: {problem.reason}: {problem.message}") from problem
         found.append(reference)
-    return found
+    return found, new
 
 
 def picture_id(data: bytes, alpha: bool, mask: bytes | None, references: list[str] | None = None) -> str:

@@ -54,7 +54,6 @@ class Scan:
     # from it): a duplicate from a source that differs keeps its first source's captions alone
     signatures: list[Any] = field(default_factory=list)
     kept_apart: int = 0  # such duplicates
-    reference_uses: int = 0  # references named by accepted targets (a reference shared is counted per target)
     # added since the last flush: keyed units' outcomes, quarantined and accepted candidates
     keyed: list[tuple] = field(default_factory=list)
     refused: list[tuple] = field(default_factory=list)
@@ -72,9 +71,7 @@ class Scan:
         self.bytes_read += unit.size if read else 0
         for outcome in outcomes:
             self.position += 1
-            if outcome.role == "reference":  # no candidate of its own: its target's
-                self.reference_uses += 1
-            else:
+            if outcome.role != "reference":  # a reference is no candidate of its own: its target's
                 self.formats[outcome.format] += 1
             if outcome.reason is not None:
                 log.warning("quarantined %s: %s (%s)", outcome.source, outcome.reason, outcome.message)

@@ -119,7 +119,7 @@ def commit_members(store: Store, dataset: DatasetConfig, scan: Scan, spill: Path
     (None for one source). Keyed by its content: a sample that moves to another source changes it,
     whatever the dataset's id."""
     if len(dataset.sources) == 1:
-        return [scan.count("samples")], None
+        return [scan.samples()], None
     counts = [0] * len(dataset.sources)
     local = spill / "members.parquet"
     with pq.ParquetWriter(local, MEMBERS_SCHEMA, compression="zstd") as writer:

@@ -91,6 +91,8 @@ def examine_partition(storage: StorageConfig, dataset: DatasetConfig, index: int
     if source.masks == "files":
         folders[f"mask_path {source.mask_path!r}"] = fsspec.core.url_to_fs(
             source.mask_path, **source_options(source.mask_path, storage))[1]
+    for folder in source.reference_folders():
+        folders[f"reference_path {folder!r}"] = fsspec.core.url_to_fs(folder, **source_options(folder, storage))[1]
     for what, path in folders.items():
         if not fs.exists(path):  # not a sample's problem: this worker does not see it (a local path?)
             raise RuntimeError(f"{what} cannot be read on worker {socket.gethostname()}")

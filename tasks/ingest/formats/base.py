@@ -122,9 +122,10 @@ def read_media(fs: fsspec.AbstractFileSystem, path: str, limit: Limit, candidate
     `companions` (what `companion_unit` planned), the bytes of the picture's mask file and of its
     reference files."""
     companions = companions or {}
+    picture = limit("x.png")  # a mask or reference is a picture, whatever a row names it (ref.mp4)
     if "mask" in companions:
-        candidate.mask = read_file(fs, companions["mask"], limit(companions["mask"]), "missing_mask")
-    candidate.references = [(fs.unstrip_protocol(name), read_file(fs, name, limit(name), "missing_reference"))
+        candidate.mask = read_file(fs, companions["mask"], picture, "missing_mask")
+    candidate.references = [(fs.unstrip_protocol(name), read_file(fs, name, picture, "missing_reference"))
                             for name in companions.get("references", [])]
     candidate.image = read_file(fs, path, limit(path), f"missing_{media_kind(path)}", on_disk=is_video_name(path))
 
