@@ -122,6 +122,8 @@ def vae_fingerprint(model: ModelConfig, latents: LatentEncodingConfig) -> str:
     family.codec.bucket_table(latents.resolution)  # a resolution without buckets is refused before any stage
     if family.codec.buckets.rule:
         settings["buckets"] = family.codec.buckets.rule
+    if family.codec.references is not None:  # how reference rows are sized (none elsewhere: ids unchanged)
+        settings["references"] = family.codec.references.rule
     return hash_json({"files": files, **settings, "format": LATENT_FORMAT})
 
 

@@ -37,6 +37,10 @@ MANIFEST_SCHEMA = pa.schema(
         ("latent_shard", pa.string()),
         ("bucket", pa.string()),
         ("source", pa.int32()),  # the index of the dataset source it came from (0 while sources are one pool)
+        # an edit pair's references, in order: their ids, the latent shards holding them and their buckets
+        ("references", pa.list_(pa.string())),
+        ("reference_shards", pa.list_(pa.string())),
+        ("reference_buckets", pa.list_(pa.string())),
     ]
 )
 
@@ -89,24 +93,37 @@ def _write_manifest(store: Store, this_id: str, dataset_id: str, text_fps: dict[
                 store.read_header(latents, commits[latents]["size"]))
 
     with ThreadPoolExecutor(MANIFEST_CONCURRENCY) as pool:
-        for shard, (shard_checksums, text, latents) in zip(dataset["shards"], pool.map(committed, dataset["shards"])):
-            checksums.update(shard_checksums)
-            text_shards, latent_shard = text_keys(shard), latent_key(shard)
-            variants = Counter(row.rsplit("/", 1)[0] for row in json.loads(text["rows"]))
-            latent_rows = json.loads(latents["rows"])
-            excluded = {q["sample_id"]: q["reason"] for q in json.loads(latents["meta"])["quarantined"]}
-            members = shard["samples"] if shard["samples"] is not None else sorted(set(variants) | set(latent_rows))
-            for sample_id in members:
-                if sample_id in excluded:  # the latent stage quarantined it, with its reason
-                    quarantined[excluded[sample_id]] += 1
-                    continue
-                if sample_id not in latent_rows or not variants[sample_id]:
-                    missing = "latents" if sample_id not in latent_rows else "text embeddings"
-                    raise ValueError(f"sample {sample_id} of shard {shard['id']} has no {missing}")
-                bucket = latent_rows[sample_id][0]
-                buckets[bucket] += 1
-                rows.append({"sample_id": sample_id, "variants": variants[sample_id], "text_shards": text_shards,
-                             "latent_shard": latent_shard, "bucket": bucket, "source": source_of.get(sample_id, 0)})
+        read = list(zip(dataset["shards"], pool.map(committed, dataset["shards"])))
+    # edit pairs: where each reference's latents are, in whichever shard holds them
+    placed = {reference: (latent_key(shard), json.loads(latents["rows"])[reference][0])
+              for shard, (_, _, latents) in read for reference in json.loads(latents["meta"]).get("reference_rows", [])}
+    for shard, (shard_checksums, text, latents) in read:
+        checksums.update(shard_checksums)
+        text_shards, latent_shard = text_keys(shard), latent_key(shard)
+        variants = Counter(row.rsplit("/", 1)[0] for row in json.loads(text["rows"]))
+        latent_rows, meta = json.loads(latents["rows"]), json.loads(latents["meta"])
+        excluded = {q["sample_id"]: q["reason"] for q in meta["quarantined"]}
+        pairs = meta.get("references", {})
+        members = shard["samples"] if shard["samples"] is not None else sorted(set(variants) | set(latent_rows))
+        for sample_id in members:
+            if sample_id in excluded:  # the latent stage quarantined it, with its reason
+                quarantined[excluded[sample_id]] += 1
+                continue
+            if sample_id in placed:
+                continue  # a reference: trained as its targets' condition, no sample of its own
+            if sample_id not in latent_rows or not variants[sample_id]:
+                missing = "latents" if sample_id not in latent_rows else "text embeddings"
+                raise ValueError(f"sample {sample_id} of shard {shard['id']} has no {missing}")
+            references = pairs.get(sample_id) or []
+            if any(reference not in placed for reference in references):  # its reference's latents were quarantined
+                quarantined["reference_latents"] += 1
+                continue
+            bucket = latent_rows[sample_id][0]
+            buckets[bucket] += 1
+            rows.append({"sample_id": sample_id, "variants": variants[sample_id], "text_shards": text_shards,
+                         "latent_shard": latent_shard, "bucket": bucket, "source": source_of.get(sample_id, 0),
+                         **({"references": references, "reference_shards": [placed[r][0] for r in references],
+                             "reference_buckets": [placed[r][1] for r in references]} if references else {})})
 
     table_key = layout.manifest_table(this_id)
     buffer = io.BytesIO()

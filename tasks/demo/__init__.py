@@ -10,9 +10,9 @@ from pathlib import Path
 
 # what `--family` chooses
 DEMO_FAMILIES = ("pixart", "flux", "flux-schnell", "sd3", "chroma", "zimage", "qwen-image", "flux2-klein", "wan")
-# every tiny model folder precast writes: the demos' (the wan demo's is wan-ti2v), FLUX.2 [dev]'s and
-# Wan 2.2's published layouts (TI2V-5B, A14B), which have no demo
-TINY_FAMILIES = (*DEMO_FAMILIES, "flux2-dev", "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b")
+# every tiny model folder precast writes: the demos' (the wan demo's is wan-ti2v), FLUX.1 Kontext's,
+# FLUX.2 [dev]'s and Wan 2.2's published layouts (TI2V-5B, A14B), which have no demo
+TINY_FAMILIES = (*DEMO_FAMILIES, "flux-kontext", "flux2-dev", "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b")
 VIDEO_FAMILIES = ("wan",)  # their demo learns from generated videos (`videos`), the others' from pictures
 # the tiny models a demo trains, where not its own family's: the wan demo's sample from a first frame too
 DEMO_MODELS = {"wan": "wan-ti2v"}

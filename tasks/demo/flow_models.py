@@ -133,6 +133,9 @@ _FLUX_TEXT = (("", "clip-l", "CLIPTextModel"), ("_2", "t5", "T5EncoderModel"))
 FAMILIES = {
     "flux": TinyFamily("FluxPipeline", _FLUX_TEXT, "FluxTransformer2DModel", dict(_FLUX, guidance_embeds=True),
                        _DYNAMIC_SHIFT, (0.1159, 0.3611)),  # FLUX.1 [dev]
+    # FLUX.1 Kontext [dev]: FLUX.1 [dev]'s components under the pipeline that edits a reference
+    "flux-kontext": TinyFamily("FluxKontextPipeline", _FLUX_TEXT, "FluxTransformer2DModel",
+                               dict(_FLUX, guidance_embeds=True), _DYNAMIC_SHIFT, (0.1159, 0.3611)),
     "flux-schnell": TinyFamily("FluxPipeline", _FLUX_TEXT, "FluxTransformer2DModel",
                                dict(_FLUX, guidance_embeds=False), _NO_SHIFT, (0.1159, 0.3611)),
     "sd3": TinyFamily(

@@ -63,17 +63,18 @@ def crop_box(table: dict[str, list[float]], width: int, height: int, crop: str, 
     return [resized_w, resized_h, left, top, left + target_w, top + target_h]
 
 
-def preprocess(image_bytes: bytes, box: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pixels the VAE sees: resized (bicubic) and cropped by `box`, scaled to [-1, 1], [3, H, W];
+def preprocess(image_bytes: bytes, box: list[int], resample: Image.Resampling = Image.Resampling.BICUBIC
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pixels the VAE sees: resized (bicubic, or `resample`) and cropped by `box`, scaled to [-1, 1], [3, H, W];
     and a picture's loss mask, when ingest kept one as its alpha (a source's `masks`): the alpha
     resized (bilinear) and cropped alike, [1, H, W] in [0, 1]; a transparent picture's pixels
     composited on white, a mask file's left as they are."""
     with Image.open(io.BytesIO(image_bytes)) as opened:
         if opened.mode == "RGBA":
             whole = MASK_FROM_FILE in opened.info  # a mask file's: the pixels under it are real
-            pixels = pixels_of(opened.convert("RGB") if whole else to_rgb(opened), box)
+            pixels = pixels_of(opened.convert("RGB") if whole else to_rgb(opened), box, resample)
             return pixels, mask_of(opened.getchannel("A"), box)
-        return pixels_of(opened.convert("RGB"), box), None
+        return pixels_of(opened.convert("RGB"), box, resample), None
 
 
 def latent_mask(mask: torch.Tensor | None, latent_shape: torch.Size) -> torch.Tensor:
@@ -100,8 +101,9 @@ def mask_of(grey: Image.Image, box: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.asarray(grey, dtype=np.uint8).copy()).float().div(255.0)[None]
 
 
-def pixels_of(image: Image.Image, box: list[int]) -> torch.Tensor:
-    image = image.resize(tuple(box[:2]), Image.Resampling.BICUBIC).crop(tuple(box[2:]))
+def pixels_of(image: Image.Image, box: list[int], resample: Image.Resampling = Image.Resampling.BICUBIC
+              ) -> torch.Tensor:
+    image = image.resize(tuple(box[:2]), resample).crop(tuple(box[2:]))
     pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
     return pixels.float().div(127.5).sub(1.0)
 
@@ -178,8 +180,18 @@ def encode_latents_shard(
             return family.codec.bucket_table(sample["resolution"], f"the source of {sample['source']!r}: resolution")
         return family.codec.bucket_table(latents.resolution)
 
-    boxes = {s["sample_id"]: crop_box(table(s), s["width"], s["height"], latents.crop, latents.crop_seed,
-                                      s["sample_id"]) for s in samples}
+    def box(sample: dict) -> list[int]:
+        if sample.get("role") == "reference" and family.codec.references is not None:  # resized whole, as the pipeline
+            width, height = family.codec.references.size(sample["width"], sample["height"],
+                                                          sample.get("resolution") or latents.resolution)
+            return [width, height, 0, 0, width, height]
+        return crop_box(table(sample), sample["width"], sample["height"], latents.crop, latents.crop_seed,
+                        sample["sample_id"])
+
+    boxes = {s["sample_id"]: box(s) for s in samples}
+    # a reference is resized as its pipeline resizes it (diffusers' image processor: Lanczos)
+    resampling = {s["sample_id"]: Image.Resampling.LANCZOS if s.get("role") == "reference" else Image.Resampling.BICUBIC
+                  for s in samples}
     # {sample_id: (bucket, stored parts)}: encoded here, or copied from a shard that holds the image
     results, factors = held_latents(store, fingerprint, samples, boxes)
     copied = len(results)
@@ -199,7 +211,8 @@ def encode_latents_shard(
                 pixels, masks = zip(*(preprocess_clip(s["image"], boxes[s["sample_id"]]) for s in batch))
                 pixels = torch.stack(pixels)
             else:
-                pixels, masks = zip(*(preprocess(s["image"], boxes[s["sample_id"]]) for s in batch))
+                pixels, masks = zip(*(preprocess(s["image"], boxes[s["sample_id"]], resampling[s["sample_id"]])
+                                      for s in batch))
                 pixels = family.codec.vae_pixels(torch.stack(pixels))
             return (pixels.pin_memory() if vae.device.type == "cuda" else pixels), list(masks)
 
@@ -262,6 +275,11 @@ def encode_latents_shard(
         "posterior": latents.posterior, "flip": latents.flip, "crop": latents.crop,
         "crop_boxes": {sid: boxes[sid] for sid in rows}, "quarantined": quarantined,
         "scaling_factor": scale, "shift_factor": shift,
+        # edit pairs: this shard's reference rows, and each target's references (which may be in other shards)
+        **({"reference_rows": sorted(s["sample_id"] for s in samples if s.get("role") == "reference" and
+                                     s["sample_id"] in rows),
+            "references": {s["sample_id"]: s["references"] for s in samples if s.get("references")}}
+           if any(s.get("role") == "reference" or s.get("references") for s in samples) else {}),
     }
     clips = sum(frames[sample_id] > 1 for sample_id in rows)
     record = store.commit(

@@ -15,13 +15,13 @@ import os
 
 from configs.schema import ModelConfig
 from storage.fingerprint import check_hub_id, hub_cache_refused
-from tasks.families import chroma, flux, flux2, pixart, qwenimage, sd3, wan, zimage
+from tasks.families import chroma, flux, flux2, kontext, pixart, qwenimage, sd3, wan, zimage
 from tasks.families.spec import Family
 
 __all__ = ["FAMILIES", "Family", "family_named", "family_of"]
 
-FAMILIES: tuple[Family, ...] = (*pixart.FAMILIES, *flux.FAMILIES, *sd3.FAMILIES, *chroma.FAMILIES, *wan.FAMILIES,
-                                 *zimage.FAMILIES, *qwenimage.FAMILIES, *flux2.FAMILIES)
+FAMILIES: tuple[Family, ...] = (*pixart.FAMILIES, *flux.FAMILIES, *kontext.FAMILIES, *sd3.FAMILIES, *chroma.FAMILIES,
+                                 *wan.FAMILIES, *zimage.FAMILIES, *qwenimage.FAMILIES, *flux2.FAMILIES)
 # the pipeline of runs published before their lineage recorded one: precast then trained one family
 UNRECORDED_PIPELINE = pixart.SIGMA.pipelines[0]
 

@@ -85,18 +85,25 @@ class FluxDenoiser(PackedFlow):
 
     def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: Conditioning,
                 timesteps: torch.Tensor, guidance: float = 1.0) -> torch.Tensor:
-        """As the pipeline calls it: packed latents with their image ids, T5's states with zero
-        text ids, CLIP's pooled vector, timestep / 1000 and, for dev, the guidance value."""
+        """As the pipeline calls it: packed latents with their image ids (and whatever tokens
+        `tokens` adds after them), T5's states with zero text ids, CLIP's pooled vector, timestep /
+        1000 and, for dev, the guidance value; the prediction of the latents' own tokens."""
         height, width = noisy.shape[2:]
         embeds = text["t5_hidden"]
+        tokens, ids = self.tokens(noisy, text, embeds.dtype)
         with_guidance = getattr(network, "module", network).config.guidance_embeds  # DDP wraps it on several processes
         prediction = network(
-            hidden_states=pack(noisy), timestep=timesteps / 1000,
+            hidden_states=torch.cat(tokens, dim=1), timestep=timesteps / 1000,
             guidance=torch.full((len(noisy),), guidance, device=noisy.device) if with_guidance else None,
             pooled_projections=text["clip_l_pooled"], encoder_hidden_states=embeds,
             txt_ids=torch.zeros(embeds.shape[1], 3, device=noisy.device, dtype=embeds.dtype),
-            img_ids=image_ids(height, width, noisy.device, embeds.dtype)).sample
-        return unpack(prediction, height, width)
+            img_ids=torch.cat(ids)).sample
+        return unpack(prediction[:, : tokens[0].shape[1]], height, width)
+
+    def tokens(self, noisy: torch.Tensor, text: Conditioning, dtype: torch.dtype
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The image tokens the transformer is given and their ids: the noisy latents' alone."""
+        return [pack(noisy)], [image_ids(*noisy.shape[2:], noisy.device, dtype)]
 
 
 @dataclass(frozen=True)

@@ -305,6 +305,19 @@ class Buckets(Part):
 
 
 @dataclass(frozen=True)
+class References(Part):
+    """How an edit or reference family's pipeline sizes a target's reference images for the VAE;
+    `rule` names it in the latent cache's fingerprint. The pipelines size them for 1024² outputs:
+    here at the run's resolution (the pipeline's own rule at 1024)."""
+
+    rule: str
+
+    def size(self, width: int, height: int, resolution: int) -> tuple[int, int]:
+        """(width, height) in pixels a reference of width × height is resized to (not cropped)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
 class Codec(Part):
     """The VAE (its diffusers class), the buckets pictures are cropped to and the normalisation of
     its latents; by default for pictures, each one latent image."""
@@ -313,7 +326,7 @@ class Codec(Part):
     vae: str = "AutoencoderKL"
     # how the pipeline sizes a target's reference images for the VAE (edit and reference families);
     # None: the family takes no reference images, and a paired dataset is refused before any stage
-    references: str | None = None
+    references: References | None = None
 
     def bucket_table(self, resolution: int, setting: str = "latent_encoding.resolution") -> dict[str, list[float]]:
         return self.buckets.table(resolution, setting)

@@ -76,7 +76,8 @@ class CachedFeatures:
             raise ValueError(f"manifest {manifest['id']} holds the text encoders {', '.join(named)}; the model's "
                              f"family reads {', '.join(spec.name for spec in encoders)}")
         text_keys = {key for row in self.samples.values() for key in text_shards_of(row)}
-        latent_keys = {row["latent_shard"] for row in self.samples.values()}
+        latent_keys = {key for row in self.samples.values() for key in [row["latent_shard"],
+                                                                         *(row.get("reference_shards") or [])]}
         self.text = TextCaches(store, encoders, {key: checksums[key] for key in {*text_keys, *named.values()}}, named)
         self._latents = {key: LatentShard(path) for key, path in
                          store.local_paths({key: checksums[key] for key in latent_keys}).items()}
@@ -85,9 +86,11 @@ class CachedFeatures:
         self.shift, self.scale = (torch.tensor(first[key], dtype=torch.float32) for key in ("shift_factor", "scaling_factor"))
         # latent_encoding.resolution (a source's own changes its samples' buckets): the samples' side
         self.resolution = first["resolution"]
+        # the samples by bucket: an edit pair's by its own and its references' (`group_name`), so a
+        # batch's references stack as its latents do
         self.buckets: dict[str, list[str]] = defaultdict(list)
         for sample_id, row in sorted(self.samples.items()):
-            self.buckets[row["bucket"]].append(sample_id)
+            self.buckets[group_name(row["bucket"], *(row.get("reference_buckets") or []))].append(sample_id)
         # how training draws from each source of the dataset (None: one pool), as the manifest says
         self.mix: list[dict[str, Any]] | None = manifest.get("mix")
 
@@ -123,9 +126,11 @@ class CachedFeatures:
         """Normalised latents [B, C, (F,) h, w] (as the family's codec normalises them) drawn from the stored posteriors (of the flipped image half of
         the time when flips are stored) and the text features of a caption variant of each (the
         empty caption's, at the rate of `caption_dropout`: one for all, or each sample's),
-        collated (`storage.shards.collate`); and their loss masks [B, 1, (F,) h, w] (flipped with
-        their latents), None when no sample of the batch has one."""
-        latents, texts, masks = [], [], []
+        collated (`storage.shards.collate`), with an edit pair's references' latents as
+        `reference_<n>` [B, C, h, w] (their posterior's mean, as the pipelines take it, flipped with
+        their target); and their loss masks [B, 1, (F,) h, w] (flipped with their latents), None
+        when no sample of the batch has one."""
+        latents, texts, masks, references = [], [], [], defaultdict(list)
         rates = [caption_dropout] * len(sample_ids) if isinstance(caption_dropout, float) else caption_dropout
         for sample_id, rate in zip(sample_ids, rates):
             row = self.samples[sample_id]
@@ -137,15 +142,19 @@ class CachedFeatures:
             if std is not None:  # a fresh draw from the posterior every time the sample is seen
                 latent = latent + std.float() * torch.randn(mean.shape, generator=generator)
             latents.append(self.codec.normalised(latent, self.shift, self.scale))
+            for n, (reference, key) in enumerate(zip(row.get("references") or [], row.get("reference_shards") or [])):
+                held, _ = self._latents[key].get(reference, flipped)
+                references[f"reference_{n}"].append(self.codec.normalised(held.float(), self.shift, self.scale))
             if torch.rand((), generator=generator).item() < rate:
                 texts.append(self.text.prompt(""))
             else:
                 variant = int(torch.randint(row["variants"], (), generator=generator))
                 texts.append(self.text.caption(text_shards_of(row), sample_id, variant))
+        conditioning = {**collate(texts), **{name: torch.stack(held) for name, held in references.items()}}
         if all(mask is None for mask in masks):
-            return torch.stack(latents), collate(texts), None
+            return torch.stack(latents), conditioning, None
         whole = torch.ones(1, *latents[0].shape[1:])
-        return torch.stack(latents), collate(texts), torch.stack([whole if m is None else m.float() for m in masks])
+        return torch.stack(latents), conditioning, torch.stack([whole if m is None else m.float() for m in masks])
 
 
 class Batches:
@@ -203,12 +212,23 @@ class Batches:
 
 def batch_sizes(buckets: dict[str, list[str]], batch_size: int, batch_tokens: int | None,
                 tokens: Callable[..., int]) -> dict[str, int]:
-    """Samples per micro-batch of each bucket (named by its latents' sides, `bucket_name`):
-    batch_size, or as many samples as `batch_tokens` tokens hold (at least one), `tokens(*sides)`
-    being a sample's (the family's `image_tokens`)."""
+    """Samples per micro-batch of each bucket (named by its latents' sides, `bucket_name`, or an
+    edit pair's `group_name`): batch_size, or as many samples as `batch_tokens` tokens hold (at
+    least one), `tokens(*sides)` being a sample's (the family's `image_tokens`: a pair's, its
+    target's and its references')."""
     if batch_tokens is None:
         return {name: batch_size for name in buckets}
-    return {name: max(1, batch_tokens // tokens(*bucket_sides(name))) for name in buckets}
+    return {name: max(1, batch_tokens // group_tokens(name, tokens)) for name in buckets}
+
+
+def group_name(bucket: str, *references: str) -> str:
+    """The group a sample is batched in: its bucket, and an edit pair's references' buckets after it."""
+    return "+".join((bucket, *references))
+
+
+def group_tokens(name: str, tokens: Callable[..., int]) -> int:
+    """The image tokens a sample of group `name` gives the transformer: its own and its references'."""
+    return sum(tokens(*bucket_sides(part)) for part in name.split("+"))
 
 
 def bucket_batches(buckets: dict[str, list[str]], sizes: dict[str, int] | int, seed: int) -> Iterator[list[str]]:

@@ -286,11 +286,13 @@ def auto_settings(model: ModelConfig, training: TrainingConfig, family: Family, 
 def reader_shapes(model: ModelConfig, family: Family, features: Any) -> Shapes:
     """What a run's cached features hand the transformer at most: the latents of its bucket with
     the most image tokens (a sample of it read as training reads it) and each text cache's length."""
-    from storage.shards import bucket_sides
+    from functools import partial
+
+    from tasks.train.data import group_tokens
 
     config = family.denoiser.transformer_class().load_config(model.path, subfolder=family.denoiser.folder(model),
                                                              revision=model.revision)
-    bucket = max(features.buckets, key=lambda name: family.denoiser.image_tokens(config, *bucket_sides(name)))
+    bucket = max(features.buckets, key=lambda name: group_tokens(name, partial(family.denoiser.image_tokens, config)))
     latents, *_ = features.batch(features.buckets[bucket][:1], torch.Generator().manual_seed(0), 0.0)
     lengths = {spec.name: shard.meta["max_length"] for spec, shard in zip(family.text.encoders, features.text.prompts)}
     return Shapes(tuple(latents.shape[1:]), lengths)

@@ -1,0 +1,138 @@
+"""FLUX.1 Kontext against its own pipeline: how it sizes a reference, and its transformer call with
+the reference's tokens beside the target's."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from PIL import Image
+
+from configs.schema import ModelConfig, TrainingConfig
+from tasks.families import family_of
+from tasks.families.flux import unpack
+from tasks.ingest.examine import REFERENCE
+from tests.pipeline_calls import transformer_calls
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kontext(tiny_family):
+    from diffusers import FluxKontextPipeline
+
+    model = ModelConfig(path=str(tiny_family("flux-kontext")))
+    return model, FluxKontextPipeline.from_pretrained(model.path)
+
+
+def _text(pipeline, prompt: str) -> dict[str, torch.Tensor]:
+    embeds, pooled, _ = pipeline.encode_prompt([prompt], prompt_2=None, device=CPU, max_sequence_length=512)
+    return {"t5_hidden": embeds, "clip_l_pooled": pooled}
+
+
+@pytest.mark.parametrize("size", [(1024, 1024), (1500, 600), (600, 1500), (900, 800), (333, 1000)])
+def test_a_reference_is_sized_as_the_pipeline_sizes_it(kontext, size, monkeypatch):
+    """At 1024 (the pipeline's scale) the size the family gives a reference is the one the
+    pipeline resizes it to before its VAE (the preferred resolution nearest its ratio)."""
+    model, pipeline = kontext
+    seen = []
+    resize = pipeline.image_processor.resize
+    monkeypatch.setattr(pipeline.image_processor, "resize", lambda image, height, width, **kw: seen.append(
+        (width, height)) or resize(image, height, width, **kw))
+    text = _text(pipeline, "make the background red")
+    pipeline(image=Image.new("RGB", size, (200, 30, 30)), prompt_embeds=text["t5_hidden"],
+             pooled_prompt_embeds=text["clip_l_pooled"], max_area=32 * 32, num_inference_steps=1, output_type="latent")
+    assert seen[0] == family_of(model).codec.references.size(*size, 1024)  # (preprocess resizes to it again)
+
+
+def test_the_transformer_is_called_as_kontext_calls_it_with_a_reference(kontext):
+    """The pipeline's own call, recorded (a 96 × 64 target, a 48 × 80 reference at its own size):
+    `predict` on its target latents with the reference's latents as `reference_0` gives its output
+    for the target's tokens."""
+    model, pipeline = kontext
+    family = family_of(model)
+    text = _text(pipeline, "make the background red")
+    calls = transformer_calls(pipeline)
+    pipeline(image=Image.new("RGB", (80, 48), (30, 200, 30)), prompt_embeds=text["t5_hidden"],
+             pooled_prompt_embeds=text["clip_l_pooled"], height=96, width=64, max_area=96 * 64, _auto_resize=False,
+             guidance_scale=3.5, num_inference_steps=1, output_type="latent", generator=torch.Generator().manual_seed(0))
+    (seen, output), = calls
+    target = (96 // 8) * (64 // 8) // 4
+    assert seen["hidden_states"].shape[1] == target + (48 // 8) * (80 // 8) // 4
+    assert (seen["img_ids"][target:, 0] == 1).all() and (seen["img_ids"][:target, 0] == 0).all()
+    latents = unpack(seen["hidden_states"][:, :target], 96 // 8, 64 // 8)
+    reference = unpack(seen["hidden_states"][:, target:], 48 // 8, 80 // 8)
+    with torch.no_grad():
+        ours = family.denoiser.predict(pipeline.transformer, latents, {**text, "reference_0": reference},
+                                       seen["timestep"] * 1000,
+                                       **family.denoiser.call_options(TrainingConfig(guidance_scale=3.5)))
+    torch.testing.assert_close(ours, unpack(output[:, :target], 96 // 8, 64 // 8))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_family):
+    """Edit pairs (tasks.demo.data.write_edit_data) trained through every stage on the tiny Kontext."""
+    from configs.schema import PipelineConfig
+    from tasks.demo.data import write_edit_data
+    from tasks.runner import run_direct
+
+    folder = write_edit_data(tmp_path_factory.mktemp("kontext") / "pairs", count=8)
+    config = PipelineConfig.model_validate({
+        "storage": {"root": str(folder / "store")}, "model": {"path": str(tiny_family("flux-kontext"))},
+        "dataset": {"sources": [{"path": str(folder / "targets"), "references": "files",
+                                 "reference_path": str(folder / "references")}], "shard_size": 4},
+        "text_encoding": {"dtype": "fp32", "max_length": 32},
+        "latent_encoding": {"resolution": 128, "storage_dtype": "fp32", "batch_size": 4},
+        "training": {"rank": 4, "alpha": 4, "steps": 4, "batch_size": 2, "sample_prompts": [],
+                     "validation_samples": 0}})
+    return folder, config, run_direct(config)
+
+
+def test_pairs_train_through_every_stage_each_reference_encoded_as_the_pipeline_encodes_it(trained, kontext):
+    """Each target's manifest row names its reference's latents; the reader hands them to the
+    transformer beside the target's as `reference_0`, their mean normalised, and they are what the
+    pipeline's own image processor and `_encode_vae_image` make of the reference at the size the
+    family gives it at the run's resolution."""
+    from storage.store import Store
+    from tasks.train.data import CachedFeatures
+
+    folder, config, done = trained
+    _, pipeline = kontext
+    store = Store(config.storage)
+    manifest = store.read_json(store.key(done["manifest"]["url"]))
+    features = CachedFeatures(store, manifest, family_of(config.model))
+    assert len(features.samples) == 8 and all(len(row["references"]) == 1 for row in features.samples.values())
+    assert all("+" in group for group in features.buckets)  # batched by the target's bucket and the reference's
+    assert done["train"]["final_loss"] == done["train"]["final_loss"]  # finite: trained
+    family = family_of(config.model)
+    for name in ("00000", "00003"):
+        picture = Image.open(folder / "references" / f"{name}.png").convert("RGB")
+        width, height = family.codec.references.size(*picture.size, 128)
+        pixels = pipeline.image_processor.preprocess(pipeline.image_processor.resize(picture, height, width),
+                                                     height, width)
+        with torch.no_grad():
+            want = pipeline._encode_vae_image(pixels, generator=torch.Generator().manual_seed(0))
+        sample = next(s for s, row in features.samples.items()
+                      if row["references"][0] == hashlib.sha256(
+                          (folder / "references" / f"{name}.png").read_bytes() + REFERENCE).hexdigest())
+        _, text, _ = features.batch([sample], torch.Generator().manual_seed(1), 0.0)
+        got = text["reference_0"]
+        if not torch.allclose(got, want, atol=1e-4):  # the reader flipped it with its target
+            got = got.flip(-1)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_redrawn_reference_encodes_its_pair_alone(trained):
+    """A nightly run after one reference was redrawn: the new reference's latents and its target's
+    (its id changed) are encoded, and that target's caption; nothing else."""
+    from tasks.runner import run_direct
+
+    folder, config, _ = trained
+    redrawn = Image.open(folder / "references" / "00004.png").convert("RGB").transpose(Image.Transpose.ROTATE_180)
+    redrawn.save(folder / "references" / "00004.png")
+    again = run_direct(config, until="manifest")
+    assert again["ingest"]["work"]["units_read"] == 1
+    assert again["encode-latents"]["work"]["samples_encoded"] == 2
+    assert again["encode-text"]["work"]["samples_encoded"] == 1
+    assert again["manifest"]["samples"] == 8
