@@ -595,7 +595,8 @@ class TimestepsConfig(Group):
 
 class SamplesConfig(Group):
     FLAT: ClassVar[dict[str, str]] = {"prompts": "sample_prompts", "first_frames": "sample_first_frames",
-                                      "every": "sample_every", "steps": "sample_steps", "fps": "sample_fps"}
+                                      "references": "sample_references", "every": "sample_every",
+                                      "steps": "sample_steps", "fps": "sample_fps"}
     prompts: Annotated[list[str], COUNTED] = Field(
         default_factory=lambda: ["a red circle on a blue background"],
         description="Prompts rendered into the run's sample grid (encoded by the text stage, not here).",
@@ -605,6 +606,13 @@ class SamplesConfig(Group):
         description="Pictures (paths or URLs, read with the storage options) the sample videos start from, one a "
         "sample prompt in order: drawn image to video by the family's image-to-video pipeline (Wan 2.2 TI2V: "
         "WanImageToVideoPipeline), to see what training.image_to_video learns. Empty: drawn from text alone.",
+    )
+    references: Annotated[list[str], IF_NOT_DEFAULT] = Field(
+        default_factory=list,
+        description="Pictures (paths or URLs, read with the storage options) the sample prompts edit, one a prompt "
+        "in order, for an edit family (FLUX.1 Kontext): each drawn by the family's pipeline from its reference, "
+        "sized as training sizes references (held-out pairs' references show what the edit learned). Empty: drawn "
+        "from text alone.",
     )
     every: Annotated[int, COUNTED] = Field(
         0, ge=0, description="Steps between sample grids during training (0: at the end only).")
@@ -621,10 +629,18 @@ class SamplesConfig(Group):
 
     @model_validator(mode="after")
     def _a_first_frame_a_prompt(self) -> SamplesConfig:
-        if self.first_frames and len(self.first_frames) != len(self.prompts):
-            raise ValueError(f"first_frames: {len(self.first_frames)} pictures for {len(self.prompts)} prompts; "
-                             "give one a prompt")
+        for name in ("first_frames", "references"):
+            if (pictures := getattr(self, name)) and len(pictures) != len(self.prompts):
+                raise ValueError(f"{name}: {len(pictures)} pictures for {len(self.prompts)} prompts; give one a prompt")
+        if self.first_frames and self.references:
+            raise ValueError("first_frames and references: a sample is drawn from one picture, a first frame (video "
+                             "families) or a reference (edit families)")
         return self
+
+    def pictures(self) -> tuple[str, list[str]]:
+        """The setting that gives the samples' pictures (first frames, or references) and their paths."""
+        return ("training.samples.references", self.references) if self.references else \
+            ("training.samples.first_frames", self.first_frames)
 
 
 class ValidationConfig(Group):

@@ -200,10 +200,13 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     check_output(args.out)
     options = storage_options(args.option)
-    first_frames = [read_picture(path, options) for path in args.first_frame] if args.first_frame else None
+    if args.first_frame and args.reference:
+        raise SystemExit("precast sample: --first-frame or --reference: a sample is drawn from one picture")
+    setting, paths = ("--reference", args.reference) if args.reference else ("--first-frame", args.first_frame)
+    pictures = [read_picture(path, options) for path in paths] if paths else None
     samples = sample_run(args.url, args.prompt, model_path=args.model, options=options, steps=args.steps,
                          guidance_scale=args.guidance_scale, seed=args.seed, device=args.device,
-                         true_cfg_scale=args.true_cfg_scale, frames=args.frames, first_frames=first_frames)
+                         true_cfg_scale=args.true_cfg_scale, frames=args.frames, pictures=pictures, setting=setting)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     samples.save(args.out, args.fps or samples.fps)
     print(Path(args.out).resolve())
@@ -339,6 +342,9 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
     sample.add_argument("--first-frame", action="append", metavar="PICTURE",
                         help="a picture (path or URL) each clip starts from, one a --prompt in order: the family's "
                         "image-to-video pipeline draws the rest (Wan 2.2 TI2V; train with training.image_to_video)")
+    sample.add_argument("--reference", action="append", metavar="PICTURE",
+                        help="a picture (path or URL) each --prompt edits, in order: an edit family's pipeline draws "
+                        "from it, sized as the run's training sized references (FLUX.1 Kontext)")
     sample.add_argument("--model", help="the run's model at this path or hub id (default: where the run read it)")
     sample.add_argument("--steps", type=int, default=20)
     sample.add_argument("--guidance-scale", type=float, default=4.5,

@@ -4,6 +4,7 @@ the reference's tokens beside the target's."""
 from __future__ import annotations
 
 import hashlib
+import io
 
 import pytest
 import torch
@@ -84,8 +85,9 @@ def trained(tmp_path_factory, tiny_family):
                                  "reference_path": str(folder / "references")}], "shard_size": 4},
         "text_encoding": {"dtype": "fp32", "max_length": 32},
         "latent_encoding": {"resolution": 128, "storage_dtype": "fp32", "batch_size": 4},
-        "training": {"rank": 4, "alpha": 4, "steps": 4, "batch_size": 2, "sample_prompts": [],
-                     "validation_samples": 0}})
+        "training": {"rank": 4, "alpha": 4, "steps": 4, "batch_size": 2, "validation_samples": 0,
+                     "samples": {"prompts": ["make the background red"], "steps": 2,
+                                 "references": [str(folder / "references" / "00006.png")]}}})
     return folder, config, run_direct(config)
 
 
@@ -136,3 +138,37 @@ def test_a_redrawn_reference_encodes_its_pair_alone(trained):
     assert again["encode-latents"]["work"]["samples_encoded"] == 2
     assert again["encode-text"]["work"]["samples_encoded"] == 1
     assert again["manifest"]["samples"] == 8
+
+
+def test_samples_are_drawn_from_references_as_the_pipeline_draws_them_with_the_adapter(trained, capfd):
+    """The run's sample grid is drawn from its reference at the run's size; `precast sample
+    --reference` draws what FluxKontextPipeline, the adapter loaded by its own `load_lora_weights`,
+    draws from the reference resized as training resized references (its own 1024² resize left off)."""
+    import numpy as np
+    from diffusers import FluxKontextPipeline
+
+    from flows.cli import main
+    from storage.store import Store
+    from tasks.runs.sampling import sample_run
+
+    folder, config, done = trained
+    store = Store(config.storage)
+    grid = Image.open(io.BytesIO(store.read_bytes(store.key(done["train"]["samples"][-1]))))
+    assert grid.size == (128, 128)
+    reference = Image.open(folder / "references" / "00006.png").convert("RGB")
+    ours = sample_run(done["train"]["run"], ["make the background red"], steps=2, pictures=[reference],
+                      setting="--reference", device="cpu")
+    exported = folder / "lora.safetensors"
+    assert main(["export", done["train"]["run"], "--format", "diffusers", "--out", str(exported)]) == 0
+    pipeline = FluxKontextPipeline.from_pretrained(config.model.path)
+    pipeline.load_lora_weights(str(exported))
+    sides = family_of(config.model).codec.references.size(*reference.size, 128)
+    theirs = pipeline(image=reference.resize(sides, Image.Resampling.LANCZOS), _auto_resize=False,
+                      prompt=["make the background red"], negative_prompt=[""], max_sequence_length=32, height=128,
+                      width=128, max_area=128 * 128, num_inference_steps=2, guidance_scale=4.5,
+                      generator=torch.Generator().manual_seed(0)).images[0]
+    np.testing.assert_array_equal(np.asarray(ours[0][0]), np.asarray(theirs))
+    with pytest.raises(ValueError, match=r"--reference: 1 pictures for 2 prompts"):
+        sample_run(done["train"]["run"], ["a", "b"], pictures=[reference], setting="--reference", device="cpu")
+    assert main(["sample", done["train"]["run"], "--prompt", "a", "--reference", str(folder / "none.png"),
+                 "--out", str(folder / "out.png"), "--device", "cpu"]) == 1

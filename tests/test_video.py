@@ -543,7 +543,7 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
     # the run's sample video starts from the picture: what `precast sample --first-frame` draws
     store = Store(config.storage)
     grid = Image.open(io.BytesIO(store.read_bytes(store.key(done["train"]["samples"][-1]))))
-    drawn = sample_run(done["train"]["run"], ["a grey clip"], steps=1, first_frames=[first], device="cpu").grid()
+    drawn = sample_run(done["train"]["run"], ["a grey clip"], steps=1, pictures=[first], device="cpu").grid()
     plain = sample_run(done["train"]["run"], ["a grey clip"], steps=1, device="cpu").grid()  # from text alone
     assert "it/s]" not in capfd.readouterr().err  # the pipelines' progress bars, in training's samples and these
     assert np.abs(np.asarray(grid, dtype=float) - np.asarray(drawn, dtype=float)).mean() < 0.5
@@ -555,7 +555,7 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
     assert main(["sample", done["train"]["run"], "--prompt", "a grey clip", "--first-frame", str(tmp_path / "first.png"),
                  "--steps", "2", "--out", str(out), "--device", "cpu"]) == 0
     assert frame_count(out.read_bytes()) == 17 and Image.open(out).size == (64, 64)
-    ours = sample_run(done["train"]["run"], ["a grey clip"], steps=2, first_frames=[first], device="cpu")
+    ours = sample_run(done["train"]["run"], ["a grey clip"], steps=2, pictures=[first], device="cpu")
     # as an H.264 mp4: at the run's sample_fps, or --fps; a name it cannot write is refused before drawing
     for fps, args in ((8, []), (24, ["--fps", "24"])):
         assert main(["sample", done["train"]["run"], "--prompt", "a grey clip", "--first-frame",
@@ -586,12 +586,12 @@ def test_wan_2_2_ti2v_trains_image_to_video_and_samples_clips_from_the_first_fra
 
     # a picture of another shape is centre-cropped to the run's side, not stretched
     wide = Image.fromarray(frame_pixels(5, 96, 64))
-    cropped = sample_run(done["train"]["run"], ["a grey clip"], steps=1, first_frames=[wide], device="cpu")
+    cropped = sample_run(done["train"]["run"], ["a grey clip"], steps=1, pictures=[wide], device="cpu")
     fitted = sample_run(done["train"]["run"], ["a grey clip"], steps=1, device="cpu",
-                        first_frames=[wide.crop((16, 0, 80, 64))])
+                        pictures=[wide.crop((16, 0, 80, 64))])
     assert [np.asarray(f).tolist() for f in cropped[0]] == [np.asarray(f).tolist() for f in fitted[0]]
-    with pytest.raises(ValueError, match=r"first frames: 1 for 2 prompts; give one a prompt"):
-        sample_run(done["train"]["run"], ["a", "b"], first_frames=[first], device="cpu")
+    with pytest.raises(ValueError, match=r"--first-frame: 1 pictures for 2 prompts; give one a prompt"):
+        sample_run(done["train"]["run"], ["a", "b"], pictures=[first], device="cpu")
     with pytest.raises(ValueError, match=r"first_frames: 1 pictures for 2 prompts; give one a prompt"):
         config.updated({"training.samples.prompts": ["a", "b"]})
     assert main(["sample", done["train"]["run"], "--prompt", "a", "--first-frame", str(tmp_path / "none.png"),

@@ -63,7 +63,7 @@ def held_out_scores(run: str, seed: int = 0, family: str = "pixart") -> dict[str
     from tasks.runs.sampling import sample_run
 
     def draw(texts: list[str], first_frames=None):
-        return sample_run(run, texts, steps=10, guidance_scale=4.5, seed=seed, first_frames=first_frames)
+        return sample_run(run, texts, steps=10, guidance_scale=4.5, seed=seed, pictures=first_frames)
 
     def moving(samples, ways: list[str]) -> int:
         return sum(motion([np.asarray(frame) for frame in frames], n["colour"]) == way

@@ -60,7 +60,31 @@ class KontextDenoiser(FluxDenoiser):
 
 @dataclass(frozen=True)
 class KontextSampler(FluxSampler):
+    """`FluxKontextPipeline`, drawing from a reference a prompt as training saw its references."""
+
     pipeline_name: str = "FluxKontextPipeline"
+
+    def picture_pipeline_class(self, setting: str) -> type:
+        if "reference" not in setting:  # first frames: refused, as for FLUX.1
+            return super().picture_pipeline_class(setting)
+        return self.pipeline_class()
+
+    def picture_pipeline(self, pipeline):
+        return pipeline
+
+    def picture_options(self, picture, size: tuple[int, int] | None, resolution: int | None) -> dict:
+        """The reference resized as training resized references at the run's `resolution` (the
+        pipeline's own resize is left off: it sizes for 1024²); without one, the pipeline's own."""
+        if resolution is None:
+            return {"image": picture}
+        from PIL import Image
+
+        sides = KontextReferences().size(*picture.size, resolution)
+        return {"image": picture.resize(sides, Image.Resampling.LANCZOS), "_auto_resize": False}
+
+    def size_options(self, height: int, width: int) -> dict:
+        """The size, and the area the pipeline would otherwise move it to (1024² by default)."""
+        return {"height": height, "width": width, "max_area": height * width}
 
 
 KONTEXT = Family("FLUX.1 Kontext", ("FluxKontextPipeline",), FLUX.text,

@@ -463,12 +463,37 @@ class Sampler(Part):
         """`pipeline`'s components, as they are, in the family's image-to-video pipeline with the
         settings of `pipeline` it takes (diffusers' `from_pipe` would cast every module to fp32:
         the training transformer's half-precision base among them)."""
-        cls = self.image_pipeline_class("first frames")
+        cls = self.picture_pipeline_class("first frames")
         takes = inspect.signature(cls.__init__).parameters
         components = {name: module for name, module in pipeline.components.items() if name in takes}
         settings = {name: value for name, value in pipeline.config.items()
                     if name in takes and name not in pipeline.components}
         return cls(**components, **settings)
+
+    # --- samples drawn from a picture a prompt: a video family's first frames (its image-to-video
+    # pipeline), an edit family's references (its own pipeline) ---------------------------------
+    def picture_pipeline_class(self, setting: str) -> type:
+        """The pipeline that draws from the pictures `setting` gives; refused, naming it, for a
+        family that takes none of its kind."""
+        if "reference" in setting:
+            raise ValueError(f"{setting}: {self.family} takes no reference images (an edit family's pipeline "
+                             "does: FLUX.1 Kontext); leave it out")
+        return self.image_pipeline_class(setting)
+
+    def picture_pipeline(self, pipeline: Any) -> Any:
+        """`pipeline`'s components in the pipeline that draws from a picture (`picture_pipeline_class`)."""
+        return self.image_pipeline(pipeline)
+
+    def picture_options(self, picture: Any, size: tuple[int, int] | None, resolution: int | None) -> dict[str, Any]:
+        """How that pipeline is given a sample's picture (RGB): a first frame centre-cropped to the
+        samples' `size` (width, height; None: as it is) rather than stretched."""
+        from PIL import ImageOps
+
+        return {"image": ImageOps.fit(picture, size) if size else picture}
+
+    def size_options(self, height: int, width: int) -> dict[str, Any]:
+        """The pipeline's arguments for samples of height × width pixels."""
+        return {"height": height, "width": width}
 
     def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module,
                            encoders: tuple[TextEncoderSpec, ...], denoiser: Denoiser) -> Any:

@@ -108,32 +108,33 @@ def read_picture(path: str, options: dict) -> Image.Image:
         raise ValueError(f"first frame {path}: not a readable picture ({type(error).__name__}: {error})") from error
 
 
-def draw(family: Family, pipeline, call: Callable[[slice], dict], count: int, first_frames: list[Image.Image] | None,
-         size: tuple[int, int] | None) -> Samples:
+def draw(family: Family, pipeline, call: Callable[[slice], dict], count: int, pictures: list[Image.Image] | None,
+         size: tuple[int, int] | None, resolution: int | None = None) -> Samples:
     """`count` samples by `pipeline`, `call(rows)` giving its arguments for those rows of the
-    prompts: in one call, or with `first_frames` (one a prompt, `check_first_frames`) by the
-    family's image-to-video pipeline, a call a picture (it conditions a whole batch on one), each
-    picture centre-cropped to the samples' `size` (width, height; None: the pipeline's own) rather
-    than stretched. The pipelines draw without their progress bars (precast reports progress)."""
-    if first_frames is None:
+    prompts: in one call, or with `pictures` (one a prompt, `check_pictures`: a video family's first
+    frames, an edit family's references) by the family's pipeline that draws from a picture, a call
+    a picture (it conditions a whole batch on one), given as the family takes it at the samples'
+    `size` (width, height; None: the pipeline's own) and the run's `resolution`. The pipelines
+    draw without their progress bars (precast reports progress)."""
+    if pictures is None:
         pipeline.set_progress_bar_config(disable=True)
         return Samples(family.sampler.videos(pipeline(**call(slice(None)))))
-    pipeline, videos = family.sampler.image_pipeline(pipeline), []
+    pipeline, videos = family.sampler.picture_pipeline(pipeline), []
     pipeline.set_progress_bar_config(disable=True)
-    for row, frame in enumerate(first_frames):
-        picture = frame.convert("RGB")
-        picture = ImageOps.fit(picture, size) if size else picture
-        videos += family.sampler.videos(pipeline(**call(slice(row, row + 1)), image=picture))
+    for row, picture in enumerate(pictures):
+        options = family.sampler.picture_options(picture.convert("RGB"), size, resolution)
+        videos += family.sampler.videos(pipeline(**call(slice(row, row + 1)), **options))
     return Samples(videos)
 
 
-def check_first_frames(family: Family, first_frames: list[Image.Image] | None, count: int) -> None:
-    """Before anything loads: first frames only for a family with an image-to-video pipeline, one a prompt."""
-    if first_frames is None:
+def check_pictures(family: Family, pictures: list[Image.Image] | None, count: int, setting: str) -> None:
+    """Before anything loads: the pictures `setting` gives only for a family that draws from them,
+    one a prompt."""
+    if pictures is None:
         return
-    family.sampler.image_pipeline_class("first frames")
-    if len(first_frames) != count:
-        raise ValueError(f"first frames: {len(first_frames)} for {count} prompts; give one a prompt")
+    family.sampler.picture_pipeline_class(setting)
+    if len(pictures) != count:
+        raise ValueError(f"{setting}: {len(pictures)} pictures for {count} prompts; give one a prompt")
 
 
 def check_components(model: ModelConfig) -> None:
@@ -162,13 +163,15 @@ def sample_grid(
     seed: int,
     resolution: int,
     frames: int = 1,
-    first_frames: list[Image.Image] | None = None,
+    pictures: list[Image.Image] | None = None,
+    setting: str = "training.samples.first_frames",
 ) -> Samples:
     """One sample per prompt of the family's sample size at `resolution` and `frames` frames, by the family's
-    pipeline from pre-encoded prompts, the empty caption's the negatives; with `first_frames` (one
-    a prompt) by its image-to-video pipeline, a call a picture, as `sample_run` draws them."""
+    pipeline from pre-encoded prompts, the empty caption's the negatives; with `pictures` (one a
+    prompt, as `setting` gives them: first frames or references) by its pipeline that draws from a
+    picture, a call a picture, as `sample_run` draws them."""
     device = next(transformer.parameters()).device
-    check_first_frames(family, first_frames, len(prompt_features))
+    check_pictures(family, pictures, len(prompt_features), setting)
     height, width = family.codec.sample_size(resolution)
     vae = load_vae(model, family, "fp32", str(device))
     decode = vae.decode  # latents leave a half-precision transformer in its dtype: the fp32 VAE takes them in its own
@@ -181,32 +184,33 @@ def sample_grid(
         # positive and negative embeddings must share one length for classifier-free guidance
         text = collate(features + [empty_features] * len(features))
         text = {name: value.to(device, dtype if value.is_floating_point() else value.dtype) for name, value in text.items()}
-        return {**family.sampler.embedding_kwargs(text, len(features)), "height": height, "width": width,
+        return {**family.sampler.embedding_kwargs(text, len(features)), **family.sampler.size_options(height, width),
                 "num_inference_steps": steps, **family.sampler.guidance(guidance_scale, true_cfg_scale),
                 **family.sampler.frame_options(frames), "generator": torch.Generator(device="cpu").manual_seed(seed)}
 
-    return draw(family, pipeline, call, len(prompt_features), first_frames, (width, height))
+    return draw(family, pipeline, call, len(prompt_features), pictures, (width, height), resolution)
 
 
 def sample_run(
     url: str, prompts: list[str], model_path: str | None = None, options: dict | None = None,
     steps: int = 20, guidance_scale: float = 4.5, seed: int = 0, device: str = "auto", true_cfg_scale: float = 1.0,
-    frames: int | None = None, first_frames: list[Image.Image] | None = None,
+    frames: int | None = None, pictures: list[Image.Image] | None = None, setting: str = "--first-frame",
 ) -> Samples:
     """Samples for `prompts` from a finished run (`<root>/runs/<id>`, or its `adapter`/`transformer`
     URL) through its family's pipeline `from_pretrained` with the trained weights: a LoRA adapter
     loaded by the pipeline's `load_lora_weights` (merged by PEFT where the pipeline has no LoRA
     loader), or the fully trained transformer. The model is the run's (`model_path`: its copy at
     another path or hub id, the run's other model settings but its revision kept, as a Wan 2.2 expert);
-    `frames` (None: those of the clips it trained on, 1 for pictures) a sample. With `first_frames` (one a
-    prompt), each clip is drawn from its frame by the family's image-to-video pipeline, one at a
-    time (the pipeline conditions a whole batch on one picture), each from `seed`."""
+    `frames` (None: those of the clips it trained on, 1 for pictures) a sample. With `pictures` (one a
+    prompt, as `setting` gives them: first frames, or an edit family's references), each sample is
+    drawn from its picture by the family's pipeline that takes it, one at a time (the pipeline
+    conditions a whole batch on one picture), each from `seed`."""
     run = FinishedRun.at(url, options)
     # another path is another repository: the run's revision is not its
     model = ModelConfig.model_validate({**run.record["model"], **({"path": model_path, "revision": None}
                                                                    if model_path else {})})
     family = family_of(model)
-    check_first_frames(family, first_frames, len(prompts))
+    check_pictures(family, pictures, len(prompts), setting)
     check_components(model)
     with tempfile.TemporaryDirectory() as local:
         slot = family.denoiser.folder(model)  # the pipeline's component the run trained
@@ -235,9 +239,10 @@ def sample_run(
     def call(rows: slice) -> dict:
         return {"num_inference_steps": steps, **family.sampler.guidance(guidance_scale, true_cfg_scale),
                 "generator": torch.Generator(device="cpu").manual_seed(seed), **family.sampler.frame_options(frames),
-                **sides, **family.sampler.prompt_options(pipeline, prompts[rows], text)}
+                **(family.sampler.size_options(**sides) if sides else {}),
+                **family.sampler.prompt_options(pipeline, prompts[rows], text)}
 
     size = (sides["width"], sides["height"]) if sides else None
-    samples = draw(family, pipeline, call, len(prompts), first_frames, size)
+    samples = draw(family, pipeline, call, len(prompts), pictures, size, run.lineage.get("resolution"))
     samples.fps = run.lineage["training"].get("samples", {}).get("fps", Samples.fps)  # runs from before it: Wan's 16
     return samples

@@ -41,8 +41,8 @@ def finished_run(store: Store, run: str) -> dict[str, Any] | None:
 
 def check_training(model: ModelConfig, training: TrainingConfig, family: Family | None = None) -> None:
     """Refuse, naming the setting, what the model's family cannot train or sample of `training`: a
-    loss weighting its schedule lacks, or image-to-video training and sample first frames without
-    an image-to-video pipeline. The runner checks before any stage, so a refused run has not
+    loss weighting its schedule lacks, image-to-video training and sample first frames without
+    an image-to-video pipeline, or sample references without an edit pipeline. The runner checks before any stage, so a refused run has not
     ingested or encoded for nothing. A model this process cannot read is left to the first stage
     that reads it, which names itself (and may run where the model is); `family`: the model's, resolved."""
     try:
@@ -50,8 +50,9 @@ def check_training(model: ModelConfig, training: TrainingConfig, family: Family 
     except (OSError, ValueError):
         return
     Objective.of(model, training, family)
-    if training.samples.first_frames:
-        family.sampler.image_pipeline_class("training.samples.first_frames")
+    setting, pictures = training.samples.pictures()
+    if pictures:
+        family.sampler.picture_pipeline_class(setting)
 
 
 def train(

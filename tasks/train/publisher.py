@@ -36,12 +36,12 @@ class RunPublisher:
         latent_frames = max(sides[0] if len(sides) == 3 else 1 for sides in map(bucket_sides, manifest["buckets"]))
         self.frames = family.codec.clip_frames(latent_frames)
         self.manifest, self.init, self.prompts = manifest, init, prompts
-        # the pictures the sample videos start from, read before the first step: a bad one fails the
-        # run at once, not at its end (the family's image pipeline: `check_training`)
-        self.first_frames = None
-        if training.samples.first_frames:
+        # the pictures the samples are drawn from (first frames, or references), read before the first
+        # step: a bad one fails the run at once, not at its end (the family's pipeline: `check_training`)
+        self.pictures = None
+        if pictures := training.samples.pictures()[1]:
             options = fsspec_options(store.config)
-            self.first_frames = [read_picture(path, options) for path in training.samples.first_frames]
+            self.pictures = [read_picture(path, options) for path in pictures]
         self.output = output_name(training)
         # the training config as it ran: LoRA's target modules resolved (the family's, when unset)
         settings = training.model_dump()
@@ -88,7 +88,8 @@ class RunPublisher:
             samples = sample_grid(self.model, self.family, sampling_module(network, training),
                                   [self.prompts.prompt(p) for p in training.samples.prompts], self.prompts.prompt(""),
                                   training.samples.steps, training.guidance_scale, training.samples.true_cfg_scale,
-                                  training.seed, self.resolution, self.frames, self.first_frames)
+                                  training.seed, self.resolution, self.frames, self.pictures,
+                                  training.samples.pictures()[0])
         network.train()
         buffer = io.BytesIO()
         samples.grid().save(buffer, format="PNG")
