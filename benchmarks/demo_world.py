@@ -73,6 +73,7 @@ def run_family(family: str, perturbations: list[str] | None = None, sample_seeds
                 scores = [draw["colour"] for draw in drawn]
                 motions = [draw["direction"] for draw in drawn] if video else []
                 opposed = [draw["opposite"] for draw in drawn] if video else []
+                kept = [draw["kept"] for draw in drawn if "kept" in draw]  # an edit world's
             finally:
                 torch.set_num_threads(threads)
             results[name] = {
@@ -84,6 +85,8 @@ def run_family(family: str, perturbations: list[str] | None = None, sample_seeds
                     "direction_without_text": [blind for _, blind in motions],
                     "opposite_followed": [followed for followed, _ in opposed],
                     "opposite_ignored": [ignored for _, ignored in opposed]} if video else {}),
+                **({"kept_with_text": [hits for hits, _ in kept], "kept_without_text": [blind for _, blind in kept]}
+                   if kept else {}),
                 "loss": [round(trained["train"]["first_loss"], 3), round(trained["train"]["final_loss"], 3)],
                 "seconds": round(time.perf_counter() - began, 1),
             }
@@ -103,7 +106,9 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
                  f"{r['with_text']} of 12 colours with text, {r['without_text']} without; loss {r['loss'][0]} -> {r['loss'][1]}"
                  + (f"; from first frames {r['direction_with_text']} of 12 move the named way, "
                     f"{r['direction_without_text']} without text (chance: 3), {r['opposite_followed']} the opposite "
-                    f"way when it is named ({r['opposite_ignored']} the first way)" if "direction_with_text" in r else ""),
+                    f"way when it is named ({r['opposite_ignored']} the first way)" if "direction_with_text" in r else "")
+                 + (f"; {r['kept_with_text']} of 12 keep their reference's shapes ({r['kept_without_text']} without "
+                    "text)" if "kept_with_text" in r else ""),
                  f"VAE palette {r['vae_palette']} of 12 (worst error {r['vae_worst_error']}, {r['vae_worst_ratio']} of the way to another colour)",
                  "") for name, r in table["perturbations"].items()]
         out.append((f"demo world ({family}): worst case", f"{table['worst_with_text']} of 12 with text",

@@ -285,7 +285,8 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser("demo", help="make tiny models and demo data, then run configs/quickstart.yaml")
     with_config(demo, required=False)
     demo.add_argument("--count", type=int, default=None,
-                      help="demo pictures (default 1000) or videos (default 600) to generate when missing")
+                      help="demo pictures (default 1000), videos (default 600) or edit pairs (default 600) to "
+                      "generate when missing")
     demo.add_argument("--family", choices=DEMO_FAMILIES, default=DEMO_FAMILIES[0],
                       help="the tiny models' family (each but the first in precast-demo/models/<family>; wan's: wan-ti2v)")
     demo.set_defaults(func=cmd_demo, pipeline=True)

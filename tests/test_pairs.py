@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 from pydantic import ValidationError
 
 from configs.schema import DatasetConfig, PipelineConfig, StorageConfig
@@ -222,3 +223,40 @@ def test_a_family_that_takes_no_references_refuses_pairs_before_any_stage(tmp_pa
         run_direct(config)
     assert not (tmp_path / "store").exists()
     assert run_direct(config, until="ingest")["ingest"]["samples"] == PAIRS
+
+
+def test_the_edit_demo_judges_an_edit_made_and_a_reference_kept():
+    """The edit world's scorer (tasks.demo.world.edit_judged), on the held-out edits made by hand:
+    each edit's target at the sample size is made and kept; the reference itself neither (its shapes
+    do not stand on the new colour); the new colour alone is made but not kept."""
+    from PIL import Image
+
+    from tasks.demo.data import COLORS, edited, held_out_edits
+    from tasks.demo.world import edit_judged
+
+    for edit in held_out_edits():
+        target = edited(edit["reference"], edit["background"], edit["colour"]).resize((128, 128))
+        assert edit_judged(target, edit) == (True, True)
+        assert edit_judged(edit["reference"].resize((128, 128)), edit) == (False, False)
+        assert edit_judged(Image.new("RGB", (128, 128), COLORS[edit["colour"]]), edit) == (True, False)
+
+
+def test_the_edit_demo_reads_its_pairs_and_draws_from_held_out_references(tmp_path, monkeypatch):
+    """`precast demo --family flux-kontext`'s config: its pairs read as references: files, its sample
+    grid one held-out edit a prompt, drawn from that edit's reference; what it does not find is
+    written (the pairs, the references), the references the held-out edits' own pictures."""
+    from configs.schema import QUICKSTART, load_config
+    from tasks.demo import demo_settings, write_demo_inputs
+    from tasks.demo.data import held_out_edits
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config(QUICKSTART, [*demo_settings("flux-kontext"), "model.path=models"])
+    (source,) = config.dataset.sources
+    assert source.references == "files" and source.reference_folders() == ["precast-demo/edit-pairs/references"]
+    edits = held_out_edits()
+    assert config.training.samples.prompts == [edit["prompt"] for edit in edits]
+    monkeypatch.setattr("tasks.demo.write_demo_models", lambda *args, **kwargs: None)
+    write_demo_inputs(config, "flux-kontext", count=4)
+    assert len(list((tmp_path / source.path).glob("*.png"))) == 4
+    for path, edit in zip(config.training.samples.references, edits):
+        assert Image.open(tmp_path / path).tobytes() == edit["reference"].tobytes()

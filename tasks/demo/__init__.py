@@ -9,11 +9,13 @@ import json
 from pathlib import Path
 
 # what `--family` chooses
-DEMO_FAMILIES = ("pixart", "flux", "flux-schnell", "sd3", "chroma", "zimage", "qwen-image", "flux2-klein", "wan")
-# every tiny model folder precast writes: the demos' (the wan demo's is wan-ti2v), FLUX.1 Kontext's,
-# FLUX.2 [dev]'s and Wan 2.2's published layouts (TI2V-5B, A14B), which have no demo
-TINY_FAMILIES = (*DEMO_FAMILIES, "flux-kontext", "flux2-dev", "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b")
+DEMO_FAMILIES = ("pixart", "flux", "flux-schnell", "sd3", "chroma", "zimage", "qwen-image", "flux2-klein", "wan",
+                 "flux-kontext")
+# every tiny model folder precast writes: the demos' (the wan demo's is wan-ti2v), FLUX.2 [dev]'s
+# and Wan 2.2's published layouts (TI2V-5B, A14B), which have no demo
+TINY_FAMILIES = (*DEMO_FAMILIES, "flux2-dev", "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b")
 VIDEO_FAMILIES = ("wan",)  # their demo learns from generated videos (`videos`), the others' from pictures
+EDIT_FAMILIES = ("flux-kontext",)  # their demo learns edits from generated pairs (`data.write_edit_data`)
 # the tiny models a demo trains, where not its own family's: the wan demo's sample from a first frame too
 DEMO_MODELS = {"wan": "wan-ti2v"}
 # the picture demos' training, where not the quickstart's (PixArt's: 700 steps at a learning rate of
@@ -26,8 +28,10 @@ FASTER = {"training.optimizer.learning_rate": 0.002, "training.optimizer.ema_dec
 DEMO_TRAINING = {"flux": {"training.steps": 700, **FASTER}, "sd3": {"training.steps": 400, **FASTER},
                  "chroma": {"training.steps": 400, **FASTER}, "flux-schnell": {"training.steps": 1000},
                  "zimage": {"training.steps": 1000}, "qwen-image": {"training.steps": 1000},
-                 "flux2-klein": {"training.steps": 1000, **FASTER}}
+                 "flux2-klein": {"training.steps": 1000, **FASTER}, "flux-kontext": {"training.steps": 2000, **FASTER}}
 FIRST_FRAMES = "precast-demo/first-frames"  # the video demo's sample prompts' first frames (`videos.first_frame`)
+EDIT_PAIRS = "precast-demo/edit-pairs"  # the edit demo's pairs: targets/ and references/
+EDIT_REFERENCES = "precast-demo/edit-references"  # its sample prompts' references (`data.held_out_edits`)
 
 
 def demo_settings(family: str) -> list[str]:
@@ -61,13 +65,26 @@ def demo_settings(family: str) -> list[str]:
                 f"training.samples.prompts={json.dumps(prompts)}",
                 f"training.samples.first_frames={json.dumps([f'{FIRST_FRAMES}/{i}.png' for i in range(len(prompts))])}"]
     training = [f"{key}={value}" for key, value in DEMO_TRAINING.get(family, {}).items()]
+    if family in EDIT_FAMILIES:  # pairs, and samples drawn from held-out references
+        from tasks.demo.data import held_out_edits
+
+        edits = held_out_edits()
+        training += [f"dataset.sources=[{{path: {EDIT_PAIRS}/targets, references: files, "
+                     f"reference_path: {EDIT_PAIRS}/references}}]",
+                     f"training.samples.prompts={json.dumps([edit['prompt'] for edit in edits])}",
+                     f"training.samples.references={json.dumps([f'{EDIT_REFERENCES}/{i}.png' for i in range(len(edits))])}"]
     return [f"model.path=precast-demo/models/{family}", "latent_encoding.resolution=128", "text_encoding.max_length=32",
             *training]
 
 
 def write_demo_dataset(folder: str | Path, family: str = "pixart", count: int | None = None, seed: int = 0) -> Path:
     """The demo's data for `family`: `count` captioned pictures (`data`; None: the demo's 1,000),
-    or for a video family captioned videos with the hostile files among them (`videos`; None: 600)."""
+    for a video family captioned videos with the hostile files among them (`videos`; None: 600), for
+    an edit family `count` edit pairs (None: 600) in targets/ and references/."""
+    if family in EDIT_FAMILIES:
+        from tasks.demo.data import write_edit_data
+
+        return write_edit_data(folder, count=600 if count is None else count, seed=seed)
     if family in VIDEO_FAMILIES:
         from tasks.demo.videos import write_demo_videos
 
@@ -82,13 +99,18 @@ def write_demo_inputs(config, family: str, count: int | None = None) -> None:
     models (DEMO_MODELS), its data (`count` as `write_demo_dataset`'s) and its sample first frames."""
     write_demo_models(config.model.path, DEMO_MODELS.get(family, family))
     for source in config.dataset.sources:
-        if not Path(source.path).exists():
-            write_demo_dataset(source.path, family, count)
+        if not Path(source.path).exists():  # an edit demo's source is its pairs' targets/
+            write_demo_dataset(Path(source.path).parent if family in EDIT_FAMILIES else source.path, family, count)
     firsts = [path for path in config.training.samples.first_frames if path.startswith(FIRST_FRAMES)]
     if firsts:  # the demo's own, not pictures a user named
         from tasks.demo.videos import write_first_frames
 
         write_first_frames(firsts)
+    references = [path for path in config.training.samples.references if path.startswith(EDIT_REFERENCES)]
+    if references:
+        from tasks.demo.data import write_edit_references
+
+        write_edit_references(references)
 
 
 def write_demo_models(folder: str | Path, family: str = "pixart", **options) -> Path:

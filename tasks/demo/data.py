@@ -117,16 +117,46 @@ def write_edit_data(folder: str | Path, count: int = 16, seed: int = 0) -> Path:
             taken = {background, *(color for color, *_ in objects)}
         new = rng.choice([name for name in COLORS if name not in taken])
         taken.add(new)  # the second edit of a reference names another colour
-        target = Image.new("RGB", reference.size, COLORS[new])
-        # the shapes kept where they are: every pixel of the background's colour takes the new one
-        target.paste(reference, mask=_not_background(reference, COLORS[background]))
+        target = edited(reference, background, new)
         reference.save(folder / "references" / f"{index:05d}.png")
         target.save(folder / "targets" / f"{index:05d}.png")
         (folder / "targets" / f"{index:05d}.txt").write_text(f"make the background {new}\n", encoding="utf-8")
     return folder
 
 
+def edited(reference: Image.Image, background: str, colour: str) -> Image.Image:
+    """`reference` with its background (every pixel of the colour named `background`) in the colour
+    named `colour`, its shapes kept where they are: an edit's target."""
+    target = Image.new("RGB", reference.size, COLORS[colour])
+    target.paste(reference, mask=_not_background(reference, COLORS[background]))
+    return target
+
+
 def _not_background(image: Image.Image, color: tuple[int, int, int]) -> Image.Image:
     """A mask of the pixels of `image` that are not of `color` (255 where a shape is)."""
     red, green, blue = (channel.point(lambda v, c=c: 255 * (v != c)) for channel, c in zip(image.split(), color))
     return ImageChops.lighter(ImageChops.lighter(red, green), blue)
+
+
+def held_out_edits(count: int = 12, seed: int = 1234) -> list[dict]:
+    """The edit demo's held-out edits: square scenes no training pair has (their own seed), each with
+    an edit naming a colour neither its background nor its shapes have: `reference` (the picture),
+    `background` (its colour's name), `colour` (the one named) and `prompt` ("make the background …")."""
+    rng = random.Random(seed)
+    edits = []
+    for _ in range(count):
+        reference, background, objects = draw_scene(rng, 256, 256)
+        colour = rng.choice([name for name in COLORS if name not in {background, *(c for c, *_ in objects)}])
+        edits.append({"reference": reference, "background": background, "colour": colour,
+                      "prompt": f"make the background {colour}"})
+    return edits
+
+
+def write_edit_references(paths: list[str | Path]) -> list[Path]:
+    """The held-out edits' references (`held_out_edits`, one a path, in order) as PNG files."""
+    written = []
+    for path, edit in zip(paths, held_out_edits(len(paths))):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        edit["reference"].save(path)
+        written.append(Path(path))
+    return written

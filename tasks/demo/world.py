@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from configs.schema import QUICKSTART, load_config
-from tasks.demo import DEMO_FAMILIES, VIDEO_FAMILIES, demo_settings
-from tasks.demo.data import COLORS, SHAPES
+from tasks.demo import DEMO_FAMILIES, EDIT_FAMILIES, VIDEO_FAMILIES, demo_settings
+from tasks.demo.data import COLORS, SHAPES, held_out_edits, write_edit_references
 from tasks.demo.videos import OPPOSITE, demo_prompts, first_frame, held_out, motion, write_first_frames
 
 BACKGROUNDS = list(COLORS)
@@ -55,6 +55,8 @@ def held_out_scores(run: str, seed: int = 0, family: str = "pixart") -> dict[str
     the last, with the text and without it (chance: 3); `opposite`, with the opposite way named,
     those that follow that word and those that still move the first way. Each a pair, from one
     draw of each."""
+    if family in EDIT_FAMILIES:
+        return edit_scores(run, seed)
     video = family in VIDEO_FAMILIES
     named = held_out() if video else [{"prompt": prompt, "background": background}
                                       for prompt, background in zip(PROMPTS, BACKGROUNDS)]
@@ -84,6 +86,43 @@ def held_out_scores(run: str, seed: int = 0, family: str = "pixart") -> dict[str
     return scores
 
 
+def edit_scores(run: str, seed: int = 0) -> dict[str, tuple[int, int]]:
+    """Of the 12 held-out edits (`held_out_edits`), each sample drawn from its reference: `colour`,
+    those whose background is the colour the edit names, with the edit's text and with none (the
+    model's guess); `kept`, those that keep the reference's shapes where they were (the pixels
+    whose nearest named colour is not the new background cover the reference's shapes with an
+    intersection over union above one half), with the text and without. Each from one draw."""
+    from tasks.runs.sampling import sample_run
+
+    edits = held_out_edits()
+    references = [edit["reference"] for edit in edits]
+
+    def scored(texts: list[str]) -> tuple[int, int]:
+        samples = sample_run(run, texts, steps=10, guidance_scale=4.5, seed=seed, pictures=references,
+                             setting="--reference")
+        judged = [edit_judged(frames[0], edit) for edit, frames in zip(edits, samples)]
+        return sum(right for right, _ in judged), sum(kept for _, kept in judged)
+
+    (colour, kept), (guessed, kept_blank) = scored([edit["prompt"] for edit in edits]), scored([""] * len(edits))
+    return {"colour": (colour, guessed), "kept": (kept, kept_blank)}
+
+
+def edit_judged(picture, edit: dict) -> tuple[bool, bool]:
+    """Whether a sample drawn for a held-out `edit` made it (its background, the colour most of it
+    is nearest, is the one named) and kept its reference (its pixels not nearest the new colour
+    cover the reference's shapes, at the sample's size, with an intersection over union above a half)."""
+    from PIL import Image
+
+    drawn = np.asarray(picture.convert("RGB"), dtype=np.float64)
+    palette = np.array(list(COLORS.values()), dtype=np.float64)
+    nearest = ((drawn[:, :, None, :] - palette) ** 2).sum(-1).argmin(-1)
+    right = BACKGROUNDS[np.bincount(nearest.ravel(), minlength=len(COLORS)).argmax()] == edit["colour"]
+    shown = np.asarray(edit["reference"].resize(picture.size, Image.Resampling.NEAREST), dtype=np.float64)
+    shapes = np.abs(shown - np.array(COLORS[edit["background"]])).sum(-1) > 30
+    moved = nearest != BACKGROUNDS.index(edit["colour"])
+    return bool(right), bool((shapes & moved).sum() > (shapes | moved).sum() / 2)
+
+
 def colour_scores(run: str, seed: int = 0, family: str = "pixart") -> tuple[int, int]:
     """`held_out_scores`' colours: (with text, without), of 12."""
     return held_out_scores(run, seed, family)["colour"]
@@ -94,11 +133,16 @@ def train_demo(folder: Path, models: Path, data: Path, training_seed: int = 0, f
     """The quickstart's training of `family`'s demo on `models` and `data` (in the store `store`
     under `folder`): the pipeline's stage records (the run in `["train"]`: its `url`, `first_loss`
     and `final_loss`)."""
+    source = (f"{{path: {data}/targets, references: files, reference_path: {data}/references}}"
+              if family in EDIT_FAMILIES else f"{{path: {data}}}")
     settings = [*demo_settings(family), f"storage.root={folder / store}", f"model.path={models}",
-                f"dataset.sources=[{{path: {data}}}]", f"training.seed={training_seed}"]
+                f"dataset.sources=[{source}]", f"training.seed={training_seed}"]
     if family in VIDEO_FAMILIES:  # the sample first frames the demo writes, under `folder`
         frames = write_first_frames([folder / "first-frames" / f"{i}.png" for i in range(len(demo_prompts()))])
         settings.append(f"training.samples.first_frames={json.dumps(list(map(str, frames)))}")
+    if family in EDIT_FAMILIES:  # the sample references, under `folder`
+        references = write_edit_references([folder / "edit-references" / f"{i}.png" for i in range(12)])
+        settings.append(f"training.samples.references={json.dumps(list(map(str, references)))}")
     from tasks.runner import run_direct
 
     return run_direct(load_config(QUICKSTART, settings))

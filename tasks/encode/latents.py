@@ -334,7 +334,7 @@ def check_latent_encoding(model: ModelConfig, latents: LatentEncodingConfig, dat
         if source.references != "none" and family.codec.references is None:
             raise ValueError(f"dataset source {source.path!r}: references: {source.references} pairs each picture "
                              f"with the reference images it was made from, and {family.name} takes none (an edit "
-                             "or reference family does)")
+                             "family does: FLUX.1 Kontext)")
     video = dataset.video
     if problem := family.codec.clip_policy_problem(sorted({video.frames, *video.frame_buckets})):
         raise ValueError(f"dataset.video: {problem}")
