@@ -172,3 +172,28 @@ def test_samples_are_drawn_from_references_as_the_pipeline_draws_them_with_the_a
         sample_run(done["train"]["run"], ["a", "b"], pictures=[reference], setting="--reference", device="cpu")
     assert main(["sample", done["train"]["run"], "--prompt", "a", "--reference", str(folder / "none.png"),
                  "--out", str(folder / "out.png"), "--device", "cpu"]) == 1
+
+
+def test_the_plan_counts_a_pairs_reference_tokens_as_the_trainers_step_holds_them(tiny_family):
+    """`precast plan` for Kontext on pairs: the step it counts on fake tensors, the reference's
+    latents beside the target's, is what the trainer's own step holds on real ones, and more than
+    the same step without references."""
+    import contextlib
+    from dataclasses import replace
+
+    from configs.schema import PipelineConfig
+    from tasks.train.network import trainable_network
+    from tasks.train.plan import config_shapes, footprint, step_ledger
+
+    run = PipelineConfig(dataset={"sources": [{"path": "unused", "references": "files", "reference_path": "refs"}]},
+                         model={"path": str(tiny_family("flux-kontext"))}, latent_encoding={"resolution": 64},
+                         training={"batch_size": 2, "mixed_precision": "bf16", "base_precision": "bf16"})
+    family = family_of(run.model)
+    shapes = config_shapes(run, family)
+    assert shapes.references == ((16, 8, 8),)  # the rule's size of a square reference at 64 px: 64 × 64
+    planned = footprint(run.model, run.training, family, shapes, "bf16", "none")
+    network = trainable_network(run.model, family, run.training)
+    real = step_ledger(run.model, family, run.training, network, contextlib.nullcontext(), shapes, planned.batch)
+    assert planned.step == pytest.approx(real.peak, rel=0.02)
+    alone = footprint(run.model, run.training, family, replace(shapes, references=()), "bf16", "none")
+    assert planned.tokens == alone.tokens + 16 and planned.step > alone.step

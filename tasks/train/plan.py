@@ -165,11 +165,13 @@ class _Modules:
 @dataclass(frozen=True)
 class Shapes:
     """What a step of the run is planned on: a sample's latents [C, (F,) h, w] (the largest
-    bucket's) and each text encoder's positions per caption as the reader hands them over."""
+    bucket's), each text encoder's positions per caption as the reader hands them over, and an
+    edit pair's references' latents (each its own shape, the transformer's tokens beside the sample's)."""
 
     latent: tuple[int, ...]
     lengths: dict[str, int]
     pixels: tuple[int, int, int] = (1, 0, 0)  # frames, height, width of that sample (the VAE's input)
+    references: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -293,9 +295,10 @@ def reader_shapes(model: ModelConfig, family: Family, features: Any) -> Shapes:
     config = family.denoiser.transformer_class().load_config(model.path, subfolder=family.denoiser.folder(model),
                                                              revision=model.revision)
     bucket = max(features.buckets, key=lambda name: group_tokens(name, partial(family.denoiser.image_tokens, config)))
-    latents, *_ = features.batch(features.buckets[bucket][:1], torch.Generator().manual_seed(0), 0.0)
+    latents, text, _ = features.batch(features.buckets[bucket][:1], torch.Generator().manual_seed(0), 0.0)
     lengths = {spec.name: shard.meta["max_length"] for spec, shard in zip(family.text.encoders, features.text.prompts)}
-    return Shapes(tuple(latents.shape[1:]), lengths)
+    references = tuple(tuple(text[f"reference_{n}"].shape[1:]) for n in range(len(bucket.split("+")) - 1))
+    return Shapes(tuple(latents.shape[1:]), lengths, references=references)
 
 
 def footprint(model: ModelConfig, training: TrainingConfig, family: Family, shapes: Shapes, base_precision: str,
@@ -311,7 +314,8 @@ def footprint(model: ModelConfig, training: TrainingConfig, family: Family, shap
     if (counted_base, gradient_checkpointing) not in steps:
         mode = FakeTensorMode(allow_non_fake_inputs=True)  # the schedule's own tables are real tensors
         network = fake_network(model, family, run, mode)
-        tokens = family.denoiser.image_tokens(network.config, *shapes.latent[1:])
+        tokens = sum(family.denoiser.image_tokens(network.config, *latent[1:])  # a pair's references' too
+                     for latent in (shapes.latent, *shapes.references))
         batch = max(1, training.batch_tokens // tokens) if training.batch_tokens else training.batch_size
         steps[counted_base, gradient_checkpointing] = (network, batch, tokens,
                                                        step_ledger(model, family, run, network, mode, shapes, batch))
@@ -377,11 +381,21 @@ def config_shapes(config: PipelineConfig, family: Family) -> Shapes:
     mode = FakeTensorMode()
     vae = faked(meta_vae(model, family), mode)
     shape = (1, 3, int(height), int(width)) if frames == 1 else (1, 3, frames, int(height), int(width))
+    # an edit family's references: as many as a source's reference folders (a column's: one, as
+    # Kontext takes), each sized by the family's rule (a square one at the resolution: about its area)
+    count = max([len(s.reference_folders()) or int(s.references == "column") for s in config.dataset.sources
+                 if family.codec.references is not None], default=0)
     with mode, torch.no_grad():
-        latent = vae.encode(family.codec.vae_pixels(torch.empty(shape))).latent_dist.mean[0]
-        latent = family.codec.normalised(latent, torch.zeros(()), torch.ones(()))  # as the reader shapes it (patches)
+        def latent_of(pixels: tuple[int, ...]) -> torch.Size:  # as the reader shapes it (patches)
+            latent = vae.encode(family.codec.vae_pixels(torch.empty(pixels))).latent_dist.mean[0]
+            return family.codec.normalised(latent, torch.zeros(()), torch.ones(())).shape
+
+        latent = latent_of(shape)
+        sides = family.codec.references.size(*[config.latent_encoding.resolution] * 2,
+                                             config.latent_encoding.resolution) if count else None
+        references = (tuple(latent_of((1, 3, sides[1], sides[0]))),) * count if count else ()
     lengths = {spec.name: family.text.length(model, spec, config.text_encoding) for spec in family.text.encoders}
-    return Shapes(tuple(latent.shape), lengths, (frames, int(height), int(width)))
+    return Shapes(tuple(latent), lengths, (frames, int(height), int(width)), references)
 
 
 def step_ledger(model: ModelConfig, family: Family, training: TrainingConfig, network: torch.nn.Module,
@@ -408,6 +422,7 @@ def step_ledger(model: ModelConfig, family: Family, training: TrainingConfig, ne
                 else:
                     text[key] = torch.empty(batch, shapes.lengths[spec.name], width)
                     text[f"{key}_mask"] = torch.ones(batch, shapes.lengths[spec.name], dtype=torch.long)
+        text.update({f"reference_{n}": torch.empty(batch, *shape) for n, shape in enumerate(shapes.references)})
         latents = torch.empty(batch, *shapes.latent)
         hooks = (torch.autograd.graph.saved_tensors_hooks(ledger.to_host, lambda kept: kept) if offloaded
                  else contextlib.nullcontext())
@@ -543,8 +558,9 @@ def plan_text(plan: dict[str, Any]) -> str:
     first = plan["footprints"][0]
     shapes, gib = plan["shapes"], lambda nbytes: f"{nbytes / GIB:.2f}"
     lengths = ", ".join(f"{name} {length}" for name, length in shapes.lengths.items())
+    paired = " (its references' among them)" if shapes.references else ""
     lines = [f"{plan['family']}: micro-batches of {first.batch} × latents {'×'.join(map(str, shapes.latent))} "
-             f"({first.tokens:,} image tokens a sample), captions of {lengths} positions",
+             f"({first.tokens:,} image tokens a sample{paired}), captions of {lengths} positions",
              f"card: {gib(plan['gpu_memory'])} GiB, of which {gib(RESERVE)} GiB is left to the CUDA context and "
              f"allocator; GiB below ('streamed': blocks_to_swap of the transformer's {len(first.blocks)} blocks)",
              "",
