@@ -44,7 +44,8 @@ def test_a_reference_is_sized_as_the_pipeline_sizes_it(kontext, size, monkeypatc
     text = _text(pipeline, "make the background red")
     pipeline(image=Image.new("RGB", size, (200, 30, 30)), prompt_embeds=text["t5_hidden"],
              pooled_prompt_embeds=text["clip_l_pooled"], max_area=32 * 32, num_inference_steps=1, output_type="latent")
-    assert seen[0] == family_of(model).codec.references.size(*size, 1024)  # (preprocess resizes to it again)
+    width, height, *crop = family_of(model).codec.references.box(*size, 1024)
+    assert seen[0] == (width, height) and crop == [0, 0, width, height]  # (preprocess resizes to it again)
 
 
 def test_the_transformer_is_called_as_kontext_calls_it_with_a_reference(kontext):
@@ -110,7 +111,7 @@ def test_pairs_train_through_every_stage_each_reference_encoded_as_the_pipeline_
     family = family_of(config.model)
     for name in ("00000", "00003"):
         picture = Image.open(folder / "references" / f"{name}.png").convert("RGB")
-        width, height = family.codec.references.size(*picture.size, 128)
+        width, height, *_ = family.codec.references.box(*picture.size, 128)
         pixels = pipeline.image_processor.preprocess(pipeline.image_processor.resize(picture, height, width),
                                                      height, width)
         with torch.no_grad():
@@ -162,7 +163,7 @@ def test_samples_are_drawn_from_references_as_the_pipeline_draws_them_with_the_a
     assert main(["export", done["train"]["run"], "--format", "diffusers", "--out", str(exported)]) == 0
     pipeline = FluxKontextPipeline.from_pretrained(config.model.path)
     pipeline.load_lora_weights(str(exported))
-    sides = family_of(config.model).codec.references.size(*reference.size, 128)
+    sides = family_of(config.model).codec.references.box(*reference.size, 128)[:2]
     theirs = pipeline(image=reference.resize(sides, Image.Resampling.LANCZOS), _auto_resize=False,
                       prompt=["make the background red"], negative_prompt=[""], max_sequence_length=32, height=128,
                       width=128, max_area=128 * 128, num_inference_steps=2, guidance_scale=4.5,

@@ -181,10 +181,9 @@ def encode_latents_shard(
         return family.codec.bucket_table(latents.resolution)
 
     def box(sample: dict) -> list[int]:
-        if sample.get("role") == "reference" and family.codec.references is not None:  # resized whole, as the pipeline
-            width, height = family.codec.references.size(sample["width"], sample["height"],
-                                                          sample.get("resolution") or latents.resolution)
-            return [width, height, 0, 0, width, height]
+        if sample.get("role") == "reference" and family.codec.references is not None:  # as the pipeline sizes it
+            return family.codec.references.box(sample["width"], sample["height"],
+                                               sample.get("resolution") or latents.resolution)
         return crop_box(table(sample), sample["width"], sample["height"], latents.crop, latents.crop_seed,
                         sample["sample_id"])
 

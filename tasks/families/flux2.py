@@ -25,7 +25,8 @@ import torch
 
 from configs.schema import ModelConfig, TrainingConfig
 from tasks.families.flow import FlowMatching
-from tasks.families.spec import Buckets, ChatEncoderSpec, Codec, Conditioning, Denoiser, Family, Sampler, Text
+from tasks.families.spec import (Buckets, ChatEncoderSpec, Codec, Conditioning, Denoiser, Family, References, Sampler,
+                                  Text)
 
 
 def patchify(latents: torch.Tensor) -> torch.Tensor:
@@ -43,12 +44,30 @@ def positions(batch: int, *grid: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class Flux2References(References):
+    """As the FLUX.2 pipelines size each reference: downscaled (Lanczos) to the area of a square at
+    the resolution only where larger (1024² in the pipelines), then its centre cropped to sides
+    that are multiples of 16 (`resize_mode="crop"`)."""
+
+    rule: str = "flux2/area-crop"
+
+    def box(self, width: int, height: int, resolution: int) -> list[int]:
+        if width * height > resolution * resolution:  # `_resize_to_target_area`
+            scale = math.sqrt(resolution * resolution / (width * height))
+            width, height = int(width * scale), int(height * scale)
+        wide, high = width // 16 * 16, height // 16 * 16
+        left, top = (width - wide) // 2, (height - high) // 2  # `Flux2ImageProcessor._resize_and_crop`
+        return [width, height, left, top, left + wide, top + high]
+
+
+@dataclass(frozen=True)
 class Flux2Codec(Codec):
     """`AutoencoderKLFlux2`: 2×2 patches of its 32 channels, normalised by its batch norm's running
     mean and variance (128 channels), as `_encode_vae_image` does."""
 
     buckets: Buckets = Buckets(step=16)  # the VAE's 8× and the 2×2 patches
     vae: str = "AutoencoderKLFlux2"
+    references: References | None = Flux2References()  # the pipelines' `image`: one or several
 
     def latent_factors(self, vae: torch.nn.Module) -> tuple[list[float], list[float]]:
         """Per patch channel: (z − running_mean) / √(running_var + batch_norm_eps)."""
@@ -88,16 +107,23 @@ class Flux2Denoiser(Denoiser):
     def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: Conditioning,
                 timesteps: torch.Tensor, guidance: float = 1.0) -> torch.Tensor:
         """As the pipeline calls it: the patches [B, 128, h, w] as h·w tokens with their (0, row,
-        column, 0) positions, timestep / 1000, all of the caption's positions with (0, 0, 0, l)."""
+        column, 0) positions, then each reference's (`reference_<n>`) with (10 + 10n, row, column,
+        0), timestep / 1000, all of the caption's positions with (0, 0, 0, l); the prediction of
+        the patches' own tokens."""
         batch, channels, height, width = noisy.shape
         embeds = text[self.text]
+        tokens, ids = [noisy.flatten(2).transpose(1, 2)], [positions(batch, 1, height, width, 1)]
+        for n in range(sum(name.startswith("reference_") for name in text)):  # `_prepare_image_ids`
+            reference = text[f"reference_{n}"]
+            tokens.append(reference.to(noisy.dtype).flatten(2).transpose(1, 2))
+            ids.append(positions(batch, 1, *reference.shape[2:], 1) + torch.tensor([10 + 10 * n, 0, 0, 0]))
         with_guidance = getattr(network, "module", network).config.guidance_embeds  # DDP wraps it on several processes
         output = network(
-            hidden_states=noisy.flatten(2).transpose(1, 2), timestep=timesteps / 1000,
+            hidden_states=torch.cat(tokens, dim=1), timestep=timesteps / 1000,
             guidance=torch.full((batch,), guidance, device=noisy.device) if with_guidance else None,
             encoder_hidden_states=embeds, txt_ids=positions(batch, 1, 1, 1, embeds.shape[1]).to(noisy.device),
-            img_ids=positions(batch, 1, height, width, 1).to(noisy.device), return_dict=False)[0]
-        return output.transpose(1, 2).reshape(batch, channels, height, width)
+            img_ids=torch.cat(ids, dim=1).to(noisy.device), return_dict=False)[0]
+        return output[:, : height * width].transpose(1, 2).reshape(batch, channels, height, width)
 
 
 @dataclass(frozen=True)
@@ -105,6 +131,7 @@ class Flux2Sampler(Sampler):
     """[dev]'s pipeline: no negative prompts (its `guidance_scale` is the guidance input)."""
 
     pipeline_name: str = "Flux2Pipeline"
+    reference_option: str | None = "image"
     text: str = "mistral3_hidden"
 
     def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
@@ -120,6 +147,7 @@ class Flux2KleinSampler(Sampler):
     pipeline does: `is_distilled`)."""
 
     pipeline_name: str = "Flux2KleinPipeline"
+    reference_option: str | None = "image"
 
     def prompt_options(self, pipeline: Any, prompts: list[str], text: dict[str, Any]) -> dict[str, Any]:
         """Its call takes no negative prompt: it encodes the empty one itself."""

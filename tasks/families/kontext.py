@@ -24,16 +24,17 @@ MULTIPLE = 16  # the pipeline's `vae_scale_factor * 2`: latents packed 2×2
 class KontextReferences(References):
     rule: str = "kontext/preferred"
 
-    def size(self, width: int, height: int, resolution: int) -> tuple[int, int]:
-        """The preferred resolution nearest the reference's aspect ratio (the first of equals, as
-        the pipeline's `min` takes it), scaled to `resolution`, sides floored to 16."""
+    def box(self, width: int, height: int, resolution: int) -> list[int]:
+        """Resized whole (no crop) to the preferred resolution nearest the reference's aspect ratio
+        (the first of equals, as the pipeline's `min` takes it), scaled to `resolution`, sides
+        floored to 16."""
         from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
         ratio = width / height
         _, wide, high = min((abs(ratio - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
         scale = resolution / 1024
-        return (max(MULTIPLE, round(wide * scale) // MULTIPLE * MULTIPLE),
-                max(MULTIPLE, round(high * scale) // MULTIPLE * MULTIPLE))
+        wide, high = (max(MULTIPLE, round(side * scale) // MULTIPLE * MULTIPLE) for side in (wide, high))
+        return [wide, high, 0, 0, wide, high]
 
 
 def references_of(text: Conditioning) -> list[torch.Tensor]:
@@ -63,24 +64,11 @@ class KontextSampler(FluxSampler):
     """`FluxKontextPipeline`, drawing from a reference a prompt as training saw its references."""
 
     pipeline_name: str = "FluxKontextPipeline"
+    reference_option: str | None = "image"
 
-    def picture_pipeline_class(self, setting: str) -> type:
-        if "reference" not in setting:  # first frames: refused, as for FLUX.1
-            return super().picture_pipeline_class(setting)
-        return self.pipeline_class()
-
-    def picture_pipeline(self, pipeline):
-        return pipeline
-
-    def picture_options(self, picture, size: tuple[int, int] | None, resolution: int | None) -> dict:
-        """The reference resized as training resized references at the run's `resolution` (the
-        pipeline's own resize is left off: it sizes for 1024²); without one, the pipeline's own."""
-        if resolution is None:
-            return {"image": picture}
-        from PIL import Image
-
-        sides = KontextReferences().size(*picture.size, resolution)
-        return {"image": picture.resize(sides, Image.Resampling.LANCZOS), "_auto_resize": False}
+    def picture_options(self, picture, size: tuple[int, int] | None) -> dict:
+        """The reference as sized already; the pipeline's own resize (for 1024²) left off."""
+        return {"image": picture, "_auto_resize": False}
 
     def size_options(self, height: int, width: int) -> dict:
         """The size, and the area the pipeline would otherwise move it to (1024² by default)."""

@@ -312,9 +312,18 @@ class References(Part):
 
     rule: str
 
-    def size(self, width: int, height: int, resolution: int) -> tuple[int, int]:
-        """(width, height) in pixels a reference of width × height is resized to (not cropped)."""
+    def box(self, width: int, height: int, resolution: int) -> list[int]:
+        """[resized width, resized height, left, top, right, bottom]: the size a reference of width
+        × height is resized to, then the crop of it the VAE sees (`encode.latents.crop_box`'s form)."""
         raise NotImplementedError
+
+    def picture(self, picture: Any, resolution: int) -> Any:
+        """A reference picture (PIL) as training sizes it at `resolution` (Lanczos, as the
+        pipelines' image processors resize)."""
+        from PIL import Image
+
+        box = self.box(*picture.size, resolution)
+        return picture.resize(tuple(box[:2]), Image.Resampling.LANCZOS).crop(tuple(box[2:]))
 
 
 @dataclass(frozen=True)
@@ -441,6 +450,7 @@ class Sampler(Part):
 
     pipeline_name: str
     image_pipeline_name: str | None = None
+    reference_option: str | None = None  # the pipeline's argument that takes references (None: it takes none)
 
     def scheduler(self, model: ModelConfig) -> Any:
         """The scheduler sample grids are drawn with during training: the model's own, as saved."""
@@ -473,22 +483,28 @@ class Sampler(Part):
     # --- samples drawn from a picture a prompt: a video family's first frames (its image-to-video
     # pipeline), an edit family's references (its own pipeline) ---------------------------------
     def picture_pipeline_class(self, setting: str) -> type:
-        """The pipeline that draws from the pictures `setting` gives; refused, naming it, for a
-        family that takes none of its kind."""
-        if "reference" in setting:
+        """The pipeline that draws from the pictures `setting` gives (references: the family's own;
+        first frames: its image-to-video one); refused, naming it, for a family that takes none of
+        that kind."""
+        if "reference" not in setting:
+            return self.image_pipeline_class(setting)
+        if self.reference_option is None:
             raise ValueError(f"{setting}: {self.family} takes no reference images (an edit family's pipeline "
-                             "does: FLUX.1 Kontext); leave it out")
-        return self.image_pipeline_class(setting)
+                             "does: FLUX.1 Kontext, FLUX.2); leave it out")
+        return self.pipeline_class()
 
     def picture_pipeline(self, pipeline: Any) -> Any:
         """`pipeline`'s components in the pipeline that draws from a picture (`picture_pipeline_class`)."""
-        return self.image_pipeline(pipeline)
+        return pipeline if self.reference_option else self.image_pipeline(pipeline)
 
-    def picture_options(self, picture: Any, size: tuple[int, int] | None, resolution: int | None) -> dict[str, Any]:
-        """How that pipeline is given a sample's picture (RGB): a first frame centre-cropped to the
-        samples' `size` (width, height; None: as it is) rather than stretched."""
+    def picture_options(self, picture: Any, size: tuple[int, int] | None) -> dict[str, Any]:
+        """How that pipeline is given a sample's picture (RGB): a reference as it is (sized already,
+        `Family.picture_options`), a first frame centre-cropped to the samples' `size` (width,
+        height; None: as it is) rather than stretched."""
         from PIL import ImageOps
 
+        if self.reference_option:
+            return {self.reference_option: picture}
         return {"image": ImageOps.fit(picture, size) if size else picture}
 
     def size_options(self, height: int, width: int) -> dict[str, Any]:
@@ -576,3 +592,10 @@ class Family:
     def embedding_pipeline(self, model: ModelConfig, vae: Any, transformer: torch.nn.Module) -> Any:
         """The sampler's pipeline on cached prompts, the trained transformer in its slot."""
         return self.sampler.embedding_pipeline(model, vae, transformer, self.text.encoders, self.denoiser)
+
+    def picture_options(self, picture: Any, size: tuple[int, int] | None, resolution: int | None) -> dict[str, Any]:
+        """A sample's picture as the sampler's pipeline is given it: a reference sized as training
+        sized references at the run's `resolution` (the codec's rule), a first frame as it is taken."""
+        if self.sampler.reference_option and resolution is not None:
+            picture = self.codec.references.picture(picture, resolution)
+        return self.sampler.picture_options(picture, size)

@@ -122,7 +122,7 @@ def draw(family: Family, pipeline, call: Callable[[slice], dict], count: int, pi
     pipeline, videos = family.sampler.picture_pipeline(pipeline), []
     pipeline.set_progress_bar_config(disable=True)
     for row, picture in enumerate(pictures):
-        options = family.sampler.picture_options(picture.convert("RGB"), size, resolution)
+        options = family.picture_options(picture.convert("RGB"), size, resolution)
         videos += family.sampler.videos(pipeline(**call(slice(row, row + 1)), **options))
     return Samples(videos)
 

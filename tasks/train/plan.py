@@ -391,9 +391,8 @@ def config_shapes(config: PipelineConfig, family: Family) -> Shapes:
             return family.codec.normalised(latent, torch.zeros(()), torch.ones(())).shape
 
         latent = latent_of(shape)
-        sides = family.codec.references.size(*[config.latent_encoding.resolution] * 2,
-                                             config.latent_encoding.resolution) if count else None
-        references = (tuple(latent_of((1, 3, sides[1], sides[0]))),) * count if count else ()
+        box = family.codec.references.box(*[config.latent_encoding.resolution] * 3) if count else None
+        references = (tuple(latent_of((1, 3, box[5] - box[3], box[4] - box[2]))),) * count if count else ()
     lengths = {spec.name: family.text.length(model, spec, config.text_encoding) for spec in family.text.encoders}
     return Shapes(tuple(latent), lengths, (frames, int(height), int(width)), references)
 
