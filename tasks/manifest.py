@@ -94,9 +94,12 @@ def _write_manifest(store: Store, this_id: str, dataset_id: str, text_fps: dict[
 
     with ThreadPoolExecutor(MANIFEST_CONCURRENCY) as pool:
         read = list(zip(dataset["shards"], pool.map(committed, dataset["shards"])))
-    # edit pairs: where each reference's latents are, in whichever shard holds them
+    # edit pairs: where each reference's latents are, in whichever shard holds them as the dataset
+    # counts it (a shard partly superseded may still hold a reference at a resolution since changed)
+    current = {shard["id"]: None if shard["samples"] is None else set(shard["samples"]) for shard, _ in read}
     placed = {reference: (latent_key(shard), json.loads(latents["rows"])[reference][0])
-              for shard, (_, _, latents) in read for reference in json.loads(latents["meta"]).get("reference_rows", [])}
+              for shard, (_, _, latents) in read for reference in json.loads(latents["meta"]).get("reference_rows", [])
+              if current[shard["id"]] is None or reference in current[shard["id"]]}
     for shard, (shard_checksums, text, latents) in read:
         checksums.update(shard_checksums)
         text_shards, latent_shard = text_keys(shard), latent_key(shard)

@@ -198,3 +198,32 @@ def test_the_plan_counts_a_pairs_reference_tokens_as_the_trainers_step_holds_the
     assert planned.step == pytest.approx(real.peak, rel=0.02)
     alone = footprint(run.model, run.training, family, replace(shapes, references=()), "bf16", "none")
     assert planned.tokens == alone.tokens + 16 and planned.step > alone.step
+
+
+def test_a_half_precision_runs_grid_is_drawn_from_a_reference(trained):
+    """The run's sample grid with a bf16 transformer (a bf16 base's): the reference's pixels reach
+    the fp32 VAE in bf16 (the pipeline casts them to the prompts') and its latents come back to join
+    the noise; and Kontext refuses two reference folders before any stage (its pipeline takes one)."""
+    from diffusers import FluxTransformer2DModel
+
+    from configs.schema import PipelineConfig
+    from storage.store import Store
+    from tasks.encode.latents import check_latent_encoding
+    from tasks.runs.sampling import sample_grid
+    from tasks.train.data import CachedFeatures
+
+    folder, config, done = trained
+    store = Store(config.storage)
+    family = family_of(config.model)
+    features = CachedFeatures(store, store.read_json(store.key(done["manifest"]["url"])), family)
+    transformer = FluxTransformer2DModel.from_pretrained(config.model.path, subfolder="transformer",
+                                                         torch_dtype=torch.bfloat16)
+    reference = Image.open(folder / "references" / "00006.png").convert("RGB")
+    samples = sample_grid(config.model, family, transformer, [features.text.prompt("make the background red")],
+                          features.text.prompt(""), 1, 3.5, 1.0, 0, 128, 1, [reference], "training.samples.references")
+    assert samples.grid().size == (128, 128)
+    two = PipelineConfig.model_validate({**config.model_dump(), "dataset": {"sources": [{
+        "path": "t", "references": "files", "reference_path": ["a", "b"]}]}})
+    with pytest.raises(ValueError, match=r"reference_path names 2 folders, a reference each, and FLUX.1 Kontext takes "
+                                         r"at most 1"):
+        check_latent_encoding(two.model, two.latent_encoding, two.dataset)

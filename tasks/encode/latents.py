@@ -174,6 +174,13 @@ def encode_latents_shard(
     for sample_id, problem in problems.items():
         quarantined.append({"sample_id": sample_id, "reason": "frames", "message": problem})
         log.warning("quarantined sample %s of shard %s: %s", sample_id, shard_id, problem)
+    most = family.codec.references and family.codec.references.most
+    for sample in samples:  # a pair with more references than the family's pipeline takes
+        if most is not None and len(sample.get("references") or []) > most:
+            problems[sample["sample_id"]] = problem = (f"{len(sample['references'])} references: {family.name} takes "
+                                                       f"at most {most}")
+            quarantined.append({"sample_id": sample["sample_id"], "reason": "references", "message": problem})
+            log.warning("quarantined sample %s of shard %s: %s", sample["sample_id"], shard_id, problem)
     samples = [s for s in samples if s["sample_id"] not in problems]
     def table(sample: dict) -> dict[str, list[float]]:  # at its source's resolution, or the config's
         if sample.get("resolution"):
@@ -334,6 +341,10 @@ def check_latent_encoding(model: ModelConfig, latents: LatentEncodingConfig, dat
             raise ValueError(f"dataset source {source.path!r}: references: {source.references} pairs each picture "
                              f"with the reference images it was made from, and {family.name} takes none (an edit "
                              "family does: FLUX.1 Kontext)")
+        most = family.codec.references and family.codec.references.most
+        if most is not None and len(source.reference_folders()) > most:
+            raise ValueError(f"dataset source {source.path!r}: reference_path names {len(source.reference_folders())} "
+                             f"folders, a reference each, and {family.name} takes at most {most}")
     video = dataset.video
     if problem := family.codec.clip_policy_problem(sorted({video.frames, *video.frame_buckets})):
         raise ValueError(f"dataset.video: {problem}")

@@ -23,6 +23,7 @@ MULTIPLE = 16  # the pipeline's `vae_scale_factor * 2`: latents packed 2×2
 @dataclass(frozen=True)
 class KontextReferences(References):
     rule: str = "kontext/preferred"
+    most: int | None = 1  # the pipeline takes one image
 
     def box(self, width: int, height: int, resolution: int) -> list[int]:
         """Resized whole (no crop) to the preferred resolution nearest the reference's aspect ratio

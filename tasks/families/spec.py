@@ -311,6 +311,7 @@ class References(Part):
     here at the run's resolution (the pipeline's own rule at 1024)."""
 
     rule: str
+    most: int | None = None  # the references a target may have (None: as many as a source gives)
 
     def box(self, width: int, height: int, resolution: int) -> list[int]:
         """[resized width, resized height, left, top, right, bottom]: the size a reference of width

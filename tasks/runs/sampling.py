@@ -105,7 +105,7 @@ def read_picture(path: str, options: dict) -> Image.Image:
         with fsspec.open(path, "rb", **(options if "://" in path else {})) as file:
             return Image.open(io.BytesIO(file.read())).convert("RGB")
     except Exception as error:  # missing, unreachable, not a picture, a decompression bomb: each names the file
-        raise ValueError(f"first frame {path}: not a readable picture ({type(error).__name__}: {error})") from error
+        raise ValueError(f"picture {path}: not a readable picture ({type(error).__name__}: {error})") from error
 
 
 def draw(family: Family, pipeline, call: Callable[[slice], dict], count: int, pictures: list[Image.Image] | None,
@@ -151,6 +151,26 @@ def check_components(model: ModelConfig) -> None:
                                   f"sample grids, drawn during training from the cached prompts, load no {name}")
 
 
+def casting(vae):
+    """The VAE (loaded once a process, and shared) taking its inputs in its own dtype: latents leave a
+    half-precision transformer in its dtype, and a reference's pixels reach the VAE in it (Kontext's
+    pipeline casts them to the prompts'); a reference's latents come back in the pixels' dtype, which
+    the pipeline joins to the noise."""
+    if getattr(vae, "casting", False):
+        return vae
+    decode, encode = vae.decode, vae.encode
+
+    def encoded(pixels: torch.Tensor, *args, **kwargs):
+        output = encode(pixels.to(vae.dtype), *args, **kwargs)
+        posterior = output.latent_dist
+        posterior.mean, posterior.std = posterior.mean.to(pixels.dtype), posterior.std.to(pixels.dtype)
+        return output
+
+    vae.decode = lambda latents, *args, **kwargs: decode(latents.to(vae.dtype), *args, **kwargs)
+    vae.encode, vae.casting = encoded, True
+    return vae
+
+
 def sample_grid(
     model: ModelConfig,
     family: Family,
@@ -173,9 +193,7 @@ def sample_grid(
     device = next(transformer.parameters()).device
     check_pictures(family, pictures, len(prompt_features), setting)
     height, width = family.codec.sample_size(resolution)
-    vae = load_vae(model, family, "fp32", str(device))
-    decode = vae.decode  # latents leave a half-precision transformer in its dtype: the fp32 VAE takes them in its own
-    vae.decode = lambda latents, *args, **kwargs: decode(latents.to(vae.dtype), *args, **kwargs)
+    vae = casting(load_vae(model, family, "fp32", str(device)))
     pipeline = family.embedding_pipeline(model, vae, transformer)
     dtype = next(transformer.parameters()).dtype  # the features in the transformer's, masks as they are
 
@@ -194,7 +212,7 @@ def sample_grid(
 def sample_run(
     url: str, prompts: list[str], model_path: str | None = None, options: dict | None = None,
     steps: int = 20, guidance_scale: float = 4.5, seed: int = 0, device: str = "auto", true_cfg_scale: float = 1.0,
-    frames: int | None = None, pictures: list[Image.Image] | None = None, setting: str = "--first-frame",
+    frames: int | None = None, pictures: list[Image.Image] | None = None, setting: str | None = None,
 ) -> Samples:
     """Samples for `prompts` from a finished run (`<root>/runs/<id>`, or its `adapter`/`transformer`
     URL) through its family's pipeline `from_pretrained` with the trained weights: a LoRA adapter
@@ -210,6 +228,8 @@ def sample_run(
     model = ModelConfig.model_validate({**run.record["model"], **({"path": model_path, "revision": None}
                                                                    if model_path else {})})
     family = family_of(model)
+    # (what gave the pictures, named in refusals: an edit family's are references)
+    setting = setting or ("--reference" if family.sampler.reference_option else "--first-frame")
     check_pictures(family, pictures, len(prompts), setting)
     check_components(model)
     with tempfile.TemporaryDirectory() as local:
