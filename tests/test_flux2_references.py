@@ -105,7 +105,8 @@ def test_pairs_train_klein_each_reference_encoded_as_the_pipeline_encodes_it(kle
     with torch.no_grad():
         want = pipeline._encode_vae_image(pipeline.image_processor.preprocess(sized, *sized.size[::-1]),
                                           torch.Generator())
-    # (within the VAE's batch rounding: the stage encoded it beside other pictures; flip is off)
-    torch.testing.assert_close(text["reference_0"], want, rtol=1e-3, atol=2e-3)
+    # (within the VAE's batch rounding: the stage encoded it beside other pictures, on this machine's
+    # kernels; 0.006 seen on a fresh machine, against latents of about 1; flip is off)
+    torch.testing.assert_close(text["reference_0"], want, rtol=1e-2, atol=1e-2)
     grid = Image.open(io.BytesIO(store.read_bytes(store.key(done["train"]["samples"][-1]))))
     assert grid.size == (128, 128)
