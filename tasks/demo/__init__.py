@@ -69,12 +69,16 @@ def demo_settings(family: str) -> list[str]:
         from tasks.demo.data import held_out_edits
 
         edits = held_out_edits()
-        training += [f"dataset.sources=[{{path: {EDIT_PAIRS}/targets, references: files, "
-                     f"reference_path: {EDIT_PAIRS}/references}}]",
+        training += [f"dataset.sources=[{edit_source(EDIT_PAIRS)}]",
                      f"training.samples.prompts={json.dumps([edit['prompt'] for edit in edits])}",
                      f"training.samples.references={json.dumps([f'{EDIT_REFERENCES}/{i}.png' for i in range(len(edits))])}"]
     return [f"model.path=precast-demo/models/{family}", "latent_encoding.resolution=128", "text_encoding.max_length=32",
             *training]
+
+
+def edit_source(pairs: str | Path) -> str:
+    """The dataset source (YAML) of edit pairs written by `data.write_edit_data` into `pairs`."""
+    return f"{{path: {pairs}/targets, references: files, reference_path: {pairs}/references}}"
 
 
 def write_demo_dataset(folder: str | Path, family: str = "pixart", count: int | None = None, seed: int = 0) -> Path:

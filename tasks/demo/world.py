@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from configs.schema import QUICKSTART, load_config
-from tasks.demo import DEMO_FAMILIES, EDIT_FAMILIES, VIDEO_FAMILIES, demo_settings
+from tasks.demo import DEMO_FAMILIES, EDIT_FAMILIES, VIDEO_FAMILIES, demo_settings, edit_source
 from tasks.demo.data import COLORS, SHAPES, held_out_edits, write_edit_references
 from tasks.demo.videos import OPPOSITE, demo_prompts, first_frame, held_out, motion, write_first_frames
 
@@ -34,14 +34,19 @@ TESTS = {family: "tests/test_learning_families.py" for family in DEMO_FAMILIES i
 # this many of 12 move the way their prompt names, and the opposite way when that is named (chance:
 # 3), below the worst case of its table here
 DIRECTION_THRESHOLDS = {"wan": (7, 6)}
+def nearest_colours(picture) -> np.ndarray:
+    """Each pixel's nearest named colour (its index in BACKGROUNDS), [H, W]."""
+    drawn = np.asarray(picture, dtype=np.float64)
+    palette = np.array(list(COLORS.values()), dtype=np.float64)
+    return ((drawn[:, :, None, :] - palette) ** 2).sum(-1).argmin(-1)
+
+
 def dominant_colours(grid, count: int) -> list[str]:
     """The named colour most of each of the `count` pictures side by side in `grid` (samples, or
     videos' first frames) are nearest: its background, whatever shapes are drawn on it (a
     picture's mean colour would mix them in)."""
-    grid = np.asarray(grid, dtype=np.float64)
-    palette = np.array(list(COLORS.values()), dtype=np.float64)
-    nearest = ((grid[:, :, None, :] - palette) ** 2).sum(-1).argmin(-1)
-    width = grid.shape[1] // count
+    nearest = nearest_colours(grid)
+    width = nearest.shape[1] // count
     return [BACKGROUNDS[np.bincount(nearest[:, i * width:(i + 1) * width].ravel(), minlength=len(COLORS)).argmax()]
             for i in range(count)]
 
@@ -113,10 +118,9 @@ def edit_judged(picture, edit: dict) -> tuple[bool, bool]:
     cover the reference's shapes, at the sample's size, with an intersection over union above a half)."""
     from PIL import Image
 
-    drawn = np.asarray(picture.convert("RGB"), dtype=np.float64)
-    palette = np.array(list(COLORS.values()), dtype=np.float64)
-    nearest = ((drawn[:, :, None, :] - palette) ** 2).sum(-1).argmin(-1)
-    right = BACKGROUNDS[np.bincount(nearest.ravel(), minlength=len(COLORS)).argmax()] == edit["colour"]
+    picture = picture.convert("RGB")
+    nearest = nearest_colours(picture)
+    right = dominant_colours(picture, 1)[0] == edit["colour"]
     shown = np.asarray(edit["reference"].resize(picture.size, Image.Resampling.NEAREST), dtype=np.float64)
     shapes = np.abs(shown - np.array(COLORS[edit["background"]])).sum(-1) > 30
     moved = nearest != BACKGROUNDS.index(edit["colour"])
@@ -133,8 +137,7 @@ def train_demo(folder: Path, models: Path, data: Path, training_seed: int = 0, f
     """The quickstart's training of `family`'s demo on `models` and `data` (in the store `store`
     under `folder`): the pipeline's stage records (the run in `["train"]`: its `url`, `first_loss`
     and `final_loss`)."""
-    source = (f"{{path: {data}/targets, references: files, reference_path: {data}/references}}"
-              if family in EDIT_FAMILIES else f"{{path: {data}}}")
+    source = edit_source(data) if family in EDIT_FAMILIES else f"{{path: {data}}}"
     settings = [*demo_settings(family), f"storage.root={folder / store}", f"model.path={models}",
                 f"dataset.sources=[{source}]", f"training.seed={training_seed}"]
     if family in VIDEO_FAMILIES:  # the sample first frames the demo writes, under `folder`
