@@ -340,7 +340,7 @@ def check_latent_encoding(model: ModelConfig, latents: LatentEncodingConfig, dat
         if source.references != "none" and family.codec.references is None:
             raise ValueError(f"dataset source {source.path!r}: references: {source.references} pairs each picture "
                              f"with the reference images it was made from, and {family.name} takes none (an edit "
-                             "family does: FLUX.1 Kontext)")
+                             "family's model does)")
         most = family.codec.references and family.codec.references.most
         if most is not None and len(source.reference_folders()) > most:
             raise ValueError(f"dataset source {source.path!r}: reference_path names {len(source.reference_folders())} "

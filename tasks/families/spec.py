@@ -491,7 +491,7 @@ class Sampler(Part):
             return self.image_pipeline_class(setting)
         if self.reference_option is None:
             raise ValueError(f"{setting}: {self.family} takes no reference images (an edit family's pipeline "
-                             "does: FLUX.1 Kontext, FLUX.2); leave it out")
+                             "does); leave it out")
         return self.pipeline_class()
 
     def picture_pipeline(self, pipeline: Any) -> Any:

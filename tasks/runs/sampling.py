@@ -153,7 +153,7 @@ def check_components(model: ModelConfig) -> None:
 
 def casting(vae):
     """The VAE (loaded once a process, and shared) taking its inputs in its own dtype: latents leave a
-    half-precision transformer in its dtype, and a reference's pixels reach the VAE in it (Kontext's
+    half-precision transformer in its dtype, and a reference's pixels reach the VAE in it (an edit
     pipeline casts them to the prompts'); a reference's latents come back in the pixels' dtype, which
     the pipeline joins to the noise."""
     if getattr(vae, "casting", False):

@@ -382,7 +382,7 @@ def config_shapes(config: PipelineConfig, family: Family) -> Shapes:
     vae = faked(meta_vae(model, family), mode)
     shape = (1, 3, int(height), int(width)) if frames == 1 else (1, 3, frames, int(height), int(width))
     # an edit family's references: as many as a source's reference folders (a column's: one, as
-    # Kontext takes), each sized by the family's rule (a square one at the resolution: about its area)
+    # a one-reference pipeline takes), each sized by the family's rule (a square one at the resolution: about its area)
     count = max([len(s.reference_folders()) or int(s.references == "column") for s in config.dataset.sources
                  if family.codec.references is not None], default=0)
     with mode, torch.no_grad():
