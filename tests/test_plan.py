@@ -48,6 +48,19 @@ def test_the_plan_counts_what_the_trainers_own_step_holds(name, checkpointing, t
         assert len(shapes.latent) == 4 and shapes.latent[1] == 3
 
 
+@pytest.mark.parametrize("name", ["flux", "flux2-klein"])
+def test_the_plan_batches_the_image_tokens_the_trainer_counts(name, tiny_family):
+    """`training.batch_tokens` is divided by a sample's tokens as the trainer counts them: a token a
+    16×16 patch of pixels for FLUX.1 and FLUX.2 alike (the pipelines' packed latents), though FLUX.2's
+    reader hands over latents already patched 2×2 into channels."""
+    run = config(tiny_family(name), batch_tokens=64)
+    family = family_of(run.model)
+    shapes = config_shapes(run, family)  # the largest bucket's
+    planned = footprint(run.model, run.training, family, shapes, "bf16", "none")
+    _, height, width = shapes.pixels
+    assert planned.tokens == (height // 16) * (width // 16) and planned.batch == 64 // planned.tokens
+
+
 @pytest.mark.parametrize("name", ["pixart-sigma", "qwen-image"])
 def test_each_encode_stage_is_counted_as_the_stage_loads_and_calls_it(name, tiny_family):
     """A text encoder as the text stage loads it (`build_text_encoder`: its dtype, the whole model

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from configs.schema import ModelConfig, PipelineConfig, TrainingConfig
+from storage.shards import bucket_sides
 from tasks.families import Family, family_of, model_json
 from tasks.loading import DTYPES, library
 from tasks.train.network import base_dtype, sampling_module, trainable_network
@@ -172,6 +173,9 @@ class Shapes:
     lengths: dict[str, int]
     pixels: tuple[int, int, int] = (1, 0, 0)  # frames, height, width of that sample (the VAE's input)
     references: tuple[tuple[int, ...], ...] = ()
+    # the VAE's latent sides of the sample, then of each reference, before the family packs them:
+    # what the trainer counts image tokens from (its bucket names), for `training.batch_tokens`
+    sides: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -298,7 +302,8 @@ def reader_shapes(model: ModelConfig, family: Family, features: Any) -> Shapes:
     latents, text, _ = features.batch(features.buckets[bucket][:1], torch.Generator().manual_seed(0), 0.0)
     lengths = {spec.name: shard.meta["max_length"] for spec, shard in zip(family.text.encoders, features.text.prompts)}
     references = tuple(tuple(text[f"reference_{n}"].shape[1:]) for n in range(len(bucket.split("+")) - 1))
-    return Shapes(tuple(latents.shape[1:]), lengths, references=references)
+    return Shapes(tuple(latents.shape[1:]), lengths, references=references,
+                  sides=tuple(bucket_sides(part) for part in bucket.split("+")))
 
 
 def footprint(model: ModelConfig, training: TrainingConfig, family: Family, shapes: Shapes, base_precision: str,
@@ -314,8 +319,7 @@ def footprint(model: ModelConfig, training: TrainingConfig, family: Family, shap
     if (counted_base, gradient_checkpointing) not in steps:
         mode = FakeTensorMode(allow_non_fake_inputs=True)  # the schedule's own tables are real tensors
         network = fake_network(model, family, run, mode)
-        tokens = sum(family.denoiser.image_tokens(network.config, *latent[1:])  # a pair's references' too
-                     for latent in (shapes.latent, *shapes.references))
+        tokens = sum(family.denoiser.image_tokens(network.config, *sides) for sides in shapes.sides)
         batch = max(1, training.batch_tokens // tokens) if training.batch_tokens else training.batch_size
         steps[counted_base, gradient_checkpointing] = (network, batch, tokens,
                                                        step_ledger(model, family, run, network, mode, shapes, batch))
@@ -386,15 +390,18 @@ def config_shapes(config: PipelineConfig, family: Family) -> Shapes:
     count = max([len(s.reference_folders()) or int(s.references == "column") for s in config.dataset.sources
                  if family.codec.references is not None], default=0)
     with mode, torch.no_grad():
-        def latent_of(pixels: tuple[int, ...]) -> torch.Size:  # as the reader shapes it (patches)
+        def latent_of(pixels: tuple[int, ...]) -> tuple[torch.Size, torch.Size]:
+            """As the reader shapes it (patches), and its sides as the VAE gives them."""
             latent = vae.encode(family.codec.vae_pixels(torch.empty(pixels))).latent_dist.mean[0]
-            return family.codec.normalised(latent, torch.zeros(()), torch.ones(())).shape
+            return family.codec.normalised(latent, torch.zeros(()), torch.ones(())).shape, latent.shape[1:]
 
-        latent = latent_of(shape)
+        latent, sides = latent_of(shape)
         box = family.codec.references.box(*[config.latent_encoding.resolution] * 3) if count else None
-        references = (tuple(latent_of((1, 3, box[5] - box[3], box[4] - box[2]))),) * count if count else ()
+        reference, reference_sides = latent_of((1, 3, box[5] - box[3], box[4] - box[2])) if count else ((), ())
+        references = (tuple(reference),) * count
     lengths = {spec.name: family.text.length(model, spec, config.text_encoding) for spec in family.text.encoders}
-    return Shapes(tuple(latent), lengths, (frames, int(height), int(width)), references)
+    return Shapes(tuple(latent), lengths, (frames, int(height), int(width)), references,
+                  (tuple(sides), *(tuple(reference_sides),) * count))
 
 
 def step_ledger(model: ModelConfig, family: Family, training: TrainingConfig, network: torch.nn.Module,
