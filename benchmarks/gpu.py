@@ -351,7 +351,7 @@ def run(tiny: bool = False, captions: int = 256, vae_batch: int = 4, repeat: int
 
             def encode_and_step() -> None:
                 with torch.no_grad():
-                    ids, _ = tokenize(batch_texts, encoder, text)
+                    ids = tokenize(batch_texts, encoder, text)[0]
                     hidden = run_encoder(ids, encoder, text)["hidden"]
                     features = collate([{"t5_hidden": h} for h in hidden])
                     latents = vae.encode(pixels).latent_dist.sample(generator).float() * vae.config.scaling_factor

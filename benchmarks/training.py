@@ -116,7 +116,7 @@ def run_online(config: PipelineConfig, manifest_url: str) -> dict:
     for _ in range(training.steps):
         batch = [samples[i] for i in next(batches)]
         with torch.no_grad():
-            ids, _ = tokenize([s["captions"][0] for s in batch], encoder, config.text_encoding)
+            ids = tokenize([s["captions"][0] for s in batch], encoder, config.text_encoding)[0]
             hidden = run_encoder(ids, encoder, config.text_encoding)["hidden"]
             text = collate([{"t5_hidden": h} for h in hidden])
             pixels = torch.stack([preprocess(s["image"], crop_box(table, s["width"], s["height"], "center", 0, ""))[0]

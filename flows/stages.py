@@ -45,7 +45,8 @@ from tasks.ingest.stage import latest_dataset
 from tasks.ingest.staging import Partitions
 from tasks.manifest import manifest_record
 from tasks.families import Family, family_of
-from tasks.identity import manifest_id, mix_identity, prompts_cache_key, text_fingerprints, vae_fingerprint
+from tasks.identity import (manifest_id, mix_identity, prompts_cache_key, sample_prompts, text_fingerprints,
+                            vae_fingerprint)
 from tasks.records import CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, RunRecord
 from tasks.runner import Shards
 from tasks.runs.page import RunPage, loss_text
@@ -71,6 +72,11 @@ class Plan:
     @cached_property
     def text_fps(self) -> dict[str, str]:
         return text_fingerprints(self.config.model, self.config.text_encoding)
+
+    @cached_property
+    def prompts(self) -> list[str]:
+        """The sample prompts as the caches and the manifest name them (`identity.sample_prompts`)."""
+        return sample_prompts(self.config)
 
     @cached_property
     def vae_fp(self) -> str:
@@ -220,21 +226,21 @@ class FlowExecutor:
         if deployment := placed(config, "encode-text"):
             prepare = run_elsewhere(config, deployment, "encode-text", [])  # before the shards fan out
             work = run_shards_elsewhere(config, deployment, "encode-text", urls, (prepare,))
-            prompts = {name: store.require(prompts_cache_key(fp, config.training.samples.prompts))
+            prompts = {name: store.require(prompts_cache_key(fp, plan.prompts))
                        for name, fp in fingerprints.items()}
             records = [{**store.require(layout.cache_shard("text", fp, shard_id_of(url))), "encoder": name}
                        for url in urls for name, fp in fingerprints.items()]
         else:
             args = (config.storage, config.model, config.text_encoding, fingerprints)
             with stage_executor(config.execution, config.text_encoding.device, plan.configured, "encode-text") as run:
-                prompts = run.one(encode_prompts_task, *args, config.training.samples.prompts)
-                run.one(measure_numerics_task, *args, every[0] if every else None)  # before any shard
+                prompts = run.one(encode_prompts_task, *args, plan.prompts, config.training.samples.references or None)
+                run.one(measure_numerics_task, *args, dataset["id"], every[0] if every else None)  # before any shard
                 # from the stage's start (its models loaded since): shards, and the samples whose captions
                 # they hold when it encodes them all
                 progress = StageProgress("encode-text", len(urls), "shards", started=began,
                                          items=dataset["samples"] if self.shards is None else None,
                                          item_unit="captioned samples")
-                shards = run.map(encode_text_task, urls, *args,  # each shard's records: one per encoder
+                shards = run.map(encode_text_task, urls, *args, dataset["id"],  # each shard's records: one per encoder
                                  completed=lambda records: progress.advance(1, records[0].get("samples", 0)))
                 records = [record for records in shards for record in records]
                 progress.close()
@@ -280,7 +286,7 @@ class FlowExecutor:
             run_elsewhere(config, deployment, "manifest")
             return stored_manifest(plan)
         return plan.configured(manifest_task)(config.storage, dataset["id"], plan.text_fps, plan.vae_fp,
-                                              config.training.samples.prompts,
+                                              plan.prompts,
                                               mix_identity(config.dataset, dataset.get("members")))
 
     def train(self, manifest: ManifestRecord) -> RunRecord:
@@ -339,7 +345,7 @@ def stored_dataset(plan: Plan) -> DatasetRecord:
 
 def stored_manifest(plan: Plan) -> ManifestRecord:
     dataset = stored_dataset(plan)
-    this_id = manifest_id(dataset["id"], plan.text_fps, plan.vae_fp, plan.config.training.samples.prompts,
+    this_id = manifest_id(dataset["id"], plan.text_fps, plan.vae_fp, plan.prompts,
                           mix_identity(plan.config.dataset, dataset.get("members")))
     return manifest_record(plan.store.require(layout.manifest(this_id)))
 

@@ -103,13 +103,14 @@ def pack_ragged(
     more: dict[str, list[torch.Tensor]] | None = None,
 ) -> bytes:
     """Text cache shard: `sequences[i]` is [len_i, dim]; `rows` maps a key to its sequence index;
-    `more` holds further outputs by name, indexed alike."""
+    `more` holds further outputs by name, indexed alike. An image shard of references alone has
+    no captions: its text shard holds no rows."""
     tensors = {}
     for output, outputs in [(None, sequences), *(more or {}).items()]:
         lengths = torch.tensor([len(s) for s in outputs], dtype=torch.int64)
         offsets = torch.zeros(len(outputs) + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(lengths, 0)
-        tensors[ragged_name(output, "embeddings")] = torch.cat(outputs).contiguous()
+        tensors[ragged_name(output, "embeddings")] = torch.cat(outputs).contiguous() if outputs else torch.zeros(0, 0)
         tensors[ragged_name(output, "offsets")] = offsets
     return save_deterministic(tensors, rows, metadata)
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from configs.schema import (
-    DatasetConfig, Identity, LatentEncodingConfig, ModelConfig, Section, SourceConfig, TextEncodingConfig,
-    TrainingConfig, VideoConfig, flat, groups_of,
+    DatasetConfig, Identity, LatentEncodingConfig, ModelConfig, PipelineConfig, Section, SourceConfig,
+    TextEncodingConfig, TrainingConfig, VideoConfig, flat, groups_of,
 )
 from storage import layout
-from storage.fingerprint import component_fingerprint, hash_json
+from storage.fingerprint import component_fingerprint, hash_json, sha256_bytes
 from tasks.families import Family, family_of
 
 TEXT_FORMAT = "precast.text/3"  # the stored text layout or numerics
@@ -132,6 +132,47 @@ def transformer_fingerprint(model: ModelConfig, family: Family) -> str:
     and the scheduler's."""
     folder = family.denoiser.folder(model)
     return hash_json(component_fingerprint(model.path, [folder, "scheduler"], model.revision))
+
+
+# a text cache row `<sample_id>/empty`: an edit pair's empty caption, encoded with its references by
+# an encoder that sees them (caption dropout); the others' empty caption is the prompts' ""
+EMPTY = "empty"
+
+
+# between a sample prompt and its reference picture's sha256: how the prompts of a family whose text
+# encoder sees the references are named (`prompt_entries`)
+SEEN = "\x00picture sha256 "
+
+
+def prompt_entries(prompts: list[str], digests: list[str] | None) -> list[str]:
+    """The sample prompts as the text caches, the manifest and its id name them: as written, or for
+    a family whose text encoder reads each prompt with its reference (`digests`: the sha256 of each
+    prompt's picture's bytes), each with its picture's digest, which its encoding depends on."""
+    return list(prompts) if digests is None else [f"{prompt}{SEEN}{digest}" for prompt, digest in zip(prompts, digests)]
+
+
+def sample_prompts(config: PipelineConfig) -> list[str]:
+    """The run's sample prompts as `prompt_entries` names them: for a family whose text encoder sees
+    pictures, each with the digest of its reference (`training.samples.references`), read here once."""
+    from storage.store import fsspec_options
+    from tasks.runs.sampling import read_picture_bytes
+
+    samples = config.training.samples
+    if not samples.references or all(spec.processor is None for spec in family_of(config.model).text.encoders):
+        return list(samples.prompts)
+    options = fsspec_options(config.storage)
+    return prompt_entries(samples.prompts, [sha256_bytes(read_picture_bytes(path, options)[1])
+                                            for path in samples.references])
+
+
+def entry_prompt(entry: str) -> str:
+    """A prompt entry's text."""
+    return entry.split(SEEN)[0]
+
+
+def entry_negative(entry: str) -> str:
+    """What guidance pairs a prompt entry with: the empty caption (seen with the same picture)."""
+    return entry[len(entry_prompt(entry)):]
 
 
 def prompt_rows(prompts: list[str]) -> list[str]:

@@ -25,7 +25,7 @@ from configs.schema import DatasetConfig, StorageConfig
 from storage import layout
 from storage.shards import read_parquet_bytes
 from storage.store import Store
-from tasks.identity import manifest_id, prompts_cache_key, text_identity
+from tasks.identity import EMPTY, manifest_id, prompts_cache_key, text_identity
 from tasks.records import ManifestRecord
 
 MANIFEST_CONCURRENCY = 32  # shards whose commit records and headers are read at once (round trips)
@@ -103,7 +103,8 @@ def _write_manifest(store: Store, this_id: str, dataset_id: str, text_fps: dict[
     for shard, (shard_checksums, text, latents) in read:
         checksums.update(shard_checksums)
         text_shards, latent_shard = text_keys(shard), latent_key(shard)
-        variants = Counter(row.rsplit("/", 1)[0] for row in json.loads(text["rows"]))
+        # a sample's caption variants (not an edit pair's empty caption: `identity.EMPTY`)
+        variants = Counter(row.rsplit("/", 1)[0] for row in json.loads(text["rows"]) if not row.endswith(f"/{EMPTY}"))
         latent_rows, meta = json.loads(latents["rows"]), json.loads(latents["meta"])
         excluded = {q["sample_id"]: q["reason"] for q in meta["quarantined"]}
         pairs = meta.get("references", {})

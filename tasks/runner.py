@@ -31,7 +31,7 @@ from tasks.encode.text import encode_prompts, encode_text_shard, measure_numeric
 from tasks.ingest.stage import ingest
 from tasks.manifest import build_manifest
 from tasks.encode.models import encoding_work, model_loads
-from tasks.identity import mix_identity, text_fingerprints, vae_fingerprint
+from tasks.identity import mix_identity, sample_prompts, text_fingerprints, vae_fingerprint
 from tasks.records import (
     CacheRecord, DatasetRecord, EncodingWork, ManifestRecord, Record, Records, RunRecord,
 )
@@ -186,6 +186,7 @@ class Direct:
         self.config, self.store = config, Store(config.storage)
         self.text_fps = text_fingerprints(config.model, config.text_encoding)
         self.vae_fp = vae_fingerprint(config.model, config.latent_encoding)
+        self.prompts = sample_prompts(config)
 
     def ingest(self, committed: Callable[[str], None] | None = None) -> DatasetRecord:
         return ingest(self.config.storage, self.config.dataset, committed=committed)
@@ -195,10 +196,11 @@ class Direct:
         text = (config.storage, config.model, config.text_encoding, self.text_fps)
 
         def prepare() -> None:  # the prompts, then the precision check before any shard, as in the flow
-            prompts.update(encode_prompts(*text, config.training.samples.prompts))
-            measure_numerics(*text, urls[0] if urls else None)
+            prompts.update(encode_prompts(*text, self.prompts, config.training.samples.references or None))
+            measure_numerics(*text, shards.dataset()["id"], urls[0] if urls else None)
 
-        records, work = self.encoded("encode-text", lambda url: encode_text_shard(*text, url), urls, prepare)
+        records, work = self.encoded("encode-text", lambda url: encode_text_shard(*text, shards.dataset()["id"], url),
+                                     urls, prepare)
         return {**text_cache_record(self.store, self.text_fps, prompts, records), "work": work}
 
     def encode_latents(self, shards: Shards) -> CacheRecord:
@@ -221,7 +223,7 @@ class Direct:
     def manifest(self, dataset: DatasetRecord) -> ManifestRecord:
         config = self.config
         return build_manifest(config.storage, dataset["id"], self.text_fps, self.vae_fp,
-                              config.training.samples.prompts, mix_identity(config.dataset, dataset.get("members")))
+                              self.prompts, mix_identity(config.dataset, dataset.get("members")))
 
     def train(self, manifest: ManifestRecord) -> RunRecord:
         config = self.config

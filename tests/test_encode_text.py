@@ -96,8 +96,8 @@ def _encode_first_shard(config, dataset, **text):
     fingerprint = text_encoder_fingerprint(config.model, settings)
     shard = dataset["shards"][0]["id"]
     url = store.url(f"shards/images/{shard}.parquet")
-    measure_numerics(config.storage, config.model, settings, {"t5": fingerprint}, url)
-    [record] = encode_text_shard(config.storage, config.model, settings, {"t5": fingerprint}, url)
+    measure_numerics(config.storage, config.model, settings, {"t5": fingerprint}, None, url)
+    [record] = encode_text_shard(config.storage, config.model, settings, {"t5": fingerprint}, None, url)
     cache = RaggedShard(store.local_path(layout.cache_shard("text", fingerprint, shard)))
     rows = read_image_shard(store.read_bytes(f"shards/images/{shard}.parquet")).to_pylist()
     return record, cache, rows
@@ -204,8 +204,8 @@ def test_results_do_not_depend_on_batching_and_truncation_is_counted(ingested, t
     short = config.text_encoding.model_copy(update={"max_length": 8, "batch_tokens": 1})
     fp_short = text_encoder_fingerprint(config.model, short)
     assert fp_short != text_encoder_fingerprint(config.model, config.text_encoding)
-    measure_numerics(config.storage, config.model, short, {"t5": fp_short}, shard_url)
-    [record] = encode_text_shard(config.storage, config.model, short, {"t5": fp_short}, shard_url)
+    measure_numerics(config.storage, config.model, short, {"t5": fp_short}, None, shard_url)
+    [record] = encode_text_shard(config.storage, config.model, short, {"t5": fp_short}, None, shard_url)
     assert record["truncated"] > 0
     cache = RaggedShard(store.local_path(layout.cache_shard("text", fp_short, dataset["shards"][0]["id"])))
     for key in list(cache.rows)[:4]:

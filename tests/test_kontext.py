@@ -221,7 +221,7 @@ def test_a_half_precision_runs_grid_is_drawn_from_a_reference(trained):
                                                          torch_dtype=torch.bfloat16)
     reference = Image.open(folder / "references" / "00006.png").convert("RGB")
     samples = sample_grid(config.model, family, transformer, [features.text.prompt("make the background red")],
-                          features.text.prompt(""), 1, 3.5, 1.0, 0, 128, 1, [reference], "training.samples.references")
+                          [features.text.prompt("")], 1, 3.5, 1.0, 0, 128, 1, [reference], "training.samples.references")
     assert samples.grid().size == (128, 128)
     two = PipelineConfig.model_validate({**config.model_dump(), "dataset": {"sources": [{
         "path": "t", "references": "files", "reference_path": ["a", "b"]}]}})

@@ -82,8 +82,9 @@ def test_a_damaged_image_shard_is_found_by_the_encoder_that_reads_the_damaged_by
     settings, fingerprint = ((config.text_encoding, text_fingerprints(config.model, config.text_encoding))
                              if encoder is encode_text_shard else
                              (config.latent_encoding, vae_fingerprint(config.model, config.latent_encoding)))
+    dataset_id = (dataset["id"],) if encoder is encode_text_shard else ()
     with pytest.raises(Damaged, match=f"{key} is damaged"):
-        encoder(config.storage, config.model, settings, fingerprint, store.url(key))
+        encoder(config.storage, config.model, settings, fingerprint, *dataset_id, store.url(key))
     assert not store.find("cache")
 
 

@@ -16,6 +16,7 @@ from diffusers import AutoencoderKL, DiffusionPipeline
 from tasks.demo.data import draw_scene
 from tasks.demo.flow_models import CLIP_SHAPES, FAMILIES, T5_SHAPE, write_tiny_family
 from tasks.demo.models import WORDS, _pixels, palette_confusions
+from tests.pipeline_calls import loaded_components
 
 PROMPTS = ["a red circle on a blue background", "Zebra café, 42 stripes!"]  # a demo caption; text outside WORDS
 D_T5, D_L, D_G = T5_SHAPE["d_model"], CLIP_SHAPES["clip-l"]["hidden_size"], CLIP_SHAPES["clip-g"]["hidden_size"]
@@ -29,7 +30,7 @@ def folders(tiny_family):
 
 @pytest.fixture(scope="module")
 def pipes(folders):
-    return {family: getattr(diffusers, FAMILIES[family].pipeline).from_pretrained(folder)
+    return {family: getattr(diffusers, FAMILIES[family].pipeline).from_pretrained(folder, **loaded_components(folder))
             for family, folder in folders.items()}
 
 
@@ -38,7 +39,7 @@ def test_model_index_names_the_pipeline_that_loads_it(folders, family):
     pipeline = FAMILIES[family].pipeline
     index = json.loads((folders[family] / "model_index.json").read_text())
     assert index["_class_name"] == pipeline
-    loaded = DiffusionPipeline.from_pretrained(folders[family])
+    loaded = DiffusionPipeline.from_pretrained(folders[family], **loaded_components(folders[family]))
     assert type(loaded).__name__ == pipeline
     # every component the pipeline's __init__ requires is in the folder, and nothing else but the
     # transformers where optional and the pipeline's settings (WanPipeline's: Wan 2.2 A14B has two
@@ -82,8 +83,12 @@ def test_chroma_encode_prompt_masks_all_padding_but_the_first_token(pipes):
 def test_the_pipeline_samples_a_picture(pipes, family):
     from tasks.families import family_named
 
+    from PIL import Image
+
     video = FAMILIES[family].pipeline == "WanPipeline"
     options = {"guidance_scale": 3.5} if family == "flux" else {"num_frames": 1} if video else {}
+    if family.startswith("qwen-image-edit"):  # an edit pipeline's picture (it takes no prompt alone)
+        options["image"] = Image.new("RGB", (48, 32), (200, 30, 30))
     # (as the family's sampler asks for 64 × 64: Kontext's pipeline would move it to 1024²)
     sizes = family_named(FAMILIES[family].pipeline).sampler.size_options(64, 64)
     output = pipes[family](prompt=PROMPTS[0], num_inference_steps=2, output_type="pt",
@@ -134,6 +139,15 @@ def test_qwen_images_template_prefix_is_the_34_tokens_its_pipeline_drops(pipes):
     prefix = pipe.prompt_template_encode.split("{}")[0]
     assert len(pipe.tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx == 34
     assert type(pipe.text_encoder).__name__ == "Qwen2_5_VLForConditionalGeneration"  # as published: vision tower too
+
+
+@pytest.mark.parametrize("family", ["qwen-image-edit", "qwen-image-edit-plus"])
+def test_qwen_image_edits_template_prefix_is_the_64_tokens_its_pipelines_drop(pipes, family):
+    """The edit pipelines' system message and the user's turn's opening are 64 tokens in Qwen2.5's
+    published tokenizer (" (", "'s" and ")," each one token): the tiny processor's tokenizer makes the same 64."""
+    pipe = pipes[family]
+    prefix = pipe.prompt_template_encode.split("<|vision_start|>")[0].split("{}")[0]
+    assert len(pipe.processor.tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx == 64
 
 
 def test_the_mistral_tokenizer_renders_mistral_small_3_1s_template_and_begins_each_text_once(pipes):

@@ -13,7 +13,8 @@ DEMO_FAMILIES = ("pixart", "flux", "flux-schnell", "sd3", "chroma", "zimage", "q
                  "flux-kontext")
 # every tiny model folder precast writes: the demos' (the wan demo's is wan-ti2v), FLUX.2 [dev]'s
 # and Wan 2.2's published layouts (TI2V-5B, A14B), which have no demo
-TINY_FAMILIES = (*DEMO_FAMILIES, "flux2-dev", "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b")
+TINY_FAMILIES = (*DEMO_FAMILIES, "flux2-dev", "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b", "qwen-image-edit",
+                 "qwen-image-edit-plus")
 VIDEO_FAMILIES = ("wan",)  # their demo learns from generated videos (`videos`), the others' from pictures
 EDIT_FAMILIES = ("flux-kontext",)  # their demo learns edits from generated pairs (`data.write_edit_data`)
 # the tiny models a demo trains, where not its own family's: the wan demo's sample from a first frame too

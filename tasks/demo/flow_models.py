@@ -83,6 +83,14 @@ QWEN2_5_VL_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_head
                          spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0])
 
 
+# Qwen2.5-VL-7B-Instruct's published preprocessor_config.json, which the edit pipelines' processor
+# folders hold: pictures resized to multiples of 28 between 56² and 3,584² pixels, CLIP's statistics
+QWEN2_5_VL_IMAGES = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+                     "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                     "image_std": [0.26862954, 0.26130258, 0.27577711], "image_processor_type": "Qwen2VLImageProcessor",
+                     "processor_class": "Qwen2_5_VLProcessor"}
+
+
 # published Mistral Small 3.1 24B: text 5120 wide, 40 layers, 32 query and 8 key-value heads of 128,
 # rope_theta 1e9; the tiny one keeps the 40 layers (FLUX.2 [dev] reads the 10th, 20th and 30th) and
 # a Pixtral vision tower of one layer that the cache never runs
@@ -130,6 +138,16 @@ _WAN = TinyFamily("WanPipeline", (("", "umt5", "UMT5EncoderModel"),), "WanTransf
                   dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0), (0.0, 1.0),
                   "UniPCMultistepScheduler", "AutoencoderKLWan")
 _FLUX_TEXT = (("", "clip-l", "CLIPTextModel"), ("_2", "t5", "T5EncoderModel"))
+_QWEN_IMAGE = TinyFamily("QwenImagePipeline", (("", "qwen2.5-vl", "Qwen2_5_VLForConditionalGeneration"),),
+                         "QwenImageTransformer2DModel",
+                         dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+                              num_attention_heads=6, joint_attention_dim=QWEN2_5_VL_TEXT["hidden_size"],
+                              axes_dims_rope=(4, 6, 6)),
+                         dict(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                              base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                              time_shift_type="exponential"),
+                         (0.0, 1.0), vae="AutoencoderKLQwenImage")
+
 FAMILIES = {
     "flux": TinyFamily("FluxPipeline", _FLUX_TEXT, "FluxTransformer2DModel", dict(_FLUX, guidance_embeds=True),
                        _DYNAMIC_SHIFT, (0.1159, 0.3611)),  # FLUX.1 [dev]
@@ -169,15 +187,13 @@ FAMILIES = {
     # 3-D VAE under Qwen-Image's class, the dual-stream transformer over 2x2-packed latents (64
     # channels) with 3-axis RoPE, and the published scheduler: an exponential dynamic shift
     # (mu from 0.5 at 256 tokens to 0.9 at 8,192), stretched to end at 0.02
-    "qwen-image": TinyFamily("QwenImagePipeline", (("", "qwen2.5-vl", "Qwen2_5_VLForConditionalGeneration"),),
-                             "QwenImageTransformer2DModel",
-                             dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
-                                  num_attention_heads=6, joint_attention_dim=QWEN2_5_VL_TEXT["hidden_size"],
-                                  axes_dims_rope=(4, 6, 6)),
-                             dict(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-                                  base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
-                                  time_shift_type="exponential"),
-                             (0.0, 1.0), vae="AutoencoderKLQwenImage"),
+    "qwen-image": _QWEN_IMAGE,
+    # Qwen-Image-Edit and Edit-Plus: Qwen-Image's parts under the edit pipelines, the encoder's
+    # processor (its image processor and tokenizer) beside it, as published
+    "qwen-image-edit": _QWEN_IMAGE._replace(pipeline="QwenImageEditPipeline",
+                                            encoders=(("", "qwen2.5-vl-edit", "Qwen2_5_VLForConditionalGeneration"),)),
+    "qwen-image-edit-plus": _QWEN_IMAGE._replace(pipeline="QwenImageEditPlusPipeline",
+                                                 encoders=(("", "qwen2.5-vl-edit", "Qwen2_5_VLForConditionalGeneration"),)),
     "flux2-klein": _KLEIN,
     # FLUX.2 [dev]: klein's transformer and VAE under Mistral Small 3.1's three layers, with the
     # guidance input (guidance distilled)
@@ -276,9 +292,13 @@ def _write_text_encoders(folder: Path, encoders, clip_tokens: int, perturb: int 
         elif encoder == "mistral3":
             write_mistral3(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb)
             tokenizer_class = "PreTrainedTokenizerFast"  # the published PixtralProcessor's tokenizer (`write_mistral3`)
-        elif encoder == "qwen2.5-vl":
-            write_qwen2_5_vl(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb)
+        elif encoder.startswith("qwen2.5-vl"):  # "qwen2.5-vl-edit": the edit pipelines' processor too
+            edit = encoder.endswith("-edit")
+            write_qwen2_5_vl(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", perturb,
+                             folder / "processor" if edit else None)
             tokenizer_class = "Qwen2Tokenizer"
+            if edit:
+                components["processor"] = ["transformers", "Qwen2VLProcessor"]
         else:
             _write_clip(folder / f"tokenizer{suffix}", folder / f"text_encoder{suffix}", encoder, model_class,
                         clip_tokens, perturb)
@@ -411,19 +431,28 @@ def qwen_bpe(words: tuple[str, ...]) -> tuple[dict[str, int], list[tuple[str, st
     return vocab, merges
 
 
-def write_qwen2_5_vl(tokenizer_folder: Path, encoder_folder: Path, perturb: int | None = None) -> None:
+def write_qwen2_5_vl(tokenizer_folder: Path, encoder_folder: Path, perturb: int | None = None,
+                     processor_folder: Path | None = None) -> None:
     """A whole Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`: its vision tower and vocabulary
     head, as the published one is saved) and its tokenizer, whose BPE knows Qwen-Image's template's
     words too (so its prefix is the 34 tokens the pipeline drops, as in the published tokenizer),
-    with Qwen2.5's chat template (a default system message)."""
+    with Qwen2.5's chat template (a default system message). With `processor_folder`, the edit
+    pipelines' processor there: the tokenizer, knowing the edit template's words and the pieces the
+    published BPE holds whole (" (", "'s", "),"), so its prefix is the 64 tokens they drop, and
+    Qwen2.5-VL's published image processor settings."""
     import re
 
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from tasks.families.qwenimage import TEMPLATE
+    from tasks.families.qwenimage import EDIT_TEMPLATE, TEMPLATE
 
     words = (*WORDS, *dict.fromkeys(re.findall(r"[A-Za-z]+", TEMPLATE)))
+    if processor_folder is not None:
+        words = (*words, *dict.fromkeys(re.findall(r"[A-Za-z]+", EDIT_TEMPLATE)), "(", "'s", "),")
     tokenizer = write_qwen_tokenizer(tokenizer_folder, QWEN2_5_CHAT_TEMPLATE, words)
+    if processor_folder is not None:
+        tokenizer.save_pretrained(processor_folder)
+        (processor_folder / "preprocessor_config.json").write_text(json.dumps(QWEN2_5_VL_IMAGES, indent=2) + "\n")
     vision = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in QWEN_VISION.items()}
     ends = dict(bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), eos_token_id=tokenizer.eos_token_id)
     config = Qwen2_5_VLConfig(text_config=dict(QWEN2_5_VL_TEXT, vocab_size=len(tokenizer), **ends),

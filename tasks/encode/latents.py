@@ -345,6 +345,11 @@ def check_latent_encoding(model: ModelConfig, latents: LatentEncodingConfig, dat
         if most is not None and len(source.reference_folders()) > most:
             raise ValueError(f"dataset source {source.path!r}: reference_path names {len(source.reference_folders())} "
                              f"folders, a reference each, and {family.name} takes at most {most}")
+    seeing = [spec.name for spec in family.text.encoders if spec.processor is not None]
+    if latents.flip and seeing and any(source.references != "none" for source in dataset.sources):
+        raise ValueError(f"latent_encoding.flip: {family.name}'s text encoder {seeing[0]} reads each pair's "
+                         "references with its caption, unflipped, so a flipped pair would train against a caption "
+                         "that saw the other side; leave flip off")
     video = dataset.video
     if problem := family.codec.clip_policy_problem(sorted({video.frames, *video.frame_buckets})):
         raise ValueError(f"dataset.video: {problem}")

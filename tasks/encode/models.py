@@ -34,6 +34,7 @@ class TextEncoder:
     spec: TextEncoderSpec  # which of the family's encoders, and what of its output is kept
     model_config: ModelConfig  # the model it was loaded from
     offload_hook: Any = None
+    images: Any = None  # an encoder that sees pictures: the image processor of its `processor` folder
 
     def max_length(self, text: TextEncodingConfig) -> int:
         return self.family.text.length(self.model_config, self.spec, text)
@@ -62,18 +63,20 @@ def build_text_encoder(model: ModelConfig, family: Family, spec: TextEncoderSpec
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
         quantize_(encoder, Int8WeightOnlyConfig())
+    images = spec.processor and library("transformers", "AutoImageProcessor").from_pretrained(
+        model.path, subfolder=spec.processor, revision=model.revision)
     target = resolve_device(device)
     if offload == "sequential":
         from accelerate import cpu_offload
 
         cpu_offload(encoder, execution_device=target)
-        return TextEncoder(tokenizer, encoder, target, family, spec, model)
+        return TextEncoder(tokenizer, encoder, target, family, spec, model, images=images)
     if offload == "model":
         from accelerate import cpu_offload_with_hook
 
         encoder, hook = cpu_offload_with_hook(encoder, execution_device=target)
-        return TextEncoder(tokenizer, encoder, target, family, spec, model, hook)
-    return TextEncoder(tokenizer, encoder.to(target), target, family, spec, model)
+        return TextEncoder(tokenizer, encoder, target, family, spec, model, hook, images)
+    return TextEncoder(tokenizer, encoder.to(target), target, family, spec, model, images=images)
 
 
 # each of a family's encoders once per worker process (by encoder name: a setting that changes

@@ -11,8 +11,10 @@ without loading an encoder.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,10 +22,11 @@ import torch
 from configs.schema import ModelConfig, StorageConfig, TextEncodingConfig
 from storage import layout
 from storage.shards import pack_ragged, shard_id_of
-from storage.store import Damaged, Store, json_bytes
+from storage.store import Damaged, Store, fsspec_options, json_bytes
 from tasks.families import Family, family_of
 from tasks.families.spec import TextEncoderSpec
-from tasks.identity import TEXT_FORMAT, image_shard_id, prompt_rows, prompts_cache_key
+from tasks.identity import (EMPTY, SEEN, TEXT_FORMAT, entry_negative, entry_prompt, image_shard_id, prompt_rows,
+                            prompts_cache_key)
 from tasks.records import CacheRecord
 from tasks.encode.models import (
     TEXT_ACTIVATIONS, TextEncoder, build_text_encoder, load_text_encoder,
@@ -34,11 +37,17 @@ log = logging.getLogger(__name__)
 Outputs = dict[str, list[torch.Tensor]]  # an encoder's outputs by name, a tensor per caption
 
 
-def tokenize(texts: list[str], encoder: TextEncoder, config: TextEncodingConfig) -> tuple[list[list[int]], int]:
+def tokenize(texts: list[str], encoder: TextEncoder, config: TextEncodingConfig,
+             pictures: list[list[Any]] | None = None) -> tuple[list[list[int]], int, list[dict] | None]:
     """Token ids of each caption, preprocessed as configured, as the encoder's prompt function
-    makes them (`TextEncoderSpec.tokenize`), and how many were cut at its max_length."""
+    makes them (`TextEncoderSpec.tokenize`), how many were cut at its max_length, and for an
+    encoder that sees pictures (`TextEncoderSpec.processor`) each caption's pictures' inputs, its
+    pictures (PIL) given in `pictures` (`SeeingEncoderSpec.tokenize_with`)."""
     texts = encoder.family.text.captions.preprocess(texts, config.caption_preprocessing)
-    return encoder.spec.tokenize(encoder.tokenizer, texts, encoder.max_length(config))
+    if encoder.images is None:
+        return (*encoder.spec.tokenize(encoder.tokenizer, texts, encoder.max_length(config)), None)
+    ids, vision = encoder.spec.tokenize_with(encoder.tokenizer, encoder.images, texts, pictures or [[] for _ in texts])
+    return ids, 0, vision
 
 
 def length_batches(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingConfig) -> list[tuple[list[int], int]]:
@@ -63,10 +72,11 @@ def length_batches(ids: list[list[int]], encoder: TextEncoder, text: TextEncodin
 
 
 @torch.inference_mode()
-def run_encoder(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingConfig) -> Outputs:
-    """Each of the encoder's outputs (its spec's) for each token sequence, on the CPU in the
-    encoder's output dtype: sequences [kept_i, D] (`TextEncoderSpec.kept`), a pooled vector as [1, D],
-    called in `length_batches`."""
+def run_encoder(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingConfig,
+                vision: list[dict] | None = None) -> Outputs:
+    """Each of the encoder's outputs (its spec's) for each token sequence (and its pictures'
+    inputs, `vision`), on the CPU in the encoder's output dtype: sequences [kept_i, D]
+    (`TextEncoderSpec.kept`), a pooled vector as [1, D], called in `length_batches`."""
     spec, limit = encoder.spec, encoder.max_length(text)
     kept = [spec.kept(x, limit) for x in ids]
     outputs: dict[str, list[Any]] = {output: [None] * len(ids) for output in spec.outputs}
@@ -78,7 +88,9 @@ def run_encoder(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingCo
             place = slice(longest - len(ids[index]), None) if left else slice(len(ids[index]))
             input_ids[row, place] = torch.tensor(ids[index])
             mask[row, place] = 1
-        for output, values in spec.encode(encoder.model, input_ids.to(encoder.device), mask.to(encoder.device)).items():
+        shown = {} if vision is None else {"vision": [vision[index] for index in batch]}
+        for output, values in spec.encode(encoder.model, input_ids.to(encoder.device), mask.to(encoder.device),
+                                          **shown).items():
             values = values.cpu()
             for row, index in enumerate(batch):
                 outputs[output][index] = (values[row, : kept[index]] if values.ndim == 3 else values[row][None]).clone()
@@ -87,13 +99,14 @@ def run_encoder(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingCo
 
 
 def encode_captions(texts: list[str], model: ModelConfig, family: Family, config: TextEncodingConfig,
-                    spec: TextEncoderSpec) -> tuple[Outputs, int]:
-    """One of `family`'s encoders' outputs for `texts` (in the stored dtype) and the truncation
-    count. Non-finite output fails with the encoder and the caption named instead of being cached."""
+                    spec: TextEncoderSpec, pictures: list[list[Any]] | None = None) -> tuple[Outputs, int]:
+    """One of `family`'s encoders' outputs for `texts` (with each one's `pictures`, for an encoder
+    that sees them) in the stored dtype, and the truncation count. Non-finite output fails with the
+    encoder and the caption named instead of being cached."""
     encoder = load_text_encoder(model, family, spec, config.dtype, config.device, config.offload)
-    ids, truncated = tokenize(texts, encoder, config)
+    ids, truncated, vision = tokenize(texts, encoder, config, pictures)
     outputs = {name: [e.to(TEXT_ACTIVATIONS[config.dtype]) for e in values]
-               for name, values in run_encoder(ids, encoder, config).items()}
+               for name, values in run_encoder(ids, encoder, config, vision).items()}
     for values in outputs.values():
         for text, embedding in zip(texts, values):
             if not torch.isfinite(embedding).all():
@@ -110,17 +123,19 @@ def packed(rows: dict[str, int], outputs: Outputs, spec: TextEncoderSpec, meta: 
 
 def measure_numerics(
     storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprints: dict[str, str],
-    shard_url: str | None,
+    dataset: str | None, shard_url: str | None,
 ) -> dict[str, dict[str, Any]]:
-    """Each encoder's precision check, by name (`measure_encoder`)."""
+    """Each encoder's precision check, by name (`measure_encoder`); `dataset`: the id of the
+    dataset of `shard_url`, whose other shards hold the references it does not (an encoder that
+    sees pictures)."""
     family = family_of(model)
-    return {spec.name: measure_encoder(storage, model, family, text, spec, fingerprints[spec.name], shard_url)
+    return {spec.name: measure_encoder(storage, model, family, text, spec, fingerprints[spec.name], shard_url, dataset)
             for spec in family.text.encoders}
 
 
 def measure_encoder(
     storage: StorageConfig, model: ModelConfig, family: Family, text: TextEncodingConfig, spec: TextEncoderSpec,
-    fingerprint: str, shard_url: str | None,
+    fingerprint: str, shard_url: str | None, dataset: str | None = None,
 ) -> dict[str, Any]:
     """The precision check of an encoder's fingerprint, measured once and committed before any
     shard is encoded, so every shard of the fingerprint embeds this one record: error of the
@@ -133,15 +148,19 @@ def measure_encoder(
         return json.loads(store.read_verified(key))
     numerics: dict[str, Any] = {"dtype": text.dtype, "samples": 0, "reference": "fp32"}
     if text.dtype != "fp32" and text.numerics_samples > 0 and shard_url is not None:
-        texts = shard_captions(store, shard_url)[0]
+        texts = shard_captions(store, shard_url, spec.processor is not None)[0]
         step = max(1, len(texts) // text.numerics_samples)
-        picked = texts[::step][: text.numerics_samples]
+        units = texts[::step][: text.numerics_samples]
+        picked, shown = [caption for caption, _ in units], None
+        if spec.processor is not None:  # with their pictures
+            held = shard_pictures(store, shard_url, {picture for _, ids in units for picture in ids}, dataset)
+            shown = [[held[picture] for picture in ids] for _, ids in units]
         first = spec.outputs[0]
-        got = torch.cat([e.float() for e in encode_captions(picked, model, family, text, spec)[0][first]])
+        got = torch.cat([e.float() for e in encode_captions(picked, model, family, text, spec, shown)[0][first]])
         # the fp32 reference never shares the accelerator with the encoder (T5-XXL: ~19 GB)
         reference = build_text_encoder(model, family, spec, "fp32", *reference_placement(text.device))
-        ids, _ = tokenize(picked, reference, text)
-        want = torch.cat(run_encoder(ids, reference, text)[first]).float()
+        ids, _, vision = tokenize(picked, reference, text, shown)
+        want = torch.cat(run_encoder(ids, reference, text, vision)[first]).float()
         del reference
         cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
         numerics.update(
@@ -153,63 +172,120 @@ def measure_encoder(
     return json.loads(store.commit_first(key, json_bytes(numerics)))
 
 
-def shard_captions(store: Store, shard_url: str) -> tuple[list[str], dict[str, int]]:
-    """The distinct captions of an image shard, and each `<sample_id>/<variant>` row's index into
-    them. Only the shard's sample id and caption columns are read, not its images (the latent
-    encoder reads those), and they are checked against the shard's id, which is their hash."""
+Unit = tuple[str, tuple[str, ...]]  # a caption, and the ids of the pictures its encoder reads with it
+
+
+def shard_captions(store: Store, shard_url: str, seeing: bool = False) -> tuple[list[Unit], dict[str, int]]:
+    """The distinct captions of an image shard (for an encoder that sees pictures, each with its
+    pair's references' ids: the same caption with other pictures is another), and each
+    `<sample_id>/<variant>` row's index into them; seeing, each pair's `<sample_id>/empty` row too.
+    Only the shard's sample id, caption and reference columns are read, not its images, and they
+    are checked against the shard's id, which is their hash (a sample's id hashes its references')."""
     key = store.key(shard_url)
-    samples = store.read_columns(key, ["sample_id", "captions", "resolution"]).to_pylist()
+    samples = store.read_columns(key, ["sample_id", "captions", "resolution", *(["references"] if seeing else [])]
+                                 ).to_pylist()
     if (found := image_shard_id([(s["sample_id"], s["captions"], s.get("resolution")) for s in samples])
             ) != shard_id_of(shard_url):
         raise Damaged(f"{shard_url} is damaged: its sample ids, captions and resolutions hash to {found}, not to its id")
-    texts: dict[str, int] = {}
+    texts: dict[Unit, int] = {}
     rows: dict[str, int] = {}
     for sample in samples:
+        pictures = tuple(sample.get("references") or ()) if seeing else ()
         for variant, caption in enumerate(sample["captions"]):
-            rows[f"{sample['sample_id']}/{variant}"] = texts.setdefault(caption, len(texts))
+            rows[f"{sample['sample_id']}/{variant}"] = texts.setdefault((caption, pictures), len(texts))
+        if pictures and sample["captions"]:
+            rows[f"{sample['sample_id']}/{EMPTY}"] = texts.setdefault(("", pictures), len(texts))
     return list(texts), rows
+
+
+def shard_pictures(store: Store, shard_url: str, ids: set[str], dataset: str | None) -> dict[str, Any]:
+    """The pictures `ids` (pairs' references, RGB) from the image shard `shard_url`, or else from
+    the other shards of the dataset whose id is `dataset` (a reference a nightly run's new pair
+    shares with an older one stays in the older shard); each shard read whole and checked against
+    its checksum."""
+    from PIL import Image
+
+    from storage.shards import read_image_shard
+    from tasks.ingest.untrusted import to_rgb
+
+    found: dict[str, Any] = {}
+
+    def take(url: str) -> None:
+        for row in read_image_shard(store.read_verified(store.key(url))).to_pylist():
+            if row["sample_id"] in ids:
+                with Image.open(io.BytesIO(row["image"])) as opened:
+                    found[row["sample_id"]] = to_rgb(opened)
+
+    if ids:
+        take(shard_url)
+    for shard in store.read_json(layout.dataset(dataset))["shards"] if ids - found.keys() and dataset else ():
+        if (url := store.url(layout.image_shard(shard["id"]))) != shard_url:
+            take(url)
+        if not ids - found.keys():
+            break
+    if missing := sorted(ids - found.keys()):
+        raise ValueError(f"{shard_url}: its pairs name the references {', '.join(missing)}, which no shard of the "
+                         f"dataset holds")
+    return found
 
 
 def encode_text_shard(
     storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprints: dict[str, str],
-    shard_url: str,
+    dataset: str | None, shard_url: str,
 ) -> list[dict[str, Any]]:
-    """Encode every caption variant of one image shard with each of the family's encoders; returns
-    each encoder's cache shard commit record (with `encoder`, its name). The fingerprints'
-    precision checks (`measure_numerics`) must be committed first."""
+    """Encode every caption variant of one image shard with each of the family's encoders (one
+    that sees pictures, each with its pair's references, which the other shards of the dataset
+    whose id is `dataset` hold where this one does not); returns each encoder's cache shard commit record (with
+    `encoder`, its name). The fingerprints' precision checks (`measure_numerics`) must be committed
+    first."""
     store = Store(storage)
     shard_id = shard_id_of(shard_url)
-    records, captions, family = [], None, family_of(model)
+    records, captions, family = [], {}, family_of(model)
     for spec in family.text.encoders:
         fingerprint = fingerprints[spec.name]
         key = layout.cache_shard("text", fingerprint, shard_id)
         retried = len(store.retried)
         if (record := store.committed(key)) is None:
-            captions = captions or shard_captions(store, shard_url)
-            record = encode_shard(store, model, family, text, spec, fingerprint, key, shard_id, *captions)
+            seeing = spec.processor is not None
+            if seeing not in captions:
+                captions[seeing] = shard_captions(store, shard_url, seeing)
+            record = encode_shard(store, model, family, text, spec, fingerprint, key, shard_id, *captions[seeing],
+                                  lambda ids: shard_pictures(store, shard_url, ids, dataset))
         records.append({**record, "encoder": spec.name, "io_retries": len(store.retried) - retried})
     return records
 
 
-def coinciding(texts: list[str], rows: dict[str, int], model: ModelConfig, family: Family, text: TextEncodingConfig,
-               spec: TextEncoderSpec) -> tuple[list[str], dict[str, int]]:
+def coinciding(texts: list[Unit], rows: dict[str, int], model: ModelConfig, family: Family, text: TextEncodingConfig,
+               spec: TextEncoderSpec) -> tuple[list[Unit], dict[str, int]]:
     """The texts the encoder sees differently, and each row's index into them: captions that
     coincide once preprocessed and tokenized as the encoder takes them (case and markup a
     pipeline's cleaning removes, whitespace, words past its max length) are encoded and stored
-    once."""
-    tokens = tokenize(texts, load_text_encoder(model, family, spec, text.dtype, text.device, text.offload), text)[0]
-    first: dict[tuple[int, ...], int] = {}
-    same = [first.setdefault(tuple(ids), index) for index, ids in enumerate(tokens)]
+    once; an encoder that sees pictures, captions that coincide once preprocessed, with the same pictures."""
+    encoder = load_text_encoder(model, family, spec, text.dtype, text.device, text.offload)
+    captions = [caption for caption, _ in texts]
+    if encoder.images is None:
+        seen: list[tuple] = [tuple(ids) for ids in tokenize(captions, encoder, text)[0]]
+    else:
+        seen = list(zip(family.text.captions.preprocess(captions, text.caption_preprocessing),
+                        [pictures for _, pictures in texts]))
+    first: dict[tuple, int] = {}
+    same = [first.setdefault(key, index) for index, key in enumerate(seen)]
     kept = {index: position for position, index in enumerate(first.values())}
     return [texts[index] for index in kept], {row: kept[same[index]] for row, index in rows.items()}
 
 
 def encode_shard(store: Store, model: ModelConfig, family: Family, text: TextEncodingConfig, spec: TextEncoderSpec,
-                 fingerprint: str, key: str, shard_id: str, texts: list[str], rows: dict[str, int]) -> dict[str, Any]:
-    """One encoder's cache shard of an image shard's captions, committed."""
+                 fingerprint: str, key: str, shard_id: str, texts: list[Unit], rows: dict[str, int],
+                 pictures: Callable[[set[str]], dict[str, Any]]) -> dict[str, Any]:
+    """One encoder's cache shard of an image shard's captions, committed; `pictures` reads the
+    references an encoder that sees them is given."""
     numerics = json.loads(store.read_verified(layout.text_numerics(fingerprint)))
     texts, rows = coinciding(texts, rows, model, family, text, spec)
-    outputs, truncated = encode_captions(texts, model, family, text, spec)
+    shown = None
+    if spec.processor is not None:
+        held = pictures({picture for _, ids in texts for picture in ids})
+        shown = [[held[picture] for picture in ids] for _, ids in texts]
+    outputs, truncated = encode_captions([caption for caption, _ in texts], model, family, text, spec, shown)
     meta = {"format": TEXT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "truncated": truncated,
             "numerics": numerics, "max_length": family.text.length(model, spec, text)}
     record = store.commit(
@@ -224,24 +300,56 @@ def encode_shard(store: Store, model: ModelConfig, family: Family, text: TextEnc
 
 def encode_prompts(
     storage: StorageConfig, model: ModelConfig, text: TextEncodingConfig, fingerprints: dict[str, str],
-    prompts: list[str],
+    prompts: list[str], pictures: list[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Encode the empty caption and the sample prompts with each encoder; rows are keyed by the
-    prompt text. Returns each encoder's commit record by name."""
-    store, texts, family = Store(storage), prompt_rows(prompts), family_of(model)
+    """Encode the empty caption and the sample prompts (`identity.prompt_entries`) with each
+    encoder; rows are keyed by the prompt text. An encoder that sees pictures reads each prompt
+    with its picture (`pictures`: their paths, one a prompt, each checked against the digest its
+    entry names) and the empty caption with each picture (the negative its prompt is guided from),
+    rows keyed by the entries. Returns each encoder's commit record by name."""
+    store, family = Store(storage), family_of(model)
     records = {}
     for spec in family.text.encoders:
         key = prompts_cache_key(fingerprints[spec.name], prompts)
         if (record := store.committed(key)) is None:
-            outputs, truncated = encode_captions(texts, model, family, text, spec)
+            if spec.processor is None:
+                rows = {t: i for i, t in enumerate(prompt_rows([entry_prompt(entry) for entry in prompts]))}
+                texts, shown = list(rows), None
+            else:
+                rows, texts, shown = seen_prompts(store, family, prompts, pictures)
+            outputs, truncated = encode_captions(texts, model, family, text, spec, shown)
             # what `precast sample` must do to a prompt to match: kept with the run's lineage
             meta = {"format": TEXT_FORMAT, "fingerprint": fingerprints[spec.name], "truncated": truncated,
                     "caption_preprocessing": text.caption_preprocessing,
                     "max_length": family.text.length(model, spec, text)}
-            rows = {t: i for i, t in enumerate(texts)}
             record = store.commit(key, packed(rows, outputs, spec, meta), rows=len(rows), captions=len(rows))
         records[spec.name] = record
     return records
+
+
+def seen_prompts(store: Store, family: Family, prompts: list[str], pictures: list[str] | None
+                 ) -> tuple[dict[str, int], list[str], list[list[Any]]]:
+    """The rows of an encoder that sees pictures: each prompt entry with its picture, and the empty
+    caption with each picture (`entry_negative`); their texts and pictures."""
+    import hashlib
+
+    from tasks.runs.sampling import read_picture_bytes
+
+    setting = "training.samples.references"
+    if prompts and (not pictures or SEEN not in prompts[0]):
+        raise ValueError(f"{setting}: {family.name} reads each sample prompt with its reference picture; give one a "
+                         "prompt")
+    held = [read_picture_bytes(path, fsspec_options(store.config)) for path in pictures or []]
+    for path, entry, (_, data) in zip(pictures or [], prompts, held):
+        if SEEN + hashlib.sha256(data).hexdigest() != entry_negative(entry):
+            raise ValueError(f"{setting}: {path} changed since the run named its prompts by its content; run again")
+    rows: dict[str, int] = {}
+    picture: dict[str, int] = {}  # each row's prompt's picture
+    for index, entry in enumerate(prompts):
+        for row in (entry, entry_negative(entry)):
+            picture.setdefault(row, index)
+            rows.setdefault(row, len(rows))
+    return rows, [entry_prompt(row) for row in rows], [[held[picture[row]][0]] for row in rows]
 
 
 def text_cache_record(store: Store, fingerprints: dict[str, str], prompts: dict[str, Any],

@@ -20,7 +20,9 @@ import torch
 from configs.schema import ModelConfig, TrainingConfig
 from tasks.families.flow import FlowMatching
 from tasks.families.flux import pack, unpack
-from tasks.families.spec import Buckets, ChatEncoderSpec, Conditioning, Denoiser, Family, Sampler, Text
+from tasks.families.kontext import references_of
+from tasks.families.spec import (Buckets, ChatEncoderSpec, Conditioning, Denoiser, Family, References, Sampler,
+                                 SeeingEncoderSpec, Text)
 from tasks.families.wan import FramesCodec
 
 # `QwenImagePipeline.prompt_template_encode` and `prompt_template_encode_start_idx`: the pipeline
@@ -76,6 +78,67 @@ class QwenImageSampler(Sampler):
                 "negative_prompt_embeds": embeds[count:], "negative_prompt_embeds_mask": mask[count:]}
 
 
+# `QwenImageEditPipeline.prompt_template_encode` and its start index: the reference's tokens in the
+# user's turn before the caption; the first 64 tokens (the system message) dropped
+EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, "
+                 "objects, background), then explain how the user's text instruction should alter or modify the image. "
+                 "Generate a new image that meets the user's requirements while maintaining consistency with the "
+                 "original input where appropriate.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+                 "<|im_start|>assistant\n")
+EDIT_DROPPED = 64
+PICTURE = "<|vision_start|><|image_pad|><|vision_end|>"
+# `QwenImageEditPlusPipeline`: each reference as "Picture N: …" before the caption, read at 384²
+PLUS_PICTURE = "Picture {}: " + PICTURE
+PLUS_AREA = 384 * 384
+
+
+@dataclass(frozen=True)
+class EditReferences(References):
+    """Resized whole (no crop) to about the run's resolution squared at the reference's own ratio,
+    sides rounded to 32: the Qwen-Image-Edit pipelines' `calculate_dimensions(1024 * 1024, ratio)`
+    at 1024."""
+
+    rule: str = "qwen-image-edit/area"
+
+    def box(self, width: int, height: int, resolution: int) -> list[int]:
+        wide = (resolution * resolution * width / height) ** 0.5
+        wide, high = (max(32, round(side / 32) * 32) for side in (wide, wide * height / width))
+        return [wide, high, 0, 0, wide, high]
+
+
+@dataclass(frozen=True)
+class QwenImageEditDenoiser(QwenImageDenoiser):
+    """Qwen-Image's transformer with each reference's packed latents after the target's, their
+    shapes in `img_shapes` after its, as the Edit pipelines call it; the prediction is the target's
+    tokens' output."""
+
+    def predict(self, network: torch.nn.Module, noisy: torch.Tensor, text: Conditioning,
+                timesteps: torch.Tensor, **options: Any) -> torch.Tensor:
+        height, width = noisy.shape[-2:]
+        references = [r[:, :, 0] if r.ndim == 5 else r for r in references_of(text)]  # one-frame clips
+        tokens = torch.cat([pack(noisy[:, :, 0]), *(pack(r.to(noisy.dtype)) for r in references)], dim=1)
+        shapes = [(1, height // 2, width // 2), *((1, r.shape[-2] // 2, r.shape[-1] // 2) for r in references)]
+        output = network(hidden_states=tokens, timestep=timesteps / 1000,
+                         encoder_hidden_states=text["qwen2_5_vl_hidden"],
+                         encoder_hidden_states_mask=text["qwen2_5_vl_hidden_mask"],
+                         img_shapes=[shapes] * len(noisy), return_dict=False)[0]
+        return unpack(output[:, : (height // 2) * (width // 2)], height, width).unsqueeze(2)
+
+
+@dataclass(frozen=True)
+class QwenImageEditSampler(QwenImageSampler):
+    """`QwenImageEditPipeline`, drawing from a reference with the prompts encoded with it."""
+
+    pipeline_name: str = "QwenImageEditPipeline"
+    reference_option: str | None = "image"
+
+
+def edit_text(area: int, prefix: str, template: str) -> Text:
+    """Qwen2.5-VL with its vision tower, reading the caption with its references."""
+    return Text((SeeingEncoderSpec("qwen2_5_vl", template=template, drop=EDIT_DROPPED, area=area, prefix=prefix),),
+                max_length=1024)
+
+
 QWEN_IMAGE = Family(
     "Qwen-Image", ("QwenImagePipeline",),
     # 512: the pipeline's max_sequence_length; the bare text model of Qwen2.5-VL, no vision tower
@@ -83,4 +146,16 @@ QWEN_IMAGE = Family(
          max_length=512),
     # sides multiples of 16: the VAE's 8× and the 2×2 packing
     FramesCodec(Buckets(step=16), vae="AutoencoderKLQwenImage"), QwenImageDenoiser(), QwenImageSampler())
-FAMILIES = (QWEN_IMAGE,)
+# Edit: one reference, read by the text encoder at 1024² as the pipeline reads it, whatever the run's resolution
+QWEN_IMAGE_EDIT = Family(
+    "Qwen-Image-Edit", ("QwenImageEditPipeline",),
+    edit_text(1024 * 1024, "", EDIT_TEMPLATE.replace("{}", PICTURE + "{}")),
+    FramesCodec(Buckets(step=16), vae="AutoencoderKLQwenImage", references=EditReferences(most=1)),
+    QwenImageEditDenoiser(), QwenImageEditSampler())
+# Edit-Plus (2509, 2511): several references, each read by the text encoder at 384²
+QWEN_IMAGE_EDIT_PLUS = Family(
+    "Qwen-Image-Edit-Plus", ("QwenImageEditPlusPipeline",),
+    edit_text(PLUS_AREA, PLUS_PICTURE, EDIT_TEMPLATE),
+    FramesCodec(Buckets(step=16), vae="AutoencoderKLQwenImage", references=EditReferences()),
+    QwenImageEditDenoiser(), QwenImageEditSampler(pipeline_name="QwenImageEditPlusPipeline"))
+FAMILIES = (QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS)

@@ -65,6 +65,9 @@ class TextEncoderSpec:
     # pooled: the pooled (for a projection model, projected) vector. The first is the cache's main
     # tensor; the pooled one is stored as one row of one token
     outputs: tuple[str, ...] = ("hidden",)
+    # an encoder that reads an edit pair's reference pictures with its caption: the model folder's
+    # subfolder of its image processor (`SeeingEncoderSpec`); None: it reads text only
+    processor: str | None = None
 
     def load_options(self) -> dict[str, Any]:
         """What else its `from_pretrained` is given (none: the class loads its folder as saved)."""
@@ -222,6 +225,72 @@ class ChatEncoderSpec(TextEncoderSpec):
                 **({"blocks": True} if self.blocks else {}),
                 **({"key_mapping": [list(pair) for pair in self.key_mapping]} if self.key_mapping else {})}
         return {"masked": True, "outputs": list(self.outputs), "model_class": self.model_class, "chat": chat}
+
+
+def sized_to_area(picture: Any, area: int) -> Any:
+    """A picture resized whole (Lanczos) to about `area` pixels at its own ratio, sides rounded to
+    32: the Qwen-Image-Edit pipelines' `calculate_dimensions` and `image_processor.resize`."""
+    from PIL import Image
+
+    ratio = picture.size[0] / picture.size[1]
+    width = (area * ratio) ** 0.5
+    return picture.resize((round(width / 32) * 32, round(width / ratio / 32) * 32), Image.Resampling.LANCZOS)
+
+
+@dataclass(frozen=True)
+class SeeingEncoderSpec(ChatEncoderSpec):
+    """A multimodal LLM that reads an edit pair's reference pictures with its caption, as the
+    Qwen-Image-Edit pipelines call theirs (`_get_qwen_prompt_embeds` with `image`): each picture
+    resized whole to about `area` pixels (`sized_to_area`), then read by the image processor of
+    the `processor` folder, and `prefix` (with the picture's number from 1) written before the
+    caption once a picture (Edit-Plus's "Picture N: …"; Edit's template holds its one picture's
+    tokens itself). The image processor's patches replace each `<|image_pad|>` with a token each
+    merged patch, as transformers' processor expands it. Nothing is cut: the pipelines cut no
+    prompt. The cache keys a caption's states by the caption and its pictures."""
+
+    model_class: str = "Qwen2_5_VLModel"  # the language model and its vision tower, no vocabulary head
+    processor: str | None = "processor"
+    area: int = 1024 * 1024
+    prefix: str = ""
+    picture_token: str = "<|image_pad|>"
+
+    def picture(self, picture: Any) -> Any:
+        return sized_to_area(picture, self.area)
+
+    def templated_with(self, tokenizer: Any, texts: list[str], counts: list[int]) -> list[str]:
+        return self.templated(tokenizer, ["".join(self.prefix.format(n + 1) for n in range(count)) + text
+                                          for text, count in zip(texts, counts)])
+
+    def tokenize_with(self, tokenizer: Any, images: Any, texts: list[str], pictures: list[list[Any]]
+                      ) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
+        """Each caption's ids with its pictures' tokens, and its pictures' inputs to the vision tower
+        (`pixel_values`, `image_grid_thw`); a caption without pictures gets empty ones."""
+        ids, vision = [], []
+        for text, shown in zip(self.templated_with(tokenizer, texts, [len(p) for p in pictures]), pictures):
+            inputs = images(images=[self.picture(p) for p in shown], return_tensors="pt") if shown else {}
+            grids = inputs.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long))
+            pieces = text.split(self.picture_token)
+            if len(pieces) - 1 != len(grids):
+                raise ValueError(f"text encoder {self.name}: its template holds {len(pieces) - 1} pictures' places, "
+                                 f"and the caption has {len(grids)} pictures")
+            merged = [self.picture_token * (int(grid.prod()) // images.merge_size ** 2) for grid in grids]
+            ids.append(tokenizer("".join(p + m for p, m in zip(pieces, [*merged, ""]))).input_ids)
+            vision.append({"pixel_values": inputs.get("pixel_values"), "image_grid_thw": grids})
+        return ids, vision
+
+    def encode(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor,
+               vision: list[dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+        """As the pipeline calls the encoder: the batch's pictures' patches in the captions' order."""
+        shown = [v for v in vision or [] if len(v["image_grid_thw"])]
+        pictures = {"pixel_values": torch.cat([v["pixel_values"] for v in shown]).to(input_ids.device, model.dtype),
+                    "image_grid_thw": torch.cat([v["image_grid_thw"] for v in shown]).to(input_ids.device)
+                    } if shown else {}
+        states = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, **pictures).hidden_states
+        return {"hidden": torch.cat([states[layer] for layer in self.layers], dim=-1)[:, self.drop:]}
+
+    def stored(self) -> dict[str, Any]:
+        return {**super().stored(), "pictures": {"processor": self.processor, "area": self.area,
+                                                  "prefix": self.prefix}}
 
 
 def run_sampling(training: TrainingConfig, family: str, schedule: str, weightings: tuple[str, ...]) -> dict[str, Any]:
@@ -517,7 +586,7 @@ class Sampler(Part):
         """The pipeline without text encoders (`encoders`' slots empty: prompts come pre-encoded
         from the cache), the trained `transformer` in its `transformer` slot (a sampler of a model
         with several transformers asks `denoiser` which one was trained)."""
-        slots = [name for spec in encoders for name in (spec.folder, spec.tokenizer)]
+        slots = [name for spec in encoders for name in (spec.folder, spec.tokenizer, spec.processor) if name]
         return self.pipeline_class()(**dict.fromkeys(slots), vae=vae, transformer=transformer,
                                      scheduler=self.scheduler(model))
 

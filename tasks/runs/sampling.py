@@ -99,11 +99,17 @@ def check_output(path: str | Path) -> None:
 def read_picture(path: str, options: dict) -> Image.Image:
     """The picture at `path` (a local path, or a URL read with the storage `options`), in RGB; an
     unreadable one is refused naming it."""
+    return read_picture_bytes(path, options)[0]
+
+
+def read_picture_bytes(path: str, options: dict) -> tuple[Image.Image, bytes]:
+    """`read_picture`, with the bytes it was read from."""
     import fsspec
 
     try:
         with fsspec.open(path, "rb", **(options if "://" in path else {})) as file:
-            return Image.open(io.BytesIO(file.read())).convert("RGB")
+            data = file.read()
+        return Image.open(io.BytesIO(data)).convert("RGB"), data
     except Exception as error:  # missing, unreachable, not a picture, a decompression bomb: each names the file
         raise ValueError(f"picture {path}: not a readable picture ({type(error).__name__}: {error})") from error
 
@@ -176,7 +182,7 @@ def sample_grid(
     family: Family,
     transformer,
     prompt_features: list[dict[str, torch.Tensor]],
-    empty_features: dict[str, torch.Tensor],
+    negative_features: list[dict[str, torch.Tensor]],
     steps: int,
     guidance_scale: float,
     true_cfg_scale: float,
@@ -187,7 +193,8 @@ def sample_grid(
     setting: str = "training.samples.first_frames",
 ) -> Samples:
     """One sample per prompt of the family's sample size at `resolution` and `frames` frames, by the family's
-    pipeline from pre-encoded prompts, the empty caption's the negatives; with `pictures` (one a
+    pipeline from pre-encoded prompts, each guided from its negative (the empty caption's, seen with
+    its picture by an encoder that sees pictures); with `pictures` (one a
     prompt, as `setting` gives them: first frames or references) by its pipeline that draws from a
     picture, a call a picture, as `sample_run` draws them."""
     device = next(transformer.parameters()).device
@@ -200,7 +207,7 @@ def sample_grid(
     def call(rows: slice) -> dict:
         features = prompt_features[rows]
         # positive and negative embeddings must share one length for classifier-free guidance
-        text = collate(features + [empty_features] * len(features))
+        text = collate(features + negative_features[rows])
         text = {name: value.to(device, dtype if value.is_floating_point() else value.dtype) for name, value in text.items()}
         return {**family.sampler.embedding_kwargs(text, len(features)), **family.sampler.size_options(height, width),
                 "num_inference_steps": steps, **family.sampler.guidance(guidance_scale, true_cfg_scale),

@@ -26,6 +26,7 @@ from configs.schema import TrainingConfig
 from storage.shards import LatentShard, RaggedShard, bucket_sides, collate, read_parquet_bytes
 from storage.store import Store
 from tasks.families.spec import Conditioning, Family, TextEncoderSpec
+from tasks.identity import EMPTY, entry_prompt
 from tasks.prefetch import prefetched
 from tasks.records import manifest_encoders, text_shards_of
 from tasks.train.distributed import Distributed
@@ -43,11 +44,11 @@ class TextCaches:
         self._shards = {key: RaggedShard(path) for key, path in store.local_paths(checksums).items()}
         self.prompts = [self._shards[key] for key in (prompts or {}).values()]
 
-    def features(self, shards: list[RaggedShard], row: str) -> dict[str, torch.Tensor]:
-        """Each encoder's outputs for `row` of its shard: sequences [len, D] (a zero-padded
-        encoder's with its zeros to the shard's max_length), pooled vectors [D]."""
+    def features(self, shards: list[RaggedShard], rows: str | list[str]) -> dict[str, torch.Tensor]:
+        """Each encoder's outputs for `rows` (one for all its shards, or one each) of its shard:
+        sequences [len, D] (a zero-padded encoder's with its zeros to the shard's max_length), pooled vectors [D]."""
         features = {}
-        for spec, shard in zip(self.encoders, shards):
+        for spec, shard, row in zip(self.encoders, shards, [rows] * len(shards) if isinstance(rows, str) else rows):
             for index, (output, key) in enumerate(zip(spec.outputs, spec.keys())):
                 value = shard.get(row, None if index == 0 else output)
                 features[key] = value[0] if output == "pooled" else spec.rebuilt(value, shard.meta["max_length"])
@@ -56,9 +57,18 @@ class TextCaches:
     def caption(self, shard_keys: list[str], sample_id: str, variant: int) -> dict[str, torch.Tensor]:
         return self.features([self._shards[key] for key in shard_keys], f"{sample_id}/{variant}")
 
-    def prompt(self, text: str) -> dict[str, torch.Tensor]:
-        """A sample prompt's features ("": the empty caption's)."""
-        return self.features(self.prompts, text)
+    def dropped(self, shard_keys: list[str], sample_id: str) -> dict[str, torch.Tensor]:
+        """The empty caption's features for `sample_id` (caption dropout): an encoder that sees a
+        pair's pictures has it with them in the sample's shard (`identity.EMPTY`), the others
+        once, in the prompts' shard."""
+        row, own = f"{sample_id}/{EMPTY}", [self._shards[key] for key in shard_keys]
+        return self.features([mine if row in mine else prompts for mine, prompts in zip(own, self.prompts)],
+                             [row if row in mine else "" for mine in own])
+
+    def prompt(self, entry: str) -> dict[str, torch.Tensor]:
+        """A sample prompt's features ("": the empty caption's), by its entry (`identity.prompt_entries`):
+        an encoder that sees pictures keys its rows by the entries, the others by the prompts' text."""
+        return self.features(self.prompts, [entry if entry in shard else entry_prompt(entry) for shard in self.prompts])
 
 
 class CachedFeatures:
@@ -146,7 +156,7 @@ class CachedFeatures:
                 held, _ = self._latents[key].get(reference, flipped)
                 references[f"reference_{n}"].append(self.codec.normalised(held.float(), self.shift, self.scale))
             if torch.rand((), generator=generator).item() < rate:
-                texts.append(self.text.prompt(""))
+                texts.append(self.text.dropped(text_shards_of(row), sample_id))
             else:
                 variant = int(torch.randint(row["variants"], (), generator=generator))
                 texts.append(self.text.caption(text_shards_of(row), sample_id, variant))

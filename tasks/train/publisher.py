@@ -19,6 +19,7 @@ from storage import layout
 from storage.shards import bucket_sides
 from storage.store import Store, fsspec_options
 from tasks.families import Family, pipeline_of
+from tasks.identity import entry_negative
 from tasks.runs.folder import write_metrics
 from tasks.runs.plots import loss_curve_png
 from tasks.runs.sampling import read_picture, sample_grid
@@ -85,8 +86,11 @@ class RunPublisher:
         training = self.training
         network.eval()
         with torch.no_grad():
+            # the prompts as the manifest names them (`identity.prompt_entries`)
+            entries = self.manifest["prompts"]
             samples = sample_grid(self.model, self.family, sampling_module(network, training),
-                                  [self.prompts.prompt(p) for p in training.samples.prompts], self.prompts.prompt(""),
+                                  [self.prompts.prompt(p) for p in entries],
+                                  [self.prompts.prompt(entry_negative(p)) for p in entries],
                                   training.samples.steps, training.guidance_scale, training.samples.true_cfg_scale,
                                   training.seed, self.resolution, self.frames, self.pictures,
                                   training.samples.pictures()[0])

@@ -1,0 +1,223 @@
+"""Qwen-Image-Edit and Edit-Plus against their own pipelines: the text cache holds what their
+`encode_prompt` makes of a caption *with its references* (Edit's reference at 1024², Edit-Plus's
+each at 384² after "Picture N:"), a pair's empty caption too (caption dropout), wherever in the
+dataset the reference is stored; the references' latents are sized as the pipelines size them; the
+transformer is called as they call it, the references' tokens after the target's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from configs.schema import ModelConfig
+from tasks.families import family_of
+from tasks.families.flux import unpack
+from tests.pipeline_calls import edit_processor, transformer_calls
+
+CPU = torch.device("cpu")
+FAMILIES = {"qwen-image-edit": "QwenImageEditPipeline", "qwen-image-edit-plus": "QwenImageEditPlusPipeline"}
+
+
+@pytest.fixture(scope="module")
+def pipelines(tiny_family):
+    """Each edit family's model and pipeline, its components loaded as `from_pretrained` loads them."""
+    import diffusers
+    import transformers
+
+    out = {}
+    for name, pipeline in FAMILIES.items():
+        folder = tiny_family(name)
+        parts = {"vae": diffusers.AutoencoderKLQwenImage.from_pretrained(folder / "vae"),
+                 "transformer": diffusers.QwenImageTransformer2DModel.from_pretrained(folder / "transformer"),
+                 "scheduler": diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(folder / "scheduler"),
+                 "text_encoder": transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder / "text_encoder"),
+                 "tokenizer": transformers.Qwen2Tokenizer.from_pretrained(folder / "tokenizer"),
+                 "processor": edit_processor(folder)}
+        out[name] = ModelConfig(path=str(folder)), getattr(diffusers, pipeline)(**parts)
+    return out
+
+
+def pipeline_prompt(name: str, pipeline, caption: str, references: list[Image.Image]) -> torch.Tensor:
+    """The pipeline's own `encode_prompt` of `caption` with `references`, each resized first as its
+    `__call__` resizes it for the text encoder (`calculate_dimensions` of its module)."""
+    import importlib
+
+    module = importlib.import_module(type(pipeline).__module__)
+    if name == "qwen-image-edit":
+        (reference,) = references
+        width, height, _ = module.calculate_dimensions(1024 * 1024, reference.size[0] / reference.size[1])
+        shown = pipeline.image_processor.resize(reference, height, width)
+    else:
+        shown = []
+        for reference in references:
+            width, height = module.calculate_dimensions(module.CONDITION_IMAGE_SIZE, reference.size[0] / reference.size[1])
+            shown.append(pipeline.image_processor.resize(reference, height, width))
+    with torch.no_grad():
+        return pipeline.encode_prompt(caption, image=shown, device=CPU)[0][0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_family):
+    """Edit pairs (tasks.demo.data.write_edit_data: every second pair shares the reference before
+    it) trained through every stage on each tiny edit family, a pair a shard, so a shared reference
+    is stored in its first pair's shard only; Edit-Plus with two references a pair (the same folder
+    twice)."""
+    from configs.schema import PipelineConfig
+    from tasks.demo.data import write_edit_data
+    from tasks.runner import run_direct
+
+    folder = write_edit_data(tmp_path_factory.mktemp("qwen-edit") / "pairs", count=4)
+    out = {}
+    for name in FAMILIES:
+        references = [str(folder / "references")] * (2 if name.endswith("plus") else 1)
+        config = PipelineConfig.model_validate({
+            "storage": {"root": str(folder / f"store-{name}")}, "model": {"path": str(tiny_family(name))},
+            "dataset": {"sources": [{"path": str(folder / "targets"), "references": "files",
+                                     "reference_path": references}], "shard_size": 1},
+            "text_encoding": {"dtype": "fp32"},
+            "latent_encoding": {"resolution": 64, "storage_dtype": "fp32", "batch_size": 4},
+            "training": {"rank": 4, "alpha": 4, "steps": 2, "batch_size": 2, "caption_dropout": 0.5,
+                         "validation_samples": 0,
+                         "samples": {"prompts": ["make the background red"], "steps": 1,
+                                     "references": [str(folder / "references" / "00002.png")]}}})
+        out[name] = config, run_direct(config)
+    return folder, out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_pairs_caption_is_cached_as_the_pipeline_encodes_it_with_its_references(name, trained, pipelines):
+    """Every pair's caption and its empty caption, read back as training reads them, equal the
+    pipeline's `encode_prompt` with the pair's references (fp32, batched apart: to 1e-5); a pair whose
+    reference is stored in another shard (a shared one) among them."""
+    import hashlib
+
+    from storage.shards import read_image_shard
+    from storage.store import Store
+    from tasks.ingest.examine import REFERENCE
+    from tasks.records import text_shards_of
+    from tasks.train.data import CachedFeatures
+
+    folder, runs = trained
+    config, done = runs[name]
+    _, pipeline = pipelines[name]
+    store = Store(config.storage)
+    features = CachedFeatures(store, store.read_json(store.key(done["manifest"]["url"])), family_of(config.model))
+    pictures = {hashlib.sha256(path.read_bytes() + REFERENCE).hexdigest(): Image.open(path).convert("RGB")
+                for path in (folder / "references").iterdir()}
+    shard_of, captions = {}, {}
+    for key in store.find("shards"):
+        if key.endswith(".parquet"):
+            for row in read_image_shard(store.read_bytes(key)).to_pylist():
+                shard_of[row["sample_id"]], captions[row["sample_id"]] = key, row["captions"]
+    assert len(features.samples) == 4
+    apart = 0
+    for sample_id, row in features.samples.items():
+        references = [pictures[reference] for reference in row["references"]]
+        assert len(references) == (2 if name.endswith("plus") else 1)
+        apart += any(shard_of[reference] != shard_of[sample_id] for reference in row["references"])
+        keys = text_shards_of(row)
+        got = features.text.caption(keys, sample_id, 0)["qwen2_5_vl_hidden"]
+        torch.testing.assert_close(got, pipeline_prompt(name, pipeline, captions[sample_id][0], references),
+                                   rtol=1e-5, atol=1e-5)
+        empty = features.text.dropped(keys, sample_id)["qwen2_5_vl_hidden"]
+        torch.testing.assert_close(empty, pipeline_prompt(name, pipeline, "", references), rtol=1e-5, atol=1e-5)
+    assert apart >= 1, "no pair's reference was stored in another shard: the lookup across shards went untested"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_transformer_is_called_as_the_pipeline_calls_it_with_references(name, pipelines):
+    """The pipeline's own call, recorded (a 96 × 64 target; Edit one reference, Edit-Plus two of
+    other ratios, each resized by the pipeline to about 1024² as the family's rule sizes it at 1024):
+    `predict` on the target's latents with the references' as `reference_<n>` gives its output for the
+    target's tokens."""
+    model, pipeline = pipelines[name]
+    family = family_of(model)
+    pictures = [Image.new("RGB", (80, 48), (30, 200, 30)), Image.new("RGB", (40, 90), (200, 30, 30))]
+    pictures = pictures[:1] if name == "qwen-image-edit" else pictures
+    embeds = pipeline_prompt(name, pipeline, "make the background red", pictures)[None]
+    mask = torch.ones(embeds.shape[:2], dtype=torch.long)
+    calls = transformer_calls(pipeline)
+    pipeline(image=pictures if len(pictures) > 1 else pictures[0], prompt_embeds=embeds, prompt_embeds_mask=mask,
+             height=96, width=64, num_inference_steps=2, output_type="latent",  # (one step's timestep: NaN)
+             generator=torch.Generator().manual_seed(0))
+    seen, output = calls[0]
+    shapes = seen["img_shapes"][0]
+    boxes = [family.codec.references.box(*picture.size, 1024) for picture in pictures]
+    assert shapes[1:] == [(1, box[1] // 16, box[0] // 16) for box in boxes]  # the rule's sizes, in tokens
+    target = (96 // 16) * (64 // 16)
+    latents = unpack(seen["hidden_states"][:, :target], 96 // 8, 64 // 8).unsqueeze(2)
+    references, start = {}, target
+    for n, (_, high, wide) in enumerate(shapes[1:]):
+        references[f"reference_{n}"] = unpack(seen["hidden_states"][:, start:start + high * wide], high * 2,
+                                              wide * 2).unsqueeze(2)
+        start += high * wide
+    text = {"qwen2_5_vl_hidden": embeds, "qwen2_5_vl_hidden_mask": mask, **references}
+    with torch.no_grad():
+        ours = family.denoiser.predict(pipeline.transformer, latents, text, seen["timestep"] * 1000)
+    torch.testing.assert_close(ours, unpack(output[:, :target], 96 // 8, 64 // 8).unsqueeze(2))
+
+
+@pytest.mark.parametrize("size", [(1024, 1024), (1500, 600), (600, 1500), (900, 800), (333, 1000)])
+def test_a_reference_is_sized_as_the_pipelines_size_it(size):
+    """At 1024 the family's size for a reference's latents is the pipelines' `calculate_dimensions`
+    of 1024² at its ratio (the reference resized whole, no crop)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+
+    from tasks.families.qwenimage import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
+
+    ratio = size[0] / size[1]
+    for family, module in ((QWEN_IMAGE_EDIT, pipeline_qwenimage_edit), (QWEN_IMAGE_EDIT_PLUS, pipeline_qwenimage_edit_plus)):
+        width, height, *crop = family.codec.references.box(*size, 1024)
+        assert (width, height) == tuple(module.calculate_dimensions(1024 * 1024, ratio)[:2])
+        assert crop == [0, 0, width, height]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_sample_prompts_are_cached_with_their_references_and_named_by_their_content(name, trained, pipelines, tmp_path):
+    """A sample prompt and its negative (the empty caption) are cached as the pipeline encodes them
+    with the prompt's reference, the run's grid is drawn from them, and the manifest names each
+    prompt with its reference's digest: another picture at the same path is another cache."""
+    import shutil
+
+    from storage.store import Store
+    from tasks.identity import entry_negative, sample_prompts
+    from tasks.train.data import CachedFeatures
+
+    folder, runs = trained
+    config, done = runs[name]
+    _, pipeline = pipelines[name]
+    store = Store(config.storage)
+    manifest = store.read_json(store.key(done["manifest"]["url"]))
+    (entry,) = manifest["prompts"]
+    features = CachedFeatures(store, manifest, family_of(config.model))
+    reference = Image.open(folder / "references" / "00002.png").convert("RGB")
+    for row, caption in ((entry, "make the background red"), (entry_negative(entry), "")):
+        torch.testing.assert_close(features.text.prompt(row)["qwen2_5_vl_hidden"],
+                                   pipeline_prompt(name, pipeline, caption, [reference]), rtol=1e-5, atol=1e-5)
+    assert done["train"]["samples"], "no sample grid was drawn"
+    moved = tmp_path / "reference.png"
+    shutil.copy(folder / "references" / "00000.png", moved)  # another picture, the same path
+    other = config.model_copy(update={"training": config.training.model_copy(update={
+        "samples": config.training.samples.model_copy(update={"references": [str(moved)]})})})
+    changed = sample_prompts(other)
+    assert changed != manifest["prompts"] and changed[0].startswith("make the background red")
+
+
+def test_an_edit_family_refuses_flips_and_sample_prompts_without_references(tiny_family):
+    """A flipped pair would train against a caption that saw the unflipped reference; a sample
+    prompt has no picture to be read with."""
+    from configs.schema import PipelineConfig
+    from storage.store import Store
+    from tasks.encode.latents import check_latent_encoding
+    from tasks.encode.text import seen_prompts
+
+    config = PipelineConfig.model_validate({
+        "model": {"path": str(tiny_family("qwen-image-edit"))}, "latent_encoding": {"flip": True},
+        "dataset": {"sources": [{"path": "t", "references": "files", "reference_path": "r"}]}})
+    with pytest.raises(ValueError, match=r"latent_encoding.flip: Qwen-Image-Edit's text encoder qwen2_5_vl reads each "
+                                         r"pair's references"):
+        check_latent_encoding(config.model, config.latent_encoding, config.dataset)
+    with pytest.raises(ValueError, match=r"training.samples.references: Qwen-Image-Edit reads each sample prompt "
+                                         r"with its reference picture"):
+        seen_prompts(Store(config.storage), family_of(config.model), ["a red circle"], None)
