@@ -98,11 +98,14 @@ def text_fingerprints(model: ModelConfig, text: TextEncodingConfig) -> dict[str,
     if "caption_preprocessing" in settings:  # the family's rule that the word names
         settings["captions"] = family.text.captions.rule(settings.pop("caption_preprocessing"))
     for encoder in family.text.encoders:
-        files = component_fingerprint(model.path, [encoder.folder, encoder.tokenizer], model.revision)
+        # an encoder that sees pictures: its image processor's settings too
+        seen = [encoder.processor] if encoder.processor else []
+        files = component_fingerprint(model.path, [encoder.folder, encoder.tokenizer, *seen], model.revision)
         # max_length as the family resolves it for this encoder
         length = {"max_length": family.text.length(model, encoder, text)} if "max_length" in settings else {}
         fingerprints[encoder.name] = hash_json({
-            "files": {"text_encoder": files[encoder.folder], "tokenizer": files[encoder.tokenizer]},
+            "files": {"text_encoder": files[encoder.folder], "tokenizer": files[encoder.tokenizer],
+                      **{"processor": files[folder] for folder in seen}},
             **settings, **length, "format": TEXT_FORMAT, **encoder.stored()})
     return fingerprints
 
@@ -163,6 +166,14 @@ def sample_prompts(config: PipelineConfig) -> list[str]:
     options = fsspec_options(config.storage)
     return prompt_entries(samples.prompts, [sha256_bytes(read_picture_bytes(path, options)[1])
                                             for path in samples.references])
+
+
+def check_entry_picture(entry: str, path: str, data: bytes) -> None:
+    """Refuse a sample prompt's picture (`path`, read as `data`) that is not the one its entry names
+    (changed since the run named its prompts); an entry that names none takes any."""
+    if SEEN in entry and entry_negative(entry) != SEEN + sha256_bytes(data):
+        raise ValueError(f"training.samples.references: {path} changed since the run named its prompts by its "
+                         "content; run again")
 
 
 def entry_prompt(entry: str) -> str:

@@ -209,6 +209,29 @@ def test_a_target_with_two_reference_folders_takes_one_from_each_in_order(tmp_pa
         target_id(targets[name], [references[name][0], first]) for name in ("00000", "00001")}
 
 
+def test_a_reference_is_stored_beside_the_first_target_that_names_it(tmp_path):
+    """An encoder that sees references reads them from its target's shard: each reference goes in
+    the shard of the first new target naming it, unless a shard's end falls between them (so at
+    most one reference a shard is parted from its target); a dataset without pairs is cut by sample
+    id as before."""
+    folder = write_edit_data(tmp_path / "pairs", count=16)
+    config = _config(tmp_path, str(folder / "targets"),
+                     {"references": "files", "reference_path": str(folder / "references")})
+    done = ingest(*config)
+    store = Store(config[0])
+    shard_of, first = {}, {}
+    for shard in done["shards"]:
+        rows = read_image_shard(store.read_bytes(layout.image_shard(shard["id"])), ["sample_id", "references"])
+        ids = [row["sample_id"] for row in rows.to_pylist()]
+        for row in rows.to_pylist():
+            shard_of[row["sample_id"]] = shard["id"]
+            for reference in row["references"] or []:
+                first[reference] = min(first.get(reference, row["sample_id"]), row["sample_id"])
+        assert len(ids) == 4
+    parted = sum(shard_of[reference] != shard_of[target] for reference, target in first.items())
+    assert len(first) == 8 and parted <= len(done["shards"]) - 1
+
+
 def test_a_family_that_takes_no_references_refuses_pairs_before_any_stage(tmp_path, tiny_models):
     """Pairs given to a model that takes no reference images (PixArt-Σ) are refused before ingest,
     naming the source and the family; ingest alone reads them (the pairs wait for an edit model)."""

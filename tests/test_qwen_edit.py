@@ -211,6 +211,7 @@ def test_an_edit_family_refuses_flips_and_sample_prompts_without_references(tiny
     from storage.store import Store
     from tasks.encode.latents import check_latent_encoding
     from tasks.encode.text import seen_prompts
+    from tasks.train import check_training
 
     config = PipelineConfig.model_validate({
         "model": {"path": str(tiny_family("qwen-image-edit"))}, "latent_encoding": {"flip": True},
@@ -220,4 +221,55 @@ def test_an_edit_family_refuses_flips_and_sample_prompts_without_references(tiny
         check_latent_encoding(config.model, config.latent_encoding, config.dataset)
     with pytest.raises(ValueError, match=r"training.samples.references: Qwen-Image-Edit reads each sample prompt "
                                          r"with its reference picture"):
-        seen_prompts(Store(config.storage), family_of(config.model), ["a red circle"], None)
+        family = family_of(config.model)
+        seen_prompts(Store(config.storage), family, family.text.encoders[0], ["a red circle"], None)
+    with pytest.raises(ValueError, match=r"training.samples.references: Qwen-Image-Edit reads each sample prompt "
+                                         r"with its reference picture"):  # before any stage
+        check_training(config.model, config.training)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_picture_without_references_beside_pairs_is_quarantined_by_edit_and_trained_by_edit_plus(
+        name, tiny_family, pipelines, tmp_path):
+    """A dataset of pairs and plain pictures (two sources): Edit's template holds one picture, so a
+    plain picture is quarantined (`references`, naming why) and its caption not encoded; Edit-Plus
+    reads a caption without pictures, and its dropout row is the empty caption alone."""
+    from PIL import Image as Picture
+
+    from configs.schema import PipelineConfig
+    from storage.store import Store
+    from tasks.demo.data import write_edit_data
+    from tasks.runner import run_direct
+    from tasks.train.data import CachedFeatures
+
+    folder = write_edit_data(tmp_path / "pairs", count=2)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    Picture.new("RGB", (64, 64), (200, 30, 30)).save(plain / "red.png")
+    (plain / "red.txt").write_text("a red square")
+    config = PipelineConfig.model_validate({
+        "storage": {"root": str(tmp_path / "store")}, "model": {"path": str(tiny_family(name))},
+        "dataset": {"sources": [{"path": str(folder / "targets"), "references": "files",
+                                 "reference_path": str(folder / "references")}, {"path": str(plain)}]},
+        "text_encoding": {"dtype": "fp32"}, "latent_encoding": {"resolution": 64, "batch_size": 4},
+        "training": {"rank": 4, "alpha": 4, "steps": 1, "batch_size": 1, "caption_dropout": 1.0,
+                     "validation_samples": 0, "samples": {"prompts": []}}})
+    done = run_direct(config)
+    store = Store(config.storage)
+    features = CachedFeatures(store, store.read_json(store.key(done["manifest"]["url"])), family_of(config.model))
+    unpaired = [sample for sample, row in features.samples.items() if not row["references"]]
+    if name == "qwen-image-edit":
+        assert len(features.samples) == 2 and not unpaired
+        assert [(q["reason"], q["message"]) for shard in done["encode-latents"]["shards"] for q in shard["quarantined"]] == [
+            ("references", "0 references: Qwen-Image-Edit takes at least 1")]
+    else:
+        from tasks.records import text_shards_of
+
+        (sample,) = unpaired
+        keys = text_shards_of(features.samples[sample])
+        with torch.no_grad():
+            for caption, got in (("a red square", features.text.caption(keys, sample, 0)),
+                                 ("", features.text.dropped(keys, sample))):
+                want = pipelines[name][1].encode_prompt(caption, image=None, device=CPU)[0][0]
+                torch.testing.assert_close(got["qwen2_5_vl_hidden"], want, rtol=1e-5, atol=1e-5)
+        assert done["train"]["final_loss"] == done["train"]["final_loss"]  # trained on it: finite

@@ -174,11 +174,10 @@ def encode_latents_shard(
     for sample_id, problem in problems.items():
         quarantined.append({"sample_id": sample_id, "reason": "frames", "message": problem})
         log.warning("quarantined sample %s of shard %s: %s", sample_id, shard_id, problem)
-    most = family.codec.references and family.codec.references.most
-    for sample in samples:  # a pair with more references than the family's pipeline takes
-        if most is not None and len(sample.get("references") or []) > most:
-            problems[sample["sample_id"]] = problem = (f"{len(sample['references'])} references: {family.name} takes "
-                                                       f"at most {most}")
+    for sample in samples:  # a target with more (or fewer) references than the family's pipeline takes
+        if (sample.get("role") != "reference" and family.codec.references is not None
+                and (problem := family.codec.references.count_problem(len(sample.get("references") or [])))):
+            problems[sample["sample_id"]] = problem
             quarantined.append({"sample_id": sample["sample_id"], "reason": "references", "message": problem})
             log.warning("quarantined sample %s of shard %s: %s", sample["sample_id"], shard_id, problem)
     samples = [s for s in samples if s["sample_id"] not in problems]

@@ -64,7 +64,7 @@ def build_text_encoder(model: ModelConfig, family: Family, spec: TextEncoderSpec
 
         quantize_(encoder, Int8WeightOnlyConfig())
     images = spec.processor and library("transformers", "AutoImageProcessor").from_pretrained(
-        model.path, subfolder=spec.processor, revision=model.revision)
+        model.path, subfolder=spec.processor, revision=model.revision, backend=spec.backend)
     target = resolve_device(device)
     if offload == "sequential":
         from accelerate import cpu_offload

@@ -24,9 +24,9 @@ from storage import layout
 from storage.shards import pack_ragged, shard_id_of
 from storage.store import Damaged, Store, fsspec_options, json_bytes
 from tasks.families import Family, family_of
-from tasks.families.spec import TextEncoderSpec
-from tasks.identity import (EMPTY, SEEN, TEXT_FORMAT, entry_negative, entry_prompt, image_shard_id, prompt_rows,
-                            prompts_cache_key)
+from tasks.families.spec import References, TextEncoderSpec
+from tasks.identity import (EMPTY, SEEN, TEXT_FORMAT, check_entry_picture, entry_negative, entry_prompt, image_shard_id,
+                            prompt_rows, prompts_cache_key)
 from tasks.records import CacheRecord
 from tasks.encode.models import (
     TEXT_ACTIVATIONS, TextEncoder, build_text_encoder, load_text_encoder,
@@ -38,16 +38,16 @@ Outputs = dict[str, list[torch.Tensor]]  # an encoder's outputs by name, a tenso
 
 
 def tokenize(texts: list[str], encoder: TextEncoder, config: TextEncodingConfig,
-             pictures: list[list[Any]] | None = None) -> tuple[list[list[int]], int, list[dict] | None]:
+             pictures: list[list[Any]] | None = None) -> tuple[list[list[int]], int, list[list[Any]] | None]:
     """Token ids of each caption, preprocessed as configured, as the encoder's prompt function
     makes them (`TextEncoderSpec.tokenize`), how many were cut at its max_length, and for an
-    encoder that sees pictures (`TextEncoderSpec.processor`) each caption's pictures' inputs, its
-    pictures (PIL) given in `pictures` (`SeeingEncoderSpec.tokenize_with`)."""
+    encoder that sees pictures (`TextEncoderSpec.processor`) each caption's pictures, as given in
+    `pictures` (PIL, sized by `SeeingEncoderSpec.picture`), which `run_encoder` hands its calls."""
     texts = encoder.family.text.captions.preprocess(texts, config.caption_preprocessing)
     if encoder.images is None:
         return (*encoder.spec.tokenize(encoder.tokenizer, texts, encoder.max_length(config)), None)
-    ids, vision = encoder.spec.tokenize_with(encoder.tokenizer, encoder.images, texts, pictures or [[] for _ in texts])
-    return ids, 0, vision
+    pictures = pictures or [[] for _ in texts]
+    return encoder.spec.tokenize_with(encoder.tokenizer, encoder.images, texts, pictures), 0, pictures
 
 
 def length_batches(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingConfig) -> list[tuple[list[int], int]]:
@@ -73,9 +73,9 @@ def length_batches(ids: list[list[int]], encoder: TextEncoder, text: TextEncodin
 
 @torch.inference_mode()
 def run_encoder(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingConfig,
-                vision: list[dict] | None = None) -> Outputs:
-    """Each of the encoder's outputs (its spec's) for each token sequence (and its pictures'
-    inputs, `vision`), on the CPU in the encoder's output dtype: sequences [kept_i, D]
+                vision: list[list[Any]] | None = None) -> Outputs:
+    """Each of the encoder's outputs (its spec's) for each token sequence (and its pictures,
+    `vision`), on the CPU in the encoder's output dtype: sequences [kept_i, D]
     (`TextEncoderSpec.kept`), a pooled vector as [1, D], called in `length_batches`."""
     spec, limit = encoder.spec, encoder.max_length(text)
     kept = [spec.kept(x, limit) for x in ids]
@@ -88,7 +88,7 @@ def run_encoder(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingCo
             place = slice(longest - len(ids[index]), None) if left else slice(len(ids[index]))
             input_ids[row, place] = torch.tensor(ids[index])
             mask[row, place] = 1
-        shown = {} if vision is None else {"vision": [vision[index] for index in batch]}
+        shown = {} if vision is None else {"vision": [vision[index] for index in batch], "images": encoder.images}
         for output, values in spec.encode(encoder.model, input_ids.to(encoder.device), mask.to(encoder.device),
                                           **shown).items():
             values = values.cpu()
@@ -147,13 +147,16 @@ def measure_encoder(
     if store.committed(key) is not None:
         return json.loads(store.read_verified(key))
     numerics: dict[str, Any] = {"dtype": text.dtype, "samples": 0, "reference": "fp32"}
-    if text.dtype != "fp32" and text.numerics_samples > 0 and shard_url is not None:
-        texts = shard_captions(store, shard_url, spec.processor is not None)[0]
+    seeing = family.codec.references if spec.processor is not None else None
+    # (a shard of references alone has no captions: nothing to measure)
+    if (text.dtype != "fp32" and text.numerics_samples > 0 and shard_url is not None
+            and (texts := shard_captions(store, shard_url, seeing)[0])):
         step = max(1, len(texts) // text.numerics_samples)
         units = texts[::step][: text.numerics_samples]
         picked, shown = [caption for caption, _ in units], None
         if spec.processor is not None:  # with their pictures
-            held = shard_pictures(store, shard_url, {picture for _, ids in units for picture in ids}, dataset)
+            held = shard_pictures(store, shard_url, {picture for _, ids in units for picture in ids}, dataset,
+                                  spec.picture)
             shown = [[held[picture] for picture in ids] for _, ids in units]
         first = spec.outputs[0]
         got = torch.cat([e.float() for e in encode_captions(picked, model, family, text, spec, shown)[0][first]])
@@ -175,12 +178,14 @@ def measure_encoder(
 Unit = tuple[str, tuple[str, ...]]  # a caption, and the ids of the pictures its encoder reads with it
 
 
-def shard_captions(store: Store, shard_url: str, seeing: bool = False) -> tuple[list[Unit], dict[str, int]]:
-    """The distinct captions of an image shard (for an encoder that sees pictures, each with its
-    pair's references' ids: the same caption with other pictures is another), and each
-    `<sample_id>/<variant>` row's index into them; seeing, each pair's `<sample_id>/empty` row too.
-    Only the shard's sample id, caption and reference columns are read, not its images, and they
-    are checked against the shard's id, which is their hash (a sample's id hashes its references')."""
+def shard_captions(store: Store, shard_url: str, seeing: References | None = None) -> tuple[list[Unit], dict[str, int]]:
+    """The distinct captions of an image shard, and each `<sample_id>/<variant>` row's index into
+    them. For an encoder that sees pictures (`seeing`: the family's references rule), each caption
+    with its pair's references' ids (the same caption with other pictures is another), each
+    sample's `<sample_id>/empty` row too, and no rows for a target its pipeline cannot take (the
+    latent stage quarantines it, naming why). Only the shard's sample id, caption and reference
+    columns are read, not its images, and they are checked against the shard's id, which is their
+    hash (a sample's id hashes its references')."""
     key = store.key(shard_url)
     samples = store.read_columns(key, ["sample_id", "captions", "resolution", *(["references"] if seeing else [])]
                                  ).to_pylist()
@@ -191,18 +196,22 @@ def shard_captions(store: Store, shard_url: str, seeing: bool = False) -> tuple[
     rows: dict[str, int] = {}
     for sample in samples:
         pictures = tuple(sample.get("references") or ()) if seeing else ()
+        if seeing and sample["captions"] and seeing.count_problem(len(pictures)):
+            continue
         for variant, caption in enumerate(sample["captions"]):
             rows[f"{sample['sample_id']}/{variant}"] = texts.setdefault((caption, pictures), len(texts))
-        if pictures and sample["captions"]:
+        if seeing and sample["captions"]:
             rows[f"{sample['sample_id']}/{EMPTY}"] = texts.setdefault(("", pictures), len(texts))
     return list(texts), rows
 
 
-def shard_pictures(store: Store, shard_url: str, ids: set[str], dataset: str | None) -> dict[str, Any]:
-    """The pictures `ids` (pairs' references, RGB) from the image shard `shard_url`, or else from
-    the other shards of the dataset whose id is `dataset` (a reference a nightly run's new pair
-    shares with an older one stays in the older shard); each shard read whole and checked against
-    its checksum."""
+def shard_pictures(store: Store, shard_url: str, ids: set[str], dataset: str | None,
+                   sized: Callable[[Any], Any]) -> dict[str, Any]:
+    """The pictures `ids` (pairs' references, RGB, each as `sized` makes it) from the image shard
+    `shard_url`, or else from the other shards of the dataset whose id is `dataset` (ingest puts a
+    reference beside its first new target, so this is for a pair a shard's end parted from it, or
+    a reference a nightly run's new pair shares with an older one); each shard that holds one read
+    whole and checked against its checksum."""
     from PIL import Image
 
     from storage.shards import read_image_shard
@@ -214,12 +223,15 @@ def shard_pictures(store: Store, shard_url: str, ids: set[str], dataset: str | N
         for row in read_image_shard(store.read_verified(store.key(url))).to_pylist():
             if row["sample_id"] in ids:
                 with Image.open(io.BytesIO(row["image"])) as opened:
-                    found[row["sample_id"]] = to_rgb(opened)
+                    found[row["sample_id"]] = sized(to_rgb(opened))
 
     if ids:
         take(shard_url)
     for shard in store.read_json(layout.dataset(dataset))["shards"] if ids - found.keys() and dataset else ():
-        if (url := store.url(layout.image_shard(shard["id"]))) != shard_url:
+        url = store.url(layout.image_shard(shard["id"]))
+        # a shard's ids first (a ranged read of one column); the whole shard only where it holds one
+        if url != shard_url and not ids.isdisjoint(
+                store.read_columns(store.key(url), ["sample_id"]).column("sample_id").to_pylist()):
             take(url)
         if not ids - found.keys():
             break
@@ -246,11 +258,11 @@ def encode_text_shard(
         key = layout.cache_shard("text", fingerprint, shard_id)
         retried = len(store.retried)
         if (record := store.committed(key)) is None:
-            seeing = spec.processor is not None
+            seeing = family.codec.references if spec.processor is not None else None
             if seeing not in captions:
                 captions[seeing] = shard_captions(store, shard_url, seeing)
             record = encode_shard(store, model, family, text, spec, fingerprint, key, shard_id, *captions[seeing],
-                                  lambda ids: shard_pictures(store, shard_url, ids, dataset))
+                                  lambda ids, sized: shard_pictures(store, shard_url, ids, dataset, sized))
         records.append({**record, "encoder": spec.name, "io_retries": len(store.retried) - retried})
     return records
 
@@ -276,14 +288,14 @@ def coinciding(texts: list[Unit], rows: dict[str, int], model: ModelConfig, fami
 
 def encode_shard(store: Store, model: ModelConfig, family: Family, text: TextEncodingConfig, spec: TextEncoderSpec,
                  fingerprint: str, key: str, shard_id: str, texts: list[Unit], rows: dict[str, int],
-                 pictures: Callable[[set[str]], dict[str, Any]]) -> dict[str, Any]:
+                 pictures: Callable[[set[str], Callable[[Any], Any]], dict[str, Any]]) -> dict[str, Any]:
     """One encoder's cache shard of an image shard's captions, committed; `pictures` reads the
-    references an encoder that sees them is given."""
+    references an encoder that sees them is given, sized as it reads them."""
     numerics = json.loads(store.read_verified(layout.text_numerics(fingerprint)))
     texts, rows = coinciding(texts, rows, model, family, text, spec)
     shown = None
     if spec.processor is not None:
-        held = pictures({picture for _, ids in texts for picture in ids})
+        held = pictures({picture for _, ids in texts for picture in ids}, spec.picture)
         shown = [[held[picture] for picture in ids] for _, ids in texts]
     outputs, truncated = encode_captions([caption for caption, _ in texts], model, family, text, spec, shown)
     meta = {"format": TEXT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "truncated": truncated,
@@ -316,7 +328,7 @@ def encode_prompts(
                 rows = {t: i for i, t in enumerate(prompt_rows([entry_prompt(entry) for entry in prompts]))}
                 texts, shown = list(rows), None
             else:
-                rows, texts, shown = seen_prompts(store, family, prompts, pictures)
+                rows, texts, shown = seen_prompts(store, family, spec, prompts, pictures)
             outputs, truncated = encode_captions(texts, model, family, text, spec, shown)
             # what `precast sample` must do to a prompt to match: kept with the run's lineage
             meta = {"format": TEXT_FORMAT, "fingerprint": fingerprints[spec.name], "truncated": truncated,
@@ -327,29 +339,26 @@ def encode_prompts(
     return records
 
 
-def seen_prompts(store: Store, family: Family, prompts: list[str], pictures: list[str] | None
+def seen_prompts(store: Store, family: Family, spec: TextEncoderSpec, prompts: list[str], pictures: list[str] | None
                  ) -> tuple[dict[str, int], list[str], list[list[Any]]]:
     """The rows of an encoder that sees pictures: each prompt entry with its picture, and the empty
     caption with each picture (`entry_negative`); their texts and pictures."""
-    import hashlib
-
     from tasks.runs.sampling import read_picture_bytes
 
-    setting = "training.samples.references"
     if prompts and (not pictures or SEEN not in prompts[0]):
-        raise ValueError(f"{setting}: {family.name} reads each sample prompt with its reference picture; give one a "
-                         "prompt")
+        raise ValueError(f"training.samples.references: {family.name} reads each sample prompt with its reference "
+                         "picture; give one a prompt")
     held = [read_picture_bytes(path, fsspec_options(store.config)) for path in pictures or []]
     for path, entry, (_, data) in zip(pictures or [], prompts, held):
-        if SEEN + hashlib.sha256(data).hexdigest() != entry_negative(entry):
-            raise ValueError(f"{setting}: {path} changed since the run named its prompts by its content; run again")
+        check_entry_picture(entry, path, data)
     rows: dict[str, int] = {}
     picture: dict[str, int] = {}  # each row's prompt's picture
     for index, entry in enumerate(prompts):
         for row in (entry, entry_negative(entry)):
             picture.setdefault(row, index)
             rows.setdefault(row, len(rows))
-    return rows, [entry_prompt(row) for row in rows], [[held[picture[row]][0]] for row in rows]
+    sized = [spec.picture(shown) for shown, _ in held]
+    return rows, [entry_prompt(row) for row in rows], [[sized[picture[row]]] for row in rows]
 
 
 def text_cache_record(store: Store, fingerprints: dict[str, str], prompts: dict[str, Any],

@@ -146,13 +146,15 @@ QWEN_IMAGE = Family(
          max_length=512),
     # sides multiples of 16: the VAE's 8× and the 2×2 packing
     FramesCodec(Buckets(step=16), vae="AutoencoderKLQwenImage"), QwenImageDenoiser(), QwenImageSampler())
-# Edit: one reference, read by the text encoder at 1024² as the pipeline reads it, whatever the run's resolution
+# Edit: one reference (its template holds one picture: a target without one is quarantined), read by
+# the text encoder at 1024² as the pipeline reads it, whatever the run's resolution
 QWEN_IMAGE_EDIT = Family(
     "Qwen-Image-Edit", ("QwenImageEditPipeline",),
     edit_text(1024 * 1024, "", EDIT_TEMPLATE.replace("{}", PICTURE + "{}")),
-    FramesCodec(Buckets(step=16), vae="AutoencoderKLQwenImage", references=EditReferences(most=1)),
+    FramesCodec(Buckets(step=16), vae="AutoencoderKLQwenImage", references=EditReferences(most=1, least=1)),
     QwenImageEditDenoiser(), QwenImageEditSampler())
-# Edit-Plus (2509, 2511): several references, each read by the text encoder at 384²
+# Edit-Plus (2509, 2511): any number of references (none: the caption alone), each read by the text
+# encoder at 384²
 QWEN_IMAGE_EDIT_PLUS = Family(
     "Qwen-Image-Edit-Plus", ("QwenImageEditPlusPipeline",),
     edit_text(PLUS_AREA, PLUS_PICTURE, EDIT_TEMPLATE),

@@ -250,47 +250,52 @@ class SeeingEncoderSpec(ChatEncoderSpec):
 
     model_class: str = "Qwen2_5_VLModel"  # the language model and its vision tower, no vocabulary head
     processor: str | None = "processor"
+    # the image processor's backend: PIL's on every machine (transformers takes torchvision's where it
+    # is installed, which resizes otherwise), so a cache is one whatever a worker has installed
+    backend: str = "pil"
     area: int = 1024 * 1024
     prefix: str = ""
     picture_token: str = "<|image_pad|>"
 
     def picture(self, picture: Any) -> Any:
+        """A picture (PIL) as the pipeline hands it to its processor."""
         return sized_to_area(picture, self.area)
 
     def templated_with(self, tokenizer: Any, texts: list[str], counts: list[int]) -> list[str]:
         return self.templated(tokenizer, ["".join(self.prefix.format(n + 1) for n in range(count)) + text
                                           for text, count in zip(texts, counts)])
 
-    def tokenize_with(self, tokenizer: Any, images: Any, texts: list[str], pictures: list[list[Any]]
-                      ) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
-        """Each caption's ids with its pictures' tokens, and its pictures' inputs to the vision tower
-        (`pixel_values`, `image_grid_thw`); a caption without pictures gets empty ones."""
-        ids, vision = [], []
+    def tokenize_with(self, tokenizer: Any, images: Any, texts: list[str], pictures: list[list[Any]]) -> list[list[int]]:
+        """Each caption's ids with its pictures' tokens (`pictures`: each caption's, as `picture`
+        sized them), a token each patch the image processor `images` will merge."""
+        ids = []
         for text, shown in zip(self.templated_with(tokenizer, texts, [len(p) for p in pictures]), pictures):
-            inputs = images(images=[self.picture(p) for p in shown], return_tensors="pt") if shown else {}
-            grids = inputs.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long))
             pieces = text.split(self.picture_token)
-            if len(pieces) - 1 != len(grids):
+            if len(pieces) - 1 != len(shown):
                 raise ValueError(f"text encoder {self.name}: its template holds {len(pieces) - 1} pictures' places, "
-                                 f"and the caption has {len(grids)} pictures")
-            merged = [self.picture_token * (int(grid.prod()) // images.merge_size ** 2) for grid in grids]
+                                 f"and the caption has {len(shown)} pictures")
+            merged = [self.picture_token * (images.get_number_of_image_patches(p.height, p.width, {})
+                                            // images.merge_size ** 2) for p in shown]
             ids.append(tokenizer("".join(p + m for p, m in zip(pieces, [*merged, ""]))).input_ids)
-            vision.append({"pixel_values": inputs.get("pixel_values"), "image_grid_thw": grids})
-        return ids, vision
+        return ids
 
-    def encode(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor,
-               vision: list[dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
-        """As the pipeline calls the encoder: the batch's pictures' patches in the captions' order."""
-        shown = [v for v in vision or [] if len(v["image_grid_thw"])]
-        pictures = {"pixel_values": torch.cat([v["pixel_values"] for v in shown]).to(input_ids.device, model.dtype),
-                    "image_grid_thw": torch.cat([v["image_grid_thw"] for v in shown]).to(input_ids.device)
-                    } if shown else {}
+    def encode(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor, vision: list[list[Any]] | None = None,
+               images: Any = None) -> dict[str, torch.Tensor]:
+        """As the pipeline calls the encoder: the batch's pictures (`vision`: each caption's) cut into
+        patches by the image processor `images`, in the captions' order; a batch at a time, so a
+        shard's patches are never all held at once."""
+        shown = [picture for pictures in vision or [] for picture in pictures]
+        inputs = images(images=shown, return_tensors="pt") if shown else {}
+        pictures = {"pixel_values": inputs["pixel_values"].to(input_ids.device, model.dtype),
+                    "image_grid_thw": inputs["image_grid_thw"].to(input_ids.device)} if shown else {}
         states = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, **pictures).hidden_states
         return {"hidden": torch.cat([states[layer] for layer in self.layers], dim=-1)[:, self.drop:]}
 
     def stored(self) -> dict[str, Any]:
+        """The chat layout, and how the pictures are read (the processor folder's files count in the
+        fingerprint beside the encoder's)."""
         return {**super().stored(), "pictures": {"processor": self.processor, "area": self.area,
-                                                  "prefix": self.prefix}}
+                                                  "prefix": self.prefix, "backend": self.backend}}
 
 
 def run_sampling(training: TrainingConfig, family: str, schedule: str, weightings: tuple[str, ...]) -> dict[str, Any]:
@@ -381,6 +386,15 @@ class References(Part):
 
     rule: str
     most: int | None = None  # the references a target may have (None: as many as a source gives)
+    least: int = 0  # the references a target must have (its pipeline's prompt holds that many pictures)
+
+    def count_problem(self, count: int) -> str | None:
+        """Why a target with `count` references cannot train (None: it can)."""
+        if self.most is not None and count > self.most:
+            return f"{count} references: {self.family} takes at most {self.most}"
+        if count < self.least:
+            return f"{count} references: {self.family} takes at least {self.least}"
+        return None
 
     def box(self, width: int, height: int, resolution: int) -> list[int]:
         """[resized width, resized height, left, top, right, bottom]: the size a reference of width

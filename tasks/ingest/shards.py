@@ -60,6 +60,7 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
         ledger.run("UPDATE samples SET shard = (SELECT shard FROM stored WHERE stored.sample_id = samples.sample_id "
                    "AND stored.captions = samples.captions AND stored.resolution = samples.resolution)")
     new = ledger.one("SELECT count(*) FROM samples WHERE shard IS NULL")[0]
+    place_references(ledger)
     spill_known_images(store, scan)
     writing: deque[tuple[Future, str, list[tuple]]] = deque()
 
@@ -70,15 +71,18 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
         if committed is not None:
             committed(store.url(layout.image_shard(shard_id)))
 
-    last = ""
+    last = ("", "")
     with ThreadPoolExecutor(WRITERS, thread_name_prefix="ingest-write") as pool:
         try:
             # an image a shard holds with other captions or resolution: that shard, whose latents the
             # encoder copies where it crops alike
-            while chunk := list(ledger.rows(f"SELECT sample_id, captions, width, height, source, {HOLDER}, resolution, "
-                                            "role, refs FROM samples WHERE shard IS NULL AND sample_id > ? ORDER BY sample_id "
-                                            "LIMIT ?", (last, dataset.shard_size))):
-                last = chunk[-1][0]
+            while placed := list(ledger.rows(
+                    f"SELECT samples.sample_id, captions, width, height, source, {HOLDER}, resolution, role, refs, place "
+                    "FROM samples JOIN placing ON placing.sample_id = samples.sample_id WHERE shard IS NULL "
+                    "AND (place, samples.sample_id) > (?, ?) ORDER BY place, samples.sample_id LIMIT ?",
+                    (*last, dataset.shard_size))):
+                last = placed[-1][-1], placed[-1][0]
+                chunk = [row[:-1] for row in placed]
                 shard_id = image_shard_id([(sample_id, json.loads(captions), resolution)
                                            for sample_id, captions, *_, resolution, _, _ in chunk])
                 writing.append((pool.submit(write_shard, store, scan.spill, shard_id, chunk), shard_id, chunk))
@@ -92,9 +96,28 @@ def write_new_shards(store: Store, dataset: DatasetConfig, scan: Scan,
     return new, dict(ledger.rows("SELECT shard, count(*) FROM samples GROUP BY shard"))
 
 
+def place_references(ledger) -> None:
+    """Where each sample not yet in a shard goes (the temporary table `placing`): a sample by its own
+    id, as shards were always cut; an edit pair's reference beside the first new target that names
+    it, so a pair and its reference mostly share a shard (an encoder that sees the references reads
+    them from its target's shard; another shard is read only where a shard ends between them, or
+    for a reference stored before)."""
+    with ledger.transaction():
+        ledger.run("DROP TABLE IF EXISTS temp.placing")
+        ledger.run("DROP TABLE IF EXISTS temp.firsts")
+        ledger.run("CREATE TEMP TABLE placing (sample_id TEXT PRIMARY KEY, place TEXT NOT NULL)")
+        ledger.run("INSERT INTO placing SELECT sample_id, sample_id FROM samples WHERE shard IS NULL")
+        ledger.run("CREATE TEMP TABLE firsts (sample_id TEXT PRIMARY KEY, place TEXT NOT NULL)")
+        ledger.run("INSERT INTO firsts SELECT value, min(samples.sample_id) FROM samples, json_each(samples.refs) "
+                   "WHERE shard IS NULL GROUP BY value")
+        ledger.run("UPDATE placing SET place = (SELECT place FROM firsts WHERE firsts.sample_id = placing.sample_id) "
+                   "WHERE sample_id IN (SELECT sample_id FROM firsts)")
+        ledger.run("CREATE INDEX temp.placing_order ON placing (place, sample_id)")
+
+
 def write_shard(store: Store, spill: Path, shard_id: str, chunk: list[tuple]) -> None:
     """An image shard of `chunk`'s samples (`sample_id, captions, width, height, source, pixels_from,
-    resolution, role, refs`, in sample id order), their images read from the spill folder, committed
+    resolution, role, refs`, in the order `place_references` gives), their images read from the spill folder, committed
     unless it is already (the same records, from an ingest that knew other holders: its bytes stand)."""
     if store.committed(layout.image_shard(shard_id)) is not None:
         return

@@ -42,7 +42,8 @@ def finished_run(store: Store, run: str) -> dict[str, Any] | None:
 def check_training(model: ModelConfig, training: TrainingConfig, family: Family | None = None) -> None:
     """Refuse, naming the setting, what the model's family cannot train or sample of `training`: a
     loss weighting its schedule lacks, image-to-video training and sample first frames without
-    an image-to-video pipeline, or sample references without an edit pipeline. The runner checks before any stage, so a refused run has not
+    an image-to-video pipeline, sample references without an edit pipeline, or sample prompts
+    without references for a family whose text encoder reads each with one. The runner checks before any stage, so a refused run has not
     ingested or encoded for nothing. A model this process cannot read is left to the first stage
     that reads it, which names itself (and may run where the model is); `family`: the model's, resolved."""
     try:
@@ -53,6 +54,10 @@ def check_training(model: ModelConfig, training: TrainingConfig, family: Family 
     setting, pictures = training.samples.pictures()
     if pictures:
         family.sampler.picture_pipeline_class(setting)
+    if training.samples.prompts and not training.samples.references and any(
+            spec.processor is not None for spec in family.text.encoders):
+        raise ValueError(f"training.samples.references: {family.name} reads each sample prompt with its reference "
+                         "picture; give one a prompt (or no training.samples.prompts)")
 
 
 def train(

@@ -19,10 +19,10 @@ from storage import layout
 from storage.shards import bucket_sides
 from storage.store import Store, fsspec_options
 from tasks.families import Family, pipeline_of
-from tasks.identity import entry_negative
+from tasks.identity import check_entry_picture, entry_negative
 from tasks.runs.folder import write_metrics
 from tasks.runs.plots import loss_curve_png
-from tasks.runs.sampling import read_picture, sample_grid
+from tasks.runs.sampling import read_picture_bytes, sample_grid
 from tasks.train.data import TextCaches
 from tasks.train.network import adapter_form, output_name, sampling_module
 from tasks.train.trackers import Trackers
@@ -42,7 +42,10 @@ class RunPublisher:
         self.pictures = None
         if pictures := training.samples.pictures()[1]:
             options = fsspec_options(store.config)
-            self.pictures = [read_picture(path, options) for path in pictures]
+            held = [read_picture_bytes(path, options) for path in pictures]
+            for path, entry, (_, data) in zip(pictures, manifest["prompts"], held):
+                check_entry_picture(entry, path, data)  # the picture its prompt was encoded with
+            self.pictures = [picture for picture, _ in held]
         self.output = output_name(training)
         # the training config as it ran: LoRA's target modules resolved (the family's, when unset)
         settings = training.model_dump()
