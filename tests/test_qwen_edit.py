@@ -273,3 +273,21 @@ def test_a_picture_without_references_beside_pairs_is_quarantined_by_edit_and_tr
                 want = pipelines[name][1].encode_prompt(caption, image=None, device=CPU)[0][0]
                 torch.testing.assert_close(got["qwen2_5_vl_hidden"], want, rtol=1e-5, atol=1e-5)
         assert done["train"]["final_loss"] == done["train"]["final_loss"]  # trained on it: finite
+
+
+def test_the_plan_counts_the_references_tokens_in_the_captions_states(tiny_family):
+    """`precast plan` for Edit on pairs: a caption's positions are its max_length and the tokens of
+    its reference, a square at about 1024², as the processor cuts it."""
+    from configs.schema import PipelineConfig
+    from tasks.train.plan import config_shapes
+
+    folder = tiny_family("qwen-image-edit")
+    run = PipelineConfig.model_validate({
+        "model": {"path": str(folder)}, "latent_encoding": {"resolution": 64},
+        "dataset": {"sources": [{"path": "unused", "references": "files", "reference_path": "refs"}]}})
+    family = family_of(run.model)
+    shapes = config_shapes(run, family)
+    grid = edit_processor(folder).image_processor(images=[Image.new("RGB", (1024, 1024))])["image_grid_thw"][0]
+    spec = family.text.encoders[0]
+    assert shapes.lengths[spec.name] == family.text.length(run.model, spec, run.text_encoding) + int(grid.prod()) // 4
+    assert len(shapes.references) == 1

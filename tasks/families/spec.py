@@ -115,6 +115,11 @@ class TextEncoderSpec:
             return sequence
         return torch.nn.functional.pad(sequence, (0, 0, 0, max_length - len(sequence)))
 
+    def picture_tokens(self, model: ModelConfig, count: int) -> int:
+        """The positions `count` square references add to a caption's states (an encoder that sees
+        them: `SeeingEncoderSpec`), for the memory plan."""
+        return 0
+
     def encode(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each of `outputs` for a batch of right-padded token ids: sequences [B, L, D] whose
         first `kept` positions are a caption's, or pooled vectors [B, D] (a projection model's
@@ -260,6 +265,13 @@ class SeeingEncoderSpec(ChatEncoderSpec):
     def picture(self, picture: Any) -> Any:
         """A picture (PIL) as the pipeline hands it to its processor."""
         return sized_to_area(picture, self.area)
+
+    def picture_tokens(self, model: ModelConfig, count: int) -> int:
+        """A token each merged patch of each square picture at `area`, as the model's image processor cuts it."""
+        images = library("transformers", "AutoImageProcessor").from_pretrained(
+            model.path, subfolder=self.processor, revision=model.revision, backend=self.backend)
+        side = round(self.area ** 0.5 / 32) * 32
+        return count * (images.get_number_of_image_patches(side, side, {}) // images.merge_size ** 2)
 
     def templated_with(self, tokenizer: Any, texts: list[str], counts: list[int]) -> list[str]:
         return self.templated(tokenizer, ["".join(self.prefix.format(n + 1) for n in range(count)) + text

@@ -300,8 +300,10 @@ def reader_shapes(model: ModelConfig, family: Family, features: Any) -> Shapes:
                                                              revision=model.revision)
     bucket = max(features.buckets, key=lambda name: group_tokens(name, partial(family.denoiser.image_tokens, config)))
     latents, text, _ = features.batch(features.buckets[bucket][:1], torch.Generator().manual_seed(0), 0.0)
-    lengths = {spec.name: shard.meta["max_length"] for spec, shard in zip(family.text.encoders, features.text.prompts)}
     references = tuple(tuple(text[f"reference_{n}"].shape[1:]) for n in range(len(bucket.split("+")) - 1))
+    # (an encoder that sees the references: their tokens beside the caption's)
+    lengths = {spec.name: shard.meta["max_length"] + spec.picture_tokens(model, len(references))
+               for spec, shard in zip(family.text.encoders, features.text.prompts)}
     return Shapes(tuple(latents.shape[1:]), lengths, references=references,
                   sides=tuple(bucket_sides(part) for part in bucket.split("+")))
 
@@ -399,7 +401,8 @@ def config_shapes(config: PipelineConfig, family: Family) -> Shapes:
         box = family.codec.references.box(*[config.latent_encoding.resolution] * 3) if count else None
         reference, reference_sides = latent_of((1, 3, box[5] - box[3], box[4] - box[2])) if count else ((), ())
         references = (tuple(reference),) * count
-    lengths = {spec.name: family.text.length(model, spec, config.text_encoding) for spec in family.text.encoders}
+    lengths = {spec.name: family.text.length(model, spec, config.text_encoding) + spec.picture_tokens(model, count)
+               for spec in family.text.encoders}
     return Shapes(tuple(latent), lengths, (frames, int(height), int(width)), references,
                   (tuple(sides), *(tuple(reference_sides),) * count))
 
