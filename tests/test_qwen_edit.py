@@ -291,3 +291,22 @@ def test_the_plan_counts_the_references_tokens_in_the_captions_states(tiny_famil
     spec = family.text.encoders[0]
     assert shapes.lengths[spec.name] == family.text.length(run.model, spec, run.text_encoding) + int(grid.prod()) // 4
     assert len(shapes.references) == 1
+
+
+def test_a_redrawn_reference_encodes_its_pair_alone_its_captions_with_it(trained):
+    """A nightly run after one reference was redrawn (the first of two pairs that shared it): the
+    new reference's latents and its target's (its id changed) are encoded, and that target's caption
+    and empty caption, both read with the new reference; nothing else (last: it redraws the fixture's picture)."""
+    from tasks.runner import run_direct
+
+    folder, runs = trained
+    config, _ = runs["qwen-image-edit"]
+    redrawn = Image.open(folder / "references" / "00000.png").convert("RGB").transpose(Image.Transpose.ROTATE_180)
+    redrawn.save(folder / "references" / "00000.png")
+    again = run_direct(config, until="manifest")
+    assert again["ingest"]["work"]["units_read"] == 1
+    assert again["encode-latents"]["work"]["samples_encoded"] == 2
+    assert again["encode-text"]["work"]["samples_encoded"] == 1
+    assert sum(shard["captions"] for shard in again["encode-text"]["shards"]
+               if shard["committed_at"] > runs["qwen-image-edit"][1]["encode-text"]["committed_at"]) == 2
+    assert again["manifest"]["samples"] == 4
