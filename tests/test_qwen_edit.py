@@ -206,7 +206,7 @@ def test_sample_prompts_are_cached_with_their_references_and_named_by_their_cont
 
 def test_an_edit_family_refuses_flips_and_sample_prompts_without_references(tiny_family):
     """A flipped pair would train against a caption that saw the unflipped reference; a sample
-    prompt has no picture to be read with."""
+    prompt has no picture to be read with; `precast sample` from text names what its processor needs."""
     from configs.schema import PipelineConfig
     from storage.store import Store
     from tasks.encode.latents import check_latent_encoding
@@ -226,6 +226,13 @@ def test_an_edit_family_refuses_flips_and_sample_prompts_without_references(tiny
     with pytest.raises(ValueError, match=r"training.samples.references: Qwen-Image-Edit reads each sample prompt "
                                          r"with its reference picture"):  # before any stage
         check_training(config.model, config.training)
+    from transformers.utils import is_torchvision_available
+
+    from tasks.runs.sampling import check_components
+
+    if not is_torchvision_available():  # `precast sample` loads the processor, which transformers builds only beside it
+        with pytest.raises(ImportError, match=r"its processor is a Qwen2VLProcessor, which needs torchvision"):
+            check_components(config.model)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -148,10 +148,18 @@ def check_components(model: ModelConfig) -> None:
     class cannot be imported here (a processor that needs torchvision, which precast does not
     install), which `from_pretrained` would fail on without saying why."""
     import transformers
+    from transformers.utils import is_torchvision_available
 
     for name, entry in model_index(model.path, model.revision).items():
         if isinstance(entry, list) and entry[:1] == ["transformers"] and entry[1:]:
-            if needs := getattr(getattr(transformers, entry[1], None), "_backends", None):
+            component = getattr(transformers, entry[1], None)
+            needs = getattr(component, "_backends", None)
+            # a processor with a video processor (Qwen2VLProcessor: the Qwen-Image-Edit pipelines')
+            # loads it whether or not it is used, and transformers builds one only beside torchvision
+            if not needs and "video_processor" in getattr(component, "get_attributes", list)() \
+                    and not is_torchvision_available():
+                needs = ["torchvision"]
+            if needs:
                 raise ImportError(f"model.path {model.path}: its {name} is a {entry[1]}, which needs "
                                   f"{', '.join(needs)} (not installed): install it to sample from text; a run's "
                                   f"sample grids, drawn during training from the cached prompts, load no {name}")
