@@ -129,13 +129,13 @@ def measure_numerics(
     dataset of `shard_url`, whose other shards hold the references it does not (an encoder that
     sees pictures)."""
     family = family_of(model)
-    return {spec.name: measure_encoder(storage, model, family, text, spec, fingerprints[spec.name], shard_url, dataset)
+    return {spec.name: measure_encoder(storage, model, family, text, spec, fingerprints[spec.name], dataset, shard_url)
             for spec in family.text.encoders}
 
 
 def measure_encoder(
     storage: StorageConfig, model: ModelConfig, family: Family, text: TextEncodingConfig, spec: TextEncoderSpec,
-    fingerprint: str, shard_url: str | None, dataset: str | None = None,
+    fingerprint: str, dataset: str | None, shard_url: str | None,
 ) -> dict[str, Any]:
     """The precision check of an encoder's fingerprint, measured once and committed before any
     shard is encoded, so every shard of the fingerprint embeds this one record: error of the
