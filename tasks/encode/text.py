@@ -230,7 +230,7 @@ def shard_pictures(store: Store, shard_url: str, ids: set[str], dataset: str | N
     for shard in store.read_json(layout.dataset(dataset))["shards"] if ids - found.keys() and dataset else ():
         url = store.url(layout.image_shard(shard["id"]))
         # a shard's ids first (a ranged read of one column); the whole shard only where it holds one
-        if url != shard_url and not ids.isdisjoint(
+        if url != shard_url and not (ids - found.keys()).isdisjoint(
                 store.read_columns(store.key(url), ["sample_id"]).column("sample_id").to_pylist()):
             take(url)
         if not ids - found.keys():

@@ -242,6 +242,9 @@ def sized_to_area(picture: Any, area: int) -> Any:
     return picture.resize((round(width / 32) * 32, round(width / ratio / 32) * 32), Image.Resampling.LANCZOS)
 
 
+VISION_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")  # Qwen2.5-VL's
+
+
 @dataclass(frozen=True)
 class SeeingEncoderSpec(ChatEncoderSpec):
     """A multimodal LLM that reads an edit pair's reference pictures with its caption, as the
@@ -274,6 +277,10 @@ class SeeingEncoderSpec(ChatEncoderSpec):
         return count * (images.get_number_of_image_patches(side, side, {}) // images.merge_size ** 2)
 
     def templated_with(self, tokenizer: Any, texts: list[str], counts: list[int]) -> list[str]:
+        """The captions after their pictures' prefixes, in the template. A caption's own vision
+        tokens would take a picture's place (the pipelines' processor fails on them): taken out."""
+        for token in VISION_TOKENS:
+            texts = [text.replace(token, "") for text in texts]
         return self.templated(tokenizer, ["".join(self.prefix.format(n + 1) for n in range(count)) + text
                                           for text, count in zip(texts, counts)])
 
