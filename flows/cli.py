@@ -345,7 +345,8 @@ def add_store_commands(commands: argparse._SubParsersAction) -> None:
                         "image-to-video pipeline draws the rest (Wan 2.2 TI2V; train with training.image_to_video)")
     sample.add_argument("--reference", action="append", metavar="PICTURE",
                         help="a picture (path or URL) each --prompt edits, in order: an edit family's pipeline draws "
-                        "from it, sized as the run's training sized references (FLUX.1 Kontext)")
+                        "from it, sized as the run's training sized references where the pipeline can be told a size "
+                        "(FLUX.1 Kontext; the Qwen-Image-Edit pipelines size it themselves)")
     sample.add_argument("--model", help="the run's model at this path or hub id (default: where the run read it)")
     sample.add_argument("--steps", type=int, default=20)
     sample.add_argument("--guidance-scale", type=float, default=4.5,

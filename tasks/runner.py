@@ -16,6 +16,7 @@ depend on the order: every shard is encoded alone and committed last.
 from __future__ import annotations
 
 import contextvars
+import functools
 import queue
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -186,7 +187,11 @@ class Direct:
         self.config, self.store = config, Store(config.storage)
         self.text_fps = text_fingerprints(config.model, config.text_encoding)
         self.vae_fp = vae_fingerprint(config.model, config.latent_encoding)
-        self.prompts = sample_prompts(config)
+
+    @functools.cached_property
+    def prompts(self) -> list[str]:
+        """The sample prompts as the caches name them (read once, by the stages that need them)."""
+        return sample_prompts(self.config)
 
     def ingest(self, committed: Callable[[str], None] | None = None) -> DatasetRecord:
         return ingest(self.config.storage, self.config.dataset, committed=committed)

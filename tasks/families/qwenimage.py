@@ -22,7 +22,7 @@ from tasks.families.flow import FlowMatching
 from tasks.families.flux import pack, unpack
 from tasks.families.kontext import references_of
 from tasks.families.spec import (Buckets, ChatEncoderSpec, Conditioning, Denoiser, Family, References, Sampler,
-                                 SeeingEncoderSpec, Text)
+                                 SeeingEncoderSpec, Text, area_sides)
 from tasks.families.wan import FramesCodec
 
 # `QwenImagePipeline.prompt_template_encode` and `prompt_template_encode_start_idx`: the pipeline
@@ -101,8 +101,7 @@ class EditReferences(References):
     rule: str = "qwen-image-edit/area"
 
     def box(self, width: int, height: int, resolution: int) -> list[int]:
-        wide = (resolution * resolution * width / height) ** 0.5
-        wide, high = (max(32, round(side / 32) * 32) for side in (wide, wide * height / width))
+        wide, high = area_sides(width, height, resolution * resolution)
         return [wide, high, 0, 0, wide, high]
 
 

@@ -232,14 +232,18 @@ class ChatEncoderSpec(TextEncoderSpec):
         return {"masked": True, "outputs": list(self.outputs), "model_class": self.model_class, "chat": chat}
 
 
+def area_sides(width: int, height: int, area: int) -> tuple[int, int]:
+    """About `area` pixels at the ratio width / height, sides rounded to 32 (at least 32): the
+    Qwen-Image-Edit pipelines' `calculate_dimensions`."""
+    wide = (area * width / height) ** 0.5
+    return max(32, round(wide / 32) * 32), max(32, round(wide * height / width / 32) * 32)
+
+
 def sized_to_area(picture: Any, area: int) -> Any:
-    """A picture resized whole (Lanczos) to about `area` pixels at its own ratio, sides rounded to
-    32: the Qwen-Image-Edit pipelines' `calculate_dimensions` and `image_processor.resize`."""
+    """A picture resized whole (Lanczos) to `area_sides`, as those pipelines' `image_processor.resize`."""
     from PIL import Image
 
-    ratio = picture.size[0] / picture.size[1]
-    width = (area * ratio) ** 0.5
-    return picture.resize((round(width / 32) * 32, round(width / ratio / 32) * 32), Image.Resampling.LANCZOS)
+    return picture.resize(area_sides(*picture.size, area), Image.Resampling.LANCZOS)
 
 
 VISION_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")  # Qwen2.5-VL's
@@ -273,7 +277,7 @@ class SeeingEncoderSpec(ChatEncoderSpec):
         """A token each merged patch of each square picture at `area`, as the model's image processor cuts it."""
         images = library("transformers", "AutoImageProcessor").from_pretrained(
             model.path, subfolder=self.processor, revision=model.revision, backend=self.backend)
-        side = round(self.area ** 0.5 / 32) * 32
+        side, _ = area_sides(1, 1, self.area)
         return count * (images.get_number_of_image_patches(side, side, {}) // images.merge_size ** 2)
 
     def templated_with(self, tokenizer: Any, texts: list[str], counts: list[int]) -> list[str]:

@@ -154,7 +154,7 @@ def check_components(model: ModelConfig) -> None:
         if isinstance(entry, list) and entry[:1] == ["transformers"] and entry[1:]:
             component = getattr(transformers, entry[1], None)
             needs = getattr(component, "_backends", None)
-            # a processor with a video processor (Qwen2VLProcessor: the Qwen-Image-Edit pipelines')
+            # a processor with a video processor (Qwen2VLProcessor, which edit pipelines carry)
             # loads it whether or not it is used, and transformers builds one only beside torchvision
             if not needs and "video_processor" in getattr(component, "get_attributes", list)() \
                     and not is_torchvision_available():
