@@ -258,7 +258,9 @@ def test_a_picture_without_references_beside_pairs_is_quarantined_by_edit_and_tr
         "storage": {"root": str(tmp_path / "store")}, "model": {"path": str(tiny_family(name))},
         "dataset": {"sources": [{"path": str(folder / "targets"), "references": "files",
                                  "reference_path": str(folder / "references")}, {"path": str(plain)}]},
-        "text_encoding": {"dtype": "fp32"}, "latent_encoding": {"resolution": 64, "batch_size": 4},
+        # Edit's in bf16, as users encode: the precision check reads its captions with their pictures
+        "text_encoding": {"dtype": "bf16" if name == "qwen-image-edit" else "fp32"},
+        "latent_encoding": {"resolution": 64, "batch_size": 4},
         "training": {"rank": 4, "alpha": 4, "steps": 1, "batch_size": 1, "caption_dropout": 1.0,
                      "validation_samples": 0, "samples": {"prompts": []}}})
     done = run_direct(config)
@@ -269,6 +271,8 @@ def test_a_picture_without_references_beside_pairs_is_quarantined_by_edit_and_tr
         assert len(features.samples) == 2 and not unpaired
         assert [(q["reason"], q["message"]) for shard in done["encode-latents"]["shards"] for q in shard["quarantined"]] == [
             ("references", "0 references: Qwen-Image-Edit takes at least 1")]
+        numerics = done["encode-text"]["shards"][0]["numerics"]
+        assert numerics["dtype"] == "bf16" and numerics["samples"] > 0 and numerics["cosine_min"] > 0.99
     else:
         from tasks.records import text_shards_of
 
