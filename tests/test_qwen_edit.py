@@ -58,21 +58,32 @@ def pipeline_prompt(name: str, pipeline, caption: str, references: list[Image.Im
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_family):
+def trained(tmp_path_factory, tiny_family, request):
     """Edit pairs (tasks.demo.data.write_edit_data: every second pair shares the reference before
     it) trained through every stage on each tiny edit family, a pair a shard, so a shared reference
-    is stored in its first pair's shard only; Edit-Plus with two references a pair (the same folder
-    twice)."""
+    is stored in its first pair's shard only: Edit through the direct runner on a local root,
+    Edit-Plus with two references a pair (the same folder twice) as teams run it, through the
+    Prefect flow on an S3 root with three shards encoded at once."""
+    import s3fs
+
     from configs.schema import PipelineConfig
+    from flows.pipeline import pipeline
     from tasks.demo.data import write_edit_data
     from tasks.runner import run_direct
 
     folder = write_edit_data(tmp_path_factory.mktemp("qwen-edit") / "pairs", count=4)
     out = {}
     for name in FAMILIES:
-        references = [str(folder / "references")] * (2 if name.endswith("plus") else 1)
+        plus = name.endswith("plus")
+        references = [str(folder / "references")] * (2 if plus else 1)
+        storage = {"root": str(folder / f"store-{name}")}
+        if plus:
+            endpoint = request.getfixturevalue("s3_endpoint")
+            s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("precast-edit-plus")
+            storage = {"root": "s3://precast-edit-plus/store", "options": {"endpoint_url": endpoint}}
+            request.getfixturevalue("prefect_server")
         config = PipelineConfig.model_validate({
-            "storage": {"root": str(folder / f"store-{name}")}, "model": {"path": str(tiny_family(name))},
+            "storage": storage, "model": {"path": str(tiny_family(name))},
             "dataset": {"sources": [{"path": str(folder / "targets"), "references": "files",
                                      "reference_path": references}], "shard_size": 1},
             "text_encoding": {"dtype": "fp32"},
@@ -80,8 +91,11 @@ def trained(tmp_path_factory, tiny_family):
             "training": {"rank": 4, "alpha": 4, "steps": 2, "batch_size": 2, "caption_dropout": 0.5,
                          "validation_samples": 0,
                          "samples": {"prompts": ["make the background red"], "steps": 1,
-                                     "references": [str(folder / "references" / "00002.png")]}}})
-        out[name] = config, run_direct(config)
+                                     "references": [str(folder / "references" / "00002.png")]}},
+            "execution": {"max_parallel_shards": 3 if plus else 1}})
+        flowed = pipeline(config=config) if plus else None
+        out[name] = config, run_direct(config)  # after the flow: its records, every stage found done
+        assert flowed is None or flowed["run"] == out[name][1]["train"]["run"]
     return folder, out
 
 
