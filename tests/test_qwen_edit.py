@@ -6,6 +6,7 @@ transformer is called as they call it, the references' tokens after the target's
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -90,7 +91,7 @@ def trained(tmp_path_factory, tiny_family, request):
             "latent_encoding": {"resolution": 64, "storage_dtype": "fp32", "batch_size": 4},
             "training": {"rank": 4, "alpha": 4, "steps": 2, "batch_size": 2, "caption_dropout": 0.5,
                          "validation_samples": 0,
-                         "samples": {"prompts": ["make the background red"], "steps": 1,
+                         "samples": {"prompts": ["make the background red"], "steps": 2,
                                      "references": [str(folder / "references" / "00002.png")]}},
             "execution": {"max_parallel_shards": 3 if plus else 1}})
         flowed = pipeline(config=config) if plus else None
@@ -247,6 +248,32 @@ def test_an_edit_family_refuses_flips_and_sample_prompts_without_references(tiny
     if not is_torchvision_available():  # `precast sample` loads the processor, which transformers builds only beside it
         with pytest.raises(ImportError, match=r"its processor is a Qwen2VLProcessor, which needs torchvision"):
             check_components(config.model)
+
+
+def test_one_sample_step_is_refused_where_the_scheduler_makes_it_nan(tiny_family):
+    """Qwen-Image's scheduler stretches its sigmas to a terminal one (shift_terminal): for a single
+    step its own `set_timesteps` divides by zero, so the pipeline draws NaN; precast refuses the
+    setting before any stage, and takes two steps."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from configs.schema import PipelineConfig
+    from tasks.train import check_training
+
+    folder = tiny_family("qwen-image-edit")
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder / "scheduler")
+    with np.errstate(all="ignore"), torch.no_grad():
+        scheduler.set_timesteps(1, mu=1.0)
+    assert torch.isnan(scheduler.timesteps).all()
+
+    def config(steps: int) -> PipelineConfig:
+        return PipelineConfig.model_validate({"model": {"path": str(folder)}, "dataset": {"sources": [{"path": "t"}]},
+                                              "training": {"samples": {
+            "prompts": ["make it red"], "references": ["r.png"], "steps": steps}}})
+
+    with pytest.raises(ValueError, match=r"training.samples.steps: 1 step with Qwen-Image-Edit's scheduler \(its "
+                                         r"shift_terminal\) gives NaN timesteps"):
+        check_training(config(1).model, config(1).training)
+    check_training(config(2).model, config(2).training)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
