@@ -253,10 +253,11 @@ def test_an_edit_family_refuses_flips_and_sample_prompts_without_references(tiny
 def test_one_sample_step_is_refused_where_the_scheduler_makes_it_nan(tiny_family):
     """Qwen-Image's scheduler stretches its sigmas to a terminal one (shift_terminal): for a single
     step its own `set_timesteps` divides by zero, so the pipeline draws NaN; precast refuses the
-    setting before any stage, and takes two steps."""
+    setting before any stage (and `precast sample --steps 1` before the pipeline loads), and takes two."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from configs.schema import PipelineConfig
+    from tasks.runs.sampling import check_steps
     from tasks.train import check_training
 
     folder = tiny_family("qwen-image-edit")
@@ -274,6 +275,8 @@ def test_one_sample_step_is_refused_where_the_scheduler_makes_it_nan(tiny_family
                                          r"shift_terminal\) gives NaN timesteps"):
         check_training(config(1).model, config(1).training)
     check_training(config(2).model, config(2).training)
+    with pytest.raises(ValueError, match=r"--steps: 1 step with Qwen-Image-Edit's scheduler"):
+        check_steps(config(1).model, family_of(config(1).model), 1, "--steps")
 
 
 @pytest.mark.parametrize("name", FAMILIES)

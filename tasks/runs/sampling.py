@@ -21,7 +21,7 @@ from configs.schema import ModelConfig, TextEncodingConfig
 from storage.shards import collate
 from tasks.encode.models import load_vae
 from tasks.loading import resolve_device
-from tasks.families import Family, family_of, model_index
+from tasks.families import Family, family_of, model_index, model_json
 from tasks.ingest.video import clip_bytes
 from tasks.runs.export import save_diffusers_lora
 from tasks.runs.folder import FinishedRun
@@ -143,6 +143,22 @@ def check_pictures(family: Family, pictures: list[Image.Image] | None, count: in
         raise ValueError(f"{setting}: {len(pictures)} pictures for {count} prompts; give one a prompt")
 
 
+def check_steps(model: ModelConfig, family: Family, steps: int, setting: str) -> None:
+    """Before anything loads: one step where the model's scheduler stretches its sigmas so the
+    last is its `shift_terminal` (Qwen-Image's), which divides by zero in its `set_timesteps`:
+    the pipeline would draw NaN."""
+    if steps > 1:
+        return
+    try:
+        terminal = model_json(model.path, model.revision, "scheduler/scheduler_config.json",
+                              "the scheduler's settings").get("shift_terminal")
+    except (OSError, ValueError):  # left to the pipeline's loading, which names what is missing
+        return
+    if terminal:
+        raise ValueError(f"{setting}: 1 step with {family.name}'s scheduler (its shift_terminal) gives NaN "
+                         "timesteps and blank samples in its pipeline; use 2 or more")
+
+
 def check_components(model: ModelConfig) -> None:
     """Before the pipeline loads: refuse, naming it and what it needs, a component whose transformers
     class cannot be imported here (a processor that needs torchvision, which precast does not
@@ -246,6 +262,7 @@ def sample_run(
     # (what gave the pictures, named in refusals: an edit family's are references)
     setting = setting or ("--reference" if family.sampler.reference_option else "--first-frame")
     check_pictures(family, pictures, len(prompts), setting)
+    check_steps(model, family, steps, "--steps")
     check_components(model)
     with tempfile.TemporaryDirectory() as local:
         slot = family.denoiser.folder(model)  # the pipeline's component the run trained

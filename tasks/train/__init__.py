@@ -18,6 +18,7 @@ from storage.lease import Lease
 from storage.store import Store
 from tasks.families import Family, family_of
 from tasks.runs.folder import run_record, weights_of
+from tasks.runs.sampling import check_steps
 from tasks.train.data import CachedFeatures
 from tasks.train.distributed import Launcher
 from tasks.train.init import initial_adapter, run_for
@@ -43,9 +44,9 @@ def check_training(model: ModelConfig, training: TrainingConfig, family: Family 
     """Refuse, naming the setting, what the model's family cannot train or sample of `training`: a
     loss weighting its schedule lacks, image-to-video training and sample first frames without
     an image-to-video pipeline, sample references without an edit pipeline, or sample prompts
-    without references for a family whose text encoder reads each with one, or one sample step
-    where the scheduler stretches its steps to a terminal sigma. The runner checks before any stage, so a refused run has not
-    ingested or encoded for nothing. A model this process cannot read is left to the first stage
+    without references for a family whose text encoder reads each with one, or a single sample
+    step where the scheduler makes it NaN. The runner checks before any stage, so a refused run has
+    not ingested or encoded for nothing. A model this process cannot read is left to the first stage
     that reads it, which names itself (and may run where the model is); `family`: the model's, resolved."""
     try:
         family = family or family_of(model)
@@ -59,21 +60,8 @@ def check_training(model: ModelConfig, training: TrainingConfig, family: Family 
             spec.processor is not None for spec in family.text.encoders):
         raise ValueError(f"training.samples.references: {family.name} reads each sample prompt with its reference "
                          "picture; give one a prompt (or no training.samples.prompts)")
-    if training.samples.prompts and training.samples.steps == 1 and _terminal_shift(model):
-        # the scheduler stretches its sigmas so the last is its shift_terminal: one sigma divides by zero
-        raise ValueError(f"training.samples.steps: 1 step with {family.name}'s scheduler (its shift_terminal) gives "
-                         "NaN timesteps and blank samples in its pipeline; use 2 or more")
-
-
-def _terminal_shift(model: ModelConfig) -> float:
-    """The `shift_terminal` of the model's scheduler (0 when it has none, or no readable config)."""
-    from tasks.families import model_json
-
-    try:
-        return model_json(model.path, model.revision, "scheduler/scheduler_config.json", "the scheduler's settings"
-                          ).get("shift_terminal") or 0.0
-    except (OSError, ValueError):
-        return 0.0
+    if training.samples.prompts:
+        check_steps(model, family, training.samples.steps, "training.samples.steps")
 
 
 def train(
