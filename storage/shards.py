@@ -3,7 +3,9 @@
 Text cache (one per text encoder): each caption's sequence, ragged — `embeddings` [total_tokens,
 dim] plus `offsets` [rows + 1], the real tokens only for a masked encoder (the attention mask is
 implied by the length) or every padded position for an unmasked one; an encoder's further outputs
-(a pooled vector: one row of one token) as `<output>.embeddings` and `<output>.offsets`. Latent cache: the VAE
+(a pooled vector: one row of one token) as `<output>.embeddings` and `<output>.offsets`; leading positions
+several captions share (`heads.embeddings`, `heads.offsets`, and each row's `head_of`) stored once.
+Latent cache: the VAE
 posterior of each sample (mean with std or log-variance, or the mean alone, as
 `latent_encoding.posterior` says; flipped twins when `flip` is on), one tensor per aspect-ratio
 bucket. Both are read
@@ -94,6 +96,11 @@ def read_parquet_bytes(data: bytes, columns: list[str] | None = None) -> pa.Tabl
         return parquet.read(columns=columns, **PYTHON_BYTES)
 
 
+# a text shard's heads: the leading positions several of its sequences share (an edit pair's
+# pictures, read before its caption and its empty caption), stored once
+HEADS, HEAD_OF = "heads", "head_of"
+
+
 def ragged_name(output: str | None, tensor: str) -> str:
     return tensor if output is None else f"{output}.{tensor}"
 
@@ -101,17 +108,21 @@ def ragged_name(output: str | None, tensor: str) -> str:
 def pack_ragged(
     rows: dict[str, int], sequences: list[torch.Tensor], metadata: dict[str, Any],
     more: dict[str, list[torch.Tensor]] | None = None,
+    heads: tuple[list[torch.Tensor], list[int]] | None = None,
 ) -> bytes:
     """Text cache shard: `sequences[i]` is [len_i, dim]; `rows` maps a key to its sequence index;
-    `more` holds further outputs by name, indexed alike. An image shard of references alone has
-    no captions: its text shard holds no rows."""
+    `more` holds further outputs by name, indexed alike; `heads`, the shared heads [len_j, dim] and
+    each sequence's (-1: none), which it follows: a sequence read back is its head then itself. An
+    image shard of references alone has no captions: its text shard holds no rows."""
     tensors = {}
-    for output, outputs in [(None, sequences), *(more or {}).items()]:
+    for output, outputs in [(None, sequences), *(more or {}).items(), *([(HEADS, heads[0])] if heads else [])]:
         lengths = torch.tensor([len(s) for s in outputs], dtype=torch.int64)
         offsets = torch.zeros(len(outputs) + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(lengths, 0)
         tensors[ragged_name(output, "embeddings")] = torch.cat(outputs).contiguous() if outputs else torch.zeros(0, 0)
         tensors[ragged_name(output, "offsets")] = offsets
+    if heads:
+        tensors[HEAD_OF] = torch.tensor(heads[1], dtype=torch.int64)
     return save_deterministic(tensors, rows, metadata)
 
 
@@ -133,11 +144,23 @@ class RaggedShard:
         return self.get(key)
 
     def get(self, key: str, output: str | None = None) -> torch.Tensor:
+        row = self.rows[key]
+        own = self._sequence(output, row)
+        if output is None and self._head_of is not None and (head := int(self._head_of[row])) >= 0:
+            return torch.cat([self._sequence(HEADS, head), own])
+        return own
+
+    def _sequence(self, output: str | None, index: int) -> torch.Tensor:
         if output not in self._outputs:
             self._outputs[output] = (self._file.get_tensor(ragged_name(output, "offsets")),
                                      self._file.get_slice(ragged_name(output, "embeddings")))
-        (offsets, embeddings), row = self._outputs[output], self.rows[key]
-        return embeddings[int(offsets[row]) : int(offsets[row + 1])]
+        offsets, embeddings = self._outputs[output]
+        return embeddings[int(offsets[index]) : int(offsets[index + 1])]
+
+    @functools.cached_property
+    def _head_of(self) -> torch.Tensor | None:
+        """Each sequence's shared head (-1: none); None in a shard without heads."""
+        return self._file.get_tensor(HEAD_OF) if HEAD_OF in self._file.keys() else None
 
 
 def bucket_name(*sides: int) -> str:

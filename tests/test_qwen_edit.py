@@ -106,6 +106,7 @@ def test_each_pairs_caption_is_cached_as_the_pipeline_encodes_it_with_its_refere
     pipeline's `encode_prompt` with the pair's references (fp32, batched apart: to 1e-5); a pair whose
     reference is stored in another shard (a shared one) among them."""
     import hashlib
+    import json
 
     from storage.shards import read_image_shard
     from storage.store import Store
@@ -138,6 +139,18 @@ def test_each_pairs_caption_is_cached_as_the_pipeline_encodes_it_with_its_refere
         empty = features.text.dropped(keys, sample_id)["qwen2_5_vl_hidden"]
         torch.testing.assert_close(empty, pipeline_prompt(name, pipeline, "", references), rtol=1e-5, atol=1e-5)
     assert apart >= 1, "no pair's reference was stored in another shard: the lookup across shards went untested"
+    # the states of the template's start and the references, the same for a pair's caption and its
+    # empty caption, are stored once a shard: a shard's heads are its pairs' distinct references
+    from safetensors import safe_open
+
+    for record in done["encode-text"]["shards"]:
+        if not record["rows"]:  # a shard of references alone
+            continue
+        with safe_open(store.local_path(store.key(record["url"])), framework="pt") as shard:
+            rows, head_of = json.loads(shard.metadata()["rows"]), shard.get_tensor("head_of")
+            stored = len(shard.get_tensor("embeddings")) + len(shard.get_tensor("heads.embeddings"))
+        pictures = {tuple(features.samples[row.rsplit("/", 1)[0]]["references"]) for row in rows}
+        assert set(head_of.tolist()) == set(range(len(pictures))) and stored < 0.6 * record["tokens"], record
 
 
 @pytest.mark.parametrize("name", FAMILIES)

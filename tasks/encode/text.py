@@ -115,10 +115,33 @@ def encode_captions(texts: list[str], model: ModelConfig, family: Family, config
     return outputs, truncated
 
 
-def packed(rows: dict[str, int], outputs: Outputs, spec: TextEncoderSpec, meta: dict[str, Any]) -> bytes:
-    """A cache shard of one encoder: its first output as the main tensor, the others by name."""
+def packed(rows: dict[str, int], outputs: Outputs, spec: TextEncoderSpec, meta: dict[str, Any],
+           heads: list[tuple[Any, int]] | None = None) -> bytes:
+    """A cache shard of one encoder: its first output as the main tensor, the others by name.
+    `heads`: each text's pictures (any key) and how many of its first positions they alone decide
+    (`head_lengths`), stored once for the texts read with the same pictures (an edit pair's
+    1,024² reference is about 1,370 of Qwen-Image-Edit's positions, its caption a few dozen)."""
     first, *more = spec.outputs
-    return pack_ragged(rows, outputs[first], meta, {name: outputs[name] for name in more})
+    sequences, shared = outputs[first], None
+    if heads and any(length for _, length in heads):
+        owners: dict[Any, int] = {}
+        kept, head_of, tails = [], [], []
+        for sequence, (pictures, length) in zip(sequences, heads):
+            if length and pictures not in owners:
+                owners[pictures] = len(kept)
+                kept.append(sequence[:length])
+            head_of.append(owners[pictures] if length else -1)
+            tails.append(sequence[length:])
+        sequences, shared = tails, (kept, head_of)
+    return pack_ragged(rows, sequences, meta, {name: outputs[name] for name in more}, shared)
+
+
+def head_lengths(texts: list[str], model: ModelConfig, family: Family, config: TextEncodingConfig,
+                 spec: TextEncoderSpec, pictures: list[list[Any]]) -> list[int]:
+    """How many of each text's first positions its pictures alone decide (`TextEncoderSpec.head`),
+    from its token ids as `encode_captions` makes them."""
+    encoder = load_text_encoder(model, family, spec, config.dtype, config.device, config.offload)
+    return [spec.head(encoder.tokenizer, ids) for ids in tokenize(texts, encoder, config, pictures)[0]]
 
 
 def measure_numerics(
@@ -293,15 +316,16 @@ def encode_shard(store: Store, model: ModelConfig, family: Family, text: TextEnc
     references an encoder that sees them is given, sized as it reads them."""
     numerics = json.loads(store.read_verified(layout.text_numerics(fingerprint)))
     texts, rows = coinciding(texts, rows, model, family, text, spec)
-    shown = None
+    shown, heads, captions = None, None, [caption for caption, _ in texts]
     if spec.processor is not None:
         held = pictures({picture for _, ids in texts for picture in ids}, spec.picture)
         shown = [[held[picture] for picture in ids] for _, ids in texts]
-    outputs, truncated = encode_captions([caption for caption, _ in texts], model, family, text, spec, shown)
+        heads = list(zip([ids for _, ids in texts], head_lengths(captions, model, family, text, spec, shown)))
+    outputs, truncated = encode_captions(captions, model, family, text, spec, shown)
     meta = {"format": TEXT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "truncated": truncated,
             "numerics": numerics, "max_length": family.text.length(model, spec, text)}
     record = store.commit(
-        key, packed(rows, outputs, spec, meta), shard=shard_id, rows=len(rows), captions=len(texts),
+        key, packed(rows, outputs, spec, meta, heads), shard=shard_id, rows=len(rows), captions=len(texts),
         samples=len({row.rsplit("/", 1)[0] for row in rows}),
         tokens=sum(len(e) for e in outputs[spec.outputs[0]]), truncated=truncated, numerics=numerics,
     )
@@ -326,23 +350,24 @@ def encode_prompts(
         if (record := store.committed(key)) is None:
             if spec.processor is None:
                 rows = {t: i for i, t in enumerate(prompt_rows([entry_prompt(entry) for entry in prompts]))}
-                texts, shown = list(rows), None
+                texts, shown, heads = list(rows), None, None
             else:
-                rows, texts, shown = seen_prompts(store, family, spec, prompts, pictures)
+                rows, texts, shown, seen = seen_prompts(store, family, spec, prompts, pictures)
+                heads = list(zip(seen, head_lengths(texts, model, family, text, spec, shown)))
             outputs, truncated = encode_captions(texts, model, family, text, spec, shown)
             # what `precast sample` must do to a prompt to match: kept with the run's lineage
             meta = {"format": TEXT_FORMAT, "fingerprint": fingerprints[spec.name], "truncated": truncated,
                     "caption_preprocessing": text.caption_preprocessing,
                     "max_length": family.text.length(model, spec, text)}
-            record = store.commit(key, packed(rows, outputs, spec, meta), rows=len(rows), captions=len(rows))
+            record = store.commit(key, packed(rows, outputs, spec, meta, heads), rows=len(rows), captions=len(rows))
         records[spec.name] = record
     return records
 
 
 def seen_prompts(store: Store, family: Family, spec: TextEncoderSpec, prompts: list[str], pictures: list[str] | None
-                 ) -> tuple[dict[str, int], list[str], list[list[Any]]]:
+                 ) -> tuple[dict[str, int], list[str], list[list[Any]], list[int]]:
     """The rows of an encoder that sees pictures: each prompt entry with its picture, and the empty
-    caption with each picture (`entry_negative`); their texts and pictures."""
+    caption with each picture (`entry_negative`); their texts, pictures and which prompt's picture each is."""
     from tasks.runs.sampling import read_picture_bytes
 
     if prompts and (not pictures or SEEN not in prompts[0]):
@@ -358,7 +383,7 @@ def seen_prompts(store: Store, family: Family, spec: TextEncoderSpec, prompts: l
             picture.setdefault(row, index)
             rows.setdefault(row, len(rows))
     sized = [spec.picture(shown) for shown, _ in held]
-    return rows, [entry_prompt(row) for row in rows], [[sized[picture[row]]] for row in rows]
+    return rows, [entry_prompt(row) for row in rows], [[sized[picture[row]]] for row in rows], list(picture.values())
 
 
 def text_cache_record(store: Store, fingerprints: dict[str, str], prompts: dict[str, Any],

@@ -120,6 +120,12 @@ class TextEncoderSpec:
         them: `SeeingEncoderSpec`), for the memory plan."""
         return 0
 
+    def head(self, tokenizer: Any, ids: list[int]) -> int:
+        """How many of a caption's kept positions (of its token `ids`) its pictures alone decide,
+        whatever its words (an encoder that sees them: `SeeingEncoderSpec`); the text stage stores
+        them once for every caption read with the same pictures."""
+        return 0
+
     def encode(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each of `outputs` for a batch of right-padded token ids: sequences [B, L, D] whose
         first `kept` positions are a caption's, or pooled vectors [B, D] (a projection model's
@@ -314,11 +320,20 @@ class SeeingEncoderSpec(ChatEncoderSpec):
         states = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, **pictures).hidden_states
         return {"hidden": torch.cat([states[layer] for layer in self.layers], dim=-1)[:, self.drop:]}
 
+    def head(self, tokenizer: Any, ids: list[int]) -> int:
+        """The kept positions up to the last picture's end: the template's start and the pictures
+        come before the caption, and a causal model's states there do not depend on what follows."""
+        end = tokenizer.convert_tokens_to_ids("<|vision_end|>")
+        last = max((index for index, token in enumerate(ids) if token == end), default=None)
+        return 0 if last is None else last + 1 - self.drop
+
     def stored(self) -> dict[str, Any]:
         """The chat layout, and how the pictures are read (the processor folder's files count in the
         fingerprint beside the encoder's)."""
+        # "heads": the pictures' positions stored once a shard (`head`), which a reader from before
+        # would take for whole rows: another layout, another cache
         return {**super().stored(), "pictures": {"processor": self.processor, "area": self.area,
-                                                  "prefix": self.prefix, "backend": self.backend}}
+                                                  "prefix": self.prefix, "backend": self.backend, "heads": True}}
 
 
 def run_sampling(training: TrainingConfig, family: str, schedule: str, weightings: tuple[str, ...]) -> dict[str, Any]:
