@@ -444,6 +444,13 @@ class LatentEncodingConfig(Section):
         "random, seeded by crop_seed and the sample id. The crop box is recorded per sample."
     )
     crop_seed: Annotated[int, IF_RANDOM_CROP] = Field(0, description="Seed of random crops.")
+    reference_resolution: Annotated[int | None, IF_NOT_DEFAULT] = Field(
+        None, ge=64, le=4096, description="The resolution an edit pair's references are sized for, by their family's "
+        "rule (Qwen-Image-Edit: about its square's area at the reference's ratio; Kontext: its preferred sizes "
+        "scaled to it), for training and for the samples drawn from references; None: the run's (resolution, or the "
+        "target's source's). The Qwen-Image-Edit pipelines size references for 1024 whatever they draw: 1024 trains "
+        "on the references they sample from, at the cost of the references' tokens (4 times a 512 target's)."
+    )
     posterior: Annotated[Literal["mean_std", "mean_logvar", "mean"], COUNTED] = Field(
         "mean_std", description="What is stored of the VAE posterior: mean and std (training samples a fresh latent "
         "each epoch), mean and log-variance, or the mean only."

@@ -64,7 +64,8 @@ def trained(tmp_path_factory, tiny_family, request):
     it) trained through every stage on each tiny edit family, a pair a shard, so a shared reference
     is stored in its first pair's shard only: Edit through the direct runner on a local root,
     Edit-Plus with two references a pair (the same folder twice) as teams run it, through the
-    Prefect flow on an S3 root with three shards encoded at once."""
+    Prefect flow on an S3 root with three shards encoded at once; Edit's references sized for 128
+    px (`latent_encoding.reference_resolution`), its targets for 64."""
     import s3fs
 
     from configs.schema import PipelineConfig
@@ -88,7 +89,9 @@ def trained(tmp_path_factory, tiny_family, request):
             "dataset": {"sources": [{"path": str(folder / "targets"), "references": "files",
                                      "reference_path": references}], "shard_size": 1},
             "text_encoding": {"dtype": "fp32"},
-            "latent_encoding": {"resolution": 64, "storage_dtype": "fp32", "batch_size": 4},
+            # Edit's references sized for 128 (its pipeline's rule at another area than the targets')
+            "latent_encoding": {"resolution": 64, "storage_dtype": "fp32", "batch_size": 4,
+                                **({} if plus else {"reference_resolution": 128})},
             "training": {"rank": 4, "alpha": 4, "steps": 2, "batch_size": 2, "caption_dropout": 0.5,
                          "validation_samples": 0,
                          "samples": {"prompts": ["make the background red"], "steps": 2,
@@ -230,6 +233,41 @@ def test_sample_prompts_are_cached_with_their_references_and_named_by_their_cont
         "samples": config.training.samples.model_copy(update={"references": [str(moved)]})})})
     changed = sample_prompts(other)
     assert changed != manifest["prompts"] and changed[0].startswith("make the background red")
+
+
+def test_references_are_sized_for_the_reference_resolution_and_samples_drawn_so(trained, tiny_family):
+    """`latent_encoding.reference_resolution`: each reference's latents are its pipeline's size at
+    that area (`calculate_dimensions` of the pipeline's module, at 128² here, where the pipeline
+    takes 1024²), the targets' at the run's resolution; the run records it, so its samples size
+    their references alike; a family that takes no references refuses the setting."""
+    import importlib
+
+    from configs.schema import PipelineConfig
+    from storage.shards import LatentShard
+    from storage.store import Store
+    from tasks.encode.latents import check_latent_encoding
+    from tasks.runs.folder import FinishedRun
+
+    folder, runs = trained
+    config, done = runs["qwen-image-edit"]
+    store = Store(config.storage)
+    module = importlib.import_module("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit")
+    sizes = {}
+    for record in done["encode-latents"]["shards"]:
+        shard = LatentShard(store.local_path(store.key(record["url"])))
+        for reference in shard.meta.get("reference_rows", []):
+            sizes[reference] = tuple(shard.get(reference)[0].shape[-2:])
+    assert sizes, "no reference latents were found"
+    widths = {module.calculate_dimensions(128 * 128, w / h)[:2] for w, h in
+              (Image.open(path).size for path in (folder / "references").iterdir())}
+    assert {(height * 8, width * 8) for height, width in sizes.values()} == {(h, w) for w, h in widths}
+    run = FinishedRun.at(done["train"]["url"], config.storage.options)
+    assert run.lineage["reference_resolution"] == 128 and run.lineage["resolution"] == 64
+    other = PipelineConfig.model_validate({"model": {"path": str(tiny_family("qwen-image"))},
+                                           "dataset": {"sources": [{"path": "t"}]},
+                                           "latent_encoding": {"reference_resolution": 1024}})
+    with pytest.raises(ValueError, match=r"latent_encoding.reference_resolution: Qwen-Image takes no reference"):
+        check_latent_encoding(other.model, other.latent_encoding, other.dataset)
 
 
 def test_an_edit_family_refuses_flips_and_sample_prompts_without_references(tiny_family):

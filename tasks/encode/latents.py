@@ -188,8 +188,8 @@ def encode_latents_shard(
 
     def box(sample: dict) -> list[int]:
         if sample.get("role") == "reference" and family.codec.references is not None:  # as the pipeline sizes it
-            return family.codec.references.box(sample["width"], sample["height"],
-                                               sample.get("resolution") or latents.resolution)
+            return family.codec.references.box(sample["width"], sample["height"], latents.reference_resolution
+                                               or sample.get("resolution") or latents.resolution)
         return crop_box(table(sample), sample["width"], sample["height"], latents.crop, latents.crop_seed,
                         sample["sample_id"])
 
@@ -279,6 +279,7 @@ def encode_latents_shard(
         "format": LATENT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "resolution": latents.resolution,
         "posterior": latents.posterior, "flip": latents.flip, "crop": latents.crop,
         "crop_boxes": {sid: boxes[sid] for sid in rows}, "quarantined": quarantined,
+        **({"reference_resolution": latents.reference_resolution} if latents.reference_resolution else {}),
         "scaling_factor": scale, "shift_factor": shift,
         # edit pairs: this shard's reference rows, and each target's references (which may be in other shards)
         **({"reference_rows": sorted(s["sample_id"] for s in samples if s.get("role") == "reference" and
@@ -325,7 +326,7 @@ def held_latents(store: Store, fingerprint: str, samples: list[dict], boxes: dic
 
 def check_latent_encoding(model: ModelConfig, latents: LatentEncodingConfig, dataset: DatasetConfig) -> None:
     """Refuse, naming the setting, a resolution the model's family has no buckets for (the config's,
-    or a source's), reference images it takes none of, and clip lengths it never encodes (Wan: 4N +
+    or a source's), reference images (or their resolution) it takes none of, and clip lengths it never encodes (Wan: 4N +
     1), so that nothing is ingested or encoded for latents that cannot be made. A model this process cannot read is left to the stage
     that reads it (as `check_training` does)."""
     try:
@@ -344,6 +345,9 @@ def check_latent_encoding(model: ModelConfig, latents: LatentEncodingConfig, dat
         if most is not None and len(source.reference_folders()) > most:
             raise ValueError(f"dataset source {source.path!r}: reference_path names {len(source.reference_folders())} "
                              f"folders, a reference each, and {family.name} takes at most {most}")
+    if latents.reference_resolution and family.codec.references is None:
+        raise ValueError(f"latent_encoding.reference_resolution: {family.name} takes no reference images to size "
+                         "(an edit family's model does); leave it unset")
     seeing = [spec.name for spec in family.text.encoders if spec.processor is not None]
     if latents.flip and seeing and any(source.references != "none" for source in dataset.sources):
         raise ValueError(f"latent_encoding.flip: {family.name}'s text encoder {seeing[0]} reads each pair's "

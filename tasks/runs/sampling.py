@@ -120,7 +120,7 @@ def draw(family: Family, pipeline, call: Callable[[slice], dict], count: int, pi
     prompts: in one call, or with `pictures` (one a prompt, `check_pictures`: a video family's first
     frames, an edit family's references) by the family's pipeline that draws from a picture, a call
     a picture (it conditions a whole batch on one), given as the family takes it at the samples'
-    `size` (width, height; None: the pipeline's own) and the run's `resolution`. The pipelines
+    `size` (width, height; None: the pipeline's own), references sized for `resolution`. The pipelines
     draw without their progress bars (precast reports progress)."""
     if pictures is None:
         pipeline.set_progress_bar_config(disable=True)
@@ -215,12 +215,14 @@ def sample_grid(
     frames: int = 1,
     pictures: list[Image.Image] | None = None,
     setting: str = "training.samples.first_frames",
+    reference_resolution: int | None = None,
 ) -> Samples:
     """One sample per prompt of the family's sample size at `resolution` and `frames` frames, by the family's
     pipeline from pre-encoded prompts, each guided from its negative (the empty caption's, seen with
     its picture by an encoder that sees pictures); with `pictures` (one a
     prompt, as `setting` gives them: first frames or references) by its pipeline that draws from a
-    picture, a call a picture, as `sample_run` draws them."""
+    picture, a call a picture, as `sample_run` draws them; references sized for `reference_resolution`
+    (None: `resolution`), as training sized them."""
     device = next(transformer.parameters()).device
     check_pictures(family, pictures, len(prompt_features), setting)
     height, width = family.codec.sample_size(resolution)
@@ -237,7 +239,8 @@ def sample_grid(
                 "num_inference_steps": steps, **family.sampler.guidance(guidance_scale, true_cfg_scale),
                 **family.sampler.frame_options(frames), "generator": torch.Generator(device="cpu").manual_seed(seed)}
 
-    return draw(family, pipeline, call, len(prompt_features), pictures, (width, height), resolution)
+    return draw(family, pipeline, call, len(prompt_features), pictures, (width, height),
+                reference_resolution or resolution)
 
 
 def sample_run(
@@ -295,6 +298,7 @@ def sample_run(
                 **family.sampler.prompt_options(pipeline, prompts[rows], text)}
 
     size = (sides["width"], sides["height"]) if sides else None
-    samples = draw(family, pipeline, call, len(prompts), pictures, size, run.lineage.get("resolution"))
+    samples = draw(family, pipeline, call, len(prompts), pictures, size,
+                   run.lineage.get("reference_resolution") or run.lineage.get("resolution"))
     samples.fps = run.lineage["training"].get("samples", {}).get("fps", Samples.fps)  # runs from before it: Wan's 16
     return samples

@@ -96,6 +96,8 @@ class CachedFeatures:
         self.shift, self.scale = (torch.tensor(first[key], dtype=torch.float32) for key in ("shift_factor", "scaling_factor"))
         # latent_encoding.resolution (a source's own changes its samples' buckets): the samples' side
         self.resolution = first["resolution"]
+        # what an edit pair's references were sized for (latent_encoding.reference_resolution, else the run's)
+        self.reference_resolution: int = first.get("reference_resolution") or self.resolution
         # the samples by bucket: an edit pair's by its own and its references' (`group_name`), so a
         # batch's references stack as its latents do
         self.buckets: dict[str, list[str]] = defaultdict(list)

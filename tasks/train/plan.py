@@ -398,7 +398,8 @@ def config_shapes(config: PipelineConfig, family: Family) -> Shapes:
             return family.codec.normalised(latent, torch.zeros(()), torch.ones(())).shape, latent.shape[1:]
 
         latent, sides = latent_of(shape)
-        box = family.codec.references.box(*[config.latent_encoding.resolution] * 3) if count else None
+        box = family.codec.references.box(*[config.latent_encoding.reference_resolution
+                                            or config.latent_encoding.resolution] * 3) if count else None
         reference, reference_sides = latent_of((1, 3, box[5] - box[3], box[4] - box[2])) if count else ((), ())
         references = (tuple(reference),) * count
     lengths = {spec.name: family.text.length(model, spec, config.text_encoding) + spec.picture_tokens(model, count)

@@ -30,9 +30,12 @@ from tasks.train.trackers import Trackers
 
 class RunPublisher:
     def __init__(self, store: Store, run: str, model: ModelConfig, family: Family, training: TrainingConfig,
-                 manifest: dict[str, Any], init: dict | None, prompts: TextCaches, resolution: int):
+                 manifest: dict[str, Any], init: dict | None, prompts: TextCaches, resolution: int,
+                 reference_resolution: int | None = None):
         self.store, self.run, self.model, self.family, self.training = store, run, model, family, training
         self.resolution = resolution  # the latents' (`latent_encoding.resolution`): the samples' side
+        # what the references were sized for (`latent_encoding.reference_resolution`): the sample references' too
+        self.reference_resolution = reference_resolution or resolution
         # the frames of the longest clips it trains on (1: pictures): the samples'
         latent_frames = max(sides[0] if len(sides) == 3 else 1 for sides in map(bucket_sides, manifest["buckets"]))
         self.frames = family.codec.clip_frames(latent_frames)
@@ -62,6 +65,8 @@ class RunPublisher:
             # the first encoder's (T5's: the one whose max_length users set)
             "text": {k: self.prompts.prompts[0].meta[k] for k in ("caption_preprocessing", "max_length")},
             "resolution": self.resolution, **({"frames": self.frames} if self.frames > 1 else {}),
+            **({"reference_resolution": self.reference_resolution} if self.reference_resolution != self.resolution
+               else {}),
             "fingerprints": {k: self.manifest[k] for k in ("text_fingerprint", "vae_fingerprint") if k in self.manifest},
             **({"mix": self.manifest["mix"]} if "mix" in self.manifest else {}),  # how it drew from the sources
             "versions": package_versions(), "code": code_version(), "python": platform.python_version(),
@@ -96,7 +101,7 @@ class RunPublisher:
                                   [self.prompts.prompt(entry_negative(p)) for p in entries],
                                   training.samples.steps, training.guidance_scale, training.samples.true_cfg_scale,
                                   training.seed, self.resolution, self.frames, self.pictures,
-                                  training.samples.pictures()[0])
+                                  training.samples.pictures()[0], self.reference_resolution)
         network.train()
         buffer = io.BytesIO()
         samples.grid().save(buffer, format="PNG")

@@ -125,7 +125,8 @@ class Trainer:
         state = TrainingState(self.network, self.optimizer, self.schedule, self.ema, self.scaler)
         self.checkpointer = Checkpointer.from_config(training, store, job.run, lease, state)
         self.publisher = RunPublisher(store, job.run, job.model, family, training, job.manifest, job.init,
-                                      features.text, features.resolution) if self.dist.leader else None
+                                      features.text, features.resolution, features.reference_resolution
+                                      ) if self.dist.leader else None
         self.metrics = Metrics(training, self.dist, self.publisher, progress)
 
         # derived once: the autocast dtype (None: fp32) and the micro-batches of a step
