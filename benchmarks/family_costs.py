@@ -110,6 +110,11 @@ T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24
 QWEN2_5_VL_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                      num_attention_heads=28, num_key_value_heads=4, rope_scaling={"type": "mrope",
                                                                                   "mrope_section": [16, 24, 24]})
+# Qwen/Qwen2.5-VL-7B-Instruct whole: Qwen-Image-Edit's text_encoder, which reads the references through its vision tower
+QWEN2_5_VL_7B_SEEING = dict(QWEN2_5_VL_7B, image_token_id=151655, vision_config=dict(
+    depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14,
+    spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+    in_channels=3, hidden_act="silu", tokens_per_second=2))
 # mistralai/Mistral-Small-3.1-24B-Instruct-2503's language model: FLUX.2 [dev]'s text_encoder,
 # without its Pixtral vision tower, projector and vocabulary head
 MISTRAL_SMALL_3_1 = dict(vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,

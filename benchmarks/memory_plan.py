@@ -44,6 +44,8 @@ def published_folders() -> dict[str, tuple[str, dict[str, Any], dict[str, Any], 
     image, clip = {"latent_encoding": {"resolution": 1024}}, {"latent_encoding": {"resolution": 624},
                                                              "dataset": {"video": {"frames": 81}}}
     texts = c.TEXT_CONFIGS
+    seeing = {**texts, "qwen2_5_vl": c.QWEN2_5_VL_7B_SEEING}  # the vision tower too
+    edit = {"path": "unused", "references": "files", "reference_path": "references"}
     return {
         "PixArt-Σ XL/2": ("pixart-sigma", c.PIXART_SIGMA_XL2_1024, c.VAE4, texts, image),
         "FLUX.1-dev": ("flux", c.FLUX_DEV, c.VAE16, texts, image),
@@ -52,6 +54,10 @@ def published_folders() -> dict[str, tuple[str, dict[str, Any], dict[str, Any], 
         "Chroma1-HD": ("chroma", c.CHROMA_HD, c.VAE16, texts, image),
         "Z-Image Turbo": ("zimage", c.Z_IMAGE_TURBO, c.VAE16, texts, image),
         "Qwen-Image": ("qwen-image", c.QWEN_IMAGE_20B, c.QWEN_IMAGE_VAE, texts, image),
+        "Qwen-Image-Edit (a 1024² reference)": ("qwen-image-edit", c.QWEN_IMAGE_20B, c.QWEN_IMAGE_VAE, seeing,
+                                                {**image, "dataset": {"sources": [edit]}}),
+        "Qwen-Image-Edit-Plus (two references)": ("qwen-image-edit-plus", c.QWEN_IMAGE_20B, c.QWEN_IMAGE_VAE, seeing,
+                                                  {**image, "dataset": {"sources": [{**edit, "reference_path": ["a", "b"]}]}}),
         "FLUX.2 [klein] 4B": ("flux2-klein", c.KLEIN_4B, c.VAE_FLUX2, texts, image),
         "FLUX.2 [klein] 9B": ("flux2-klein", c.KLEIN_9B, c.VAE_FLUX2, {**texts, "qwen3": c.QWEN3_8B}, image),
         "FLUX.2 [dev]": ("flux2-dev", c.FLUX2_DEV, c.VAE_FLUX2, texts, image),
@@ -88,7 +94,7 @@ def over(path: Path, published: dict, whole: bool = False) -> None:
     plain = {key: list(value) if isinstance(value, tuple) else value for key, value in published.items()}
     for part in (config, config.get("text_config")):
         if isinstance(part, dict):
-            part.update(plain)
+            part.update(plain if part is config else {k: v for k, v in plain.items() if k != "vision_config"})
             if "num_hidden_layers" in plain:  # the tiny model's list of its layers' kinds: the class's default
                 part.pop("layer_types", None)
     path.write_text(json.dumps(config))

@@ -95,6 +95,46 @@ def test_each_encode_stage_is_counted_as_the_stage_loads_and_calls_it(name, tiny
     assert planned["vae"].call == pytest.approx(real.peak, rel=0.02)
 
 
+@pytest.mark.parametrize("name,folders", [("qwen-image-edit", "refs"), ("qwen-image-edit-plus", ["near", "far"])])
+def test_an_encoder_that_sees_the_references_is_counted_with_its_vision_tower(name, folders, tiny_family):
+    """Qwen-Image-Edit's encoder reads each caption with its references, cut into patches for its
+    vision tower: the plan counts each caption's pictures at the family's area (Edit's one, Plus's
+    two) through the tower and the language model, as the real call on real pictures holds them
+    (the patches on the device and every activation; the image processor's own copies stay on the host)."""
+    from PIL import Image
+
+    from tasks.encode.models import build_text_encoder
+    from tasks.families.spec import area_sides
+
+    run = config(tiny_family(name)).model_copy(deep=True)
+    run.dataset.sources[0] = run.dataset.sources[0].model_copy(update={"references": "files", "reference_path": folders})
+    family = family_of(run.model)
+    (spec,) = family.text.encoders
+    shapes = config_shapes(run, family)
+    planned = {e.name: e for e in encoder_footprints(run, family, shapes)}[spec.name]
+    count = len(shapes.references)
+    assert count == (1 if isinstance(folders, str) else 2)
+    loaded = build_text_encoder(run.model, family, spec, "bf16", "cpu", "none")
+    side, _ = area_sides(1, 1, spec.area)
+    # a picture of its own for each reference of each caption: the most patches a batch cuts
+    vision = [[Image.new("RGB", (side, side), (9 * n, 40, 200)) for n in range(i * count, (i + 1) * count)]
+              for i in range(planned.batch)]
+    cut = spec.cut(vision, loaded.images, loaded.model.dtype, "cpu")
+    tokens = spec.picture_tokens(run.model, count)
+    assert len(cut["pixel_values"]) == planned.batch * tokens * loaded.images.merge_size ** 2
+    ids = torch.randint(0, 100, (planned.batch, planned.length))
+    ids[:, 3:3 + tokens] = loaded.model.config.image_token_id
+    mask = torch.ones_like(ids)
+    mask[0, -1] = 0
+    real = Ledger()
+    real.watch(loaded.model)
+    with real, torch.no_grad():
+        pictures = {key: value.clone() for key, value in cut.items()}  # the copy on the device
+        states = super(type(spec), spec).encode(loaded.model, ids, mask, **pictures)
+    assert states["hidden"].shape[1] == planned.length - spec.drop
+    assert planned.call == pytest.approx(real.peak, rel=0.02)
+
+
 @pytest.mark.parametrize("base", ["int8", "fp8"])
 def test_a_quantised_base_is_counted_as_torchao_holds_it(base, tiny_family):
     from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_

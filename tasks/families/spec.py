@@ -120,6 +120,15 @@ class TextEncoderSpec:
         them: `SeeingEncoderSpec`), for the memory plan."""
         return 0
 
+    def planned(self, model: ModelConfig, settings: Any, batch: int, length: int,
+                pictures: int) -> tuple[Callable[..., Any], dict[str, Any]]:
+        """What `precast plan` calls on fake tensors for a batch of the stage's longest captions
+        (`length` positions, each with `pictures` references' tokens among them; `settings`: the
+        encoder's config): the prompt function and its arguments past the model, each a `Blank`
+        (made under the fake mode, its bytes counted) or a real tensor whose values the call
+        reads (made a constant of the mode)."""
+        return self.encode, {"input_ids": Blank((batch, length), torch.long), "mask": Blank((batch, length), torch.long)}
+
     def head(self, tokenizer: Any, ids: list[int]) -> int:
         """How many of a caption's kept positions (of its token `ids`) its pictures alone decide,
         whatever its words (an encoder that sees them: `SeeingEncoderSpec`); the text stage stores
@@ -221,8 +230,9 @@ class ChatEncoderSpec(TextEncoderSpec):
     def kept(self, ids: list[int], max_length: int) -> int:
         return max_length if self.padded else len(ids) - self.drop
 
-    def encode(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        states = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    def encode(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor, **inputs: Any) -> dict[str, torch.Tensor]:
+        """`inputs`: what else the model reads (a seeing encoder's pictures, cut into patches)."""
+        states = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, **inputs).hidden_states
         return {"hidden": torch.cat([states[layer] for layer in self.layers], dim=-1)[:, self.drop:]}
 
     def stored(self) -> dict[str, Any]:
@@ -236,6 +246,15 @@ class ChatEncoderSpec(TextEncoderSpec):
                 **({"blocks": True} if self.blocks else {}),
                 **({"key_mapping": [list(pair) for pair in self.key_mapping]} if self.key_mapping else {})}
         return {"masked": True, "outputs": list(self.outputs), "model_class": self.model_class, "chat": chat}
+
+
+@dataclass(frozen=True)
+class Blank:
+    """A tensor of this shape and dtype (None: the model's) whose values a call does not read
+    (`TextEncoderSpec.planned`)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
 
 
 def area_sides(width: int, height: int, area: int) -> tuple[int, int]:
@@ -279,12 +298,44 @@ class SeeingEncoderSpec(ChatEncoderSpec):
         """A picture (PIL) as the pipeline hands it to its processor."""
         return sized_to_area(picture, self.area)
 
+    def image_processor(self, model: ModelConfig) -> Any:
+        return library("transformers", "AutoImageProcessor").from_pretrained(
+            model.path, subfolder=self.processor, revision=model.revision, backend=self.backend)
+
     def picture_tokens(self, model: ModelConfig, count: int) -> int:
         """A token each merged patch of each square picture at `area`, as the model's image processor cuts it."""
-        images = library("transformers", "AutoImageProcessor").from_pretrained(
-            model.path, subfolder=self.processor, revision=model.revision, backend=self.backend)
+        images = self.image_processor(model)
         side, _ = area_sides(1, 1, self.area)
         return count * (images.get_number_of_image_patches(side, side, {}) // images.merge_size ** 2)
+
+    def planned(self, model: ModelConfig, settings: Any, batch: int, length: int,
+                pictures: int) -> tuple[Callable[..., Any], dict[str, Any]]:
+        """The language model's call with a square picture at `area` for each reference of each
+        caption, as `encode` makes it: the patches blank, their grid as the image processor cuts
+        such a picture, and the vision tower's window and position indices (which transformers
+        computes from the grid's values, which a fake tensor has not) computed here by
+        transformers' own functions."""
+        call, inputs = super().planned(model, settings, batch, length, pictures)
+        if not pictures:
+            return call, inputs
+        from PIL import Image
+        from transformers import vision_utils
+
+        images, vision = self.image_processor(model), settings.vision_config
+        side, _ = area_sides(1, 1, self.area)
+        cut = images(images=[Image.new("RGB", (side, side))], return_tensors="pt")
+        grid = cut["image_grid_thw"].repeat(batch * pictures, 1)
+        ids = torch.zeros(batch, length, dtype=torch.long)
+        ids[:, :pictures * int(grid[0].prod()) // images.merge_size ** 2] = settings.image_token_id
+        window_index, cu_window_seqlens = vision_utils.get_vision_window_index(
+            grid, vision.spatial_merge_size, vision.window_size, vision.patch_size)
+        patches, channels = cut["pixel_values"].shape
+        return super().encode, {  # the language model's call, the pictures already cut
+            "input_ids": ids, "mask": inputs["mask"], "image_grid_thw": grid,
+            "pixel_values": Blank((batch * pictures * patches, channels)),
+            "image_position_ids": vision_utils.get_vision_position_ids(grid, vision.spatial_merge_size),
+            "image_cu_seqlens": vision_utils.get_vision_cu_seqlens(grid),
+            "image_window_index": window_index, "image_cu_window_seqlens": cu_window_seqlens}
 
     def templated_with(self, tokenizer: Any, texts: list[str], counts: list[int]) -> list[str]:
         """The captions after their pictures' prefixes, in the template. A caption's own vision
@@ -310,18 +361,22 @@ class SeeingEncoderSpec(ChatEncoderSpec):
 
     def encode(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor, vision: list[list[Any]] | None = None,
                images: Any = None) -> dict[str, torch.Tensor]:
-        """As the pipeline calls the encoder: the batch's pictures (`vision`: each caption's) cut into
-        patches by the image processor `images`, in the captions' order, as it cuts a list (one
-        picture after another); a batch at a time, so a shard's patches are never all held at once,
-        and each picture once a batch, however many of its captions read it (at 1024², about a
-        quarter of a second of one core each)."""
-        shown = [picture for pictures in vision or [] for picture in pictures]
+        """As the pipeline calls the encoder: the batch's pictures (`vision`: each caption's) cut
+        into patches (`cut`) and read with the captions."""
+        return super().encode(model, input_ids, mask, **self.cut(vision or [], images, model.dtype, input_ids.device))
+
+    def cut(self, vision: list[list[Any]], images: Any, dtype: torch.dtype, device: Any) -> dict[str, torch.Tensor]:
+        """The pictures of a batch (each caption's) cut into patches by the image processor `images`,
+        in the captions' order, as it cuts a list (one picture after another), on `device` in
+        `dtype`; a batch at a time, so a shard's patches are never all held at once, and each
+        picture once a batch, however many of its captions read it (at 1024², about a quarter of a
+        second of one core each)."""
+        shown = [picture for pictures in vision for picture in pictures]
+        if not shown:
+            return {}
         cut = {key: images(images=[picture], return_tensors="pt") for key, picture in {id(p): p for p in shown}.items()}
-        pictures = {"pixel_values": torch.cat([cut[id(p)]["pixel_values"] for p in shown]).to(input_ids.device, model.dtype),
-                    "image_grid_thw": torch.cat([cut[id(p)]["image_grid_thw"] for p in shown]).to(input_ids.device)
-                    } if shown else {}
-        states = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, **pictures).hidden_states
-        return {"hidden": torch.cat([states[layer] for layer in self.layers], dim=-1)[:, self.drop:]}
+        return {"pixel_values": torch.cat([cut[id(p)]["pixel_values"] for p in shown]).to(device, dtype),
+                "image_grid_thw": torch.cat([cut[id(p)]["image_grid_thw"] for p in shown]).to(device)}
 
     def head(self, tokenizer: Any, ids: list[int]) -> int:
         """The kept positions up to the last picture's end: the template's start and the pictures

@@ -489,13 +489,9 @@ def encoder_footprints(config: PipelineConfig, family: Family, shapes: Shapes) -
                 if text.offload == "sequential" else frozen_bytes(encoder, base))
         length = shapes.lengths[spec.name] + getattr(spec, "drop", 0)  # before the template's tokens are dropped
         batch = max(1, text.batch_tokens // length)
-
-        def encode(encoder: torch.nn.Module) -> None:  # called at once, in this iteration
-            ids = torch.zeros(batch, length, dtype=torch.long)
-            spec.encode(encoder, ids, torch.ones_like(ids))
-
+        call, inputs = spec.planned(model, settings, batch, length, len(shapes.references))
         setting = f"{text.dtype}, offload {text.offload}"
-        out.append(EncoderFootprint(spec.name, setting, held, call_peak(encoder, encode), batch, length))
+        out.append(EncoderFootprint(spec.name, setting, held, call_peak(encoder, call, inputs), batch, length))
     vae = torch.nn.Module.to(meta_vae(model, family), DTYPES[latent.dtype])
     held = frozen_bytes(vae.requires_grad_(False), latent.dtype)
     vae.enable_tiling() if latent.tiling else vae.disable_tiling()
@@ -509,14 +505,29 @@ def encoder_footprints(config: PipelineConfig, family: Family, shapes: Shapes) -
     return out
 
 
-def call_peak(module: torch.nn.Module, call: Callable[[torch.nn.Module], Any]) -> int:
-    """The peak bytes of `call(module)` without autograd, beyond the module's own weights (and views
-    of them): `module`, on the meta device, made fake, and the call's tensors made under that mode."""
+def call_peak(module: torch.nn.Module, call: Callable[..., Any], inputs: dict[str, Any] | None = None) -> int:
+    """The peak bytes of `call(module, **inputs)` without autograd, beyond the module's own weights
+    (and views of them): `module`, on the meta device, made fake, and the call's tensors made under
+    that mode: each `Blank` of `inputs` made there (counted), each real tensor made a constant of the
+    mode, whose values the call may read (as ops on constants alone give constants, up to
+    `CONSTANT_NUMEL_LIMIT` elements: one, unless raised here to hold them)."""
+    from unittest import mock
+
+    from torch._subclasses import fake_tensor
+
+    from tasks.families.spec import Blank
+
     mode, ledger = FakeTensorMode(), Ledger()
     module = faked(module, mode)
     ledger.watch(module)
-    with mode, ledger, torch.no_grad():
-        call(module)
+    dtype = next(module.parameters()).dtype
+    inputs = inputs or {}
+    limit = max([fake_tensor.CONSTANT_NUMEL_LIMIT, *(v.numel() for v in inputs.values() if torch.is_tensor(v))])
+    with mock.patch.object(fake_tensor, "CONSTANT_NUMEL_LIMIT", limit), mode, ledger, torch.no_grad():
+        made = {name: torch.empty(value.shape, dtype=value.dtype or dtype) if isinstance(value, Blank)
+                else mode.fake_tensor_converter.from_real_tensor(mode, value, make_constant=True)
+                if torch.is_tensor(value) else value for name, value in inputs.items()}
+        call(module, **made)
     return ledger.peak
 
 
