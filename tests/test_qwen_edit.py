@@ -420,7 +420,7 @@ def test_a_redrawn_reference_encodes_its_pair_alone_its_captions_with_it(trained
 
 def test_a_picture_is_cut_into_patches_once_for_all_the_captions_read_with_it(tiny_family):
     """A pair's caption and its empty caption (and its other variants) are encoded in one call, so
-    the image processor cuts its reference once (about a quarter of a second of one core at 1024²,
+    the image processor cuts its reference once (a tenth to a quarter of a second of one core at 1024²,
     more than the 7B encoder's own call on a GPU); the states equal each caption encoded alone."""
     from configs.schema import TextEncodingConfig
     from tasks.encode.models import load_text_encoder
