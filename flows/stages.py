@@ -270,7 +270,9 @@ class FlowExecutor:
                     for url in urls:
                         progress.grow(1)
                         yield url
-                    progress.settle(shards.dataset()["samples"] if self.shards is None else None)
+                    # an edit pair's references are encoded beside the samples (and counted with them)
+                    counted = shards.dataset()
+                    progress.settle(counted["samples"] + counted.get("references", 0) if self.shards is None else None)
                 records = run.map(encode_latents_task, given(shards if self.shards is None else self.shards),
                                   config.storage, config.model, config.latent_encoding, fingerprint,
                                   completed=lambda record: progress.advance(1, record["samples"]))

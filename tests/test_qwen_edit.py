@@ -399,6 +399,23 @@ def test_the_plan_counts_the_references_tokens_in_the_captions_states(tiny_famil
     assert len(shapes.references) == 1
 
 
+def test_another_resolution_encodes_the_pairs_latents_again_and_no_caption(trained):
+    """A run at another `latent_encoding.resolution`: every target and reference is encoded again at
+    it, and no caption: Edit's text encoder reads each reference at its own area (about 1024²),
+    whatever the run's resolution, so its text cache (the costly one) is the same."""
+    from tasks.runner import run_direct
+
+    _, runs = trained
+    config, first = runs["qwen-image-edit"]
+    again = run_direct(config.model_copy(update={"latent_encoding": config.latent_encoding.model_copy(
+        update={"resolution": 128})}), until="manifest")
+    assert again["encode-text"]["work"]["samples_encoded"] == 0
+    assert again["encode-text"]["url"] == first["encode-text"]["url"]
+    assert again["encode-latents"]["work"]["samples_encoded"] == first["encode-latents"]["work"]["samples_encoded"] > 4
+    assert again["encode-latents"]["url"] != first["encode-latents"]["url"]
+    assert again["manifest"]["samples"] == 4
+
+
 def test_a_redrawn_reference_encodes_its_pair_alone_its_captions_with_it(trained):
     """A nightly run after one reference was redrawn (the first of two pairs that shared it): the
     new reference's latents and its target's (its id changed) are encoded, and that target's caption

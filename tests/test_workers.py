@@ -3,6 +3,7 @@ shards; a worker that dies loses nothing committed and leaves no task run RUNNIN
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import Counter
@@ -65,22 +66,54 @@ def test_sixteen_shards_on_two_workers_load_each_model_at_most_twice(prefect_ser
         assert _cache_bytes(Store(two.storage), kind) == _cache_bytes(Store(one.storage), kind)  # as one worker wrote
 
 
-def test_a_running_dask_cluster_given_by_address_encodes_the_shards(prefect_server, make_config, many_shards, tmp_path):
+def test_a_running_dask_cluster_given_by_address_encodes_the_shards(prefect_server, make_config, many_shards, tmp_path,
+                                                                     tiny_family):
     """`execution.cluster`: the workers a team started (here two processes on this machine),
-    reporting to the same Prefect server."""
+    reporting to the same Prefect server. Then Qwen-Image-Edit's pairs on the same workers, a pair
+    a shard: each worker loads the encoder that reads the references, finds a shared reference in
+    the shard that stores it, and caches what this process caches."""
     from distributed import LocalCluster
     from prefect.client.orchestration import get_client
+    from safetensors.torch import load
+
+    from configs.schema import PipelineConfig
+    from tasks.demo.data import write_edit_data
 
     with get_client(sync_client=True) as client:
         api = str(client.api_url).rstrip("/")
+    pairs = write_edit_data(tmp_path / "pairs", count=4)
+
+    def edit(root: str, cluster: str | None) -> PipelineConfig:
+        return PipelineConfig.model_validate({
+            "storage": {"root": root}, "model": {"path": str(tiny_family("qwen-image-edit"))},
+            "dataset": {"sources": [{"path": str(pairs / "targets"), "references": "files",
+                                     "reference_path": str(pairs / "references")}], "shard_size": 1},
+            "text_encoding": {"dtype": "fp32"}, "latent_encoding": {"resolution": 64, "storage_dtype": "fp32"},
+            "training": {"samples": {"prompts": ["make the background red"],
+                                     "references": [str(pairs / "references" / "00002.png")]}},
+            "execution": {"cluster": cluster}})
+
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
                       env={"PREFECT_API_URL": api}) as cluster:
         config = make_config(root=str(tmp_path / "store"), source=many_shards, dataset={"shard_size": 2},
                              execution={"cluster": cluster.scheduler_address})
         records = _encode(config)
+        paired = _encode(edit(str(tmp_path / "edit-workers"), cluster.scheduler_address))
+        # the pairs' references are encoded beside them, and counted in the total as they are
+        assert re.search(r" (\d+)/\1 samples ", Artifact.get("encode-latents-progress").description)
     for name in ("encode-text", "encode-latents"):
         work = records[name]["work"]
         assert work["workers"] == 2 and 1 <= work["model_loads"] <= 2 and work["shards_encoded"] == SHARDS, work
+    work = paired["encode-text"]["work"]
+    assert work["workers"] == 2 and 1 <= work["model_loads"] <= 2 and work["samples_encoded"] == 4, work
+    here = _encode(edit(str(tmp_path / "edit-here"), None))
+    cached = {where: _cache_bytes(Store(config.storage), "text") for where, config in
+              (("workers", edit(str(tmp_path / "edit-workers"), None)), ("here", edit(str(tmp_path / "edit-here"), None)))}
+    assert here["encode-text"]["url"].rsplit("/", 1)[-1] == paired["encode-text"]["url"].rsplit("/", 1)[-1]
+    assert cached["workers"].keys() == cached["here"].keys() and cached["here"]
+    for name, data in cached["here"].items():
+        for key, tensor in load(data).items():
+            torch.testing.assert_close(load(cached["workers"][name])[key], tensor, rtol=1e-5, atol=1e-5)
 
 
 def _task_run_states(flow_run_id, finished: int) -> list[str]:
