@@ -1,6 +1,6 @@
 """Each flow-matching family learns what the captions say, as tests/test_learning.py shows for
 PixArt: its tiny world, trained end to end as `precast demo --family F` trains it (the family's
-encoders, its 16-channel latents packed as its transformer reads them, its flow-matching schedule
+encoders, its latents packed as its transformer reads them, its flow-matching schedule
 and its pipeline for the samples), draws the background colour each held-out prompt names, and does
 not without the text. Their VAEs are set by hand; the thresholds are the
 issue's bar, which no draw of each family's table in `python -m benchmarks --only demo_world`
@@ -10,7 +10,7 @@ falls outside (benchmarks/results/demo-worlds.md).
 from __future__ import annotations
 
 import pytest
-from diffusers import AutoencoderKL, AutoencoderKLQwenImage
+from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLQwenImage
 
 from tasks.demo.world import PROMPTS, THRESHOLDS, colour_scores, train_demo
 from tasks.demo import write_demo_models
@@ -19,7 +19,7 @@ from tasks.demo.models import palette_confusions
 
 pytestmark = pytest.mark.slow(minutes=7)
 
-FAMILIES = ("flux", "sd3", "chroma", "zimage", "qwen-image")
+FAMILIES = ("flux", "sd3", "chroma", "zimage", "qwen-image", "flux2-klein")
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +35,12 @@ def worlds(tmp_path_factory):
     return out
 
 
-def test_the_hand_set_16_channel_vaes_give_back_every_palette_colour(worlds):
-    """FLUX.1's 2-D VAE (SD3, Chroma and Z-Image have the same), and Qwen-Image's 3-D one (Wan's
-    kind), a picture a one-frame clip."""
+def test_the_hand_set_vaes_give_back_every_palette_colour(worlds):
+    """FLUX.1's 2-D VAE (SD3, Chroma and Z-Image have the same), Qwen-Image's 3-D one (Wan's kind),
+    a picture a one-frame clip, and FLUX.2's 32-channel one with its batch norm of the patches."""
     assert palette_confusions(AutoencoderKL.from_pretrained(worlds[FAMILIES[0]][0] / "vae")) == []
     assert palette_confusions(AutoencoderKLQwenImage.from_pretrained(worlds["qwen-image"][0] / "vae"), frames=1) == []
+    assert palette_confusions(AutoencoderKLFlux2.from_pretrained(worlds["flux2-klein"][0] / "vae")) == []
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -22,14 +22,15 @@ DEMO_MODELS = {"wan": "wan-ti2v"}
 # the picture demos' training, where not the quickstart's (PixArt's: 700 steps at a learning rate of
 # 1e-3, the weights averaged with decay 0.995): FLUX.1-dev, SD3 and Chroma learn their world in fewer
 # steps at twice the rate with a shorter average, each the fewest steps whose seven perturbations stay
-# above its bar; FLUX.2 [klein] 1,000 at that rate (at 700, one of four model draws drew 7 and 6 of
-# 12); FLUX.1-schnell, Z-Image and Qwen-Image train 1,000 at the quickstart's rate, as their tables
+# above its bar; FLUX.2 [klein] 1,000 at that rate after 100 steps of warmup (without it, two of
+# three other training seeds never learned to read the text; at 700, one of four model draws drew 7
+# and 6 of 12); FLUX.1-schnell, Z-Image and Qwen-Image train 1,000 at the quickstart's rate, as their tables
 # were drawn (Z-Image and Qwen-Image do not learn in 600 at twice it): benchmarks/results/demo-worlds.md
 FASTER = {"training.optimizer.learning_rate": 0.002, "training.optimizer.ema_decay": 0.99}
 DEMO_TRAINING = {"flux": {"training.steps": 700, **FASTER}, "sd3": {"training.steps": 400, **FASTER},
                  "chroma": {"training.steps": 400, **FASTER}, "flux-schnell": {"training.steps": 1000},
                  "zimage": {"training.steps": 1000}, "qwen-image": {"training.steps": 1000},
-                 "flux2-klein": {"training.steps": 1000, **FASTER}, "flux-kontext": {"training.steps": 2000, **FASTER}}
+                 "flux2-klein": {"training.steps": 1000, **FASTER, "training.optimizer.warmup_steps": 100}, "flux-kontext": {"training.steps": 2000, **FASTER}}
 FIRST_FRAMES = "precast-demo/first-frames"  # the video demo's sample prompts' first frames (`videos.first_frame`)
 EDIT_PAIRS = "precast-demo/edit-pairs"  # the edit demo's pairs: targets/ and references/
 EDIT_REFERENCES = "precast-demo/edit-references"  # its sample prompts' references (`data.held_out_edits`)
