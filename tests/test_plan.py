@@ -116,7 +116,7 @@ def test_an_encoder_that_sees_the_references_is_counted_with_its_vision_tower(na
     assert count == (1 if isinstance(folders, str) else 2)
     loaded = build_text_encoder(run.model, family, spec, "bf16", "cpu", "none")
     side, _ = area_sides(1, 1, spec.area)
-    # a picture of its own for each reference of each caption: the most patches a batch cuts
+    # a square picture of its own for each reference of each caption, as the plan counts them
     vision = [[Image.new("RGB", (side, side), (9 * n, 40, 200)) for n in range(i * count, (i + 1) * count)]
               for i in range(planned.batch)]
     cut = spec.cut(vision, loaded.images, loaded.model.dtype, "cpu")

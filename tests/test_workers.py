@@ -70,8 +70,8 @@ def test_a_running_dask_cluster_given_by_address_encodes_the_shards(prefect_serv
                                                                      tiny_family):
     """`execution.cluster`: the workers a team started (here two processes on this machine),
     reporting to the same Prefect server. Then Qwen-Image-Edit's pairs on the same workers, a pair
-    a shard: each worker loads the encoder that reads the references, finds a shared reference in
-    the shard that stores it, and caches what this process caches."""
+    a shard (so a shared reference is stored beside another pair): each worker loads the encoder
+    that reads the references, and caches what this process caches."""
     from distributed import LocalCluster
     from prefect.client.orchestration import get_client
     from safetensors.torch import load
