@@ -30,7 +30,8 @@ FASTER = {"training.optimizer.learning_rate": 0.002, "training.optimizer.ema_dec
 DEMO_TRAINING = {"flux": {"training.steps": 700, **FASTER}, "sd3": {"training.steps": 400, **FASTER},
                  "chroma": {"training.steps": 400, **FASTER}, "flux-schnell": {"training.steps": 1000},
                  "zimage": {"training.steps": 1000}, "qwen-image": {"training.steps": 1000},
-                 "flux2-klein": {"training.steps": 1000, **FASTER, "training.optimizer.warmup_steps": 100}, "flux-kontext": {"training.steps": 2000, **FASTER}}
+                 "flux2-klein": {"training.steps": 1000, **FASTER, "training.optimizer.warmup_steps": 100},
+                 "flux-kontext": {"training.steps": 2000, **FASTER}}
 FIRST_FRAMES = "precast-demo/first-frames"  # the video demo's sample prompts' first frames (`videos.first_frame`)
 EDIT_PAIRS = "precast-demo/edit-pairs"  # the edit demo's pairs: targets/ and references/
 EDIT_REFERENCES = "precast-demo/edit-references"  # its sample prompts' references (`data.held_out_edits`)

@@ -63,8 +63,7 @@ def build_text_encoder(model: ModelConfig, family: Family, spec: TextEncoderSpec
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
         quantize_(encoder, Int8WeightOnlyConfig())
-    images = spec.processor and library("transformers", "AutoImageProcessor").from_pretrained(
-        model.path, subfolder=spec.processor, revision=model.revision, backend=spec.backend)
+    images = spec.image_processor(model) if spec.processor else None
     target = resolve_device(device)
     if offload == "sequential":
         from accelerate import cpu_offload

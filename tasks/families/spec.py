@@ -299,6 +299,7 @@ class SeeingEncoderSpec(ChatEncoderSpec):
         return sized_to_area(picture, self.area)
 
     def image_processor(self, model: ModelConfig) -> Any:
+        """The model's image processor, as the stage and the plan load it (PIL's backend)."""
         return library("transformers", "AutoImageProcessor").from_pretrained(
             model.path, subfolder=self.processor, revision=model.revision, backend=self.backend)
 
