@@ -125,23 +125,25 @@ def reporter(stage: str, unit: str) -> Callable[..., None]:
 
 
 @contextmanager
-def followed(stage: str, shards: int | None = None, label: str | None = None) -> Iterator[None]:
+def followed(stage: str, shards: int | None = None, label: str | None = None, done: int = 0) -> Iterator[None]:
     """The progress of `stage` run in child flow runs of this one (placed on other pools), in this
     flow run's own `<label>-progress` artifact (`label`: the stage's by default) every few seconds,
     so the pipeline run shows every stage moving: an encoder's `shards` summed over its children
-    (each reports a fraction of the shards it was given); any other stage as its furthest child
-    reports it (ingest's one child, training's node 0)."""
+    (each reports a fraction of the shards it was given) after the `done` found cached; any other
+    stage as its furthest child reports it (ingest's one child, training's node 0)."""
     from prefect.context import FlowRunContext
 
     parent, label = FlowRunContext.get().flow_run.id, label or stage
     summed = StageProgress(label, shards, "shards") if shards is not None else None
+    if summed is not None and done:
+        summed.advance(done)
     mirror = None  # the artifact, made when a child first reports
 
     def poll() -> None:
         nonlocal mirror
         children = children_progress(parent, stage, label)
         if summed is not None:
-            summed.advance(sum(round(percent * given / 100) for given, percent, _ in children) - summed.done)
+            summed.advance(done + sum(round(percent * given / 100) for given, percent, _ in children) - summed.done)
         elif children:
             _, percent, description = max(children, key=lambda child: child[1])
             if mirror is None:

@@ -140,17 +140,21 @@ def run_elsewhere(config: PipelineConfig, deployment: str, stage: str, shards: l
 
 
 def run_shards_elsewhere(config: PipelineConfig, deployment: str, stage: str, urls: list[str],
-                         earlier: tuple[Any, ...] = ()) -> EncodingWork:
-    """The shards in `max_parallel_shards` groups, one child flow run each, all at once: each child
-    runs on a worker of the pool (a node) and encodes its group in place, on that node's workers,
-    each loading the model once. With `execution.cluster` one child sends every shard to the
-    cluster, whose workers span the nodes. Raises the first failure; returns the stage's work
-    (`children_work`, with the `earlier` children's loads and shards)."""
-    count = 1 if config.execution.cluster else min(len(urls), config.execution.max_parallel_shards)
-    groups = [urls[index::count] for index in range(count)]
-    with followed(stage, len(urls)):
-        children = in_threads(lambda group: run_elsewhere(config, deployment, stage, group), groups, count)
-    return children_work(stage, children, earlier)
+                         cached: Callable[[str], bool], earlier: tuple[Any, ...] = ()) -> EncodingWork:
+    """The shards not `cached` yet in `max_parallel_shards` groups, one child flow run each, all at
+    once: each child runs on a worker of the pool (a node) and encodes its group in place, on that
+    node's workers, each loading the model once. With `execution.cluster` one child sends every
+    shard to the cluster, whose workers span the nodes. Every shard cached: no child at all, so a
+    night with nothing new wakes no node of the pool (each child is a process that imports the
+    model libraries, on a node the pool may have to start). Raises the first failure; returns the
+    stage's work (`children_work`, with the `earlier` children's loads and shards, and the cached)."""
+    todo = [url for url in urls if not cached(url)]
+    count = (1 if config.execution.cluster else min(len(todo), config.execution.max_parallel_shards)) if todo else 0
+    groups = [todo[index::count] for index in range(count)]
+    with followed(stage, len(urls), done=len(urls) - len(todo)):
+        children = in_threads(lambda group: run_elsewhere(config, deployment, stage, group), groups, max(count, 1))
+    work = children_work(stage, children, earlier)
+    return {**work, "shards_cached": work["shards_cached"] + len(urls) - len(todo)}
 
 
 def publish_work(stage: str, work: EncodingWork) -> None:
@@ -165,11 +169,12 @@ def children_work(stage: str, children: Sequence[Any], earlier: Sequence[Any] = 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
+    runs = [run.id for run in [*children, *earlier]]
     found = ArtifactFilter(key=ArtifactFilterKey(any_=[f"{stage}-work"]),
-                           flow_run_id=ArtifactFilterFlowRunId(any_=[run.id for run in [*children, *earlier]]))
+                           flow_run_id=ArtifactFilterFlowRunId(any_=runs))
     with get_client(sync_client=True) as client:
         tables = {artifact.flow_run_id: json.loads(artifact.data)[0]
-                  for artifact in client.read_artifacts(artifact_filter=found)}
+                  for artifact in (client.read_artifacts(artifact_filter=found) if runs else [])}
     work = {name: sum(table.get(name, 0) for table in tables.values())
             for name in ("model_loads", "shards_encoded", "shards_cached", "samples_encoded", "samples_copied",
                          "io_retries")}
@@ -224,8 +229,13 @@ class FlowExecutor:
         dataset, every = shards.dataset(), shards.urls()
         urls = every if self.shards is None else self.shards
         if deployment := placed(config, "encode-text"):
-            prepare = run_elsewhere(config, deployment, "encode-text", [])  # before the shards fan out
-            work = run_shards_elsewhere(config, deployment, "encode-text", urls, (prepare,))
+            # the prompts and the precision checks, before the shards fan out (unless committed)
+            prepared = all(store.committed(key) is not None for fp in fingerprints.values()
+                           for key in (prompts_cache_key(fp, plan.prompts), layout.text_numerics(fp)))
+            earlier = () if prepared else (run_elsewhere(config, deployment, "encode-text", []),)
+            work = run_shards_elsewhere(config, deployment, "encode-text", urls, lambda url: all(
+                store.committed(layout.cache_shard("text", fp, shard_id_of(url))) is not None
+                for fp in fingerprints.values()), earlier)
             prompts = {name: store.require(prompts_cache_key(fp, plan.prompts))
                        for name, fp in fingerprints.items()}
             records = [{**store.require(layout.cache_shard("text", fp, shard_id_of(url))), "encoder": name}
@@ -258,7 +268,8 @@ class FlowExecutor:
         began = time.monotonic()
         if deployment := placed(config, "encode-latents"):
             urls = shards.urls() if self.shards is None else self.shards
-            work = run_shards_elsewhere(config, deployment, "encode-latents", urls)
+            work = run_shards_elsewhere(config, deployment, "encode-latents", urls, lambda url: store.committed(
+                layout.cache_shard("latents", fingerprint, shard_id_of(url))) is not None)
             records = [store.require(layout.cache_shard("latents", fingerprint, shard_id_of(url))) for url in urls]
         else:
             with stage_executor(config.execution, config.latent_encoding.device, plan.configured,
@@ -296,6 +307,9 @@ class FlowExecutor:
         all at once (a node's child gets its `node` index and the `attempt` id the nodes share)."""
         plan, config, nodes = self.plan, self.plan.config, self.plan.config.training.distribution.nodes
         if deployment := placed(config, "train"):
+            # a run finished already wakes no node (its adapter named by init_from is read where it trains)
+            if config.training.init_from in ("none", "latest") and (record := run_of(plan, manifest)[1]) is not None:
+                return record
             with followed("train", label="training"):
                 in_threads(lambda index: run_elsewhere(config, deployment, "train", node=index if nodes > 1 else None),
                            list(range(nodes)), nodes)
@@ -356,11 +370,18 @@ def stored_manifest(plan: Plan) -> ManifestRecord:
 STORED = {"ingest": stored_dataset, "manifest": stored_manifest}
 
 
-def stored_run(plan: Plan, manifest: ManifestRecord) -> RunRecord:
-    """The record of the run a train child finished (found by its id, as train finds it)."""
+def run_of(plan: Plan, manifest: ManifestRecord) -> tuple[str, RunRecord | None]:
+    """The run folder these inputs train, and its record if it is finished (found by its id, as
+    train finds it)."""
     config, store = plan.config, plan.store
     run, _ = run_for(store, config.model, config.training, store.read_json(store.key(manifest["url"]))["id"],
                      plan.family)
-    if (record := finished_run(store, run)) is None:
-        raise FileNotFoundError(f"{store.url(run)} is not finished: its train child ended without committing it")
+    return run, finished_run(store, run)
+
+
+def stored_run(plan: Plan, manifest: ManifestRecord) -> RunRecord:
+    """The record of the run a train child finished."""
+    run, record = run_of(plan, manifest)
+    if record is None:
+        raise FileNotFoundError(f"{plan.store.url(run)} is not finished: its train child ended without committing it")
     return record

@@ -125,6 +125,14 @@ def _encoder_work(row: str) -> tuple[int, ...]:
                                     row).groups()))
 
 
+def _children(stack, parent: str) -> list:
+    """The child flow runs of a flow run (its placed stages')."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    return _api(stack, lambda client: client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent]))))
+
+
 def _api(stack, query):
     from prefect.client.orchestration import PrefectClient
 
@@ -236,6 +244,7 @@ def test_placed_stages_spread_over_two_nodes_encoders_loading_their_model_once(s
     runs = _api(stack, lambda client: client.read_flow_runs(limit=200))
     nodes = {run.name: run for run in runs if run.parameters.get("attempt") == parent}
     assert sorted(nodes) == ["train-node-0", "train-node-1"]
+    assert {child.name for child in _children(stack, parent)} >= {*nodes, "encode-text-prepare"}
     assert all(run.state.is_completed() and run.work_pool_name == "precast-train" for run in nodes.values())
     store = _store(stack)
     (folder,) = {key.split("/rendezvous/")[0] for key in store.find("runs") if f"/rendezvous/{parent}/" in key}
@@ -322,6 +331,20 @@ def test_submit_from_ci_names_the_failed_stage_and_its_error(stack):
                           cwd=ROOT, env=stack["env"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.rstrip().endswith("precast-pipeline/pipeline: Completed")
+
+
+def test_a_run_with_nothing_new_wakes_no_pool(stack, first_run):
+    """The first run's config again, every stage placed: its encoders' every shard, prompt and
+    precision check is cached and its run is finished, so the pipeline starts no child flow run;
+    its summary counts the shards found cached."""
+    done = _precast(stack, "submit", "precast-pipeline/pipeline", "--config",
+                    _config_file(stack, _config(stack), "again.yaml"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = re.search(r"([0-9a-f]{8}-[0-9a-f-]{27})\)", done.stdout).group(1)
+    assert [child.name for child in _children(stack, run)] == []
+    rows = _summary_rows(stack, run)
+    for stage in ("encode-text", "encode-latents"):
+        assert _encoder_work(rows[stage]) == (0, 0, 0, 2), rows[stage]
 
 
 def test_the_server_and_precast_refuse_a_client_without_the_auth_string(stack):
