@@ -139,22 +139,29 @@ def run_elsewhere(config: PipelineConfig, deployment: str, stage: str, shards: l
     return child
 
 
-def run_shards_elsewhere(config: PipelineConfig, deployment: str, stage: str, urls: list[str],
-                         cached: Callable[[str], bool], earlier: tuple[Any, ...] = ()) -> EncodingWork:
-    """The shards not `cached` yet in `max_parallel_shards` groups, one child flow run each, all at
+def run_shards_elsewhere(config: PipelineConfig, store: Store, deployment: str, stage: str, urls: list[str],
+                         keys: Callable[[str], list[str]], earlier: tuple[Any, ...] = ()
+                         ) -> tuple[EncodingWork, dict[str, dict[str, Any]]]:
+    """The shards not cached yet in `max_parallel_shards` groups, one child flow run each, all at
     once: each child runs on a worker of the pool (a node) and encodes its group in place, on that
     node's workers, each loading the model once. With `execution.cluster` one child sends every
-    shard to the cluster, whose workers span the nodes. Every shard cached: no child at all, so a
-    night with nothing new wakes no node of the pool (each child is a process that imports the
-    model libraries, on a node the pool may have to start). Raises the first failure; returns the
-    stage's work (`children_work`, with the `earlier` children's loads and shards, and the cached)."""
-    todo = [url for url in urls if not cached(url)]
+    shard to the cluster, whose workers span the nodes. A shard is cached when every artifact its
+    child commits (`keys(url)`) is: with every shard cached no child starts, so a night with
+    nothing new wakes no node of the pool (each child is a process that imports the model
+    libraries, on a node the pool may have to start). Raises the first failure; returns the
+    stage's work (`children_work`, with the `earlier` children's loads and shards, and the cached)
+    and every shard's commit records by key, read at once before and after."""
+    every = [key for url in urls for key in keys(url)]
+    found = dict(zip(every, store.committed_all(every)))
+    todo = [url for url in urls if any(found[key] is None for key in keys(url))]
     count = (1 if config.execution.cluster else min(len(todo), config.execution.max_parallel_shards)) if todo else 0
     groups = [todo[index::count] for index in range(count)]
     with followed(stage, len(urls), done=len(urls) - len(todo)):
         children = in_threads(lambda group: run_elsewhere(config, deployment, stage, group), groups, max(count, 1))
+    missing = [key for key, record in found.items() if record is None]
+    found.update(zip(missing, store.require_all(missing)))
     work = children_work(stage, children, earlier)
-    return {**work, "shards_cached": work["shards_cached"] + len(urls) - len(todo)}
+    return {**work, "shards_cached": work["shards_cached"] + len(urls) - len(todo)}, found
 
 
 def publish_work(stage: str, work: EncodingWork) -> None:
@@ -233,12 +240,16 @@ class FlowExecutor:
             prepared = all(store.committed(key) is not None for fp in fingerprints.values()
                            for key in (prompts_cache_key(fp, plan.prompts), layout.text_numerics(fp)))
             earlier = () if prepared else (run_elsewhere(config, deployment, "encode-text", []),)
-            work = run_shards_elsewhere(config, deployment, "encode-text", urls, lambda url: all(
-                store.committed(layout.cache_shard("text", fp, shard_id_of(url))) is not None
-                for fp in fingerprints.values()), earlier)
+
+            def shard_key(url: str, fp: str) -> str:
+                return layout.cache_shard("text", fp, shard_id_of(url))
+
+            work, found = run_shards_elsewhere(
+                config, store, deployment, "encode-text", urls,
+                lambda url: [shard_key(url, fp) for fp in fingerprints.values()], earlier)
             prompts = {name: store.require(prompts_cache_key(fp, plan.prompts))
                        for name, fp in fingerprints.items()}
-            records = [{**store.require(layout.cache_shard("text", fp, shard_id_of(url))), "encoder": name}
+            records = [{**found[shard_key(url, fp)], "encoder": name}
                        for url in urls for name, fp in fingerprints.items()]
         else:
             args = (config.storage, config.model, config.text_encoding, fingerprints)
@@ -268,9 +279,10 @@ class FlowExecutor:
         began = time.monotonic()
         if deployment := placed(config, "encode-latents"):
             urls = shards.urls() if self.shards is None else self.shards
-            work = run_shards_elsewhere(config, deployment, "encode-latents", urls, lambda url: store.committed(
-                layout.cache_shard("latents", fingerprint, shard_id_of(url))) is not None)
-            records = [store.require(layout.cache_shard("latents", fingerprint, shard_id_of(url))) for url in urls]
+            work, found = run_shards_elsewhere(
+                config, store, deployment, "encode-latents", urls,
+                lambda url: [layout.cache_shard("latents", fingerprint, shard_id_of(url))])
+            records = list(found.values())
         else:
             with stage_executor(config.execution, config.latent_encoding.device, plan.configured,
                                 "encode-latents") as run:
