@@ -83,7 +83,7 @@ def run(captions: int = 512, reference_captions: int = 128, d_model: int = 512, 
         padded(texts, encoder.tokenizer, encoder.model, max_length, batch)
         timings["padded_batched"] = len(texts) / (time.perf_counter() - started)
         started = time.perf_counter()
-        outputs, truncated = encode_captions(texts, model, family, config, t5)
+        outputs, truncated, _ = encode_captions(texts, model, family, config, t5)
         embeddings = outputs["hidden"]
         timings["precast"] = len(texts) / (time.perf_counter() - started)
 
@@ -91,7 +91,7 @@ def run(captions: int = 512, reference_captions: int = 128, d_model: int = 512, 
         accuracy = {}
         reference = torch.cat(embeddings[:64]).float()
         for dtype in ["bf16", "fp16", "int8"]:
-            low, _ = encode_captions(texts[:64], model, family, config.model_copy(update={"dtype": dtype}), t5)
+            low, *_ = encode_captions(texts[:64], model, family, config.model_copy(update={"dtype": dtype}), t5)
             low = torch.cat(low["hidden"]).float()
             cosine = torch.nn.functional.cosine_similarity(low, reference, dim=-1)
             accuracy[dtype] = {"cosine_min": round(cosine.min().item(), 5), "cosine_mean": round(cosine.mean().item(), 6),

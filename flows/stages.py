@@ -142,26 +142,28 @@ def run_elsewhere(config: PipelineConfig, deployment: str, stage: str, shards: l
 def run_shards_elsewhere(config: PipelineConfig, store: Store, deployment: str, stage: str, urls: list[str],
                          keys: Callable[[str], list[str]], earlier: tuple[Any, ...] = ()
                          ) -> tuple[EncodingWork, dict[str, dict[str, Any]]]:
-    """The shards not cached yet in `max_parallel_shards` groups, one child flow run each, all at
-    once: each child runs on a worker of the pool (a node) and encodes its group in place, on that
-    node's workers, each loading the model once. With `execution.cluster` one child sends every
-    shard to the cluster, whose workers span the nodes. A shard is cached when every artifact its
-    child commits (`keys(url)`) is: with every shard cached no child starts, so a night with
-    nothing new wakes no node of the pool (each child is a process that imports the model
-    libraries, on a node the pool may have to start). Raises the first failure; returns the
-    stage's work (`children_work`, with the `earlier` children's loads and shards, and the cached)
-    and every shard's commit records by key, read at once before and after."""
+    """The shards in `max_parallel_shards` groups, one child flow run each, all at once: each child
+    runs on a worker of the pool (a node) and encodes its group in place, on that node's workers,
+    each loading the model once. With `execution.cluster` one child sends every shard to the
+    cluster, whose workers span the nodes. A group whose every shard is cached (every artifact its
+    child commits, `keys(url)`) starts no child, so a night with nothing new wakes no node of the
+    pool (each child is a process that imports the model libraries, on a node the pool may have to
+    start); the groups are those of every shard, so a retried parent finds the children it
+    started (their idempotency keys). Raises the first failure; returns the stage's work
+    (`children_work`, with the `earlier` children's loads and shards, and the artifacts of the
+    groups found cached) and every shard's commit records by key, read at once before and after."""
     every = [key for url in urls for key in keys(url)]
     found = dict(zip(every, store.committed_all(every)))
-    todo = [url for url in urls if any(found[key] is None for key in keys(url))]
-    count = (1 if config.execution.cluster else min(len(todo), config.execution.max_parallel_shards)) if todo else 0
-    groups = [todo[index::count] for index in range(count)]
-    with followed(stage, len(urls), done=len(urls) - len(todo)):
-        children = in_threads(lambda group: run_elsewhere(config, deployment, stage, group), groups, max(count, 1))
+    count = 1 if config.execution.cluster else min(len(urls), config.execution.max_parallel_shards)
+    groups = [urls[index::count] for index in range(count)] if urls else []
+    todo = [group for group in groups if any(found[key] is None for url in group for key in keys(url))]
+    cached = [url for group in groups if group not in todo for url in group]
+    with followed(stage, len(urls), done=len(cached)):
+        children = in_threads(lambda group: run_elsewhere(config, deployment, stage, group), todo, max(len(todo), 1))
     missing = [key for key, record in found.items() if record is None]
     found.update(zip(missing, store.require_all(missing)))
     work = children_work(stage, children, earlier)
-    return {**work, "shards_cached": work["shards_cached"] + len(urls) - len(todo)}, found
+    return {**work, "shards_cached": work["shards_cached"] + sum(len(keys(url)) for url in cached)}, found
 
 
 def publish_work(stage: str, work: EncodingWork) -> None:
@@ -237,8 +239,8 @@ class FlowExecutor:
         urls = every if self.shards is None else self.shards
         if deployment := placed(config, "encode-text"):
             # the prompts and the precision checks, before the shards fan out (unless committed)
-            prepared = all(store.committed(key) is not None for fp in fingerprints.values()
-                           for key in (prompts_cache_key(fp, plan.prompts), layout.text_numerics(fp)))
+            prepared = None not in store.committed_all([key for fp in fingerprints.values() for key in (
+                prompts_cache_key(fp, plan.prompts), layout.text_numerics(fp))])
             earlier = () if prepared else (run_elsewhere(config, deployment, "encode-text", []),)
 
             def shard_key(url: str, fp: str) -> str:

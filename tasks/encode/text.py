@@ -113,12 +113,14 @@ def run_encoder(ids: list[list[int]], encoder: TextEncoder, text: TextEncodingCo
 
 
 def encode_captions(texts: list[str], model: ModelConfig, family: Family, config: TextEncodingConfig,
-                    spec: TextEncoderSpec, pictures: list[list[Any]] | None = None) -> tuple[Outputs, int]:
+                    spec: TextEncoderSpec, pictures: list[list[Any]] | None = None) -> tuple[Outputs, int, list[int]]:
     """One of `family`'s encoders' outputs for `texts` (with each one's `pictures`, for an encoder
-    that sees them) in the stored dtype, and the truncation count. Non-finite output fails with the
+    that sees them) in the stored dtype, the truncation count, and how many of each text's first
+    positions its pictures alone decide (`TextEncoderSpec.head`). Non-finite output fails with the
     encoder and the caption named instead of being cached."""
     encoder = load_text_encoder(model, family, spec, config.dtype, config.device, config.offload)
     ids, truncated, vision = tokenize(texts, encoder, config, pictures)
+    heads = [spec.head(encoder.tokenizer, x) for x in ids]
     outputs = {name: [e.to(TEXT_ACTIVATIONS[config.dtype]) for e in values]
                for name, values in run_encoder(ids, encoder, config, vision).items()}
     for values in outputs.values():
@@ -126,14 +128,14 @@ def encode_captions(texts: list[str], model: ModelConfig, family: Family, config
             if not torch.isfinite(embedding).all():
                 raise FloatingPointError(f"text encoder {spec.name} produced non-finite values in {config.dtype} "
                                          f"for caption {text[:80]!r}; use bf16 or fp32")
-    return outputs, truncated
+    return outputs, truncated, heads
 
 
 def packed(rows: dict[str, int], outputs: Outputs, spec: TextEncoderSpec, meta: dict[str, Any],
            heads: list[tuple[Any, int]] | None = None) -> bytes:
     """A cache shard of one encoder: its first output as the main tensor, the others by name.
     `heads`: each text's pictures (any key) and how many of its first positions they alone decide
-    (`head_lengths`), stored once for the texts read with the same pictures (an edit pair's
+    (`encode_captions`), stored once for the texts read with the same pictures (an edit pair's
     1,024² reference is about 1,370 of Qwen-Image-Edit's positions, its caption a few dozen)."""
     first, *more = spec.outputs
     sequences, shared = outputs[first], None
@@ -148,14 +150,6 @@ def packed(rows: dict[str, int], outputs: Outputs, spec: TextEncoderSpec, meta: 
             tails.append(sequence[length:])
         sequences, shared = tails, (kept, head_of)
     return pack_ragged(rows, sequences, meta, {name: outputs[name] for name in more}, shared)
-
-
-def head_lengths(texts: list[str], model: ModelConfig, family: Family, config: TextEncodingConfig,
-                 spec: TextEncoderSpec, pictures: list[list[Any]]) -> list[int]:
-    """How many of each text's first positions its pictures alone decide (`TextEncoderSpec.head`),
-    from its token ids as `encode_captions` makes them."""
-    encoder = load_text_encoder(model, family, spec, config.dtype, config.device, config.offload)
-    return [spec.head(encoder.tokenizer, ids) for ids in tokenize(texts, encoder, config, pictures)[0]]
 
 
 def measure_numerics(
@@ -330,12 +324,12 @@ def encode_shard(store: Store, model: ModelConfig, family: Family, text: TextEnc
     references an encoder that sees them is given, sized as it reads them."""
     numerics = json.loads(store.read_verified(layout.text_numerics(fingerprint)))
     texts, rows = coinciding(texts, rows, model, family, text, spec)
-    shown, heads, captions = None, None, [caption for caption, _ in texts]
+    shown, captions = None, [caption for caption, _ in texts]
     if spec.processor is not None:
         held = pictures({picture for _, ids in texts for picture in ids}, spec.picture)
         shown = [[held[picture] for picture in ids] for _, ids in texts]
-        heads = list(zip([ids for _, ids in texts], head_lengths(captions, model, family, text, spec, shown)))
-    outputs, truncated = encode_captions(captions, model, family, text, spec, shown)
+    outputs, truncated, lengths = encode_captions(captions, model, family, text, spec, shown)
+    heads = list(zip([ids for _, ids in texts], lengths)) if spec.processor is not None else None
     meta = {"format": TEXT_FORMAT, "fingerprint": fingerprint, "shard": shard_id, "truncated": truncated,
             "numerics": numerics, "max_length": family.text.length(model, spec, text)}
     record = store.commit(
@@ -364,11 +358,11 @@ def encode_prompts(
         if (record := store.committed(key)) is None:
             if spec.processor is None:
                 rows = {t: i for i, t in enumerate(prompt_rows([entry_prompt(entry) for entry in prompts]))}
-                texts, shown, heads = list(rows), None, None
+                texts, shown, seen = list(rows), None, None
             else:
                 rows, texts, shown, seen = seen_prompts(store, family, spec, prompts, pictures)
-                heads = list(zip(seen, head_lengths(texts, model, family, text, spec, shown)))
-            outputs, truncated = encode_captions(texts, model, family, text, spec, shown)
+            outputs, truncated, lengths = encode_captions(texts, model, family, text, spec, shown)
+            heads = list(zip(seen, lengths)) if seen is not None else None
             # what `precast sample` must do to a prompt to match: kept with the run's lineage
             meta = {"format": TEXT_FORMAT, "fingerprint": fingerprints[spec.name], "truncated": truncated,
                     "caption_preprocessing": text.caption_preprocessing,
