@@ -19,7 +19,7 @@ from tasks.demo.models import palette_confusions
 
 pytestmark = pytest.mark.slow(minutes=9)
 
-FAMILIES = ("flux", "sd3", "chroma", "zimage", "qwen-image", "flux2-klein")
+FAMILIES = ("flux", "sd3", "chroma", "zimage", "qwen-image", "flux2-klein", "flux2-dev")
 
 
 @pytest.fixture(scope="module")

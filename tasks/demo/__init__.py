@@ -9,12 +9,11 @@ import json
 from pathlib import Path
 
 # what `--family` chooses
-DEMO_FAMILIES = ("pixart", "flux", "flux-schnell", "sd3", "chroma", "zimage", "qwen-image", "flux2-klein", "wan",
-                 "flux-kontext")
-# every tiny model folder precast writes: the demos' (the wan demo's is wan-ti2v), FLUX.2 [dev]'s
-# and Wan 2.2's published layouts (TI2V-5B, A14B), which have no demo
-TINY_FAMILIES = (*DEMO_FAMILIES, "flux2-dev", "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b", "qwen-image-edit",
-                 "qwen-image-edit-plus")
+DEMO_FAMILIES = ("pixart", "flux", "flux-schnell", "sd3", "chroma", "zimage", "qwen-image", "flux2-klein",
+                 "flux2-dev", "wan", "flux-kontext")
+# every tiny model folder precast writes: the demos' (the wan demo's is wan-ti2v) and Wan 2.2's
+# published layouts (TI2V-5B, A14B), which have no demo
+TINY_FAMILIES = (*DEMO_FAMILIES, "wan-ti2v", "wan2.2-ti2v", "wan2.2-a14b", "qwen-image-edit", "qwen-image-edit-plus")
 VIDEO_FAMILIES = ("wan",)  # their demo learns from generated videos (`videos`), the others' from pictures
 EDIT_FAMILIES = ("flux-kontext",)  # their demo learns edits from generated pairs (`data.write_edit_data`)
 # the tiny models a demo trains, where not its own family's: the wan demo's sample from a first frame too
@@ -31,6 +30,10 @@ DEMO_TRAINING = {"flux": {"training.steps": 700, **FASTER}, "sd3": {"training.st
                  "chroma": {"training.steps": 400, **FASTER}, "flux-schnell": {"training.steps": 1000},
                  "zimage": {"training.steps": 1000}, "qwen-image": {"training.steps": 1000},
                  "flux2-klein": {"training.steps": 1000, **FASTER, "training.optimizer.warmup_steps": 100},
+                 # klein's training; its template (the system message) takes 33 of the text's
+                 # positions, so 48 leave a caption 15
+                 "flux2-dev": {"training.steps": 1000, **FASTER, "training.optimizer.warmup_steps": 100,
+                               "text_encoding.max_length": 48},
                  "flux-kontext": {"training.steps": 2000, **FASTER}}
 FIRST_FRAMES = "precast-demo/first-frames"  # the video demo's sample prompts' first frames (`videos.first_frame`)
 EDIT_PAIRS = "precast-demo/edit-pairs"  # the edit demo's pairs: targets/ and references/

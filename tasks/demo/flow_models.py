@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -92,10 +93,11 @@ QWEN2_5_VL_IMAGES = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 1
 
 
 # published Mistral Small 3.1 24B: text 5120 wide, 40 layers, 32 query and 8 key-value heads of 128,
-# rope_theta 1e9; the tiny one keeps the 40 layers (FLUX.2 [dev] reads the 10th, 20th and 30th) and
-# a Pixtral vision tower of one layer that the cache never runs
+# rope_theta 1e9; the tiny one keeps the 40 layers (FLUX.2 [dev] reads the 10th, 20th and 30th),
+# heads of 16 (two of their frequency pairs turn enough at that theta to find the previous word:
+# `previous_word_heads`) and a Pixtral vision tower of one layer that the cache never runs
 MISTRAL3_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=40, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=8, rope_theta=1e9, max_position_embeddings=2048)
+                     num_key_value_heads=2, head_dim=16, rope_theta=1e9, max_position_embeddings=2048)
 MISTRAL3_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
                        patch_size=14, image_size=56)
 
@@ -528,11 +530,17 @@ def write_mistral3(tokenizer_folder: Path, encoder_folder: Path, perturb: int | 
     right (transformers' default), and carries Mistral Small 3.1's chat template. The published folder is a
     `PixtralProcessor` (that tokenizer and Pixtral's image processor, which needs torchvision,
     which precast does not install); of a text-only conversation the processor renders the same
-    template and tokenizes it as the tokenizer does (no second <s>: transformers' rule for both)."""
+    template and tokenizes it as the tokenizer does (no second <s>: transformers' rule for both).
+    Its vocabulary has the words of FLUX.2 [dev]'s system message too (its template 33 tokens, not
+    106 of bytes), and each position's state is its word and the one before it (`previous_word_heads`,
+    through the first two frequency pairs: at the published rope_theta of 1e9 the others hardly
+    turn), each later layer adding a hundredth of its own."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PreTrainedTokenizerFast
 
-    vocab, merges = qwen_bpe(tuple(WORDS))
+    from tasks.families.flux2 import SYSTEM_MESSAGE
+
+    vocab, merges = qwen_bpe((*WORDS, *re.findall(r"[A-Za-z]+", SYSTEM_MESSAGE)))
     vocab = {token: i for i, token in enumerate(dict.fromkeys([*MISTRAL_SPECIALS, *(t for t in vocab
                                                                                   if t not in QWEN_TOKENS)]))}
     bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
@@ -549,6 +557,7 @@ def write_mistral3(tokenizer_folder: Path, encoder_folder: Path, perturb: int | 
     model = Mistral3ForConditionalGeneration(config)
     if perturb is not None:
         perturb_last_bits(model, perturb)
+    previous_word_heads(model.model.language_model, config.text_config, vocab["<pad>"], pairs=2, later=0.01)
     model.save_pretrained(encoder_folder)
 
 
@@ -566,48 +575,63 @@ def write_qwen3(tokenizer_folder: Path, encoder_folder: Path, perturb: int | Non
     if perturb is not None:
         perturb_last_bits(model, perturb)
     if word_order:
-        previous_word_heads(model)
+        previous_word_heads(model.model, config, tokenizer.pad_token_id)
     model.save_pretrained(encoder_folder)
 
 
-def previous_word_heads(model, gain: float = 10.0) -> None:
-    """`model` (a Qwen3 decoder) set so that each position's state is its word and the word before
-    it, as `tasks.demo.models.position_heads` sets T5 to carry word order: a random causal LM blurs
-    each token into an average of the words before it, more with every layer, and at the 9th, 18th
-    and 27th layers that FLUX.2 [klein] reads, "a red circle on a blue background" read as the same
-    bag of words as "a blue circle on a red background": its demo drew one background colour for
-    every prompt (1 of 12 right; FLUX.1's demo with its T5's position heads taken out, 0 to 2).
+def previous_word_heads(text, config, pad: int, gain: float = 10.0, pairs: int | None = None,
+                        later: float = 0.0) -> None:
+    """`text` (a Qwen3 or Mistral decoder, `config` its settings, `pad` its padding token) set so
+    that each position's state is its word and the word before it, as `tasks.demo.models.position_heads`
+    sets T5 to carry word order: a random causal LM blurs each token into an average of the words
+    before it, more with every layer, and at the 9th, 18th and 27th layers that FLUX.2 [klein] reads,
+    "a red circle on a blue background" read as the same bag of words as "a blue circle on a red
+    background": its demo drew one background colour for every prompt (1 of 12 right; FLUX.1's demo
+    with its T5's position heads taken out, 0 to 2).
 
     The embeddings hold a word in channels 1 to 15, one value for every token in channel 0, and 0
     in channels 16 to 31. The first layer's heads attend to the previous position: their queries and
-    keys read only channel 0, so after each head's RMS norm they are the same vectors at every
-    position and the score depends on the distance alone, through the rotary embedding (the key is
-    the query turned by one position's angle in each frequency pair, so every pair peaks at the
-    previous position; `gain` sets how sharply: at 10, 0.9999 of the weight). The padding token's
-    channel 0 is 0, so a padded position (encoded under the mask, and cached: FLUX.2 attends to it)
-    averages the words instead: a query peaked one position back would find its nearest words far
-    away, where the rotary angles come close to peaking again, and bf16's rounding chose another of
-    them than fp32 (a padded state 0.81 cosine from fp32's at 512 positions). Their values copy
-    channels 1 to 15 and the output writes them, at the embeddings' scale, into channels 16 to 31;
-    its MLP and every later layer pass their input on. What is random is the words' embeddings."""
-    config, text = model.config, model.model
+    keys read only channel 0, so they are the same vectors at every position (after each head's RMS
+    norm, Qwen3's; Mistral has none, so every word's embedding is given the same RMS and the first
+    layer's input norm divides each by the same number) and the score depends on the distance alone,
+    through the rotary embedding (the key is the query turned by one position's angle in each of the
+    first `pairs` frequency pairs, all where None, so every pair peaks at the previous position;
+    `gain` sets how sharply: at 10, 0.9999 of the weight). The padding token's channel 0 is 0, so a
+    padded position (encoded under the mask, and cached: FLUX.2 attends to it) averages the words
+    instead: a query peaked one position back would find its nearest words far away, where the
+    rotary angles come close to peaking again, and bf16's rounding chose another of them than fp32
+    (a padded state 0.81 cosine from fp32's at 512 positions). Their values copy channels 1 to 15
+    and the output writes them, at the embeddings' scale, into channels 16 to 31; the MLPs and every
+    later layer's attention add their outputs scaled by `later` (0: they pass their input on; a
+    little: each layer's states differ, so a cache that reads the wrong layers differs from the
+    pipeline's). What is random is the words' embeddings."""
     size, half, width = config.head_dim, config.head_dim // 2, config.hidden_size // 2
+    used = half if pairs is None else pairs
     angles = config.rope_parameters["rope_theta"] ** (-torch.arange(half, dtype=torch.float64) * 2 / size)
-    query = torch.cat([torch.ones(half), torch.zeros(half)])
-    key = torch.cat([angles.cos(), angles.sin()]).float()  # rotate_half's pairs: (i, i + half)
+    kept = (torch.arange(half) < used).double()
+    query = torch.cat([torch.ones(used), torch.zeros(size - used)])
+    key = torch.cat([angles.cos() * kept, angles.sin() * kept]).float()  # rotate_half's pairs: (i, i + half)
+    attention = text.layers[0].self_attn
+    normed = hasattr(attention, "q_norm")
     with torch.no_grad():
         embeddings = text.embed_tokens.weight
         embeddings[:, 0] = 0.05
-        embeddings[config.pad_token_id, 0] = 0.0
+        embeddings[pad, 0] = 0.0
         embeddings[:, width:] = 0.0
         scale = embeddings.pow(2).mean(1).sqrt().mean()  # what the first layer's RMS norm divides by
-        attention = text.layers[0].self_attn
+        if not normed:  # every word at that RMS, so channel 0 reaches the queries and keys as one value
+            words = embeddings[:, 1:width]
+            words *= ((scale ** 2 * embeddings.shape[1] - 0.05 ** 2) / words.pow(2).sum(1, keepdim=True)).sqrt()
+            embeddings[pad, 1:width] = 0.0
+        # without a norm, a query's channels are as large as the normed ones at `gain`
+        amplitude = 1.0 if normed else gain * (size / used) ** 0.5 * float(scale) / 0.05
         for projection, vector, heads in ((attention.q_proj, query, config.num_attention_heads),
                                           (attention.k_proj, key, config.num_key_value_heads)):
             projection.weight.zero_()
-            projection.weight[:, 0] = vector.repeat(heads)
-        attention.q_norm.weight.fill_(gain)
-        attention.k_norm.weight.fill_(gain)
+            projection.weight[:, 0] = vector.repeat(heads) * amplitude
+        if normed:
+            attention.q_norm.weight.fill_(gain)
+            attention.k_norm.weight.fill_(gain)
         attention.v_proj.weight.zero_()
         attention.o_proj.weight.zero_()
         group = config.num_attention_heads // config.num_key_value_heads  # query heads a value head serves
@@ -615,10 +639,9 @@ def previous_word_heads(model, gain: float = 10.0) -> None:
             head, place = divmod(channel - 1, size)
             attention.v_proj.weight[head * size + place, channel] = 1.0
             attention.o_proj.weight[width + channel - 1, head * group * size + place] = scale
-        for layer in text.layers:
-            layer.mlp.down_proj.weight.zero_()
-        for layer in text.layers[1:]:
-            layer.self_attn.o_proj.weight.zero_()
+        for weight in [layer.mlp.down_proj.weight for layer in text.layers] + [
+                layer.self_attn.o_proj.weight for layer in text.layers[1:]]:
+            weight.mul_(later) if later else weight.zero_()
 
 
 def _merge(symbols: list[str], pair: tuple[str, str]) -> list[str]:

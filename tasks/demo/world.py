@@ -23,10 +23,10 @@ PROMPTS = [f"a {colour} {shape} on a {background} background"
            for background, colour, shape in zip(BACKGROUNDS, BACKGROUNDS[3:] + BACKGROUNDS[:3], SHAPES * 3)]
 # what the learning tests assert of each family's unperturbed demo: (at least this many colours
 # right with text, at most this many without), none beyond the worst case of its table here (the
-# flow families' and Wan's: the issue's bar; Z-Image's, Qwen-Image's and FLUX.2 [klein]'s one under
-# their tables' worst)
+# flow families' and Wan's: the issue's bar; Z-Image's, Qwen-Image's and FLUX.2's one under their
+# tables' worst)
 THRESHOLDS = {"pixart": (8, 3), "flux": (9, 3), "flux-schnell": (9, 3), "sd3": (9, 3), "chroma": (9, 3),
-              "zimage": (7, 3), "qwen-image": (8, 3), "flux2-klein": (6, 3), "wan": (9, 3)}
+              "zimage": (7, 3), "qwen-image": (8, 3), "flux2-klein": (6, 3), "flux2-dev": (8, 3), "wan": (9, 3)}
 # the test file that asserts each family's thresholds
 TESTS = {family: "tests/test_learning_families.py" for family in DEMO_FAMILIES if family in THRESHOLDS} | {
     "pixart": "tests/test_learning.py", "wan": "tests/test_learning_video.py"}
