@@ -191,7 +191,7 @@ class Trainer:
             index, (latents, text, weighing) = next(self.data)
             if micro == 0:
                 bucket = bucket_name(*latents.shape[2:])  # a clip's frames too
-            torch.manual_seed(seed_of(training.seed, index, "dropout"))  # LoRA dropout, by the micro-batch
+            seeded(seed_of(training.seed, index, "dropout"), device)  # LoRA dropout, by the micro-batch
             with kept_activations(training.gradient_checkpointing, device), attention_kernels():
                 loss = diffusion_loss(self.replicas, self.objective.at(step), latents, text,
                                       draws(training.seed, index, "noise", device), self.half, weighing, self.network)
@@ -207,3 +207,12 @@ class Trainer:
             self.ema.update(self.network)
         return {"step": step, "loss": step_loss, "grad_norm": grad_norm, "samples": samples,
                 "lr": self.optimizer.param_groups[0]["lr"], "bucket": bucket}
+
+
+def seeded(seed: int, device: torch.device) -> None:
+    """Seed the host's generator and `device`'s, which dropout draws from. `torch.manual_seed`
+    seeds every accelerator too, and where none is initialised queues the call with its stack
+    trace: a millisecond a micro-batch on a CPU."""
+    torch.random.default_generator.manual_seed(seed)
+    if device.type != "cpu":
+        torch.get_device_module(device).manual_seed(seed)
