@@ -641,7 +641,10 @@ def previous_word_heads(text, config, pad: int, gain: float = 10.0, pairs: int |
             attention.o_proj.weight[width + channel - 1, head * group * size + place] = scale
         for weight in [layer.mlp.down_proj.weight for layer in text.layers] + [
                 layer.self_attn.o_proj.weight for layer in text.layers[1:]]:
-            weight.mul_(later) if later else weight.zero_()
+            if later:
+                weight.mul_(later)
+            else:  # +0.0 everywhere (mul_(0) would store -0.0 and change the saved bytes)
+                weight.zero_()
 
 
 def _merge(symbols: list[str], pair: tuple[str, str]) -> list[str]:
